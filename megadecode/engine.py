@@ -1,0 +1,157 @@
+"""The engine: weights + cache + an executor, and the prefill/decode loop around them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .cache import KVCache
+from .checkpoint import load_weights
+from .config import ModelConfig
+from .executors import EXECUTORS
+from .plan import build_plan
+from .presets import PRESETS, preset_config
+from .sampling import SamplingParams, sample
+from .step import Step
+from .weights import random_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (bad token ids, too long, too many sequences)."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps * len(self.token_ids) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, executor: str = "torch",
+                 max_batch: int = 8, max_seq_len: int | None = None):
+        if executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}; choose from {sorted(EXECUTORS)}")
+        self.cfg = cfg
+        any_w = next(iter(weights.values()))
+        self.device, self.dtype = any_w.device, any_w.dtype
+        self.max_seq_len = min(max_seq_len or 4096, cfg.max_position_embeddings)
+        self.cache = KVCache(cfg, max_batch, self.max_seq_len, self.device, self.dtype)
+        self.plan = build_plan(cfg)
+        self.executor = EXECUTORS[executor](self.plan, weights, self.cache)
+        self.lengths: list[int] = []
+        self._slots = torch.arange(max_batch, device=self.device)
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, device="cpu", dtype="float32", seed: int = 0,
+                        check_finite: bool = False, **kw) -> "Engine":
+        """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory."""
+        dt = resolve_dtype(dtype)
+        if model in PRESETS:
+            cfg = preset_config(model)
+            return cls(cfg, random_weights(cfg, device, dt, seed), **kw)
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"--model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                                    "nor a checkpoint directory")
+        cfg, weights = load_weights(model, device=device, dtype=dt, check_finite=check_finite)
+        return cls(cfg, weights, **kw)
+
+    # ---- request checks -------------------------------------------------------------------------
+    def check_request(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        if not prompts:
+            raise RequestError("no prompts given")
+        if len(prompts) > self.cache.num_slots:
+            raise RequestError(f"{len(prompts)} sequences do not fit: the cache holds {self.cache.num_slots} "
+                               f"(raise max_batch)")
+        if max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        V = self.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise RequestError(f"prompt {i} is empty")
+            bad = [t for t in p if not isinstance(t, int) or not 0 <= t < V]
+            if bad:
+                raise RequestError(f"prompt {i} has token id {bad[0]!r} outside the vocabulary [0, {V})")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise RequestError(f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it needs "
+                                   f"{len(p) + max_new_tokens} positions, more than the context of "
+                                   f"{self.max_seq_len}")
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int = 0) -> torch.Tensor:
+        """Start a new batch (slot i = prompt i). Returns next-token logits [B, V] (fp32)."""
+        self.check_request(prompts, max_new_tokens)
+        dev = self.device
+        lens = [len(p) for p in prompts]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        step = Step(
+            tokens=torch.tensor([t for p in prompts for t in p], device=dev),
+            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
+            slots=torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]).to(dev),
+            logit_rows=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], device=dev),
+            kv_len=max(lens), segments=[(s, s + n, i) for i, (s, n) in enumerate(zip(starts, lens))])
+        self.lengths = lens
+        return self.executor.prefill(step)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per running sequence (tokens [B] on the device). Returns logits [B, V]."""
+        B = len(self.lengths)
+        if tokens.shape != (B,):
+            raise RequestError(f"decode expects {B} tokens, got shape {tuple(tokens.shape)}")
+        if max(self.lengths) >= self.max_seq_len:
+            raise RequestError(f"a sequence reached the context limit of {self.max_seq_len}")
+        step = Step(tokens=tokens, positions=torch.tensor(self.lengths, device=self.device),
+                    slots=self._slots[:B], logit_rows=self._slots[:B], kv_len=max(self.lengths) + 1)
+        self.lengths = [n + 1 for n in self.lengths]
+        return self.executor.decode(step)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 *, seed: int = 0, stop_at_eos: bool = True, progress=None) -> GenerationResult:
+        """Generate up to `max_new_tokens` per prompt. Tokens stay on the device during the loop; the
+        host reads them once at the end (sequences are cut after their first EOS)."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompts, max_new_tokens)
+        toks, lps = [], []
+        if max_new_tokens:
+            tok, lp = sample(logits, sampling, gen)
+            toks.append(tok), lps.append(lp)
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            tok, lp = sample(self.decode(tok), sampling, gen)
+            toks.append(tok), lps.append(lp)
+            if progress is not None:
+                progress.update(1)
+        sync()
+        t2 = time.perf_counter()
+        ids = torch.stack(toks, 1).tolist() if toks else [[] for _ in prompts]
+        lp_host = torch.stack(lps, 1).tolist() if lps else [[] for _ in prompts]
+        eos = set(self.cfg.eos_token_id)
+        if stop_at_eos and eos:
+            for i, row in enumerate(ids):
+                cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+                ids[i], lp_host[i] = row[:cut], lp_host[i][:cut]
+        return GenerationResult(ids, lp_host, prefill_s=t1 - t0, decode_s=t2 - t1,
+                                decode_steps=max(max_new_tokens - 1, 0))

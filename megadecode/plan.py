@@ -1,0 +1,92 @@
+"""The decode plan: one model step as an ordered list of typed ops over named buffers.
+
+Buffers are of three kinds: static weights (named as in `weights.param_specs`), activations (the
+names in ACTIVATIONS, reused by every layer) and caches (`cache.{layer}`). Executors (`torch`,
+`graph`, and the fused ones) run the same plan; the validation harness compares them op by op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .weights import param_specs
+
+# Op kinds. Each names what it computes; the reference implementation lives in executors/torch_ops.py.
+EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ROUTER, EXPERTS, MLP, LM_HEAD = (
+    "embed", "rmsnorm", "add", "attn_gqa", "attn_mla", "router", "experts", "mlp", "lm_head")
+OP_KINDS = (EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ROUTER, EXPERTS, MLP, LM_HEAD)
+
+# Step inputs (written by the host before a step) and activations (written during the step).
+INPUTS = ("tokens", "positions", "slots", "logit_rows")
+ACTIVATIONS = ("hidden", "normed", "attn_out", "topk_ids", "topk_weights", "moe_out", "shared_out",
+               "mlp_out", "final", "logits")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    layer: int  # -1 for model-level ops
+    inputs: tuple[str, ...]  # activation / step-input buffers read
+    outputs: tuple[str, ...]  # activation buffers written
+    weights: tuple[str, ...] = ()  # static weights read
+    cache: str | None = None  # cache buffer read and written
+
+    @property
+    def name(self) -> str:
+        where = f"L{self.layer}." if self.layer >= 0 else ""
+        return f"{where}{self.kind}:{'+'.join(self.outputs)}"
+
+    def reads(self) -> tuple[str, ...]:
+        return self.inputs + self.weights + ((self.cache,) if self.cache else ())
+
+    def writes(self) -> tuple[str, ...]:
+        return self.outputs + ((self.cache,) if self.cache else ())
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    config: ModelConfig
+    ops: tuple[Op, ...]
+
+    def weight_names(self) -> set[str]:
+        return {w for op in self.ops for w in op.weights}
+
+    def written_buffers(self) -> set[str]:
+        """Everything produced during a step: what no kernel may read through a non-coherent path."""
+        return {b for op in self.ops for b in op.writes()}
+
+
+def build_plan(cfg: ModelConfig) -> DecodePlan:
+    specs = param_specs(cfg)
+
+    def under(prefix: str) -> tuple[str, ...]:
+        return tuple(n for n in specs if n.startswith(prefix + "."))
+
+    ops = [Op(EMBED, -1, ("tokens",), ("hidden",), ("model.embed_tokens.weight",))]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        attn = ATTN_MLA if cfg.is_mla else ATTN_GQA
+        ops += [
+            Op(RMSNORM, i, ("hidden",), ("normed",), (f"{p}.input_layernorm.weight",)),
+            Op(attn, i, ("normed", "positions", "slots"), ("attn_out",), under(f"{p}.self_attn"), f"cache.{i}"),
+            Op(ADD, i, ("hidden", "attn_out"), ("hidden",)),
+            Op(RMSNORM, i, ("hidden",), ("normed",), (f"{p}.post_attention_layernorm.weight",)),
+        ]
+        if cfg.moe_layers[i]:
+            gate = (f"{p}.mlp.gate.weight",) + ((f"{p}.mlp.gate.e_score_correction_bias",)
+                                                if cfg.score_func == "sigmoid" else ())
+            ops += [Op(ROUTER, i, ("normed",), ("topk_ids", "topk_weights"), gate),
+                    Op(EXPERTS, i, ("normed", "topk_ids", "topk_weights"), ("moe_out",),
+                       (f"{p}.mlp.experts.gate_up_proj", f"{p}.mlp.experts.down_proj"))]
+            if cfg.n_shared_experts:
+                ops += [Op(MLP, i, ("normed",), ("shared_out",), under(f"{p}.mlp.shared_experts")),
+                        Op(ADD, i, ("moe_out", "shared_out"), ("moe_out",))]
+            ops.append(Op(ADD, i, ("hidden", "moe_out"), ("hidden",)))
+        else:
+            ops += [Op(MLP, i, ("normed",), ("mlp_out",), under(f"{p}.mlp")),
+                    Op(ADD, i, ("hidden", "mlp_out"), ("hidden",))]
+    lm = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    ops += [Op(RMSNORM, -1, ("hidden", "logit_rows"), ("final",), ("model.norm.weight",)),
+            Op(LM_HEAD, -1, ("final",), ("logits",), (lm,))]
+    return DecodePlan(cfg, tuple(ops))

@@ -1,0 +1,61 @@
+"""Built-in model presets, written as HF config.json dicts so they round-trip through the loader.
+
+`tiny-*` presets are CPU-sized (tests, CI, the README's first command); their vocabulary is the
+byte-level tokenizer's (256 bytes + BOS/EOS/PAD). `qwen3-30b-a3b` is the real Qwen3-30B-A3B shape.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from .config import ConfigError, ModelConfig, config_from_hf
+from .tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID
+
+PRESETS: dict[str, dict] = {
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": BYTE_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    },
+    "tiny-deepseek-v3": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": BYTE_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+        "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_interleave": True,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+}
+
+
+def preset_hf_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return copy.deepcopy(PRESETS[name])
+
+
+def preset_config(name: str) -> ModelConfig:
+    return config_from_hf(preset_hf_config(name))

@@ -1,0 +1,28 @@
+"""What one executor call computes: a batch of new tokens and where each one lives in the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Step:
+    """N new tokens. Each token belongs to the sequence in cache slot `slots[n]` at `positions[n]`.
+
+    Decode steps have one token per sequence (`segments is None`) and need no host metadata beyond
+    `kv_len`, so they can be captured in a CUDA graph. Prefill steps list their sequences on the host:
+    `segments[i] = (first_token, end_token, slot)`.
+    """
+
+    tokens: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    slots: torch.Tensor  # [N] int64
+    logit_rows: torch.Tensor  # [B] int64: rows of the N tokens whose next-token logits are wanted
+    kv_len: int  # cache positions [0, kv_len) may be attended to (>= max(positions) + 1)
+    segments: list[tuple[int, int, int]] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]

@@ -1,0 +1,130 @@
+"""The weight table: every static tensor a model needs, its shape, and where it comes from in an HF
+checkpoint. Internal names are the HF names, except routed experts, which are kept stacked per layer
+(`mlp.experts.gate_up_proj` [E, 2*I, D] with gate rows first, `mlp.experts.down_proj` [E, D, I]) the
+way transformers 5 holds them; HF checkpoints store them per expert (`mlp.experts.{j}.gate_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    init: str  # "linear" (std 1/sqrt(fan_in)), "norm" (1 + noise), "embed", "bias" (router selection bias)
+    fp32: bool = False  # kept in fp32 whatever the model dtype (the router selection bias)
+    # How the tensor is assembled from HF per-expert tensors: None (stored as is) or "experts_gate_up" /
+    # "experts_down" (stack over experts).
+    stacked: str | None = None
+
+    def hf_names(self, num_experts: int) -> list[str]:
+        """Names of the checkpoint tensors that make up this parameter, in stacking order."""
+        if self.stacked is None:
+            return [self.name]
+        prefix = self.name.rsplit(".", 1)[0]  # ...mlp.experts
+        if self.stacked == "experts_gate_up":
+            return [f"{prefix}.{j}.{p}.weight" for j in range(num_experts) for p in ("gate_proj", "up_proj")]
+        return [f"{prefix}.{j}.down_proj.weight" for j in range(num_experts)]
+
+
+def _mlp(prefix: str, d: int, inter: int) -> list[ParamSpec]:
+    return [ParamSpec(f"{prefix}.gate_proj.weight", (inter, d), "linear"),
+            ParamSpec(f"{prefix}.up_proj.weight", (inter, d), "linear"),
+            ParamSpec(f"{prefix}.down_proj.weight", (d, inter), "linear")]
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    D, H = cfg.hidden_size, cfg.num_heads
+    specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab_size, D), "embed"),
+             ParamSpec("model.norm.weight", (D,), "norm")]
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, D), "linear"))
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        specs += [ParamSpec(f"{p}.input_layernorm.weight", (D,), "norm"),
+                  ParamSpec(f"{p}.post_attention_layernorm.weight", (D,), "norm")]
+        a = f"{p}.self_attn"
+        if cfg.is_mla:
+            qk = cfg.qk_head_dim
+            if cfg.q_lora_rank is None:
+                specs.append(ParamSpec(f"{a}.q_proj.weight", (H * qk, D), "linear"))
+            else:
+                specs += [ParamSpec(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, D), "linear"),
+                          ParamSpec(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
+                          ParamSpec(f"{a}.q_b_proj.weight", (H * qk, cfg.q_lora_rank), "linear")]
+            specs += [
+                ParamSpec(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, D), "linear"),
+                ParamSpec(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm"),
+                ParamSpec(f"{a}.kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                          "linear"),
+                ParamSpec(f"{a}.o_proj.weight", (D, H * cfg.v_head_dim), "linear")]
+        else:
+            hd, kv = cfg.head_dim, cfg.num_kv_heads
+            specs += [ParamSpec(f"{a}.q_proj.weight", (H * hd, D), "linear"),
+                      ParamSpec(f"{a}.k_proj.weight", (kv * hd, D), "linear"),
+                      ParamSpec(f"{a}.v_proj.weight", (kv * hd, D), "linear"),
+                      ParamSpec(f"{a}.o_proj.weight", (D, H * hd), "linear"),
+                      ParamSpec(f"{a}.q_norm.weight", (hd,), "norm"),
+                      ParamSpec(f"{a}.k_norm.weight", (hd,), "norm")]
+        m = f"{p}.mlp"
+        if not cfg.moe_layers[i]:
+            specs += _mlp(m, D, cfg.intermediate_size)
+            continue
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        specs += [ParamSpec(f"{m}.gate.weight", (E, D), "linear"),
+                  ParamSpec(f"{m}.experts.gate_up_proj", (E, 2 * I, D), "linear", stacked="experts_gate_up"),
+                  ParamSpec(f"{m}.experts.down_proj", (E, D, I), "linear", stacked="experts_down")]
+        if cfg.score_func == "sigmoid":
+            specs.append(ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True))
+        if cfg.n_shared_experts:
+            specs += _mlp(f"{m}.shared_experts", D, cfg.shared_intermediate_size)
+    return {s.name: s for s in specs}
+
+
+def random_tensor(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dtype) -> torch.Tensor:
+    """Random weights with O(1) activations, so that logits and routing decisions have clear margins."""
+    dt = torch.float32 if spec.fp32 else dtype
+    t = torch.empty(spec.shape, device=device, dtype=dt)
+    if spec.init == "linear":
+        t.normal_(0.0, 1.0 / math.sqrt(spec.shape[-1]), generator=gen)
+    elif spec.init == "norm":
+        t.normal_(1.0, 0.1, generator=gen)
+    elif spec.init == "embed":
+        t.normal_(0.0, 1.0, generator=gen)
+    elif spec.init == "bias":
+        # Non-zero selection bias of the size of the sigmoid scores' spread: it changes which experts win.
+        t.normal_(0.0, 0.1, generator=gen)
+    else:
+        raise ValueError(spec.init)
+    return t
+
+
+def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {name: random_tensor(s, gen, device, dtype) for name, s in param_specs(cfg).items()}
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> dict[str, int]:
+    """Bytes of weights by role: `trunk` (everything read every step except experts and lm_head),
+    `expert` (one routed expert of one layer), `lm_head`."""
+    trunk = lm = 0
+    for s in param_specs(cfg).values():
+        n = math.prod(s.shape) * (4 if s.fp32 else dtype_bytes)
+        if s.stacked:
+            continue
+        if s.name in ("lm_head.weight",) or (cfg.tie_word_embeddings and s.name == "model.embed_tokens.weight"):
+            lm += n
+        elif s.name == "model.embed_tokens.weight":
+            continue  # an embedding row per token, not the table
+        else:
+            trunk += n
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
+    return {"trunk": trunk, "expert": expert, "lm_head": lm}
