@@ -121,7 +121,8 @@ class Engine:
         if max(self.lengths) >= self.max_seq_len:
             raise RequestError(f"a sequence reached the context limit of {self.max_seq_len}")
         step = Step(tokens=tokens, positions=torch.tensor(self.lengths, device=self.device),
-                    slots=self._slots[:B], logit_rows=self._slots[:B], kv_len=max(self.lengths) + 1)
+                    slots=self._slots[:B], logit_rows=self._slots[:B], kv_len=max(self.lengths) + 1,
+                    contiguous_slots=True)
         self.lengths = [n + 1 for n in self.lengths]
         return self.executor.decode(step)
 

@@ -22,6 +22,8 @@ class Step:
     logit_rows: torch.Tensor  # [B] int64: rows of the N tokens whose next-token logits are wanted
     kv_len: int  # cache positions [0, kv_len) may be attended to (>= max(positions) + 1)
     segments: list[tuple[int, int, int]] | None = None
+    # Decode only: slots are 0..N-1 in order, so attention can read the cache as a view, not a gather.
+    contiguous_slots: bool = False
 
     @property
     def num_tokens(self) -> int:

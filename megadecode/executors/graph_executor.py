@@ -27,7 +27,7 @@ class GraphExecutor(TorchExecutor):
         super().__init__(plan, weights, cache)
         self.device = next(iter(weights.values())).device
         self.use_graphs = self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple] = {}
         self._pool = None
 
     def _bucket(self, kv_len: int) -> int:
@@ -38,10 +38,11 @@ class GraphExecutor(TorchExecutor):
         if not self.use_graphs:
             return self.run_ops(step).buf["logits"]
         B, L = step.num_tokens, self._bucket(step.kv_len)
-        entry = self._graphs.get((B, L))
+        key = (B, L, step.contiguous_slots)
+        entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(step, L)
-            self._graphs[(B, L)] = entry
+            self._graphs[key] = entry
         graph, static, logits = entry
         static.tokens.copy_(step.tokens, non_blocking=True)
         static.positions.copy_(step.positions, non_blocking=True)
@@ -52,7 +53,8 @@ class GraphExecutor(TorchExecutor):
     def _capture(self, step: Step, kv_len: int):
         B = step.num_tokens
         static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),
-                      logit_rows=torch.arange(B, device=self.device), kv_len=kv_len)
+                      logit_rows=torch.arange(B, device=self.device), kv_len=kv_len,
+                      contiguous_slots=step.contiguous_slots)
         # Warm-up on a side stream (allocator, lazy init). It repeats this step's own cache writes, so
         # it leaves the cache as the real replay will.
         side = torch.cuda.Stream()

@@ -29,7 +29,7 @@ def _per_sequence(step: Step, fn):
     """Run fn(token_slice, slot_index_tensor) per prefill segment, or once for a decode step
     (each token its own sequence: the cache is gathered with the tokens' slots)."""
     if step.segments is None:
-        return fn(slice(None), step.slots)
+        return fn(slice(None), slice(0, step.num_tokens) if step.contiguous_slots else step.slots)
     outs = [fn(slice(s, e), step.slots[s:s + 1]) for s, e, _ in step.segments]
     return torch.cat(outs, 0)
 
