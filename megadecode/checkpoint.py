@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig, load_config
@@ -21,16 +21,29 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match its config, with the tensor that is wrong."""
 
 
+def _open(f: Path):
+    try:
+        return safe_open(str(f), "pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read safetensors file {f}: {e}") from None
+
+
 def _index_files(ckpt: Path) -> dict[str, Path]:
     """Map every tensor name in the checkpoint to its file (single file or sharded with an index)."""
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint {ckpt} is not a directory")
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {type(e).__name__}: {e}") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
         out = {}
         for name, fname in weight_map.items():
+            if not isinstance(fname, str):
+                raise CheckpointError(f"{index} names {fname!r} as the shard of {name!r}; expected a file name")
             f = ckpt / fname
             if not f.is_file():
                 raise CheckpointError(f"{index} names shard {fname!r} for {name!r}, but {f} does not exist")
@@ -41,8 +54,10 @@ def _index_files(ckpt: Path) -> dict[str, Path]:
         raise CheckpointError(f"no *.safetensors files in {ckpt}")
     out = {}
     for f in files:
-        with safe_open(str(f), "pt") as h:
+        with _open(f) as h:
             for name in h.keys():
+                if name in out:
+                    raise CheckpointError(f"tensor {name!r} is in both {out[name].name} and {f.name}")
                 out[name] = f
     return out
 
@@ -63,11 +78,17 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     def read(name: str) -> torch.Tensor:
         f = where[name]
         if f not in handles:
-            handles[f] = safe_open(str(f), "pt")
-        t = handles[f].get_tensor(name)
+            handles[f] = _open(f)
+        try:
+            t = handles[f].get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (the index names that file): "
+                                  f"{e}") from None
         if t.dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected a floating dtype "
                                   f"(float32, float16 or bfloat16)")
+        if check_finite and not torch.isfinite(t).all():
+            raise CheckpointError(f"tensor {name!r} contains NaN or inf values")
         return t
 
     weights = {}
@@ -94,9 +115,10 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
             t = torch.stack(experts)
         if tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
-        if check_finite and not torch.isfinite(t).all():
-            raise CheckpointError(f"tensor {name!r} contains NaN or inf values")
-        weights[name] = t.to(device=device, dtype=torch.float32 if spec.fp32 else dtype)
+        t = t.to(device=device, dtype=torch.float32 if spec.fp32 else dtype)
+        if check_finite and not torch.isfinite(t).all():  # finite in the file, not after the cast
+            raise CheckpointError(f"tensor {name!r} overflows {t.dtype} (values beyond its range)")
+        weights[name] = t
     return cfg, weights
 
 

@@ -110,8 +110,15 @@ class ModelConfig:
             need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even and > 0")
             need(self.qk_nope_head_dim > 0 and self.v_head_dim > 0, "qk_nope_head_dim and v_head_dim must be > 0")
             need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank must be > 0 or null")
+        need(self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor),
+             f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor}")
         for t in self.eos_token_id:
-            need(0 <= t < self.vocab_size, f"eos_token_id {t} outside the vocabulary [0, {self.vocab_size})")
+            need(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size,
+                 f"eos_token_id {t!r} outside the vocabulary [0, {self.vocab_size})")
+        if self.bos_token_id is not None:
+            t = self.bos_token_id
+            need(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size,
+                 f"bos_token_id {t!r} outside the vocabulary [0, {self.vocab_size})")
 
     # ---- derived sizes ------------------------------------------------------------------------
     @property
@@ -167,24 +174,47 @@ def _get(d: dict, key: str, default: Any = ..., *, type_=None) -> Any:
 
 def _rope_from_hf(d: dict, head_dim: int) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; older files have `rope_theta` + `rope_scaling`.
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ConfigError(f"config field {key!r} must be a JSON object, got {d[key]!r}")
     params = dict(d.get("rope_parameters") or {})
     if d.get("rope_scaling"):
         params = {**d["rope_scaling"], **params}
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if "rope_theta" not in params and "rope_theta" in d:
+        params["rope_theta"] = d["rope_theta"]
+
+    def num(key: str, default: Any = ...) -> float:
+        v = _get(params, key, default, type_=float)
+        if v is None:
+            return None
+        if not math.isfinite(v):
+            raise ConfigError(f"rope field {key!r} must be finite, got {v!r}")
+        return float(v)
+
+    theta = num("rope_theta", 10000.0)
+    if theta <= 0:
+        raise ConfigError(f"rope_theta must be > 0, got {theta}")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ("default", "yarn"):
         raise ConfigError(f"unsupported rope type {kind!r}; supported: default, yarn")
     if kind == "default":
-        return RopeConfig(theta=float(theta))
-    if "factor" not in params:
+        return RopeConfig(theta=theta)
+    if params.get("factor") is None:
         raise ConfigError("yarn rope scaling needs a 'factor'")
+    factor = num("factor")
+    if factor <= 0:
+        raise ConfigError(f"yarn rope 'factor' must be > 0, got {factor}")
+    orig = _get(params, "original_max_position_embeddings", None, type_=int)
+    if orig is None:
+        orig = _get(d, "max_position_embeddings", 4096, type_=int)
+    if orig <= 0:
+        raise ConfigError(f"rope original_max_position_embeddings must be > 0, got {orig}")
     return RopeConfig(
-        theta=float(theta), kind="yarn", factor=float(params["factor"]),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
-                                             or d.get("max_position_embeddings", 4096)),
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+        theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=orig,
+        # 0/null betas mean the defaults, as in transformers (`get("beta_fast") or 32`).
+        beta_fast=num("beta_fast", None) or 32.0, beta_slow=num("beta_slow", None) or 1.0,
+        mscale=num("mscale", 0.0), mscale_all_dim=num("mscale_all_dim", 0.0),
+        attention_factor=num("attention_factor", None), truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -192,7 +222,23 @@ def _eos(d: dict) -> tuple[int, ...]:
     e = d.get("eos_token_id")
     if e is None:
         return ()
-    return tuple(e) if isinstance(e, (list, tuple)) else (e,)
+    ids = tuple(e) if isinstance(e, (list, tuple)) else (e,)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ConfigError(f"config field 'eos_token_id' must hold integers, got {e!r}")
+    return ids
+
+
+def _layer_list(d: dict, key: str, num_layers: int) -> set[int]:
+    v = d.get(key)
+    if v is None:
+        return set()
+    if not isinstance(v, (list, tuple)):
+        raise ConfigError(f"config field {key!r} must be a list of layer indices, got {v!r}")
+    for i in v:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+            raise ConfigError(f"config field {key!r} has {i!r}, not a layer index in [0, {num_layers})")
+    return set(v)
 
 
 def config_from_hf(d: dict) -> ModelConfig:
@@ -205,7 +251,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     family = MODEL_TYPES[mt]
     if d.get("quantization_config"):
         q = d["quantization_config"]
-        raise ConfigError(f"quantized checkpoints ({q.get('quant_method', q)!r}) are not supported for {mt}; "
+        method = q.get("quant_method", q) if isinstance(q, dict) else q
+        raise ConfigError(f"quantized checkpoints (quantization_config {method!r}) are not supported for {mt}; "
                           "convert the weights to bf16 first")
     act = d.get("hidden_act", "silu")
     if act != "silu":
@@ -217,7 +264,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6, type_=float)),
         max_position_embeddings=_get(d, "max_position_embeddings", type_=int),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=d.get("bos_token_id"), eos_token_id=_eos(d), hf=dict(d),
+        bos_token_id=_get(d, "bos_token_id", None, type_=int), eos_token_id=_eos(d), hf=dict(d),
     )
     if family == "qwen3_moe":
         if d.get("use_sliding_window"):
@@ -225,18 +272,18 @@ def config_from_hf(d: dict) -> ModelConfig:
         if d.get("attention_bias"):
             raise ConfigError("attention_bias=true is not supported for qwen3_moe")
         heads = common["num_heads"]
-        head_dim = int(d.get("head_dim") or common["hidden_size"] // heads)
+        head_dim = _get(d, "head_dim", common["hidden_size"] // heads if heads > 0 else 0, type_=int)
         step = _get(d, "decoder_sparse_step", 1, type_=int)
         if step < 1:
             raise ConfigError(f"decoder_sparse_step must be >= 1, got {step}")
-        mlp_only = set(d.get("mlp_only_layers") or [])
+        mlp_only = _layer_list(d, "mlp_only_layers", L)
         E = _get(d, "num_experts", type_=int)
         moe = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(L))
         return ModelConfig(
             family=family, **common, rope=_rope_from_hf(d, head_dim),
             num_experts=E, top_k=_get(d, "num_experts_per_tok", type_=int),
             moe_intermediate_size=_get(d, "moe_intermediate_size", type_=int),
-            intermediate_size=int(d.get("intermediate_size") or 0),
+            intermediate_size=_get(d, "intermediate_size", 0, type_=int),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=moe, score_func="softmax",
             num_kv_heads=_get(d, "num_key_value_heads", heads, type_=int), head_dim=head_dim,
         )
@@ -250,6 +297,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     if topk_method != "noaux_tc":
         raise ConfigError(f"topk_method {topk_method!r} is not supported (only 'noaux_tc')")
     first_dense = _get(d, "first_k_dense_replace", 0, type_=int)
+    if first_dense < 0:
+        raise ConfigError(f"first_k_dense_replace must be >= 0, got {first_dense}")
     rope_dim = _get(d, "qk_rope_head_dim", type_=int)
     return ModelConfig(
         family=family, **common, rope=_rope_from_hf(d, rope_dim),
@@ -262,7 +311,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         n_group=_get(d, "n_group", 1, type_=int), topk_group=_get(d, "topk_group", 1, type_=int),
         routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, type_=float)),
         n_shared_experts=_get(d, "n_shared_experts", 0, type_=int),
-        q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=_get(d, "kv_lora_rank", type_=int),
+        q_lora_rank=_get(d, "q_lora_rank", None, type_=int), kv_lora_rank=_get(d, "kv_lora_rank", type_=int),
         qk_nope_head_dim=_get(d, "qk_nope_head_dim", type_=int), qk_rope_head_dim=rope_dim,
         v_head_dim=_get(d, "v_head_dim", type_=int), rope_interleave=bool(d.get("rope_interleave", True)),
         num_kv_heads=_get(d, "num_key_value_heads", common["num_heads"], type_=int),
@@ -277,7 +326,9 @@ def load_config(path: str | Path) -> ModelConfig:
     if not p.is_file():
         raise ConfigError(f"no config.json at {p}")
     try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {p}: {e}") from None
     return config_from_hf(d)
