@@ -100,6 +100,7 @@ def cmd_generate(args, argv) -> int:
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, executor=args.executor,
                                     seed=args.seed, check_finite=args.check_finite, max_batch=len(prompts),
                                     max_seq_len=max(len(p) for p in prompts) + args.max_new_tokens)
+    engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
     progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
                     disable=args.json)
     with progress:

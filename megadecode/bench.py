@@ -1,0 +1,201 @@
+"""`megadecode bench`: time decode steps per (executor, batch) on the GPU and report them against the
+memory-bandwidth floor.
+
+Method. One set of random weights per preset is built on the GPU and shared by every engine. Prefill
+is skipped (at batch 64 x 1024 tokens it costs more than the whole run on big models): each engine's
+cache is filled with random values and every sequence is declared `context` tokens long, then
+`warmup` steps run untimed and `steps` steps are timed one by one with CUDA events; each step feeds
+the argmax of the previous logits. The reported time is the median step. Positions grow by one per
+step, so attention reads context .. context + warmup + steps positions.
+
+Bytes per step (what a step must read at least once): the trunk weights, every routed expert selected
+by at least one sequence of the batch (counted per layer on one extra eager step), lm_head, and the KV
+cache the batch attends to. Embedding rows are negligible and left out. floor = bytes / HBM_READ_BPS,
+MBU = floor / measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .engine import Engine, resolve_dtype
+from .plan import ROUTER
+from .presets import PRESETS, preset_config
+from .step import Step
+from .weights import random_weights, weight_bytes
+
+# HBM read bandwidth of our H200: a Triton streaming read of 4 GiB bf16, median of do_bench
+# (/work/shared/GPU.md, measured 2026-11-29). The floor of a decode step is its bytes over this.
+HBM_READ_BPS = 4.57e12
+
+
+def step_bytes(cfg: ModelConfig, distinct_experts_per_layer: list[int], batch: int, context: int,
+               cache_bytes_per_token: int, dtype_bytes: int) -> int:
+    """Bytes one decode step must read: trunk + the union of selected experts per MoE layer + lm_head +
+    the KV cache of `batch` sequences of `context` tokens."""
+    wb = weight_bytes(cfg, dtype_bytes)
+    return (wb["trunk"] + sum(distinct_experts_per_layer) * wb["expert"] + wb["lm_head"]
+            + batch * context * cache_bytes_per_token)
+
+
+def distinct_experts(engine: Engine, tokens: torch.Tensor) -> list[int]:
+    """Run one eager decode step, built as `Engine.decode` builds it but without advancing
+    `engine.lengths`, and count per MoE layer the experts selected by at least one sequence."""
+    B, dev = len(engine.lengths), engine.device
+    slots = torch.arange(B, device=dev)
+    step = Step(tokens=tokens, positions=torch.tensor(engine.lengths, device=dev), slots=slots,
+                logit_rows=slots, kv_len=max(engine.lengths) + 1, contiguous_slots=True)
+    counts: list[int] = []
+
+    def hook(op, ctx):
+        if op.kind == ROUTER:
+            counts.append(int(ctx.buf["topk_ids"].unique().numel()))
+
+    with torch.inference_mode():
+        engine.executor.run_ops(step, hook=hook)
+    return counts
+
+
+def time_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int, seed: int):
+    """Median ms per decode step, and the distinct experts per layer of one more step."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.inference_mode():
+        for ts in engine.cache.layers.values():
+            for x in ts:
+                x.normal_(generator=gen)
+        engine.lengths = [context] * batch
+        tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        for _ in range(warmup):
+            tokens = engine.decode(tokens).argmax(-1)
+        events = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = engine.decode(tokens)
+            end.record()
+            events.append((start, end))
+            tokens = logits.argmax(-1)
+        torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in events)
+    return ms, distinct_experts(engine, tokens)
+
+
+def bench_one(cfg, weights, preset: str, executor: str, batch: int, args) -> dict:
+    row = {"preset": preset, "executor": executor, "batch": batch, "context": args.context}
+    engine = Engine(cfg, weights, executor=executor, max_batch=batch,
+                    max_seq_len=args.context + args.warmup + args.steps + 8)
+    ms, experts = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed)
+    nbytes = step_bytes(cfg, experts, batch, args.context, engine.cache.bytes_per_token(),
+                        torch.empty((), dtype=engine.dtype).element_size())
+    floor_ms = nbytes / HBM_READ_BPS * 1e3
+    row.update(ms_per_step=ms, tokens_per_s=batch / (ms / 1e3), bytes_per_step=nbytes, floor_ms=floor_ms,
+               mbu=floor_ms / ms)
+    return row
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and sha else None
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def default_out(preset: str, gpu_name: str) -> Path:
+    return Path("bench/results") / f"{preset}-{gpu_name.lower().replace(' ', '-')}.json"
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'preset':<16} {'executor':<8} {'batch':>5} {'context':>7} {'ms/step':>9} {'tok/s':>10} " \
+           f"{'GB/step':>8} {'floor ms':>8} {'MBU':>6}"
+    lines = [head]
+    for r in rows:
+        left = f"{r['preset']:<16} {r['executor']:<8} {r['batch']:>5} {r['context']:>7} "
+        if "error" in r:
+            err = r["error"] if len(r["error"]) <= 100 else r["error"][:97] + "..."
+            lines.append(left + f"error: {err}")
+        else:
+            lines.append(left + f"{r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f} "
+                         f"{r['bytes_per_step'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} {r['mbu']:>6.1%}")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time decode steps per executor and batch on the GPU (MBU vs HBM floor)",
+                       description="Time decode steps on the GPU with random weights and a filled cache; "
+                                   "report ms/step, tokens/s and MBU against the HBM read floor.")
+    p.add_argument("--preset", required=True, help=f"one of {', '.join(sorted(PRESETS))}")
+    p.add_argument("--batch", type=_int_list, default=[1, 8, 64], help="comma-separated (default: 1,8,64)")
+    p.add_argument("--executor", type=lambda s: [x for x in s.split(",") if x], default=["torch", "graph"],
+                   help="comma-separated (default: torch,graph)")
+    p.add_argument("--context", type=int, default=1024, help="tokens already in the cache per sequence")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default: bench/results/<preset>-<gpu>.json)")
+    p.set_defaults(func=run)
+
+
+def run(args, argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    from .executors import EXECUTORS
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
+    cfg = preset_config(args.preset)
+    bad = [e for e in args.executor if e not in EXECUTORS]
+    if bad:
+        raise ValueError(f"unknown executor {bad[0]!r}; choose from {', '.join(sorted(EXECUTORS))}")
+    if not args.batch or min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.context < 1:
+        raise ValueError("--batch values, --steps and --context must be >= 1 and --warmup >= 0")
+    need = args.context + args.warmup + args.steps + 8
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"--context {args.context} + warm-up + steps needs {need} positions; "
+                         f"{args.preset} allows {cfg.max_position_embeddings}")
+    gpu = torch.cuda.get_device_name()
+    weights = random_weights(cfg, "cuda", resolve_dtype(args.dtype), args.seed)
+    rows = []
+    configs = [(e, b) for e in args.executor for b in args.batch]
+    for executor, batch in tqdm(configs, desc=f"bench {args.preset}", unit="config", file=sys.stderr):
+        try:
+            rows.append(bench_one(cfg, weights, args.preset, executor, batch, args))
+        except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
+            rows.append({"preset": args.preset, "executor": executor, "batch": batch, "context": args.context,
+                         "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+        gc.collect()
+        torch.cuda.empty_cache()
+    out = Path(args.out) if args.out else default_out(args.preset, gpu)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"gpu": gpu, "torch": torch.__version__, "triton": _triton_version(), "git_sha": _git_sha(),
+              "command": shlex.join(["megadecode", *argv]), "rows": rows}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{gpu}, {args.dtype}, context {args.context}, median of {args.steps} steps after {args.warmup} "
+          f"warm-up; floor = bytes / {HBM_READ_BPS / 1e12:.2f} TB/s")
+    print(format_table(rows))
+    print(f"wrote {out}")
+    return 0
