@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,14 +15,16 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.greedy and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (use greedy for argmax), got {self.temperature}")
+        if not self.greedy and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and > 0 (use greedy for argmax), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32: log p(token) under the model, T = 1)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.greedy:
@@ -35,5 +38,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
         # argmax(p / Exp(1)) is a draw from p (exponential race), without torch.multinomial's sync.
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        tokens = (probs / noise).argmax(-1)
+        # A zero draw would make 0/0 = NaN, which argmax picks: excluded tokens must never win.
+        tokens = (probs / noise).masked_fill(probs <= 0, -1.0).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

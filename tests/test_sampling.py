@@ -1,0 +1,189 @@
+"""Token selection: greedy is argmax, logprobs are the model's (T = 1), sampling draws from the
+(temperature-scaled, nucleus-truncated) distribution, reproducibly, and bad parameters are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megadecode.sampling import SamplingParams, sample
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rows(probs: list[float], n: int) -> torch.Tensor:
+    """n identical rows of logits with softmax = probs."""
+    return torch.tensor(probs).log().expand(n, -1).contiguous()
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+
+
+def chi_square(tokens: torch.Tensor, probs: list[float]) -> float:
+    n = tokens.numel()
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = torch.tensor(probs, dtype=torch.float64) * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token of probability 0"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square critical values at p = 0.001, by degrees of freedom (a correct sampler fails 1 in 1000 seeds;
+# the seeds are fixed, so the test is deterministic).
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27}
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(16, 300, generator=gen(0))
+    tokens, lps = sample(logits, SamplingParams(greedy=True))
+    assert tokens.dtype == torch.int64 and tokens.shape == (16,)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert lps.dtype == torch.float32 and lps.shape == (16,)
+    torch.testing.assert_close(lps, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_greedy_ignores_temperature_and_generator():
+    logits = torch.randn(8, 50, generator=gen(1))
+    a, _ = sample(logits, SamplingParams(greedy=True, temperature=0.0))
+    b, _ = sample(logits, SamplingParams(greedy=True, temperature=3.0, top_p=0.2), gen(5))
+    assert torch.equal(a, logits.argmax(-1)) and torch.equal(b, a)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(greedy=True), SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=2.0, top_p=0.8)])
+def test_logprobs_are_log_softmax_of_the_chosen_token(params):
+    logits = torch.randn(64, 40, generator=gen(2)) * 3
+    tokens, lps = sample(logits, params, gen(3))
+    # Under the model at T = 1, whatever the sampling temperature.
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0].float()
+    torch.testing.assert_close(lps, want, rtol=1e-5, atol=1e-5)
+
+
+def test_half_precision_logits():
+    logits = torch.randn(4, 32, generator=gen(4)).to(torch.bfloat16)
+    tokens, lps = sample(logits, SamplingParams(greedy=True))
+    assert torch.equal(tokens, logits.float().argmax(-1))
+    assert lps.dtype == torch.float32
+    torch.testing.assert_close(lps, torch.log_softmax(logits.float(), -1).max(-1).values)
+
+
+def test_tiny_top_p_always_returns_the_argmax():
+    logits = torch.randn(256, 100, generator=gen(5))
+    for seed in range(5):
+        for t in (0.5, 1.0, 5.0):
+            tokens, _ = sample(logits, SamplingParams(temperature=t, top_p=1e-6), gen(seed))
+            assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    logits = torch.randn(512, 64, generator=gen(6))
+    p = SamplingParams(temperature=1.3, top_p=0.95)
+    a, la = sample(logits, p, gen(42))
+    b, lb = sample(logits, p, gen(42))
+    c, _ = sample(logits, p, gen(43))
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert (a != c).sum() > 100  # a different seed draws differently
+    assert (a != logits.argmax(-1)).sum() > 100  # and it is not greedy
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_empirical_frequencies_match_probabilities(seed):
+    probs = [0.2, 0.5, 0.3]
+    tokens, _ = sample(rows(probs, 30000), SamplingParams(), gen(seed))
+    assert chi_square(tokens, probs) < CHI2_999[2]
+    torch.testing.assert_close(frequencies(tokens, 3), torch.tensor(probs, dtype=torch.float64), atol=0.015, rtol=0)
+
+
+def test_draws_over_successive_calls_match_probabilities():
+    """One generator used step after step (as generate does) keeps drawing from p."""
+    probs = [0.1, 0.6, 0.3]
+    g = gen(9)
+    tokens = torch.cat([sample(rows(probs, 100), SamplingParams(), g)[0] for _ in range(200)])
+    assert chi_square(tokens, probs) < CHI2_999[2]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_scales_the_distribution(temperature):
+    probs = [0.2, 0.5, 0.3]
+    scaled = torch.softmax(torch.tensor(probs).log() / temperature, -1).tolist()
+    tokens, lps = sample(rows(probs, 30000), SamplingParams(temperature=temperature), gen(10))
+    assert chi_square(tokens, scaled) < CHI2_999[2]
+    torch.testing.assert_close(lps, torch.tensor(probs).log()[tokens])  # still T = 1 logprobs
+
+
+def test_top_p_keeps_only_the_nucleus():
+    # Sorted mass: 0.4, 0.3 | 0.2, 0.1. With top_p = 0.5 the nucleus is the smallest set whose mass
+    # reaches 0.5: {0.4, 0.3}. The vocabulary order is shuffled so the nucleus is not a prefix.
+    probs = [0.2, 0.4, 0.1, 0.3]
+    tokens, _ = sample(rows(probs, 30000), SamplingParams(top_p=0.5), gen(11))
+    assert set(tokens.tolist()) == {1, 3}
+    assert chi_square(tokens, [0, 0.4 / 0.7, 0, 0.3 / 0.7]) < CHI2_999[1]
+
+
+def test_top_p_nucleus_that_reaches_top_p_exactly():
+    # Four tokens of exactly 0.25: two of them reach top_p = 0.5, so a third is never drawn.
+    tokens, _ = sample(torch.zeros(4000, 4), SamplingParams(top_p=0.5), gen(16))
+    assert len(set(tokens.tolist())) == 2
+
+
+def test_top_p_per_row_nucleus():
+    logits = torch.randn(2000, 30, generator=gen(12)) * 2
+    top_p = 0.5
+    tokens, _ = sample(logits, SamplingParams(top_p=top_p), gen(13))
+    probs = torch.softmax(logits.double(), -1)
+    # A token is in the nucleus when the mass of the tokens strictly more likely than it is < top_p.
+    chosen = probs.gather(-1, tokens[:, None])
+    mass_above = (probs * (probs > chosen)).sum(-1)
+    assert (mass_above < top_p).all()
+    assert (tokens != logits.argmax(-1)).any()
+
+
+def test_top_p_applies_after_temperature():
+    # At T = 1 the nucleus (top_p 0.6) is {0.5, 0.3}; at T = 0.25 the top token alone holds > 0.6.
+    probs = [0.5, 0.3, 0.2]
+    t1, _ = sample(rows(probs, 5000), SamplingParams(top_p=0.6), gen(14))
+    assert set(t1.tolist()) == {0, 1}
+    t_low, _ = sample(rows(probs, 5000), SamplingParams(temperature=0.25, top_p=0.6), gen(14))
+    assert set(t_low.tolist()) == {0}
+
+
+def test_masked_tokens_are_never_sampled():
+    logits = torch.zeros(5000, 6)
+    logits[:, ::2] = float("-inf")
+    for p in (SamplingParams(), SamplingParams(temperature=3.0, top_p=0.9)):
+        tokens, lps = sample(logits, p, gen(15))
+        assert set(tokens.tolist()) <= {1, 3, 5}
+        torch.testing.assert_close(lps, torch.full((5000,), -math.log(3)))
+
+
+@pytest.mark.parametrize("kw, text", [
+    ({"temperature": 0.0}, "temperature"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"greedy": True, "top_p": 2.0}, "top_p"),
+])
+def test_invalid_params(kw, text):
+    with pytest.raises(ValueError, match=text):
+        SamplingParams(**kw)
+
+
+def test_valid_edge_params():
+    SamplingParams(top_p=1.0)
+    SamplingParams(greedy=True, temperature=0.0)
+    SamplingParams(temperature=1e-3, top_p=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(10,), (2, 3, 4)])
+def test_logits_must_be_2d(shape):
+    with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\]"):
+        sample(torch.zeros(shape), SamplingParams(greedy=True))
