@@ -5,6 +5,10 @@ Families:
   deepseek_v3  MLA (absorbed decode), sigmoid router with a selection-only correction bias
                (`noaux_tc`), expert groups, renormalisation, routed scaling, shared experts,
                the first `first_k_dense_replace` layers dense. `kimi_k2` is the same architecture.
+
+A field left out of config.json takes the default of transformers' config class for the family
+(Qwen3MoeConfig, DeepseekV3Config), so the model built is the one transformers would build; the
+fields that define the model's size have no default and are required.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class ModelConfig:
         need(self.n_group >= 1 and self.num_experts % self.n_group == 0,
              f"n_routed_experts ({self.num_experts}) must divide into n_group ({self.n_group}) groups")
         need(1 <= self.topk_group <= self.n_group, f"topk_group ({self.topk_group}) must be in [1, n_group]")
+        need(self.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.n_group > 1:
             need(self.num_experts // self.n_group >= 2, "expert groups need >= 2 experts each (group score = top-2 sum)")
             need(self.topk_group * (self.num_experts // self.n_group) >= self.top_k,
@@ -285,7 +290,7 @@ def config_from_hf(d: dict) -> ModelConfig:
             moe_intermediate_size=_get(d, "moe_intermediate_size", type_=int),
             intermediate_size=_get(d, "intermediate_size", 0, type_=int),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=moe, score_func="softmax",
-            num_kv_heads=_get(d, "num_key_value_heads", heads, type_=int), head_dim=head_dim,
+            num_kv_heads=_get(d, "num_key_value_heads", 4, type_=int), head_dim=head_dim,  # Qwen3MoeConfig
         )
     # deepseek_v3 / kimi_k2
     if d.get("attention_bias"):
@@ -296,7 +301,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     topk_method = d.get("topk_method", "noaux_tc")
     if topk_method != "noaux_tc":
         raise ConfigError(f"topk_method {topk_method!r} is not supported (only 'noaux_tc')")
-    first_dense = _get(d, "first_k_dense_replace", 0, type_=int)
+    # Defaults below are DeepseekV3Config's.
+    first_dense = _get(d, "first_k_dense_replace", 3, type_=int)
     if first_dense < 0:
         raise ConfigError(f"first_k_dense_replace must be >= 0, got {first_dense}")
     rope_dim = _get(d, "qk_rope_head_dim", type_=int)
@@ -308,10 +314,12 @@ def config_from_hf(d: dict) -> ModelConfig:
         norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         # transformers' DeepseekV3 makes every layer from `first_k_dense_replace` on a MoE layer.
         moe_layers=tuple(i >= first_dense for i in range(L)), score_func="sigmoid",
-        n_group=_get(d, "n_group", 1, type_=int), topk_group=_get(d, "topk_group", 1, type_=int),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 1.0, type_=float)),
-        n_shared_experts=_get(d, "n_shared_experts", 0, type_=int),
-        q_lora_rank=_get(d, "q_lora_rank", None, type_=int), kv_lora_rank=_get(d, "kv_lora_rank", type_=int),
+        n_group=_get(d, "n_group", 8, type_=int), topk_group=_get(d, "topk_group", 4, type_=int),
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.5, type_=float)),
+        n_shared_experts=_get(d, "n_shared_experts", 1, type_=int),
+        # null: queries projected directly (no low-rank q); absent: DeepseekV3Config's 1536.
+        q_lora_rank=None if "q_lora_rank" in d and d["q_lora_rank"] is None else _get(d, "q_lora_rank", 1536, type_=int),
+        kv_lora_rank=_get(d, "kv_lora_rank", type_=int),
         qk_nope_head_dim=_get(d, "qk_nope_head_dim", type_=int), qk_rope_head_dim=rope_dim,
         v_head_dim=_get(d, "v_head_dim", type_=int), rope_interleave=bool(d.get("rope_interleave", True)),
         num_kv_heads=_get(d, "num_key_value_heads", common["num_heads"], type_=int),

@@ -118,11 +118,57 @@ def test_qwen_moe_layers_defaults():
 
 
 @pytest.mark.parametrize("first_dense, want", [
-    (0, (True, True, True)), (1, (False, True, True)), (2, (False, False, True)), (..., (True, True, True)),
+    (0, (True, True, True)), (1, (False, True, True)), (2, (False, False, True)),
+    (..., (False, False, False)),  # DeepseekV3Config's default of 3 dense layers
 ])
 def test_deepseek_moe_layers(first_dense, want):
     cfg = config_from_hf(hf(DS, first_k_dense_replace=first_dense))
     assert cfg.moe_layers == want
+
+
+# ---- defaults follow transformers' config classes ------------------------------------------------
+
+OPTIONAL = {
+    QWEN: ["num_key_value_heads", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "rms_norm_eps",
+           "rope_theta", "tie_word_embeddings", "head_dim", "hidden_act"],
+    DS: ["n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace",
+         "q_lora_rank", "norm_topk_prob", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_interleave",
+         "tie_word_embeddings", "scoring_func", "topk_method", "hidden_act"],
+}
+
+
+@pytest.mark.parametrize("name", [QWEN, DS])
+def test_missing_optional_fields_take_transformers_defaults(name):
+    """A config.json without the optional fields must build the model transformers would build."""
+    import transformers
+
+    d = hf(name, **{k: ... for k in OPTIONAL[name]})
+    if name == QWEN:
+        d["num_attention_heads"] = 8  # the default 4 kv heads must divide the heads
+    else:
+        d.update(n_routed_experts=32, num_experts_per_tok=4, num_hidden_layers=5)  # room for 8 groups, 3 dense
+    ref = (transformers.Qwen3MoeConfig if name == QWEN else transformers.DeepseekV3Config)(**d)
+    cfg = config_from_hf(d)
+    assert cfg.rms_norm_eps == ref.rms_norm_eps
+    assert cfg.norm_topk_prob == ref.norm_topk_prob
+    assert cfg.tie_word_embeddings == ref.tie_word_embeddings
+    assert cfg.rope.theta == ref.rope_parameters["rope_theta"] and cfg.rope.kind == "default"
+    if name == QWEN:
+        assert cfg.num_kv_heads == ref.num_key_value_heads
+        assert cfg.head_dim == (getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
+        assert cfg.moe_layers == (True,) * ref.num_hidden_layers
+    else:
+        assert (cfg.n_group, cfg.topk_group) == (ref.n_group, ref.topk_group)
+        assert cfg.routed_scaling_factor == ref.routed_scaling_factor
+        assert cfg.n_shared_experts == ref.n_shared_experts
+        assert cfg.q_lora_rank == ref.q_lora_rank
+        assert cfg.moe_layers == tuple(i >= ref.first_k_dense_replace for i in range(5))
+        assert cfg.rope_interleave == ref.rope_interleave
+
+
+def test_null_q_lora_rank_means_no_low_rank_query():
+    assert config_from_hf(hf(DS, q_lora_rank=None)).q_lora_rank is None
+    assert config_from_hf(hf(DS, q_lora_rank=...)).q_lora_rank == 1536
 
 
 # ---- rope -------------------------------------------------------------------------------------------
@@ -203,6 +249,7 @@ BAD = [
     (DS, {"n_group": 16, "topk_group": 16}, "groups need >= 2 experts"),
     (DS, {"topk_group": 1, "num_experts_per_tok": 5}, "topk_group"),
     (DS, {"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
+    (DS, {"n_shared_experts": -1}, "n_shared_experts"),
     (QWEN, {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'"),
     (DS, {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
     (QWEN, {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope type 'llama3'"),
