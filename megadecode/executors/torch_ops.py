@@ -11,6 +11,7 @@ from .. import plan as P
 from ..reference.attention import gqa_attention, mla_attention
 from ..reference.moe import experts_grouped, experts_reference, route
 from ..reference.norm import rms_norm, swiglu_mlp
+from ..reference.rope import rope_cos_sin
 
 
 class StepContext:
@@ -21,6 +22,13 @@ class StepContext:
         self.experts_impl = experts_impl
         self.buf: dict[str, torch.Tensor] = {"tokens": step.tokens, "positions": step.positions,
                                              "slots": step.slots, "logit_rows": step.logit_rows}
+        self._rope = None
+
+    def rope(self, dtype):
+        """cos/sin of the step's positions, computed once per step and shared by all layers."""
+        if self._rope is None:
+            self._rope = rope_cos_sin(self.cfg, self.step.positions, dtype)
+        return self._rope
 
 
 def _embed(ctx, op):
@@ -41,13 +49,13 @@ def _add(ctx, op):
 def _attn_gqa(ctx, op):
     k, v = ctx.cache[op.cache]
     ctx.buf["attn_out"] = gqa_attention(ctx.cfg, ctx.w, f"model.layers.{op.layer}.self_attn",
-                                        ctx.buf["normed"], ctx.step, k, v)
+                                        ctx.buf["normed"], ctx.step, ctx.rope(ctx.buf["normed"].dtype), k, v)
 
 
 def _attn_mla(ctx, op):
     (latent,) = ctx.cache[op.cache]
     ctx.buf["attn_out"] = mla_attention(ctx.cfg, ctx.w, f"model.layers.{op.layer}.self_attn",
-                                        ctx.buf["normed"], ctx.step, latent)
+                                        ctx.buf["normed"], ctx.step, ctx.rope(ctx.buf["normed"].dtype), latent)
 
 
 def _router(ctx, op):

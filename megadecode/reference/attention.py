@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..step import Step
 from .norm import rms_norm
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope
 
 
 def _masked_softmax(scores: torch.Tensor, positions: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -34,19 +34,28 @@ def _per_sequence(step: Step, fn):
     return torch.cat(outs, 0)
 
 
-def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step,
+def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step, rope,
                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE attention. x [N, D] -> [N, D]. Caches [S, Lmax, K, d]."""
+    """Qwen3-MoE attention. x [N, D] -> [N, D]. Caches [S, Lmax, K, d]. rope = (cos, sin) [N, d/2]."""
     N, H, K, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     p = prefix
     q = rms_norm(F.linear(x, w[f"{p}.q_proj.weight"]).view(N, H, d), w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
     k = rms_norm(F.linear(x, w[f"{p}.k_proj.weight"]).view(N, K, d), w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
     v = F.linear(x, w[f"{p}.v_proj.weight"]).view(N, K, d)
-    cos, sin = rope_cos_sin(cfg, step.positions, x.dtype)
+    cos, sin = rope
     q, k = apply_rope(q, cos, sin, interleaved=False), apply_rope(k, cos, sin, interleaved=False)
     k_cache[step.slots, step.positions] = k
     v_cache[step.slots, step.positions] = v
     qg = q.view(N, K, H // K, d)
+    if step.segments is None:
+        # Decode: one query per sequence. The G query heads of a kv head act as G query rows of one
+        # attention over that head's cache (read in place, no copy); fp32 softmax inside SDPA.
+        rows = slice(0, N) if step.contiguous_slots else step.slots
+        Kc = k_cache[rows, :step.kv_len].transpose(1, 2)  # [N, K, L, d]
+        Vc = v_cache[rows, :step.kv_len].transpose(1, 2)
+        visible = torch.arange(step.kv_len, device=x.device)[None, :] <= step.positions[:, None]  # [N, L]
+        o = F.scaled_dot_product_attention(qg, Kc, Vc, attn_mask=visible[:, None, None, :], scale=d ** -0.5)
+        return F.linear(o.reshape(N, H * d), w[f"{p}.o_proj.weight"])
 
     def attend(rows, slots):
         Kc = k_cache[slots, :step.kv_len].permute(0, 2, 3, 1)  # [M, K, d, L], M = tokens or 1
@@ -57,7 +66,7 @@ def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
     return F.linear(_per_sequence(step, attend), w[f"{p}.o_proj.weight"])
 
 
-def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step,
+def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step, rope,
                   latent_cache: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 MLA, absorbed: the cache holds C + R values per token ([S, Lmax, C + R]) and the
     per-head key/value up-projections (kv_b_proj) are folded into the query and the output."""
@@ -73,7 +82,7 @@ def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
     q_nope, q_pe = q[..., :P], q[..., P:]
     kv = F.linear(x, w[f"{p}.kv_a_proj_with_mqa.weight"])
     latent = rms_norm(kv[:, :C], w[f"{p}.kv_a_layernorm.weight"], eps)  # [N, C]
-    cos, sin = rope_cos_sin(cfg, step.positions, x.dtype)
+    cos, sin = rope
     q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
     k_pe = apply_rope(kv[:, None, C:], cos, sin, cfg.rope_interleave)[:, 0]  # one shared rope key per token
     latent_cache[step.slots, step.positions] = torch.cat((latent, k_pe), -1)

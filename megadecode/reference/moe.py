@@ -3,7 +3,7 @@
 Legend: T tokens, E experts, A active experts per token (top-k), D hidden, I expert intermediate.
 
 Routing rules (the spec every fast path must reproduce):
-  softmax (Qwen3-MoE): p = softmax(x W^T) in fp32; pick the A largest p; weights = p of the picks,
+  softmax (Qwen3-MoE): p = softmax(x W^T), logits in the model dtype, softmax in fp32; pick the A largest p; weights = p of the picks,
       divided by their sum when `norm_topk_prob`.
   sigmoid (DeepSeek-V3, `noaux_tc`): s = sigmoid(x W^T) in fp32; choice = s + bias (the bias only
       selects, it never weights); with groups, each group's score is the sum of its 2 best `choice`
@@ -27,16 +27,16 @@ def _topk_lowest_index_wins(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def route(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None):
     """x [T, D] -> (ids [T, A] int64, weights [T, A] fp32)."""
-    logits = F.linear(x.float(), gate_w.float())  # [T, E]
     A = cfg.top_k
     if cfg.score_func == "softmax":
+        logits = F.linear(x, gate_w).float()  # as transformers: logits in the model dtype, softmax in fp32
         probs = torch.softmax(logits, dim=-1)
         ids = _topk_lowest_index_wins(probs, A)
         weights = probs.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights
-    scores = torch.sigmoid(logits)
+    scores = torch.sigmoid(F.linear(x.float(), gate_w.float()))  # DeepSeek: the router runs in fp32
     choice = scores + bias.float()[None, :] if bias is not None else scores
     if cfg.n_group > 1:
         T, G = x.shape[0], cfg.n_group
