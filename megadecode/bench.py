@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -107,6 +108,10 @@ def _int_list(text: str) -> list[int]:
 
 
 def _git_sha() -> str | None:
+    """HEAD of the checkout; MEGADECODE_GIT_SHA overrides (copies of the tree without .git, e.g. on
+    the GPU machine, are told the commit they were made from)."""
+    if os.environ.get("MEGADECODE_GIT_SHA"):
+        return os.environ["MEGADECODE_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
