@@ -318,7 +318,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.5, type_=float)),
         n_shared_experts=_get(d, "n_shared_experts", 1, type_=int),
         # null: queries projected directly (no low-rank q); absent: DeepseekV3Config's 1536.
-        q_lora_rank=None if "q_lora_rank" in d and d["q_lora_rank"] is None else _get(d, "q_lora_rank", 1536, type_=int),
+        q_lora_rank=(None if "q_lora_rank" in d and d["q_lora_rank"] is None
+                     else _get(d, "q_lora_rank", 1536, type_=int)),
         kv_lora_rank=_get(d, "kv_lora_rank", type_=int),
         qk_nope_head_dim=_get(d, "qk_nope_head_dim", type_=int), qk_rope_head_dim=rope_dim,
         v_head_dim=_get(d, "v_head_dim", type_=int), rope_interleave=bool(d.get("rope_interleave", True)),
