@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from .plan import build_plan
 from .presets import PRESETS, preset_config
 from .sampling import SamplingParams, sample
 from .step import Step
-from .weights import random_weights
+from .weights import param_specs, random_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +40,22 @@ class GenerationResult:
         return self.decode_steps * len(self.token_ids) / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the weight table present, with its shape, on one device."""
+    devices = set()
+    for name, spec in param_specs(cfg).items():
+        if name not in weights:
+            raise RequestError(f"weights are missing {name!r} (shape {list(spec.shape)})")
+        t = weights[name]
+        if tuple(t.shape) != spec.shape:
+            raise RequestError(f"weight {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
+        if not t.is_floating_point():
+            raise RequestError(f"weight {name!r} has dtype {t.dtype}; expected a floating dtype")
+        devices.add(t.device)
+    if len(devices) > 1:
+        raise RequestError(f"weights are spread over several devices {sorted(map(str, devices))}")
+
+
 def resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -53,9 +70,15 @@ class Engine:
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor {executor!r}; choose from {sorted(EXECUTORS)}")
         self.cfg = cfg
+        check_weights(cfg, weights)
         any_w = next(iter(weights.values()))
         self.device, self.dtype = any_w.device, any_w.dtype
-        self.max_seq_len = min(max_seq_len or 4096, cfg.max_position_embeddings)
+        if max_seq_len is not None and not 1 <= max_seq_len <= cfg.max_position_embeddings:
+            raise RequestError(f"max_seq_len {max_seq_len} outside [1, max_position_embeddings="
+                               f"{cfg.max_position_embeddings}]")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise RequestError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.max_seq_len = max_seq_len or min(4096, cfg.max_position_embeddings)
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, self.device, self.dtype)
         self.plan = build_plan(cfg)
         self.executor = EXECUTORS[executor](self.plan, weights, self.cache)
@@ -67,6 +90,8 @@ class Engine:
                         check_finite: bool = False, **kw) -> "Engine":
         """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory."""
         dt = resolve_dtype(dtype)
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise RequestError(f"device {device!r} requested but CUDA is not available")
         if model in PRESETS:
             cfg = preset_config(model)
             return cls(cfg, random_weights(cfg, device, dt, seed), **kw)
@@ -78,20 +103,24 @@ class Engine:
 
     # ---- request checks -------------------------------------------------------------------------
     def check_request(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        if not prompts:
-            raise RequestError("no prompts given")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise RequestError("no prompts given: prompts must be a non-empty list of token-id lists")
+        if not all(isinstance(p, (list, tuple)) for p in prompts):
+            raise RequestError("each prompt must be a list of token ids (got a flat list? wrap it: [[...]])")
         if len(prompts) > self.cache.num_slots:
             raise RequestError(f"{len(prompts)} sequences do not fit: the cache holds {self.cache.num_slots} "
                                f"(raise max_batch)")
-        if max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         V = self.cfg.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise RequestError(f"prompt {i} is empty")
-            bad = [t for t in p if not isinstance(t, int) or not 0 <= t < V]
-            if bad:
-                raise RequestError(f"prompt {i} has token id {bad[0]!r} outside the vocabulary [0, {V})")
+            for t in p:
+                if isinstance(t, bool) or not hasattr(t, "__index__"):
+                    raise RequestError(f"prompt {i} has token id {t!r}, which is not an integer")
+                if not 0 <= operator.index(t) < V:
+                    raise RequestError(f"prompt {i} has token id {t!r} outside the vocabulary [0, {V})")
             if len(p) + max_new_tokens > self.max_seq_len:
                 raise RequestError(f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it needs "
                                    f"{len(p) + max_new_tokens} positions, more than the context of "
@@ -105,7 +134,7 @@ class Engine:
         lens = [len(p) for p in prompts]
         starts = [sum(lens[:i]) for i in range(len(lens))]
         step = Step(
-            tokens=torch.tensor([t for p in prompts for t in p], device=dev),
+            tokens=torch.tensor([operator.index(t) for p in prompts for t in p], device=dev),
             positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
             slots=torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]).to(dev),
             logit_rows=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], device=dev),

@@ -215,3 +215,36 @@ def test_router_bias_and_groups_change_the_output():
     assert (base - _logits(all_groups, w, PROMPTS)).abs().max() > 1e-3
     no_scaling = dataclasses.replace(cfg, routed_scaling_factor=1.0)
     assert (base - _logits(no_scaling, w, PROMPTS)).abs().max() > 1e-3
+
+
+def test_engine_request_shape_errors():
+    from megadecode.engine import Engine, RequestError
+
+    eng = Engine.from_pretrained("tiny-qwen3-moe", max_batch=2, max_seq_len=32)
+    with pytest.raises(RequestError, match="flat list"):
+        eng.generate([1, 2, 3], 2)
+    with pytest.raises(RequestError, match="not an integer"):
+        eng.generate([[1, 2.5]], 2)
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        eng.generate([[1, 2]], 2.5)
+    with pytest.raises(RequestError, match="max_seq_len"):
+        Engine.from_pretrained("tiny-qwen3-moe", max_seq_len=100000)
+    # numpy / torch integers are valid ids
+    import numpy as np
+    assert len(eng.generate([[np.int64(1), torch.tensor(2).item(), 3]], 2).token_ids[0]) <= 2
+
+
+def test_engine_checks_weights_against_the_table():
+    from megadecode.engine import Engine, RequestError
+    from megadecode.presets import preset_config
+    from megadecode.weights import random_weights
+
+    cfg = preset_config("tiny-deepseek-v3")
+    w = random_weights(cfg)
+    w.pop("model.norm.weight")
+    with pytest.raises(RequestError, match="model.norm.weight"):
+        Engine(cfg, w)
+    w = random_weights(cfg)
+    w["lm_head.weight"] = w["lm_head.weight"][:, :8]
+    with pytest.raises(RequestError, match="lm_head.weight"):
+        Engine(cfg, w)
