@@ -1,0 +1,68 @@
+"""RMSNorm as a Triton kernel, a block of rows per program: y = w * (x / sqrt(mean(x^2) + eps)), statistics in
+fp32, the normalised row rounded to the input dtype before the weight (as reference/norm.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import ModelConfig
+from ..plan import RMSNORM
+from ..validate.variant import Manifest, Scope, Variant, register
+
+
+@triton.jit
+def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, T, stride_x, stride_out, eps, D: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """BLOCK_T rows per program, each row's statistics its own (batch invariant)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    x = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = (x * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t[:, None] * stride_out + d[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def check_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with unit stride over D, got {x.stride()}"
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), f"weight must be [{x.shape[1]}] contiguous"
+    assert out.shape == x.shape and out.stride(1) == 1, f"out {tuple(out.shape)} must match x {tuple(x.shape)}"
+    assert x.dtype == weight.dtype == out.dtype, f"dtypes differ: x {x.dtype}, w {weight.dtype}, out {out.dtype}"
+    assert x.device == weight.device == out.device, "all tensors on one device"
+    assert x.shape[1] <= 16384, "one program holds a whole row: D <= 16384"
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, rows: int | None = None):
+    """Writes rms_norm(x) into out. `rows` normalises only the first rows (only the broken variants use it)."""
+    check_args(x, weight, out)
+    n = x.shape[0] if rows is None else rows
+    if n > 0:
+        block_d = triton.next_power_of_2(x.shape[1])
+        block_t = min(triton.next_power_of_2(n), max(1, 4096 // block_d))  # a tile of <= 4096 values
+        rmsnorm_kernel[(triton.cdiv(n, block_t),)](x, weight, out, n, x.stride(0), out.stride(0), float(eps),
+                                                   D=x.shape[1], BLOCK_T=block_t, BLOCK_D=block_d)
+
+
+def gather_rows(op, inputs) -> torch.Tensor:
+    """The final norm reads only the rows whose logits are wanted (op.inputs[1])."""
+    x = inputs[op.inputs[0]]
+    return x[inputs[op.inputs[1]]] if len(op.inputs) == 2 else x
+
+
+def _run(op, inputs, weights, outputs, cfg: ModelConfig, step, cache=None):
+    rms_norm_triton(gather_rows(op, inputs), weights[op.weights[0]], cfg.rms_norm_eps, outputs[op.outputs[0]])
+
+
+def _dims(cfg: ModelConfig) -> str | None:
+    """hidden <= 16384"""
+    return None if cfg.hidden_size <= 16384 else f"hidden {cfg.hidden_size} > 16384 (one row per program)"
+
+
+RMSNORM_VARIANT = register(Variant(Manifest(
+    name="triton-rmsnorm", description="RMSNorm, one Triton program per row, fp32 statistics",
+    replaces=(RMSNORM,), scope=Scope(dims=_dims), sources=("megadecode/kernels/rmsnorm.py",), uses_triton=True),
+    _run, kernel=rmsnorm_kernel))

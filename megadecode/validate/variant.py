@@ -1,0 +1,138 @@
+"""Variants: alternative implementations of plan op kinds, each with a manifest saying what it replaces,
+where it may run and which files it owns.
+
+The op contract (what lets the harness poison outputs and watch every other buffer):
+
+    run(op, inputs, weights, outputs, cfg, step, cache=None) -> None
+
+`inputs` maps the op's input buffer names to tensors, `weights` its weight names, `outputs` its output
+names to PREALLOCATED tensors (shape and dtype of the reference op's outputs) that the variant must
+write completely, in place. `cache` is the op's cache tuple (attention only), which the variant reads
+and writes. A variant must not modify anything else: inputs, weights, other buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class ManifestViolation(RuntimeError):
+    """A variant touched a buffer its manifest does not own, or left part of its outputs unwritten."""
+
+
+def dtype_name(dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else str(dtype)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where a variant may run. `dims(cfg)` returns why the model's dimensions are out of scope, or None."""
+
+    families: tuple[str, ...] = ("qwen3_moe", "deepseek_v3")
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    batch: tuple[int, int] = (1, 4096)  # inclusive range of tokens per step
+    arch: str | None = None  # e.g. "sm_90": the GPU architecture it needs on cuda; None = any
+    dims: Callable[[ModelConfig], str | None] | None = None
+
+    def describe(self) -> str:
+        parts = [f"families={','.join(self.families)}", f"dtypes={','.join(self.dtypes)}",
+                 f"devices={','.join(self.devices)}", f"batch={self.batch[0]}..{self.batch[1]}"]
+        if self.arch:
+            parts.append(f"arch={self.arch}")
+        if self.dims is not None:
+            parts.append(f"dims={getattr(self.dims, '__doc__', None) or self.dims.__name__}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    description: str
+    replaces: tuple[str, ...]  # plan op kinds
+    scope: Scope = field(default_factory=Scope)
+    sources: tuple[str, ...] = ()  # files the variant owns (paths from the repository root)
+    baseline: str = "torch"  # the executor it is validated against
+    uses_triton: bool = False  # on cpu it then needs the Triton interpreter
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description, "replaces": list(self.replaces),
+                "scope": self.scope.describe(), "sources": list(self.sources), "baseline": self.baseline}
+
+
+def triton_interpreted(fn) -> bool:
+    """Whether a @triton.jit function was decorated under TRITON_INTERPRET=1 (it then runs on the CPU)."""
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+@dataclass
+class Variant:
+    manifest: Manifest
+    impl: Callable  # impl(op, inputs, weights, outputs, cfg, step, cache=None)
+    kernel: object = None  # the Triton kernel, for the interpreter check on cpu
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    def run(self, op, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+            outputs: dict[str, torch.Tensor], cfg: ModelConfig, step, cache=None) -> None:
+        self.impl(op, inputs, weights, outputs, cfg, step, cache)
+
+    def supports(self, cfg: ModelConfig, dtype, batch: int, device) -> str | None:
+        """None when the variant can run this configuration, else the reason it cannot."""
+        s, dev = self.manifest.scope, torch.device(device).type
+        if cfg.family not in s.families:
+            return f"family {cfg.family} not in scope ({', '.join(s.families)})"
+        if dtype_name(dtype) not in s.dtypes:
+            return f"dtype {dtype_name(dtype)} not in scope ({', '.join(s.dtypes)})"
+        if dev not in s.devices:
+            return f"device {dev} not in scope ({', '.join(s.devices)})"
+        if not s.batch[0] <= batch <= s.batch[1]:
+            return f"batch {batch} outside {s.batch[0]}..{s.batch[1]}"
+        if dev == "cuda" and s.arch is not None:
+            if not torch.cuda.is_available():
+                return "no CUDA device"
+            major, minor = torch.cuda.get_device_capability()
+            if f"sm_{major}{minor}" != s.arch:
+                return f"needs {s.arch}, this GPU is sm_{major}{minor}"
+        if dev == "cpu" and self.manifest.uses_triton and not triton_interpreted(self.kernel):
+            return ("Triton on cpu needs TRITON_INTERPRET=1 set before megadecode.kernels is imported "
+                    f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
+        if dev == "cpu" and self.manifest.uses_triton and dtype_name(dtype) == "bfloat16":
+            return "the Triton interpreter computes bf16 arithmetic wrongly: test bf16 on the GPU"
+        if s.dims is not None:
+            return s.dims(cfg)
+        return None
+
+
+_REGISTRY: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
+        raise ValueError(f"variant {variant.name!r} is already registered")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def get(name: str) -> Variant:
+    from . import catalog  # noqa: F401  (registers the shipped variants)
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown variant {name!r}; variants: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def all_variants() -> list[Variant]:
+    from . import catalog  # noqa: F401
+
+    return [_REGISTRY[n] for n in sorted(_REGISTRY)]
