@@ -3,6 +3,9 @@ contract (write preallocated outputs in place). They are the baselines the broke
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
 from ..plan import ATTN_GQA, EXPERTS
 from ..reference.attention import gqa_attention
 from ..reference.moe import experts_grouped
@@ -13,6 +16,35 @@ from ..validate.variant import Manifest, Scope, Variant, register
 def _grouped_experts(op, inputs, weights, outputs, cfg, step, cache=None):
     x, ids, wts = (inputs[n] for n in op.inputs)
     outputs[op.outputs[0]].copy_(experts_grouped(x, ids, wts, weights[op.weights[0]], weights[op.weights[1]]))
+
+
+def expert_offsets(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offs): the T*A (token, expert) pairs sorted by expert, and offs[e] = end of expert e's run."""
+    flat = ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(
+        0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), torch.cumsum(counts, 0)
+
+
+def experts_by_offsets(x, ids, wts, gate_up, down, order, offs) -> torch.Tensor:
+    """Routed experts over expert-sorted pairs: expert e runs pairs order[offs[e-1]:offs[e]] (a host loop,
+    each expert's weights read once; fp32 accumulation). The combine sums each token's A results."""
+    T, A = ids.shape
+    y = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)
+    ends = offs.tolist()
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end > start:
+            pairs = order[start:end]
+            g, u = F.linear(x[pairs // A], gate_up[e]).chunk(2, dim=-1)
+            y[pairs] = F.linear(F.silu(g) * u, down[e]).float()
+    return (y.view(T, A, -1) * wts[..., None].float()).sum(1).to(x.dtype)
+
+
+def _loop_experts(op, inputs, weights, outputs, cfg, step, cache=None):
+    x, ids, wts = (inputs[n] for n in op.inputs)
+    order, offs = expert_offsets(ids, cfg.num_experts)
+    outputs[op.outputs[0]].copy_(experts_by_offsets(x, ids, wts, weights[op.weights[0]], weights[op.weights[1]],
+                                                    order, offs))
 
 
 def attn_gqa(op, inputs, weights, outputs, cfg, step, cache):
@@ -31,6 +63,12 @@ GROUPED_EXPERTS = register(Variant(Manifest(
                 "experts_grouped), no host sync",
     replaces=(EXPERTS,), scope=Scope(dtypes=("float32", "bfloat16")),  # _grouped_mm: no fp16 on cpu
     sources=("megadecode/reference/moe.py", "megadecode/kernels/torch_variants.py")), _grouped_experts))
+
+LOOP_EXPERTS = register(Variant(Manifest(
+    name="torch-loop-experts",
+    description="routed experts over expert-sorted pairs with explicit per-expert offsets, one host loop "
+                "over the experts (the offset bookkeeping a grouped GEMM kernel needs)",
+    replaces=(EXPERTS,), sources=("megadecode/kernels/torch_variants.py",)), _loop_experts))
 
 ATTN_GQA_TORCH = register(Variant(Manifest(
     name="torch-attn-gqa", description="GQA attention of reference/attention.py in the variant contract",

@@ -1,0 +1,143 @@
+"""Per-op checks of a variant against the torch reference (fp32), on fresh random inputs.
+
+One `check_op` call, for one (preset config, op kind, dtype, batch, seed, routing distribution):
+  1. inputs untouched: the variant's inputs and weights are compared bitwise with copies afterwards;
+  2. outputs fully written: outputs are poisoned (NaN / int64 min) before the run, none may remain;
+  3. NaN/inf in an output never pass;
+  4. deterministic: a second run on the same inputs must give bitwise-identical outputs (and cache);
+  5. close to the reference: the fp32 reference op on the same (dtype-rounded) inputs, per-dtype
+     tolerances from tolerances.TOLERANCES; integer outputs exactly (topk_ids as per-token sets);
+     attention caches are compared too (the new tokens' entries and everything else);
+  6. batch invariant: rows 0, T/2 and T-1 run alone match the same rows of the batch run (tolerance).
+Returns a row dict: status PASS/FAIL/SKIP, the failures, and the error figures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .inputs import OpCase, build_case, reference_outputs
+from .shapes import output_specs, poisoned, unwritten
+from .tolerances import TOLERANCES, UNORDERED, Tolerance
+from .variant import DTYPE_NAMES, Variant, dtype_name
+
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def run_variant(variant: Variant, case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | None, list[str]]:
+    """Run once on a private copy of the case. Returns (outputs, cache after, contract failures)."""
+    c = case.clone()
+    buf = dict(c.inputs)
+    specs = output_specs(c.cfg, c.op, buf, c.weights)
+    outputs = {n: poisoned(shape, dt, next(iter(buf.values())).device) for n, (shape, dt) in specs.items()}
+    variant.run(c.op, c.inputs, c.weights, outputs, c.cfg, c.step, c.cache)
+    failures = []
+    for kind, mine, orig in (("input", c.inputs, case.inputs), ("weight", c.weights, case.weights)):
+        for n, t in mine.items():
+            if not torch.equal(t, orig[n]):
+                failures.append(f"{kind} {n} modified by the variant")
+    for n, t in outputs.items():
+        left = unwritten(t)
+        if left:
+            failures.append(f"output {n}: {left} of {t.numel()} elements not written (poison left)")
+        elif t.is_floating_point() and not torch.isfinite(t).all():
+            failures.append(f"output {n}: {int((~torch.isfinite(t)).sum())} non-finite elements")
+    return outputs, c.cache, failures
+
+
+def _as_sets(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(out)
+    for ids_name, follow in UNORDERED.items():
+        if ids_name in out:
+            order = out[ids_name].argsort(dim=-1, stable=True)
+            out[ids_name] = out[ids_name].gather(-1, order)
+            if follow in out:
+                out[follow] = out[follow].gather(-1, order)
+    return out
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[list[str], dict]:
+    """Failures and error figures of one tensor against its reference."""
+    if got.shape != ref.shape:
+        return [f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"], {}
+    if not got.is_floating_point():
+        bad = int((got != ref).reshape(got.shape[0], -1).any(-1).sum()) if got.numel() else 0
+        return ([f"{name}: {bad} of {got.shape[0]} rows differ (exact match required)"] if bad else []), {}
+    g, r = got.double(), ref.double()
+    if not torch.isfinite(g).all():
+        return [f"{name}: non-finite values"], {}
+    err = (g - r).abs()
+    scale = max(1.0, float(r.abs().max())) if r.numel() else 1.0
+    stats = {"max_abs_err": float(err.max()) if err.numel() else 0.0,
+             "mean_abs_err": float(err.mean()) if err.numel() else 0.0,
+             "max_rel_err": float((err / (r.abs() + tol.atol)).max()) if err.numel() else 0.0,
+             "pass_rate": float((err <= tol.atol + tol.rtol * r.abs()).double().mean()) if err.numel() else 1.0}
+    fails = []
+    if stats["pass_rate"] < tol.pass_rate:
+        fails.append(f"{name}: {stats['pass_rate']:.4%} of elements within atol+rtol*|ref| < {tol.pass_rate:.2%}")
+    if stats["max_abs_err"] > tol.max_abs * scale:
+        fails.append(f"{name}: max abs error {stats['max_abs_err']:.3g} > {tol.max_abs * scale:.3g}")
+    if stats["mean_abs_err"] > tol.mean_abs * scale:
+        fails.append(f"{name}: mean abs error {stats['mean_abs_err']:.3g} > {tol.mean_abs * scale:.3g}")
+    return fails, stats
+
+
+def compare_all(got: dict, ref: dict, tol: Tolerance, what: str) -> tuple[list[str], dict]:
+    got, ref = _as_sets(got), _as_sets(ref)
+    fails, worst = [], {}
+    for n in ref:
+        f, s = compare(f"{what}{n}", got[n], ref[n], tol)
+        fails += f
+        for k, v in s.items():
+            worst[k] = min(worst.get(k, v), v) if k == "pass_rate" else max(worst.get(k, v), v)
+    return fails, worst
+
+
+def _bitwise_equal(a: dict, b: dict) -> list[str]:
+    return [n for n in a if not torch.equal(a[n].view(-1).view(torch.uint8) if a[n].numel() else a[n],
+                                            b[n].view(-1).view(torch.uint8) if b[n].numel() else b[n])]
+
+
+def check_case(variant: Variant, case: OpCase, dtype: torch.dtype) -> dict:
+    tol = TOLERANCES[dtype_name(dtype)]
+    c = case.clone(dtype)
+    ref, ref_cache = reference_outputs(c)
+    out1, cache1, failures = run_variant(variant, c)
+    out2, cache2, _ = run_variant(variant, c)
+    figures: dict = {}
+    if not failures:
+        diff = _bitwise_equal(out1, out2)
+        if cache1 is not None:
+            diff += [f"cache[{j}]" for j, (a, b) in enumerate(zip(cache1, cache2)) if not torch.equal(a, b)]
+        if diff:
+            failures.append(f"not deterministic: a second identical run differs bitwise in {', '.join(diff)}")
+        f, figures = compare_all(out1, ref, tol, "")
+        failures += f
+        if ref_cache is not None:
+            failures += compare_all({f"cache[{j}]": t for j, t in enumerate(cache1)},
+                                    {f"cache[{j}]": t for j, t in enumerate(ref_cache)}, tol, "")[0]
+    if not failures and c.batch > 1:
+        for i in sorted({0, c.batch // 2, c.batch - 1}):
+            alone, _, f = run_variant(variant, c.row(i))
+            failures += [f"row {i} alone: {m}" for m in f]
+            if not f:
+                failures += compare_all(alone, {n: t[i:i + 1] for n, t in out1.items()}, tol,
+                                        f"batch invariance, row {i} alone vs in batch {c.batch}: ")[0]
+    return {"status": "FAIL" if failures else "PASS", "failures": failures, **figures}
+
+
+def check_op(variant: Variant, cfg: ModelConfig, kind: str, dtype, batch: int, seed: int = 0,
+             dist: str = "uniform", device="cpu") -> dict:
+    """One matrix cell. SKIP (with the manifest's reason) when the variant's scope excludes it."""
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    row = {"variant": variant.name, "op": kind, "family": cfg.family, "dtype": dtype_name(dt), "batch": batch,
+           "seed": seed, "dist": dist, "device": str(device)}
+    reason = variant.supports(cfg, dt, batch, device)
+    if reason is not None:
+        return {**row, "status": "SKIP", "reason": reason}
+    try:
+        res = check_case(variant, build_case(cfg, kind, batch, seed, dist, device), dt)
+    except Exception as e:  # a crash is a failure of the variant, recorded with its message
+        res = {"status": "FAIL", "failures": [f"raised {type(e).__name__}: {e}"]}
+    return {**row, **res}
