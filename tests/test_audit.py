@@ -215,3 +215,9 @@ def test_interpreter_matches_reference_and_times_out():
     # 3 producers (no signal) + 3 consumers that report the timeout and write nothing
     assert res["err_off"] == [0, 0, 0] + [res["timeout_code"]] * 3, res
     assert res["z_off"] == 0.0
+
+
+def test_report_to_dict_is_json():
+    d = _audit("RELAXED_SIGNAL").to_dict()
+    assert d["passed"] is False and d["findings"][0]["rule"] == A.R_REL
+    json.dumps(d)

@@ -18,6 +18,12 @@ Triton 3.6 has no `tl.load` option that emits `ld.global.nc` (`cache_modifier` "
 path is emulated with `tl.inline_asm_elementwise` issuing `ld.global.nc.b32`. The interpreter
 (TRITON_INTERPRET=1) cannot run inline PTX, so there every load is a plain `tl.load`.
 
+Measured on an H200 (2026-11-29; M=1024, K=2048, N=1024, 32 steps, 50 launches with fresh inputs
+per variant): the correct kernel matched the fp64 reference 50/50 with no timeouts, and so did every
+planted variant: none of these mistakes shows in plain repeated runs here, which is why
+megadecode.validate.audit checks the compiled code. With the producers' signals disabled, the
+consumers reported ERR_WAIT_TIMEOUT and wrote nothing.
+
 Programs [0, P) are producers and [P, P + C) consumers: the interpreter runs programs one after
 another in program-id order, so producers finish before any consumer waits. On the GPU all
 P + C programs must be co-resident (a persistent launch); the launcher checks the SM count.

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 ROLES = ("static", "produced", "flag")
 R_NC, R_ACQ, R_REL, R_ORDER, R_SASS = ("nc-load-of-produced", "wait-without-acquire",
@@ -68,6 +68,11 @@ class AuditReport:
 
     def by_rule(self, rule: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == rule]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
 
     def to_markdown(self) -> str:
         out = [f"### Audit `{self.kernel}` ({self.target}): {'PASS' if self.passed else 'FAIL'}", "",
