@@ -3,6 +3,7 @@
     megadecode generate --model tiny-qwen3-moe --greedy
     megadecode make-checkpoint --preset tiny-deepseek-v3 --out /tmp/ckpt
     megadecode bench --preset qwen3-30b-a3b --batch 1,8,64 --executor torch,graph   (GPU only)
+    megadecode validate --list; megadecode validate triton-router --quick
 
 Errors the user can fix (bad config, checkpoint, request or argument) print one line,
 `megadecode: error: <message>`, and exit with code 2.
@@ -23,6 +24,7 @@ from .engine import Engine, RequestError, resolve_dtype
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
+from .validate import command as validate_command
 
 DEFAULT_PROMPT = "Hello, megadecode!"
 # What a user can get wrong; anything else is a bug and keeps its traceback.
@@ -76,10 +78,11 @@ def _add_make_checkpoint(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,make-checkpoint,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,make-checkpoint,bench,validate}")
     _add_generate(sub)
     _add_make_checkpoint(sub)
     bench.add_parser(sub)
+    validate_command.add_parser(sub)
     return parser
 
 

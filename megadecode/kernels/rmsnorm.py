@@ -63,6 +63,6 @@ def _dims(cfg: ModelConfig) -> str | None:
 
 
 RMSNORM_VARIANT = register(Variant(Manifest(
-    name="triton-rmsnorm", description="RMSNorm, one Triton program per row, fp32 statistics",
+    name="triton-rmsnorm", description="RMSNorm, a block of rows per Triton program, fp32 statistics",
     replaces=(RMSNORM,), scope=Scope(dims=_dims), sources=("megadecode/kernels/rmsnorm.py",), uses_triton=True),
     _run, kernel=rmsnorm_kernel))

@@ -145,7 +145,7 @@ def _dims(cfg: ModelConfig) -> str | None:
 
 ROUTER_VARIANT = register(Variant(Manifest(
     name="triton-router",
-    description="router in one Triton kernel per token: scores, bias, groups, top-k (lowest index wins), "
+    description="router in one Triton kernel (a block of tokens per program): scores, bias, groups, top-k (lowest index wins), "
                 "renormalise, scale; fp32 math",
     replaces=(ROUTER,), scope=Scope(dims=_dims), sources=("megadecode/kernels/router.py",), uses_triton=True),
     _run, kernel=router_kernel))

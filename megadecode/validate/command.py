@@ -1,0 +1,76 @@
+"""`megadecode validate`: list the variants, or run one variant's validation matrix on this machine.
+
+    megadecode validate --list
+    megadecode validate triton-router --quick --json out.json
+    megadecode validate triton-router --e2e
+
+Without a GPU, Triton variants run under the Triton interpreter (TRITON_INTERPRET=1 is set before the
+kernels are imported) in fp32/fp16; bf16 and sm_90-only variants SKIP with the reason. Exit code 1 when
+any cell FAILs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+import torch
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("validate", help="validate an op variant against the torch reference",
+                       description="Run a variant's validation matrix (ops x presets x batches x dtypes x "
+                                   "routing distributions x seeds) and print PASS/FAIL/SKIP.")
+    p.add_argument("variant", nargs="?", help="variant name (see --list)")
+    p.add_argument("--list", action="store_true", help="list the variants with their scopes")
+    p.add_argument("--quick", action="store_true", help="batches 1,3,8,67, fp32+fp16, one seed")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: 1 quick, 3 full)")
+    p.add_argument("--e2e", action="store_true", help="also run 128 greedy steps against the torch executor")
+    p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON")
+    p.set_defaults(func=cmd_validate)
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cmd_validate(args, argv) -> int:
+    if _device() == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are decorated
+    from .matrix import BATCH_SWEEP, DTYPES, QUICK_BATCHES, counts, run_matrix, save_json, summary_table
+    from .variant import all_variants, get
+
+    if args.list or not args.variant:
+        for v in all_variants():
+            m = v.manifest
+            print(f"{m.name:<34} replaces {','.join(m.replaces):<9} {m.description}\n{'':<34} scope: "
+                  f"{m.scope.describe()}{'  (Triton)' if m.uses_triton else ''}")
+        return 0
+    v = get(args.variant)
+    quick = args.quick
+    seeds = tuple(range(args.seeds if args.seeds is not None else (1 if quick else 3)))
+    device = _device()
+    rows = run_matrix(v, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
+                      dtypes=("float32", "float16") if quick else DTYPES, seeds=seeds, device=device)
+    print(f"variant {v.name} on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'})")
+    print(summary_table(rows))
+    failed = counts(rows)["FAIL"] > 0
+    if args.e2e:
+        from ..presets import preset_config
+        from .e2e import compare_generation
+
+        for preset in ("tiny-qwen3-moe", "tiny-deepseek-v3"):
+            if v.supports(preset_config(preset), torch.float32, 1, "cpu") is None:
+                res = compare_generation([v], preset)
+                print(f"e2e {preset}: {res['status']} ({res['steps']} steps x {res['sequences']} sequences, "
+                      f"max logit diff {res['max_logit_diff_before_divergence']:.2e}) {res['divergences'] or ''}")
+                rows.append({"e2e": True, **res})
+                failed |= res["status"] == "FAIL"
+    if args.json:
+        path = save_json(rows, args.json, v, command="megadecode " + shlex.join(argv))
+        print(f"wrote {path}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+__all__ = ["add_parser", "cmd_validate"]

@@ -1,0 +1,79 @@
+"""The validation matrix: one variant over ops x presets x batches x dtypes x routing distributions x
+seeds, each cell PASS / FAIL / SKIP (out of scope, with the manifest's reason). Rows are dicts (the
+evidence report reads them); `save_json` writes them with the conditions that produced them."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ..presets import preset_config
+from .checks import check_op
+from .inputs import DISTRIBUTIONS, ROUTED
+from .variant import Variant
+
+BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
+QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep
+CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def run_matrix(variant: Variant, *, presets=CPU_PRESETS, batches=BATCH_SWEEP, dtypes=DTYPES,
+               dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None) -> list[dict]:
+    rows = []
+    for preset in presets:
+        cfg = preset_config(preset)
+        for kind in variant.manifest.replaces:
+            for dist in (dists if kind in ROUTED else ("-",)):
+                for dtype in dtypes:
+                    for batch in batches:
+                        for seed in seeds:
+                            t0 = time.perf_counter()
+                            row = check_op(variant, cfg, kind, dtype, batch, seed,
+                                           "uniform" if dist == "-" else dist, device)
+                            rows.append({"preset": preset, **row, "dist": dist,
+                                         "seconds": round(time.perf_counter() - t0, 4)})
+                            if progress is not None:
+                                progress(rows[-1])
+    return rows
+
+
+def counts(rows: list[dict]) -> dict[str, int]:
+    c = Counter(r["status"] for r in rows)
+    return {k: c.get(k, 0) for k in ("PASS", "FAIL", "SKIP")}
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per (preset, op, dtype, dist): PASS/FAIL/SKIP counts over batches and seeds, the first
+    failure or skip reason, and the worst error."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["preset"], r["op"], r["dtype"], r["dist"]), []).append(r)
+    head = f"{'preset':<18} {'op':<9} {'dtype':<9} {'dist':<14} {'pass':>4} {'fail':>4} {'skip':>4} " \
+           f"{'max_rel_err':>11}  note"
+    lines = [head, "-" * len(head)]
+    for (preset, op, dtype, dist), rs in groups.items():
+        c = counts(rs)
+        errs = [r["max_rel_err"] for r in rs if isinstance(r.get("max_rel_err"), float)]
+        fail = next((r for r in rs if r["status"] == "FAIL"), None)
+        skip = next((r for r in rs if r["status"] == "SKIP"), None)
+        note = (f"batch {fail['batch']} seed {fail['seed']}: {fail['failures'][0]}" if fail else
+                f"skip: {skip['reason']}" if skip else "")
+        lines.append(f"{preset:<18} {op:<9} {dtype:<9} {dist:<14} {c['PASS']:>4} {c['FAIL']:>4} {c['SKIP']:>4} "
+                     f"{(f'{max(errs):.2e}' if errs else '-'):>11}  {note}")
+    c = counts(rows)
+    lines.append(f"total: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP")
+    return "\n".join(lines)
+
+
+def save_json(rows: list[dict], path, variant: Variant, command: str | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"variant": variant.manifest.to_dict(), "command": command, "torch": torch.__version__,
+           "counts": counts(rows), "rows": rows}
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    return path
