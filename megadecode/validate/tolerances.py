@@ -27,8 +27,12 @@ class Tolerance:
 
 TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance(atol=1e-5, rtol=1e-4, max_abs=1e-4, mean_abs=1e-5, pass_rate=1.0, e2e_logprob_gap=1e-3),
-    "float16": Tolerance(atol=1e-3, rtol=5e-3, max_abs=1e-2, mean_abs=1e-3, pass_rate=0.999, e2e_logprob_gap=5e-2),
-    "bfloat16": Tolerance(atol=1e-2, rtol=3e-2, max_abs=8e-2, mean_abs=8e-3, pass_rate=0.99, e2e_logprob_gap=2e-1),
+    # fp16: the fp16 reference itself (fp16 GEMM intermediates, tiny presets, CPU) reaches max abs 9.4e-3,
+    # mean abs 1.0e-3 and 93.75% of elements within 1e-3 + 5e-3*|ref| on the experts op (2026-11-29).
+    "float16": Tolerance(atol=1e-2, rtol=1e-2, max_abs=3e-2, mean_abs=3e-3, pass_rate=0.99, e2e_logprob_gap=5e-2),
+    # bf16: 8x the fp16 figures (3 fewer mantissa bits); not yet measured: bf16 runs on the GPU only.
+    "bfloat16": Tolerance(atol=8e-2, rtol=8e-2, max_abs=2.4e-1, mean_abs=2.4e-2, pass_rate=0.99,
+                          e2e_logprob_gap=2e-1),
 }
 
 # Outputs whose rows are sets: topk_ids order is unspecified (a variant may emit the A picks in any

@@ -69,8 +69,12 @@ class Manifest:
 
 
 def triton_interpreted(fn) -> bool:
-    """Whether a @triton.jit function was decorated under TRITON_INTERPRET=1 (it then runs on the CPU)."""
-    return type(fn).__name__ == "InterpretedFunction"
+    """Whether a @triton.jit function runs under the Triton interpreter (on the CPU). Both it and Triton's
+    own library functions (tl.max, tl.sum: decorated when triton.language is first imported) must have
+    been decorated under TRITON_INTERPRET=1: importing triton earlier without it breaks the interpreter."""
+    import triton.language as tl
+
+    return type(fn).__name__ == type(tl.max).__name__ == "InterpretedFunction"
 
 
 @dataclass
@@ -105,8 +109,8 @@ class Variant:
             if f"sm_{major}{minor}" != s.arch:
                 return f"needs {s.arch}, this GPU is sm_{major}{minor}"
         if dev == "cpu" and self.manifest.uses_triton and not triton_interpreted(self.kernel):
-            return ("Triton on cpu needs TRITON_INTERPRET=1 set before megadecode.kernels is imported "
-                    f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
+            return ("Triton on cpu needs TRITON_INTERPRET=1 set before triton and megadecode.kernels are "
+                    f"first imported (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now)")
         if dev == "cpu" and self.manifest.uses_triton and dtype_name(dtype) == "bfloat16":
             return "the Triton interpreter computes bf16 arithmetic wrongly: test bf16 on the GPU"
         if s.dims is not None:
