@@ -21,6 +21,7 @@ from . import bench
 from .checkpoint import CheckpointError, make_checkpoint
 from .config import ConfigError
 from .engine import Engine, RequestError, resolve_dtype
+from .executors import EXECUTORS
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -55,7 +56,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--executor", choices=("torch", "graph"), default="torch")
+    p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores --temperature/--top-p)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)

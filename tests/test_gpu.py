@@ -17,11 +17,11 @@ pytestmark = [pytest.mark.gpu,
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 7], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9], [256, 40, 41]]
 
 
-def _engines(preset, dtype):
+def _engines(preset, dtype, fast="graph"):
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", dtype, seed=1)
     return (Engine(cfg, w, executor="torch", max_batch=8, max_seq_len=128),
-            Engine(cfg, w, executor="graph", max_batch=8, max_seq_len=128))
+            Engine(cfg, w, executor=fast, max_batch=8, max_seq_len=128))
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
@@ -33,9 +33,10 @@ def test_graph_matches_torch_fp32(preset):
     assert len(fast.executor._graphs) >= 1, "the graph executor did not capture a graph"
 
 
+@pytest.mark.parametrize("fast_executor", ["graph", "compiled"])
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
-def test_graph_bf16_close_and_replay_deterministic(preset):
-    ref, fast = _engines(preset, torch.bfloat16)
+def test_graph_bf16_close_and_replay_deterministic(preset, fast_executor):
+    ref, fast = _engines(preset, torch.bfloat16, fast_executor)
     la, lb = ref.prefill(PROMPTS), fast.prefill(PROMPTS)
     tok = la.argmax(-1)
     steps_a, steps_b = [], []

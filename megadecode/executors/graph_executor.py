@@ -30,6 +30,9 @@ class GraphExecutor(TorchExecutor):
         self._graphs: dict[tuple[int, int, bool], tuple] = {}
         self._pool = None
 
+    def _step_fn(self, step: Step) -> torch.Tensor:
+        return self.run_ops(step).buf["logits"]
+
     def _bucket(self, kv_len: int) -> int:
         return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.max_len)
 
@@ -61,10 +64,25 @@ class GraphExecutor(TorchExecutor):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.run_ops(static)
+                self._step_fn(static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.run_ops(static).buf["logits"]
+            logits = self._step_fn(static)
         self._pool = graph.pool()
         return graph, static, logits
+
+
+class CompiledGraphExecutor(GraphExecutor):
+    """`graph` with the decode step compiled by `torch.compile` (inductor fuses the elementwise chains
+    into Triton kernels) before capture: the gpt-fast recipe. Compiles once per (batch, cache-length
+    bucket); bf16/fp16 only on CUDA (`torch._grouped_mm` has no fp32 path there)."""
+
+    name = "compiled"
+
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
+        super().__init__(plan, weights, cache)
+        self._compiled = torch.compile(super()._step_fn, dynamic=False)
+
+    def _step_fn(self, step: Step) -> torch.Tensor:
+        return self._compiled(step) if self.use_graphs else super()._step_fn(step)
