@@ -192,12 +192,12 @@ def test_exact_ties_cross_the_topk_boundary():
 # ---- executor: variants in the plan, manifests enforced ----------------------------------------
 def _decode_logits(executor_variants, preset="tiny-qwen3-moe", enforce=True):
     cfg = preset_config(preset)
-    w = random_weights(cfg, seed=3)
+    w = random_weights(cfg, DEVICE, seed=3)
     eng = Engine(cfg, w, max_batch=3, max_seq_len=16)
     if executor_variants is not None:
         eng.executor = VariantExecutor(eng.plan, w, eng.cache, executor_variants, enforce=enforce)
     eng.prefill([[256, 1, 2], [256, 9], [256, 4, 5, 6]])
-    return eng.decode(torch.tensor([7, 8, 9])), eng.executor
+    return eng.decode(torch.tensor([7, 8, 9], device=DEVICE)), eng.executor
 
 
 @needs_triton
@@ -262,13 +262,13 @@ def test_executor_logs_fallback_once(caplog):
 def test_e2e_correct_variants_agree_for_128_steps(preset):
     names = ["triton-router", "triton-rmsnorm", "torch-grouped-experts", "torch-attn-gqa"]
     prompts = ([256, 72, 101, 108, 108, 111], [256, 1, 2, 3], [256, 40])
-    res = compare_generation([get(n) for n in names], preset, prompts=prompts, steps=128)
+    res = compare_generation([get(n) for n in names], preset, prompts=prompts, steps=128, device=DEVICE)
     assert res["status"] == "PASS" and res["divergences"] == [], res
     assert res["variant_ops_run"]["triton-router"] >= 128 * sum(preset_config(preset).moe_layers)
 
 
 def test_e2e_reports_the_first_divergence():
-    res = compare_generation([get("broken-attn-stale-cache")], "tiny-qwen3-moe", steps=32)
+    res = compare_generation([get("broken-attn-stale-cache")], "tiny-qwen3-moe", steps=32, device=DEVICE)
     assert res["status"] == "FAIL" and res["divergences"]
     d = res["divergences"][0]
     assert set(d) == {"sequence", "step", "ref_token", "variant_token", "variant_token_in_ref_top5",

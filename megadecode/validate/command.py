@@ -61,8 +61,8 @@ def cmd_validate(args, argv) -> int:
         from .e2e import compare_generation
 
         for preset in ("tiny-qwen3-moe", "tiny-deepseek-v3"):
-            if v.supports(preset_config(preset), torch.float32, 1, "cpu") is None:
-                res = compare_generation([v], preset)
+            if v.supports(preset_config(preset), torch.float32, 1, device) is None:
+                res = compare_generation([v], preset, device=device)
                 print(f"e2e {preset}: {res['status']} ({res['steps']} steps x {res['sequences']} sequences, "
                       f"max logit diff {res['max_logit_diff_before_divergence']:.2e}) {res['divergences'] or ''}")
                 rows.append({"e2e": True, **res})

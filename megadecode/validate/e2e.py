@@ -27,10 +27,10 @@ def _engine(cfg, weights, prompts, steps, variants=None) -> Engine:
 
 @torch.inference_mode()
 def compare_generation(variants: list[Variant], preset: str = "tiny-qwen3-moe", *, prompts=DEFAULT_PROMPTS,
-                       steps: int = 128, dtype=torch.float32, seed: int = 0) -> dict:
+                       steps: int = 128, dtype=torch.float32, seed: int = 0, device="cpu") -> dict:
     cfg = preset_config(preset)
     prompts = [list(p) for p in prompts]
-    weights = random_weights(cfg, "cpu", dtype, seed)
+    weights = random_weights(cfg, device, dtype, seed)
     ref, var = _engine(cfg, weights, prompts, steps), _engine(cfg, weights, prompts, steps, variants)
     tol = TOLERANCES[dtype_name(dtype)]
     lr, lv = ref.prefill(prompts, steps), var.prefill(prompts, steps)
@@ -56,6 +56,6 @@ def compare_generation(variants: list[Variant], preset: str = "tiny-qwen3-moe", 
             lr, lv = ref.decode(tr), var.decode(tv)
     ran = dict(var.executor.ran)
     status = "PASS" if all(d["near_tie"] for d in first.values()) else "FAIL"
-    return {"status": status, "preset": preset, "dtype": dtype_name(dtype), "steps": steps,
+    return {"status": status, "preset": preset, "dtype": dtype_name(dtype), "device": str(device), "steps": steps,
             "sequences": len(prompts), "variants": [v.name for v in variants], "variant_ops_run": ran,
             "max_logit_diff_before_divergence": max_diff, "divergences": [first[i] for i in sorted(first)]}
