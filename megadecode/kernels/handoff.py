@@ -41,7 +41,10 @@ ERR_OK = tl.constexpr(0)
 ERR_WAIT_TIMEOUT = tl.constexpr(1)
 DEFAULT_MAX_SPIN = 1 << 20
 
-PLANTED = ("HOIST", "NO_ACQUIRE", "RELAXED_SIGNAL", "SIGNAL_BEFORE_STORE")
+PLANTED = ("HOIST", "NO_ACQUIRE", "RELAXED_SIGNAL", "SIGNAL_BEFORE_STORE", "LOAD_BEFORE_WAIT")
+# Jitter hooks for the dynamic audit: a per-(producer, step) delay (ns, from DELAYS) before the
+# producer's stores, or right after its signal. GPU only (PTX `nanosleep`).
+JITTER_POINTS = ("JITTER_BEFORE_STORE", "JITTER_AFTER_SIGNAL")
 
 
 @triton.jit
@@ -54,6 +57,13 @@ def _ld_nc_f32(ptr, mask):
 
 
 @triton.jit
+def _sleep_ns(ns):
+    """Sleep about `ns` nanoseconds (PTX nanosleep; the hardware may wake it early or late)."""
+    tl.inline_asm_elementwise("{ nanosleep.u32 $1; mov.u32 $0, $1; }", "=r,r", [ns],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _load_f32(ptr, mask, NC: tl.constexpr):
     if NC:
         v = _ld_nc_f32(ptr, mask)
@@ -63,12 +73,32 @@ def _load_f32(ptr, mask, NC: tl.constexpr):
 
 
 @triton.jit
-def handoff_kernel(W, X, V, Y, Z, FLAGS, ERR,
+def _consume(Y, V, s, M, rows, rmask, alive, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             NC_WEIGHTS: tl.constexpr, HOIST: tl.constexpr):
+    """z-chunk = V[rows, :] @ y[s, :]; y is produced during the launch: coherent loads, after the acquire."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    m0 = 0
+    while m0 < M:
+        cols = m0 + tl.arange(0, BLOCK_K)
+        cmask = (cols < M) & alive
+        if HOIST:
+            yv = _load_f32(Y + s * M + cols, cmask, NC_WEIGHTS)  # the bug: produced data, .nc
+        else:
+            yv = tl.load(Y + s * M + cols, mask=cmask, other=0.0, cache_modifier=".cg")
+        v = _load_f32(V + rows[:, None] * M + cols[None, :], rmask[:, None] & cmask[None, :], NC_WEIGHTS)
+        acc += tl.sum(v * yv[None, :], axis=1)
+        m0 += BLOCK_K
+    return acc
+
+
+@triton.jit
+def handoff_kernel(W, X, V, Y, Z, FLAGS, ERR, DELAYS,
                    S, K, M, N, max_spin,
                    NUM_PRODUCERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, NC_WEIGHTS: tl.constexpr, PRODUCERS_ON: tl.constexpr,
                    HOIST: tl.constexpr, NO_ACQUIRE: tl.constexpr, RELAXED_SIGNAL: tl.constexpr,
-                   SIGNAL_BEFORE_STORE: tl.constexpr):
+                   SIGNAL_BEFORE_STORE: tl.constexpr, LOAD_BEFORE_WAIT: tl.constexpr,
+                   JITTER_BEFORE_STORE: tl.constexpr, JITTER_AFTER_SIGNAL: tl.constexpr):
     pid = tl.program_id(0)
     if pid < NUM_PRODUCERS:
         # ---- producer: y[s, rows] = W[rows, :] @ x[s, :], then signal flag[s]
@@ -86,6 +116,8 @@ def handoff_kernel(W, X, V, Y, Z, FLAGS, ERR,
                 xv = tl.load(X + s * K + cols, mask=cmask, other=0.0).to(tl.float32)
                 acc += tl.sum(w * xv[None, :], axis=1)
                 k0 += BLOCK_K
+            if JITTER_BEFORE_STORE:
+                _sleep_ns(tl.load(DELAYS + pid * S + s))
             if PRODUCERS_ON:
                 if SIGNAL_BEFORE_STORE:
                     tl.atomic_add(FLAGS + s, 1, sem="release", scope="gpu")
@@ -97,6 +129,8 @@ def handoff_kernel(W, X, V, Y, Z, FLAGS, ERR,
                         tl.atomic_add(FLAGS + s, 1, sem="relaxed", scope="gpu")
                     else:
                         tl.atomic_add(FLAGS + s, 1, sem="release", scope="gpu")
+                if JITTER_AFTER_SIGNAL:
+                    _sleep_ns(tl.load(DELAYS + pid * S + s))
             s += 1
     else:
         # ---- consumer: wait for flag[s] == NUM_PRODUCERS, then z[s, rows] = V[rows, :] @ y[s, :]
@@ -106,6 +140,8 @@ def handoff_kernel(W, X, V, Y, Z, FLAGS, ERR,
         alive = pid >= 0  # becomes False after a timeout: the program stops working
         s = 0
         while s < S:
+            if LOAD_BEFORE_WAIT:  # the bug: produced data read before the wait that guards it
+                acc = _consume(Y, V, s, M, rows, rmask, alive, BLOCK_N, BLOCK_K, NC_WEIGHTS, HOIST)
             seen = tl.full((), 0, tl.int32)
             spins = 0
             while alive & (seen < NUM_PRODUCERS) & (spins < max_spin):
@@ -117,19 +153,8 @@ def handoff_kernel(W, X, V, Y, Z, FLAGS, ERR,
             timed_out = alive & (seen < NUM_PRODUCERS)
             tl.store(ERR + pid, ERR_WAIT_TIMEOUT, mask=timed_out)
             alive = alive & (seen >= NUM_PRODUCERS)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            m0 = 0
-            while m0 < M:
-                cols = m0 + tl.arange(0, BLOCK_K)
-                cmask = (cols < M) & alive
-                if HOIST:
-                    yv = _load_f32(Y + s * M + cols, cmask, NC_WEIGHTS)  # the bug: produced data, .nc
-                else:
-                    yv = tl.load(Y + s * M + cols, mask=cmask, other=0.0, cache_modifier=".cg")
-                v = _load_f32(V + rows[:, None] * M + cols[None, :], rmask[:, None] & cmask[None, :],
-                              NC_WEIGHTS)
-                acc += tl.sum(v * yv[None, :], axis=1)
-                m0 += BLOCK_K
+            if not LOAD_BEFORE_WAIT:
+                acc = _consume(Y, V, s, M, rows, rmask, alive, BLOCK_N, BLOCK_K, NC_WEIGHTS, HOIST)
             tl.store(Z + s * N + rows, acc, mask=rmask & alive)
             s += 1
 
@@ -153,12 +178,15 @@ def _check(name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> No
 
 def handoff(W: torch.Tensor, x: torch.Tensor, V: torch.Tensor, *, block_m: int = 16, block_n: int = 16,
             block_k: int = 32, max_spin: int = DEFAULT_MAX_SPIN, producers_on: bool = True,
-            nc_weights: bool | None = None, **planted: bool):
+            nc_weights: bool | None = None, jitter: str | None = None, delays_ns: torch.Tensor | None = None,
+            **planted: bool):
     """z[s] = V @ (W @ x[s]) for every row s of x, in one persistent launch.
 
     W: [M, K], x: [S, K], V: [N, M] (fp32/fp16/bf16, contiguous, one device). Returns (z [S, N]
     fp32, err [programs] int32: ERR_OK or ERR_WAIT_TIMEOUT per program). `planted` takes the
     PLANTED flags; `producers_on=False` disables the producers' signals (consumers then time out).
+    `jitter` ("before_store" | "after_signal") sleeps each producer `delays_ns[producer, step]` ns at
+    that point (the dynamic audit's hook; GPU only).
     """
     bad = set(planted) - set(PLANTED)
     if bad:
@@ -187,14 +215,26 @@ def handoff(W: torch.Tensor, x: torch.Tensor, V: torch.Tensor, *, block_m: int =
             raise ValueError(f"persistent launch needs {P + C} co-resident programs, device has {sms} SMs")
     if nc_weights is None:
         nc_weights = not interp
+    if jitter not in (None, "before_store", "after_signal"):
+        raise ValueError(f"jitter must be None, 'before_store' or 'after_signal', got {jitter!r}")
+    if jitter is not None:
+        if interp:
+            raise RuntimeError("jitter needs the GPU (PTX nanosleep); the interpreter cannot run it")
+        if delays_ns is None or tuple(delays_ns.shape) != (P, S) or delays_ns.dtype != torch.int32:
+            raise ValueError(f"jitter needs delays_ns as int32 [{P}, {S}] (producers x steps)")
+        delays = delays_ns.to(dev).contiguous()
+    else:
+        delays = torch.zeros((1,), dtype=torch.int32, device=dev)
     y = torch.zeros((S, M), dtype=torch.float32, device=dev)
     z = torch.zeros((S, N), dtype=torch.float32, device=dev)
     flags = torch.zeros((S,), dtype=torch.int32, device=dev)
     err = torch.zeros((P + C,), dtype=torch.int32, device=dev)
     flags_kw = {f: bool(planted.get(f, False)) for f in PLANTED}
-    handoff_kernel[(P + C,)](W, x, V, y, z, flags, err, S, K, M, N, max_spin,
+    handoff_kernel[(P + C,)](W, x, V, y, z, flags, err, delays, S, K, M, N, max_spin,
                              NUM_PRODUCERS=P, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                             NC_WEIGHTS=nc_weights, PRODUCERS_ON=producers_on, **flags_kw)
+                             NC_WEIGHTS=nc_weights, PRODUCERS_ON=producers_on,
+                             JITTER_BEFORE_STORE=jitter == "before_store",
+                             JITTER_AFTER_SIGNAL=jitter == "after_signal", **flags_kw)
     return z, err
 
 
@@ -206,24 +246,27 @@ def handoff_reference(W: torch.Tensor, x: torch.Tensor, V: torch.Tensor) -> torc
 
 # Roles of handoff_kernel's pointer parameters, for megadecode.validate.audit.
 PARAM_ROLES = {"W": "static", "X": "static", "V": "static", "Y": "produced", "Z": "produced",
-               "FLAGS": "flag", "ERR": "produced"}
+               "FLAGS": "flag", "ERR": "produced", "DELAYS": "static"}
 
 
 def handoff_signature() -> dict[str, str]:
     """The sm_90 compile signature of handoff_kernel (constexprs marked "constexpr")."""
     sig = {p: "*fp32" for p in ("W", "X", "V", "Y", "Z")}
-    sig.update({"FLAGS": "*i32", "ERR": "*i32", "S": "i32", "K": "i32", "M": "i32", "N": "i32",
+    sig.update({"FLAGS": "*i32", "ERR": "*i32", "DELAYS": "*i32", "S": "i32", "K": "i32", "M": "i32", "N": "i32",
                 "max_spin": "i32"})
-    for c in ("NUM_PRODUCERS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NC_WEIGHTS", "PRODUCERS_ON") + PLANTED:
+    for c in ("NUM_PRODUCERS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NC_WEIGHTS", "PRODUCERS_ON") + PLANTED \
+            + JITTER_POINTS:
         sig[c] = "constexpr"
     return sig
 
 
-def handoff_constexprs(nc_weights: bool = True, producers_on: bool = True, **planted: bool) -> dict:
+def handoff_constexprs(nc_weights: bool = True, producers_on: bool = True, jitter: str | None = None,
+                       **planted: bool) -> dict:
     bad = set(planted) - set(PLANTED)
     if bad:
         raise TypeError(f"unknown planted flags {sorted(bad)}; known: {PLANTED}")
     c = {"NUM_PRODUCERS": 4, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32,
          "NC_WEIGHTS": nc_weights, "PRODUCERS_ON": producers_on}
     c.update({f: bool(planted.get(f, False)) for f in PLANTED})
+    c.update({"JITTER_BEFORE_STORE": jitter == "before_store", "JITTER_AFTER_SIGNAL": jitter == "after_signal"})
     return c

@@ -1,0 +1,44 @@
+"""The ordering audit over the handoff kernel's planted mistakes, CPU part: the static audit flags every
+mistake it can see and nothing in the correct kernel; the one it cannot see (a coherent load placed
+above its wait) is left to the GPU's dynamic audit and reported as SKIP here, never as PASS."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from megadecode.validate.ordering import HANDOFF_VARIANTS, kernel_audits, run_ordering  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cpu_rows():
+    rows, reports = run_ordering(gpu=False)
+    return rows, reports
+
+
+def test_correct_handoff_is_clean_and_static_catches_four(cpu_rows):
+    rows, _ = cpu_rows
+    verdict = {r["variant"]: r for r in rows if r["check"] == "verdict"}
+    assert set(verdict) == set(HANDOFF_VARIANTS)
+    assert verdict["handoff"]["status"] == "PASS"
+    for name in ("broken-handoff-hoist-nc", "broken-handoff-no-acquire", "broken-handoff-relaxed-signal",
+                 "broken-handoff-signal-before-store"):
+        assert verdict[name]["status"] == "PASS" and "static-audit" in verdict[name]["caught_by"], name
+    lbw = verdict["broken-handoff-load-before-wait"]
+    assert lbw["status"] == "SKIP" and "GPU" in lbw["reason"]
+
+
+def test_static_findings_name_the_rule(cpu_rows):
+    rows, _ = cpu_rows
+    static = {r["variant"]: r for r in rows if r["check"] == "static-audit"}
+    assert "nc-load-of-produced" in static["broken-handoff-hoist-nc"]["findings"]
+    assert "wait-without-acquire" in static["broken-handoff-no-acquire"]["findings"]
+    assert "signal-without-release" in static["broken-handoff-relaxed-signal"]["findings"]
+    assert static["handoff"]["findings"] is None
+
+
+@pytest.mark.parametrize("variant", ["triton-rmsnorm", "triton-router"])
+def test_plan_op_kernels_read_activations_coherently(variant):
+    reports = kernel_audits(variant)
+    assert reports and all(r.passed for r in reports), [r.to_markdown() for r in reports]
