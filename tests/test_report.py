@@ -32,3 +32,16 @@ def test_all_pass_verdict_and_escaping():
                             env={"gpu": "none"}, command="c")
     assert "**Verdict: PASS**" in md
     assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt;" in page
+
+
+def test_suites_of_planted_bugs_are_judged_by_their_verdict_rows():
+    rows = [{"variant": "good", "check": "static-audit", "status": "PASS"},
+            {"variant": "good", "check": "verdict", "expected": "clean", "status": "PASS"},
+            {"variant": "broken-x", "check": "static-audit", "status": "FAIL", "findings": "nc-load-of-produced"},
+            {"variant": "broken-x", "check": "verdict", "expected": "flagged", "caught_by": "static-audit",
+             "status": "PASS"}]
+    _, md = build_report("suite", manifest={}, rows=rows, audits=[], perf_rows=[], env={}, command="c")
+    assert "**Verdict: PASS**" in md and "| broken-x | flagged | PASS | static-audit |" in md
+    rows[-1] = dict(rows[-1], status="FAIL", caught_by=None, reason="not caught")
+    _, md = build_report("suite", manifest={}, rows=rows, audits=[], perf_rows=[], env={}, command="c")
+    assert "**Verdict: FAIL**" in md

@@ -132,14 +132,15 @@ def dynamic_audit(name: str, *, launches: int = 100, M: int = 1024, K: int = 204
     return rows
 
 
-def run_ordering(*, launches: int = 100, gpu: bool | None = None) -> tuple[list[dict], list[A.AuditReport]]:
+def run_ordering(*, launches: int = 100, gpu: bool | None = None) -> tuple[list[dict], list[str]]:
     """Every handoff variant: static audit always, dynamic audit when a GPU is present. Adds a verdict
-    row per variant: correct ones must pass everything, broken ones must be caught by something."""
+    row per variant: correct ones must pass everything, broken ones must be caught by something.
+    Returns (rows, the static audits as markdown, one per variant, titled with its name)."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     rows, reports = [], []
     for name in HANDOFF_VARIANTS:
         rep = static_audit(name)
-        reports.append(rep)
+        reports.append(f"#### {name}\n\n{rep.to_markdown()}")
         own = [{"variant": name, "check": "static-audit", "status": "PASS" if rep.passed else "FAIL",
                 "findings": ",".join(sorted({f.rule for f in rep.errors})) or None}]
         if gpu:

@@ -9,12 +9,10 @@ its performance rows (bench JSON) and the environment. Plots use matplotlib when
 from __future__ import annotations
 
 import base64
-import html
 import io
 import json
 import math
 import platform
-import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -33,11 +31,9 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    try:
-        env["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["git_sha"] = None
+    from ..bench import _git_sha
+
+    env["git_sha"] = _git_sha()
     return env
 
 
@@ -113,7 +109,11 @@ def build_report(name: str, manifest: dict, rows: list[dict], audits: list, perf
                  env: dict, command: str) -> tuple[str, str]:
     """Returns (html, markdown)."""
     counts = _status_counts(rows)
-    verdict = "FAIL" if counts.get("FAIL") else ("PASS" if counts.get("PASS") else "NOT RUN")
+    # Suites of expected failures (deliberately broken variants) carry one "verdict" row per subject:
+    # the verdict is theirs (caught as expected), not the raw count of failing checks.
+    judged = [r for r in rows if r.get("check") == "verdict"] or rows
+    jc = _status_counts(judged)
+    verdict = "FAIL" if jc.get("FAIL") else ("PASS" if jc.get("PASS") else "NOT RUN")
     audit_texts = [a.to_markdown() if hasattr(a, "to_markdown") else
                    (a if isinstance(a, str) else json.dumps(a, indent=1, default=str)) for a in audits]
     mkeys, mvals = _table(rows)
@@ -125,10 +125,15 @@ def build_report(name: str, manifest: dict, rows: list[dict], audits: list, perf
         audits=audit_texts, pkeys=pkeys, prows=pvals, env=json.dumps(env, indent=1), command=command)
     md = [f"# Evidence summary: {name}", "", f"**Verdict: {verdict}** ({', '.join(f'{k} {v}' for k, v in counts.items())})",
           "", f"Reproduce: `{command}`", "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    if judged is not rows:
+        md += ["## Verdicts", "", "| subject | expected | status | caught by / reason |", "|---|---|---|---|"]
+        md += [f"| {r.get('variant')} | {r.get('expected')} | {r.get('status')} | "
+               f"{r.get('caught_by') or r.get('reason') or ''} |" for r in judged] + [""]
     fails = [r for r in rows if r.get("status") == "FAIL"]
     if fails:
-        md += ["## Failures", ""] + [f"- {html.escape(str({k: r.get(k) for k in r if k != 'status'}))}"
-                                     for r in fails[:30]] + [""]
+        md += ["## Failing checks" + (" (expected ones included)" if judged is not rows else ""), ""]
+        md += ["- " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "status" and v is not None)
+               for r in fails[:40]] + [""]
     numeric = {k: [r[k] for r in rows if isinstance(r.get(k), (int, float))] for k in ERROR_KEYS}
     numeric = {k: v for k, v in numeric.items() if v}
     if numeric:
