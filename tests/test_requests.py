@@ -248,3 +248,10 @@ def test_engine_checks_weights_against_the_table():
     w["lm_head.weight"] = w["lm_head.weight"][:, :8]
     with pytest.raises(RequestError, match="lm_head.weight"):
         Engine(cfg, w)
+
+
+def test_compiled_executor_refuses_unvalidated_families():
+    from megadecode.engine import Engine
+
+    with pytest.raises(ValueError, match="not validated for 'deepseek_v3'"):
+        Engine.from_pretrained("tiny-deepseek-v3", executor="compiled")
