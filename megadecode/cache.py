@@ -1,7 +1,12 @@
-"""The KV cache: per layer, a [slots, max_len, ...] tensor per sequence slot.
+"""The KV cache: per layer, a [slots, max_len, ...] tensor per sequence slot, or fixed-size state for KDA.
 
 GQA layers keep keys and values ([S, L, K, d] each); MLA layers keep the compressed latent and the
 rope key ([S, L, kv_lora_rank + qk_rope_head_dim]), 576 values per token for DeepSeek-V3.
+KDA layers (kimi_linear) keep per-sequence state whose size does not grow with the context:
+  conv state      [S, 3*H*K, kernel-1]  the last kernel-1 inputs of the q/k/v short conv (model dtype);
+  recurrent state [S, H, K, V]          the delta-rule memory per head, fp32 (as transformers keeps it:
+                                        a decaying sum over the whole context is sensitive to rounding).
+A prefill never reads a slot's KDA state: it starts each sequence from zero and overwrites the slot.
 """
 
 from __future__ import annotations
@@ -17,8 +22,15 @@ class KVCache:
             raise ValueError(f"cache needs >= 1 slot and >= 1 position, got {num_slots} x {max_len}")
         self.cfg, self.num_slots, self.max_len = cfg, num_slots, max_len
         self.layers: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.state_layers: set[str] = set()  # KDA layers: per-sequence state, not per-token
         for i in range(cfg.num_layers):
-            if cfg.is_mla:
+            if cfg.is_kda(i):
+                H, K = cfg.linear_num_heads, cfg.linear_head_dim
+                self.layers[f"cache.{i}"] = (
+                    torch.zeros(num_slots, 3 * H * K, cfg.conv_kernel - 1, device=device, dtype=dtype),
+                    torch.zeros(num_slots, H, K, K, device=device, dtype=torch.float32))
+                self.state_layers.add(f"cache.{i}")
+            elif cfg.is_mla:
                 shape = (num_slots, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
                 self.layers[f"cache.{i}"] = (torch.zeros(shape, device=device, dtype=dtype),)
             else:
@@ -30,8 +42,13 @@ class KVCache:
         return self.layers[name]
 
     def bytes_per_token(self) -> int:
-        """Cache bytes one token occupies (and one attending query reads), summed over layers."""
-        return sum(t[0, 0].numel() * t.element_size() for ts in self.layers.values() for t in ts)
+        """Cache bytes one token occupies (and one attending query reads), summed over the per-token layers."""
+        return sum(t[0, 0].numel() * t.element_size() for n, ts in self.layers.items()
+                   if n not in self.state_layers for t in ts)
+
+    def state_bytes_per_sequence(self) -> int:
+        """Fixed-size state bytes one sequence holds (and one decode step reads and writes): KDA layers."""
+        return sum(t[0].numel() * t.element_size() for n in self.state_layers for t in self.layers[n])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.layers.values() for t in ts)

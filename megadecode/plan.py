@@ -13,9 +13,11 @@ from .config import ModelConfig
 from .weights import param_specs
 
 # Op kinds. Each names what it computes; the reference implementation lives in executors/torch_ops.py.
-EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ROUTER, EXPERTS, MLP, LM_HEAD = (
-    "embed", "rmsnorm", "add", "attn_gqa", "attn_mla", "router", "experts", "mlp", "lm_head")
-OP_KINDS = (EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ROUTER, EXPERTS, MLP, LM_HEAD)
+# ATTN_KDA (kimi_linear's linear-attention layers) reads/writes per-sequence state (conv window, recurrent
+# state) instead of per-token KV; its cache is still `cache.{layer}`.
+EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD = (
+    "embed", "rmsnorm", "add", "attn_gqa", "attn_mla", "attn_kda", "router", "experts", "mlp", "lm_head")
+OP_KINDS = (EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD)
 
 # Step inputs (written by the host before a step) and activations (written during the step).
 INPUTS = ("tokens", "positions", "slots", "logit_rows")
@@ -66,10 +68,14 @@ def build_plan(cfg: ModelConfig) -> DecodePlan:
     ops = [Op(EMBED, -1, ("tokens",), ("hidden",), ("model.embed_tokens.weight",))]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
-        attn = ATTN_MLA if cfg.is_mla else ATTN_GQA
+        if cfg.is_kda(i):  # no positions: KDA's state carries the order
+            attn = Op(ATTN_KDA, i, ("normed", "slots"), ("attn_out",), under(f"{p}.self_attn"), f"cache.{i}")
+        else:
+            attn = Op(ATTN_MLA if cfg.is_mla else ATTN_GQA, i, ("normed", "positions", "slots"), ("attn_out",),
+                      under(f"{p}.self_attn"), f"cache.{i}")
         ops += [
             Op(RMSNORM, i, ("hidden",), ("normed",), (f"{p}.input_layernorm.weight",)),
-            Op(attn, i, ("normed", "positions", "slots"), ("attn_out",), under(f"{p}.self_attn"), f"cache.{i}"),
+            attn,
             Op(ADD, i, ("hidden", "attn_out"), ("hidden",)),
             Op(RMSNORM, i, ("hidden",), ("normed",), (f"{p}.post_attention_layernorm.weight",)),
         ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 from .config import ConfigError, ModelConfig, config_from_hf
-from .tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID
+from .tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID
 
 PRESETS: dict[str, dict] = {
     "tiny-qwen3-moe": {
@@ -37,6 +37,22 @@ PRESETS: dict[str, dict] = {
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
         "hidden_act": "silu", "tie_word_embeddings": False,
         "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    },
+    # Layers: 0 KDA + dense MLP, 1 KDA + MoE, 2 MLA (NoPE) + MoE, 3 KDA + MoE. Layer kinds are given the way
+    # Kimi-Linear's config.json gives them (1-indexed lists in `linear_attn_config`).
+    "tiny-kimi-linear": {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": BYTE_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "linear_attn_config": {"full_attn_layers": [3], "kda_layers": [1, 2, 4], "num_heads": 4, "head_dim": 16,
+                               "short_conv_kernel_size": 4},
+        "intermediate_size": 96, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+        "n_shared_experts": 1, "routed_scaling_factor": 2.446, "norm_topk_prob": True,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+        "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
     },
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],

@@ -1,7 +1,8 @@
 """The weight table: every static tensor a model needs, its shape, and where it comes from in an HF
 checkpoint. Internal names are the HF names, except routed experts, which are kept stacked per layer
 (`mlp.experts.gate_up_proj` [E, 2*I, D] with gate rows first, `mlp.experts.down_proj` [E, D, I]) the
-way transformers 5 holds them; HF checkpoints store them per expert (`mlp.experts.{j}.gate_proj.weight`).
+way transformers 5 holds them; HF checkpoints store them per expert (`mlp.experts.{j}.gate_proj.weight`;
+kimi_linear: `mlp.experts.{j}.w1.weight` gate, `w3` up, `w2` down). KDA layers: see `_kda`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from .config import ModelConfig
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
-    init: str  # "linear" (std 1/sqrt(fan_in)), "norm" (1 + noise), "embed", "bias" (router selection bias)
+    # "linear" (std 1/sqrt(fan_in)), "norm" (1 + noise), "embed", "bias" (N(0, 0.1): router selection bias,
+    # KDA dt_bias), "a_log" (KDA decay rate log, N(-1, 0.3): per-token decays exp(-exp(A)*softplus(.)) ~ 0.5-0.8)
+    init: str
     fp32: bool = False  # kept in fp32 whatever the model dtype (the router selection bias)
     # How the tensor is assembled from HF per-expert tensors: None (stored as is) or "experts_gate_up" /
     # "experts_down" (stack over experts).
     stacked: str | None = None
+    # Per-expert checkpoint names of (gate, up, down): DeepSeek/Qwen style, or Kimi's ("w1", "w3", "w2"),
+    # the only per-expert spelling transformers converts for kimi_linear.
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def hf_names(self, num_experts: int) -> list[str]:
         """Names of the checkpoint tensors that make up this parameter, in stacking order."""
@@ -30,14 +36,34 @@ class ParamSpec:
             return [self.name]
         prefix = self.name.rsplit(".", 1)[0]  # ...mlp.experts
         if self.stacked == "experts_gate_up":
-            return [f"{prefix}.{j}.{p}.weight" for j in range(num_experts) for p in ("gate_proj", "up_proj")]
-        return [f"{prefix}.{j}.down_proj.weight" for j in range(num_experts)]
+            return [f"{prefix}.{j}.{p}.weight" for j in range(num_experts) for p in self.expert_names[:2]]
+        return [f"{prefix}.{j}.{self.expert_names[2]}.weight" for j in range(num_experts)]
 
 
 def _mlp(prefix: str, d: int, inter: int) -> list[ParamSpec]:
     return [ParamSpec(f"{prefix}.gate_proj.weight", (inter, d), "linear"),
             ParamSpec(f"{prefix}.up_proj.weight", (inter, d), "linear"),
             ParamSpec(f"{prefix}.down_proj.weight", (d, inter), "linear")]
+
+
+def _kda(a: str, cfg: ModelConfig) -> list[ParamSpec]:
+    """A KDA layer, named as transformers' KimiLinearDeltaAttention holds it (the forget gate in its own
+    module; q/k/v convs stacked into one depthwise `conv1d` [3*H*K, 1, kernel], channels q then k then v)."""
+    D, H, K = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
+    HK, f = H * K, f"{a}.forget_gate"
+    return [ParamSpec(f"{a}.q_proj.weight", (HK, D), "linear"),
+            ParamSpec(f"{a}.k_proj.weight", (HK, D), "linear"),
+            ParamSpec(f"{a}.v_proj.weight", (HK, D), "linear"),
+            ParamSpec(f"{a}.conv1d.weight", (3 * HK, 1, cfg.conv_kernel), "linear"),
+            ParamSpec(f"{f}.f_a_proj.weight", (K, D), "linear"),
+            ParamSpec(f"{f}.f_b_proj.weight", (HK, K), "linear"),
+            ParamSpec(f"{f}.dt_bias", (HK,), "bias"),
+            ParamSpec(f"{f}.A_log", (1, 1, H, 1), "a_log"),
+            ParamSpec(f"{a}.b_proj.weight", (H, D), "linear"),
+            ParamSpec(f"{a}.g_a_proj.weight", (K, D), "linear"),
+            ParamSpec(f"{a}.g_b_proj.weight", (HK, K), "linear"),
+            ParamSpec(f"{a}.o_norm.weight", (K,), "norm"),
+            ParamSpec(f"{a}.o_proj.weight", (D, HK), "linear")]
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -51,7 +77,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs += [ParamSpec(f"{p}.input_layernorm.weight", (D,), "norm"),
                   ParamSpec(f"{p}.post_attention_layernorm.weight", (D,), "norm")]
         a = f"{p}.self_attn"
-        if cfg.is_mla:
+        if cfg.is_kda(i):
+            specs += _kda(a, cfg)
+        elif cfg.is_mla:
             qk = cfg.qk_head_dim
             if cfg.q_lora_rank is None:
                 specs.append(ParamSpec(f"{a}.q_proj.weight", (H * qk, D), "linear"))
@@ -78,9 +106,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
             specs += _mlp(m, D, cfg.intermediate_size)
             continue
         E, I = cfg.num_experts, cfg.moe_intermediate_size
+        names = ("w1", "w3", "w2") if cfg.family == "kimi_linear" else ("gate_proj", "up_proj", "down_proj")
         specs += [ParamSpec(f"{m}.gate.weight", (E, D), "linear"),
-                  ParamSpec(f"{m}.experts.gate_up_proj", (E, 2 * I, D), "linear", stacked="experts_gate_up"),
-                  ParamSpec(f"{m}.experts.down_proj", (E, D, I), "linear", stacked="experts_down")]
+                  ParamSpec(f"{m}.experts.gate_up_proj", (E, 2 * I, D), "linear", stacked="experts_gate_up",
+                            expert_names=names),
+                  ParamSpec(f"{m}.experts.down_proj", (E, D, I), "linear", stacked="experts_down",
+                            expert_names=names)]
         if cfg.score_func == "sigmoid":
             specs.append(ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True))
         if cfg.n_shared_experts:
@@ -101,6 +132,8 @@ def random_tensor(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dt
     elif spec.init == "bias":
         # Non-zero selection bias of the size of the sigmoid scores' spread: it changes which experts win.
         t.normal_(0.0, 0.1, generator=gen)
+    elif spec.init == "a_log":
+        t.normal_(-1.0, 0.3, generator=gen)
     else:
         raise ValueError(spec.init)
     return t

@@ -328,3 +328,83 @@ def test_load_config_invalid_content_names_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf(DS, topk_group=7)))
     with pytest.raises(ConfigError, match=r"topk_group \(7\)"):
         load_config(tmp_path)
+
+
+# ---- kimi_linear ------------------------------------------------------------------------------------
+
+KIMI = "tiny-kimi-linear"
+
+
+def _kimi_ref(d: dict):
+    import transformers
+
+    return transformers.KimiLinearConfig(**d)
+
+
+def _assert_like_transformers(cfg: ModelConfig, ref) -> None:
+    assert cfg.kda_layers == tuple(t == "linear_attention" for t in ref.layer_types)
+    assert cfg.moe_layers == tuple(t == "sparse" for t in ref.mlp_layer_types)
+    assert (cfg.num_experts, cfg.top_k, cfg.n_group, cfg.topk_group) == (
+        ref.num_local_experts, ref.num_experts_per_tok, ref.n_group, ref.topk_group)
+    assert (cfg.n_shared_experts, cfg.norm_topk_prob, cfg.routed_scaling_factor) == (
+        ref.n_shared_experts, ref.norm_topk_prob, ref.routed_scaling_factor)
+    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.conv_kernel) == (
+        ref.linear_num_heads, ref.linear_head_dim, ref.linear_conv_kernel_dim)
+    assert (cfg.q_lora_rank, cfg.rms_norm_eps, cfg.max_position_embeddings) == (
+        ref.q_lora_rank, ref.rms_norm_eps, ref.max_position_embeddings)
+
+
+def test_kimi_linear_preset_values():
+    cfg = preset_config(KIMI)
+    assert cfg.family == "kimi_linear" and cfg.is_mla and not cfg.mla_rope
+    assert cfg.kda_layers == (True, True, False, True) and cfg.moe_layers == (False, True, True, True)
+    assert cfg.softmax_scale == (16 + 8) ** -0.5  # no yarn factor: no rope at all
+    _assert_like_transformers(cfg, _kimi_ref(hf(KIMI)))
+
+
+def test_kimi_linear_defaults_are_transformers():
+    d = hf(KIMI, **{k: ... for k in ("linear_attn_config", "first_k_dense_replace", "n_group", "topk_group",
+                                     "n_shared_experts", "norm_topk_prob", "routed_scaling_factor", "rms_norm_eps",
+                                     "q_lora_rank", "max_position_embeddings", "num_experts_per_tok")})
+    d.update(num_hidden_layers=9, linear_head_dim=16, linear_num_heads=2)
+    cfg = config_from_hf(d)
+    _assert_like_transformers(cfg, _kimi_ref(d))
+    assert cfg.kda_layers == tuple(not (i and i % 4 == 0) for i in range(9))
+
+
+def test_kimi_linear_aliases_are_transformers():
+    """Kimi-Linear's own config.json spells several fields the way KimiLinearConfig's attribute_map does."""
+    d = hf(KIMI, num_experts=..., num_experts_per_tok=..., n_group=..., n_shared_experts=..., norm_topk_prob=...,
+           max_position_embeddings=...)
+    d.update(num_local_experts=16, num_experts_per_token=2, num_expert_group=2, num_shared_experts=2,
+             moe_renormalize=False, model_max_length=1024)
+    cfg = config_from_hf(d)
+    _assert_like_transformers(cfg, _kimi_ref(d))
+    assert (cfg.num_experts, cfg.top_k, cfg.n_group, cfg.n_shared_experts, cfg.max_position_embeddings) == (
+        16, 2, 2, 2, 1024)
+
+
+def test_kimi_linear_layer_types_lists():
+    d = hf(KIMI, layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+           mlp_layer_types=["sparse", "dense", "sparse", "sparse"])
+    cfg = config_from_hf(d)
+    _assert_like_transformers(cfg, _kimi_ref(d))
+    assert cfg.kda_layers == (False, True, True, False) and cfg.moe_layers == (True, False, True, True)
+
+
+KIMI_BAD = [
+    ({"layer_types": ["linear_attention"]}, "layer_types"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types"),
+    ({"linear_attn_config": {"full_attn_layers": [0], "kda_layers": [1, 2, 3]}}, "'full_attn_layers' must list"),
+    ({"linear_attn_config": {"full_attn_layers": [3], "kda_layers": [1, 2, 4], "short_conv_kernel_size": 1}},
+     "short_conv_kernel_size"),
+    ({"n_shared_experts": 0}, "num_shared_experts"),
+    ({"attention_bias": True}, "attention_bias"),
+]
+
+
+@pytest.mark.parametrize("changes, text", KIMI_BAD, ids=[t for _, t in KIMI_BAD])
+def test_kimi_linear_bad_config_is_rejected(changes, text):
+    with pytest.raises(ConfigError) as e:
+        config_from_hf(hf(KIMI, **changes))
+    assert text in str(e.value)

@@ -83,9 +83,10 @@ def test_buffers_are_written_before_they_are_read(cfg):
 
 def test_each_layer_attention_reads_its_own_cache(cfg):
     plan = P.build_plan(cfg)
-    attn = [op for op in plan.ops if op.kind in (P.ATTN_GQA, P.ATTN_MLA)]
+    attn = [op for op in plan.ops if op.kind in (P.ATTN_GQA, P.ATTN_MLA, P.ATTN_KDA)]
     assert [op.layer for op in attn] == list(range(cfg.num_layers))
     for op in attn:
+        assert (op.kind == P.ATTN_KDA) == cfg.is_kda(op.layer)
         assert op.cache == f"cache.{op.layer}"
         assert op.cache in op.reads() and op.cache in op.writes()
         assert op.weights and all(w.startswith(f"model.layers.{op.layer}.self_attn.") for w in op.weights)

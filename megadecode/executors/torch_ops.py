@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .. import plan as P
 from ..reference.attention import gqa_attention, mla_attention
+from ..reference.kda import kda_attention
 from ..reference.moe import experts_grouped, experts_reference, route
 from ..reference.norm import rms_norm, swiglu_mlp
 from ..reference.rope import rope_cos_sin
@@ -54,8 +55,15 @@ def _attn_gqa(ctx, op):
 
 def _attn_mla(ctx, op):
     (latent,) = ctx.cache[op.cache]
+    rope = ctx.rope(ctx.buf["normed"].dtype) if ctx.cfg.mla_rope else None  # kimi_linear: NoPE
     ctx.buf["attn_out"] = mla_attention(ctx.cfg, ctx.w, f"model.layers.{op.layer}.self_attn",
-                                        ctx.buf["normed"], ctx.step, ctx.rope(ctx.buf["normed"].dtype), latent)
+                                        ctx.buf["normed"], ctx.step, rope, latent)
+
+
+def _attn_kda(ctx, op):
+    conv_state, rec_state = ctx.cache[op.cache]
+    ctx.buf["attn_out"] = kda_attention(ctx.cfg, ctx.w, f"model.layers.{op.layer}.self_attn",
+                                        ctx.buf["normed"], ctx.step, conv_state, rec_state)
 
 
 def _router(ctx, op):
@@ -81,5 +89,5 @@ def _lm_head(ctx, op):
 
 OP_IMPLS: dict[str, Callable] = {
     P.EMBED: _embed, P.RMSNORM: _rmsnorm, P.ADD: _add, P.ATTN_GQA: _attn_gqa, P.ATTN_MLA: _attn_mla,
-    P.ROUTER: _router, P.EXPERTS: _experts, P.MLP: _mlp, P.LM_HEAD: _lm_head,
+    P.ATTN_KDA: _attn_kda,    P.ROUTER: _router, P.EXPERTS: _experts, P.MLP: _mlp, P.LM_HEAD: _lm_head,
 }

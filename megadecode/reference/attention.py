@@ -69,7 +69,8 @@ def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
 def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step, rope,
                   latent_cache: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 MLA, absorbed: the cache holds C + R values per token ([S, Lmax, C + R]) and the
-    per-head key/value up-projections (kv_b_proj) are folded into the query and the output."""
+    per-head key/value up-projections (kv_b_proj) are folded into the query and the output.
+    rope = (cos, sin), or None for MLA without positional encoding (kimi_linear: nothing is rotated)."""
     N, H = x.shape[0], cfg.num_heads
     C, R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     p, eps = prefix, cfg.rms_norm_eps
@@ -82,9 +83,12 @@ def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
     q_nope, q_pe = q[..., :P], q[..., P:]
     kv = F.linear(x, w[f"{p}.kv_a_proj_with_mqa.weight"])
     latent = rms_norm(kv[:, :C], w[f"{p}.kv_a_layernorm.weight"], eps)  # [N, C]
-    cos, sin = rope
-    q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
-    k_pe = apply_rope(kv[:, None, C:], cos, sin, cfg.rope_interleave)[:, 0]  # one shared rope key per token
+    if rope is not None:
+        cos, sin = rope
+        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
+        k_pe = apply_rope(kv[:, None, C:], cos, sin, cfg.rope_interleave)[:, 0]  # one shared rope key per token
+    else:  # NoPE (kimi_linear): the shared key part is cached and scored unrotated
+        k_pe = kv[:, C:]
     latent_cache[step.slots, step.positions] = torch.cat((latent, k_pe), -1)
 
     w_kv = w[f"{p}.kv_b_proj.weight"].view(H, P + V, C)

@@ -1,0 +1,89 @@
+"""Kimi Delta Attention (KDA, kimi_linear's linear-attention layers), as transformers' KimiLinearDeltaAttention
+computes it; the recurrence runs token by token (the readable form of the chunked kernels).
+
+Legend: N new tokens, D hidden, H heads, K key dim = V value dim (`linear_head_dim`), C = 3*H*K conv
+channels (q, k, v), W conv width (`short_conv_kernel_size`). S [H, K, V] is a sequence's recurrent state.
+
+Per token of a sequence:
+  qkv  = SiLU(causal depthwise conv_W([q_proj x, k_proj x, v_proj x]))   over this and the W-1 previous tokens
+  q, k = l2norm(q), l2norm(k) per head (fp32, x / sqrt(sum x^2 + 1e-6)); q *= K^-1/2
+  g    = -exp(A_log[h]) * softplus(f_b(f_a x) + dt_bias)        [H, K]  log of the per-channel decay (fp32)
+  beta = sigmoid(b_proj x)                                      [H]
+  S    = exp(g)[..., None] * S                                  each key channel decays at its own rate
+  S    = S + k (x) beta * (v - k^T S)                           delta rule: what k reads is moved toward v
+  o    = q^T S                                                  [H, V]
+  y    = o_proj(rmsnorm_V(o) * o_norm.weight * sigmoid(g_b(g_a x)))   gated RMSNorm per head, in fp32
+The conv and the recurrence start from zero state at a sequence's first token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..step import Step
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_rule_step(q, k, v, g, beta, S):
+    """One token for B sequences: q, k, g [B, H, K], v [B, H, V], beta [B, H], S [B, H, K, V] (fp32).
+    Returns (o [B, H, V], new S)."""
+    S = S * g.exp()[..., None]
+    read = torch.einsum("bhk,bhkv->bhv", k, S)
+    S = S + k[..., None] * ((v - read) * beta[..., None])[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, S), S
+
+
+def _conv_silu(windows: torch.Tensor, conv_w: torch.Tensor) -> torch.Tensor:
+    """windows [..., C, W] (oldest first), conv_w [C, W] -> SiLU(sum_w windows * conv_w) [..., C], fp32."""
+    return F.silu((windows.float() * conv_w.float()).sum(-1))
+
+
+def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step,
+                  conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+    """x [N, D] -> [N, D]. conv_state [S, C, W-1], rec_state [S, H, K, V] fp32, both per cache slot."""
+    N, H, K = x.shape[0], cfg.linear_num_heads, cfg.linear_head_dim
+    W, p, f = cfg.conv_kernel, prefix, f"{prefix}.forget_gate"
+    qkv = torch.cat([F.linear(x, w[f"{p}.{n}_proj.weight"]) for n in "qkv"], -1)  # [N, C]
+    conv_w = w[f"{p}.conv1d.weight"][:, 0, :]  # [C, W]
+    g = (F.linear(F.linear(x, w[f"{f}.f_a_proj.weight"]), w[f"{f}.f_b_proj.weight"]).float()
+         + w[f"{f}.dt_bias"].float()).view(N, H, K)
+    g = -w[f"{f}.A_log"].float().exp().view(1, H, 1) * F.softplus(g, threshold=20.0)
+    beta = torch.sigmoid(F.linear(x, w[f"{p}.b_proj.weight"])).float()  # [N, H]
+
+    def heads(mixed: torch.Tensor):  # [n, C] fp32 -> q, k, v [n, H, K], conv output rounded as the model dtype
+        q, k, v = mixed.to(x.dtype).float().view(-1, 3, H, K).unbind(1)
+        return _l2norm(q) * K ** -0.5, _l2norm(k), v
+
+    if step.segments is None:
+        # Decode: one token per sequence; read, advance and write back the slots' state (no host sync).
+        rows = slice(0, N) if step.contiguous_slots else step.slots
+        windows = torch.cat((conv_state[rows], qkv[:, :, None]), -1)  # [N, C, W]
+        conv_state[rows] = windows[..., 1:]
+        q, k, v = heads(_conv_silu(windows, conv_w))
+        o, S = delta_rule_step(q, k, v, g, beta, rec_state[rows])
+        rec_state[rows] = S
+    else:
+        outs = []
+        for s, e, slot in step.segments:
+            # A new sequence: zero conv history and zero state, whatever the slot held before.
+            padded = torch.cat((qkv.new_zeros(qkv.shape[1], W - 1), qkv[s:e].T), -1)  # [C, W-1 + n]
+            q, k, v = heads(_conv_silu(padded.unfold(-1, W, 1).transpose(0, 1), conv_w))  # windows [n, C, W]
+            S = torch.zeros(1, H, K, K, dtype=torch.float32, device=x.device)
+            for t in range(e - s):
+                o_t, S = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[s + t:s + t + 1],
+                                         beta[s + t:s + t + 1], S)
+                outs.append(o_t)
+            conv_state[slot] = padded[:, -(W - 1):]
+            rec_state[slot] = S[0]
+        o = torch.cat(outs, 0)
+    # Gated RMSNorm per head: the core output is rounded to the model dtype, then normed in fp32.
+    gate = F.linear(F.linear(x, w[f"{p}.g_a_proj.weight"]), w[f"{p}.g_b_proj.weight"]).view(N, H, K)
+    of = o.to(x.dtype).float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    of = of * w[f"{p}.o_norm.weight"].float() * torch.sigmoid(gate.float())
+    return F.linear(of.to(x.dtype).reshape(N, H * K), w[f"{p}.o_proj.weight"])
