@@ -68,7 +68,8 @@ LOOP_EXPERTS = register(Variant(Manifest(
     name="torch-loop-experts",
     description="routed experts over expert-sorted pairs with explicit per-expert offsets, one host loop "
                 "over the experts (the offset bookkeeping a grouped GEMM kernel needs)",
-    replaces=(EXPERTS,), sources=("megadecode/kernels/torch_variants.py",)), _loop_experts))
+    replaces=(EXPERTS,), sources=("megadecode/kernels/torch_variants.py",), graph_capturable=False),
+    _loop_experts))
 
 ATTN_GQA_TORCH = register(Variant(Manifest(
     name="torch-attn-gqa", description="GQA attention of reference/attention.py in the variant contract",

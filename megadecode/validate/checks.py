@@ -117,6 +117,12 @@ def check_case(variant: Variant, case: OpCase, dtype: torch.dtype) -> dict:
         if ref_cache is not None:
             failures += compare_all({f"cache[{j}]": t for j, t in enumerate(cache1)},
                                     {f"cache[{j}]": t for j, t in enumerate(ref_cache)}, tol, "")[0]
+    if not failures and out1 and next(iter(out1.values())).is_cuda:
+        from .gpu_checks import concurrent_failures, graph_replay_failures
+
+        if variant.manifest.graph_capturable:
+            failures += graph_replay_failures(variant, c)
+        failures += concurrent_failures(variant, c)
     if not failures and c.batch > 1:
         for i in sorted({0, c.batch // 2, c.batch - 1}):
             alone, _, f = run_variant(variant, c.row(i))

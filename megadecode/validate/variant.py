@@ -62,10 +62,12 @@ class Manifest:
     sources: tuple[str, ...] = ()  # files the variant owns (paths from the repository root)
     baseline: str = "torch"  # the executor it is validated against
     uses_triton: bool = False  # on cpu it then needs the Triton interpreter
+    graph_capturable: bool = True  # claims CUDA-graph capture (checked on the GPU by graph replay)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "replaces": list(self.replaces),
-                "scope": self.scope.describe(), "sources": list(self.sources), "baseline": self.baseline}
+                "scope": self.scope.describe(), "sources": list(self.sources), "baseline": self.baseline,
+                "graph_capturable": self.graph_capturable}
 
 
 def triton_interpreted(fn) -> bool:

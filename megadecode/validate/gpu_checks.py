@@ -1,0 +1,88 @@
+"""Checks that only mean something on a GPU, added to every matrix cell run on CUDA:
+
+- graph replay: the variant's op captured in a CUDA graph, replayed on fresh inputs copied into the
+  captured buffers, must give bitwise what an eager run on those inputs gives (a kernel that caches a
+  pointer, a shape or a host value at capture time fails this);
+- concurrent stress: two copies of the case with different inputs run at once on two streams, each
+  must match its own eager result bitwise (a kernel that shares scratch memory or counters between
+  launches fails this).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import OpCase
+from .shapes import output_specs
+
+
+def _outputs(case: OpCase) -> dict[str, torch.Tensor]:
+    specs = output_specs(case.cfg, case.op, dict(case.inputs), case.weights)
+    return {n: torch.full(shape, float("nan"), dtype=dt, device="cuda") if dt.is_floating_point
+            else torch.full(shape, -1, dtype=dt, device="cuda") for n, (shape, dt) in specs.items()}
+
+
+def _run(variant, case: OpCase, outs) -> None:
+    variant.run(case.op, case.inputs, case.weights, outs, case.cfg, case.step, case.cache)
+
+
+def _fresh_like(case: OpCase, seed: int) -> OpCase:
+    """Same shapes, new random floating inputs (the op's integer inputs and the cache stay)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    c = case.clone()
+    for t in c.inputs.values():
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen).to(t.dtype) * t.float().std().clamp_min(1e-3))
+    return c
+
+
+def graph_replay_failures(variant, case: OpCase) -> list[str]:
+    static = case.clone()
+    outs = _outputs(static)
+    _run(variant, static, outs)  # warm-up: compiles, autotunes
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            _run(variant, static, outs)
+    except Exception as e:  # noqa: BLE001  (not capturable is a finding, not a crash)
+        return [f"not CUDA-graph capturable: {type(e).__name__}: {e}"]
+    fresh = _fresh_like(case, seed=1234)
+    for name, t in static.inputs.items():
+        t.copy_(fresh.inputs[name])
+    if static.cache is not None:
+        for a, b in zip(static.cache, fresh.cache):
+            a.copy_(b)
+    for t in outs.values():
+        t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+    graph.replay()
+    eager = _outputs(fresh)
+    _run(variant, fresh, eager)
+    torch.cuda.synchronize()
+    return [f"graph replay on fresh inputs differs from eager in {n}" for n in outs if not torch.equal(outs[n], eager[n])]
+
+
+def concurrent_failures(variant, case: OpCase) -> list[str]:
+    cases = [case.clone(), _fresh_like(case, seed=99)]
+    alone = []
+    for c in cases:
+        o = _outputs(c)
+        _run(variant, c.clone(), o)
+        alone.append(o)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in cases]
+    together = []
+    for _ in range(3):
+        outs = [_outputs(c) for c in cases]
+        runs = [c.clone() for c in cases]
+        torch.cuda.synchronize()
+        for s, c, o in zip(streams, runs, outs):
+            with torch.cuda.stream(s):
+                _run(variant, c, o)
+        torch.cuda.synchronize()
+        together.append(outs)
+    fails = []
+    for rep in together:
+        for k, (o, ref) in enumerate(zip(rep, alone)):
+            fails += [f"concurrent run {k} differs from its lone run in {n}" for n in o if not torch.equal(o[n], ref[n])]
+    return sorted(set(fails))
