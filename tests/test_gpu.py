@@ -24,7 +24,7 @@ def _engines(preset, dtype, fast="graph"):
             Engine(cfg, w, executor=fast, max_batch=8, max_seq_len=128))
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear"])
 def test_graph_matches_torch_fp32(preset):
     ref, fast = _engines(preset, torch.float32)
     a = ref.generate(PROMPTS, 24, SamplingParams(greedy=True), stop_at_eos=False)

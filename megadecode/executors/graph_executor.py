@@ -59,13 +59,17 @@ class GraphExecutor(TorchExecutor):
                       logit_rows=torch.arange(B, device=self.device), kv_len=kv_len,
                       contiguous_slots=step.contiguous_slots)
         # Warm-up on a side stream (allocator, lazy init). It repeats this step's own cache writes, so
-        # it leaves the cache as the real replay will.
+        # it leaves the KV cache as the real replay will. Recurrent state (KDA) is not idempotent: each
+        # run advances it, so it is saved before the warm-up and put back after.
+        saved = [t.clone() for n in sorted(self.cache.state_layers) for t in self.cache[n]]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._step_fn(static)
         torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip((t for n in sorted(self.cache.state_layers) for t in self.cache[n]), saved):
+            t.copy_(s)  # RESTORE_KDA_STATE
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step_fn(static)
