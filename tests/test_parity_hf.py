@@ -12,34 +12,19 @@ from megadecode.checkpoint import make_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 7], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [256, 40, 41]]
+from hf_oracle import PROMPTS, hf_teacher_forced, load_oracle, rel_err  # noqa: E402
+
 DECODE_STEPS = 20
 GREEDY_STEPS = 32
 RTOL = 1e-4
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
 
 @pytest.fixture(scope="module", params=["tiny-qwen3-moe", "tiny-deepseek-v3"])
 def models(request, tmp_path_factory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=3, dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
+    hf = load_oracle(ckpt)
     return request.param, ckpt, hf
-
-
-def hf_teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
-    """HF logits after the prompt, then after each continuation token, using its KV cache."""
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        logits, past = [out.logits[0, -1]], out.past_key_values
-        for t in continuation:
-            out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            logits.append(out.logits[0, -1])
-            past = out.past_key_values
-    return logits
 
 
 @pytest.mark.parametrize("executor", ["torch", "graph"])

@@ -14,15 +14,13 @@ from megadecode.presets import preset_config
 
 transformers = pytest.importorskip("transformers")
 
+from hf_oracle import PROMPTS, hf_teacher_forced, load_oracle, rel_err  # noqa: E402
+
 NAME = "tiny-kimi-linear"
-PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 7], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [256, 40, 41]]
 DECODE_STEPS = 20
 GREEDY_STEPS = 32
 RTOL = 1e-4
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +30,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(ckpt):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
+    return load_oracle(ckpt)
 
 
 def test_preset_mixes_layer_kinds():
@@ -62,17 +59,6 @@ def test_oracle_builds_the_same_model(hf, ckpt):
         assert torch.equal(sd[name], t), name
     bias = [t for n, t in w.items() if n.endswith("e_score_correction_bias")]
     assert bias and all(b.abs().min() > 0 for b in bias)  # the selection bias takes part
-
-
-def hf_teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        logits, past = [out.logits[0, -1]], out.past_key_values
-        for t in continuation:
-            out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            logits.append(out.logits[0, -1])
-            past = out.past_key_values
-    return logits
 
 
 # A fixed, non-greedy continuation, so both sides see identical inputs at every step.
