@@ -85,7 +85,7 @@ class CompiledGraphExecutor(GraphExecutor):
     name = "compiled"
     # Families whose compiled step matched the torch executor on the H200 (tests/test_gpu.py, bf16,
     # 8 decode steps). deepseek_v3 did not (relative logit error 0.22 on tiny-deepseek-v3, 2026-11-29).
-    # Reproduced on the CPU (bf16, /work session notes): every op compiled alone matches eager within one
+    # Reproduced on the CPU (bf16, `python bench/compile_drift.py --preset tiny-deepseek-v3`): every op compiled alone matches eager within one
     # bf16 ulp, but the whole-step compile keeps fused intermediates in fp32, the residual drifts by a few
     # ulps per layer (0.027 abs on the layer-2 router input) and that flips one near-tied expert choice
     # (4th/5th choice gaps down to 0.006), after which the logits differ by 17%. That is numerics, not a
