@@ -75,7 +75,7 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     where = _index_files(ckpt)
     handles: dict[Path, object] = {}
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str, quant: str | None = None) -> torch.Tensor:
         f = where[name]
         if f not in handles:
             handles[f] = _open(f)
@@ -84,6 +84,13 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         except SafetensorError as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (the index names that file): "
                                   f"{e}") from None
+        if quant:  # MXFP4 packed codes / e8m0 scales: bytes, kept as they are
+            if t.dtype != torch.uint8:
+                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected uint8 (MXFP4 "
+                                      f"{'e8m0 scales' if name.endswith('weight_scale') else 'packed e2m1 codes'})")
+            if check_finite and name.endswith("weight_scale") and bool((t == 255).any()):
+                raise CheckpointError(f"tensor {name!r} holds the e8m0 NaN scale byte 255")
+            return t
         if t.dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected a floating dtype "
                                   f"(float32, float16 or bfloat16)")
@@ -96,7 +103,7 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         if name in where or spec.stacked is None:
             if name not in where:
                 raise CheckpointError(f"checkpoint {ckpt} is missing tensor {name!r} (shape {list(spec.shape)})")
-            t = read(name)
+            t = read(name, spec.quant)
         else:
             parts = spec.hf_names(cfg.num_experts)
             missing = [n for n in parts if n not in where]
@@ -106,7 +113,7 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
             step = 2 if spec.stacked == "experts_gate_up" else 1
             experts = []
             for j in range(cfg.num_experts):
-                ts = [read(n) for n in parts[j * step:(j + 1) * step]]
+                ts = [read(n, spec.quant) for n in parts[j * step:(j + 1) * step]]
                 for n, t in zip(parts[j * step:(j + 1) * step], ts):
                     want = (spec.shape[1] // step, spec.shape[2])
                     if tuple(t.shape) != want:
@@ -115,6 +122,9 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
             t = torch.stack(experts)
         if tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
+        if spec.quant:
+            weights[name] = t.to(device=device)
+            continue
         t = t.to(device=device, dtype=torch.float32 if spec.fp32 else dtype)
         if check_finite and not torch.isfinite(t).all():  # finite in the file, not after the cast
             raise CheckpointError(f"tensor {name!r} overflows {t.dtype} (values beyond its range)")
@@ -126,7 +136,8 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
                     shard_bytes: int = 2 << 30) -> Path:
     """Write a random-weight HF-format checkpoint (config.json + sharded safetensors + index).
 
-    Experts are written per expert, the layout of checkpoints on the hub.
+    Experts are written per expert, the layout of checkpoints on the hub (kimi_k3: MXFP4 experts as
+    compressed-tensors `weight_packed` / `weight_scale` uint8 pairs, `random_tensor`'s bytes).
     """
     hf = preset_hf_config(preset_or_hf) if isinstance(preset_or_hf, str) else dict(preset_or_hf)
     cfg = config_from_hf(hf)

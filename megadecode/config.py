@@ -9,9 +9,12 @@ Families:
                with a per-channel decay, gated RMSNorm output) and MLA layers without positional
                encoding (the `qk_rope_head_dim` part of the key is shared across heads but never
                rotated); DeepSeek-style MoE (sigmoid, selection bias, groups), shared experts.
+  kimi_k3      hybrid KDA + gated NoPE MLA, Block Attention Residuals, Stable LatentMoE with MXFP4 routed
+               experts; no transformers class exists, so its config.json fields are ours (parsed in
+               `config_k3.py`, every open choice documented in `megadecode/k3.md`).
 
 A field left out of config.json takes the default of transformers' config class for the family
-(Qwen3MoeConfig, DeepseekV3Config, KimiLinearConfig), so the model built is the one transformers would build; the
+(Qwen3MoeConfig, DeepseekV3Config, KimiLinearConfig; kimi_k3: the public K3 values), so the model built is the one transformers would build; the
 fields that define the model's size have no default and are required.
 """
 
@@ -23,10 +26,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_linear")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
 # HF `model_type` -> our family.
 MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
-               "kimi_linear": "kimi_linear"}
+               "kimi_linear": "kimi_linear", "kimi_k3": "kimi_k3"}
 
 
 class ConfigError(ValueError):
@@ -85,6 +88,12 @@ class ModelConfig:
     linear_num_heads: int = 0
     linear_head_dim: int = 0  # key and value head dim of KDA layers
     conv_kernel: int = 0  # short causal conv width over q/k/v
+    # kimi_k3 (see megadecode/k3.md): Stable LatentMoE, gated MLA, Block Attention Residuals.
+    latent_size: int = 0  # > 0: MoE layers are LatentMoE (routed experts run in this width)
+    expert_act: str = "silu"  # routed experts' GLU activation: "silu" | "situ" (SiTU-GLU)
+    expert_quant: str | None = None  # None (dense float experts) | "mxfp4" (packed uint8 in memory)
+    mla_output_gate: bool = False  # o = o_proj(attn * sigmoid(x W_gate^T))
+    attn_res_block_size: int = 0  # > 0: Block Attention Residuals with blocks of this many layers
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -135,6 +144,9 @@ class ModelConfig:
             need(self.linear_num_heads > 0 and self.linear_head_dim > 0,
                  "KDA layers need linear_attn_config num_heads and head_dim > 0")
             need(self.conv_kernel >= 2, f"short_conv_kernel_size must be >= 2, got {self.conv_kernel}")
+        if self.family == "kimi_k3":
+            from .config_k3 import check_k3
+            check_k3(self)
         if self.family == "kimi_linear":
             need(self.n_shared_experts >= 1 or not any(self.moe_layers),
                  "kimi_linear MoE layers always run a shared expert: num_shared_experts must be >= 1")
@@ -151,7 +163,7 @@ class ModelConfig:
     # ---- derived sizes ------------------------------------------------------------------------
     @property
     def is_mla(self) -> bool:
-        return self.family in ("deepseek_v3", "kimi_linear")
+        return self.family in ("deepseek_v3", "kimi_linear", "kimi_k3")
 
     def is_kda(self, layer: int) -> bool:
         return bool(self.kda_layers) and self.kda_layers[layer]
@@ -280,6 +292,9 @@ def config_from_hf(d: dict) -> ModelConfig:
     if mt not in MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {mt!r}; supported: {sorted(MODEL_TYPES)}")
     family = MODEL_TYPES[mt]
+    if family == "kimi_k3":
+        from .config_k3 import kimi_k3_from_hf
+        return kimi_k3_from_hf(d)
     if d.get("quantization_config"):
         q = d["quantization_config"]
         method = q.get("quant_method", q) if isinstance(q, dict) else q

@@ -41,7 +41,8 @@ class GenerationResult:
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Every tensor of the weight table present, with its shape, on one device."""
+    """Every tensor of the weight table present, with its shape, on one device; MXFP4 halves (kimi_k3's routed
+    experts) uint8, everything else floating point."""
     devices = set()
     for name, spec in param_specs(cfg).items():
         if name not in weights:
@@ -49,7 +50,10 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         t = weights[name]
         if tuple(t.shape) != spec.shape:
             raise RequestError(f"weight {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
-        if not t.is_floating_point():
+        if spec.quant:
+            if t.dtype != torch.uint8:
+                raise RequestError(f"weight {name!r} has dtype {t.dtype}; expected uint8 (MXFP4, kept packed)")
+        elif not t.is_floating_point():
             raise RequestError(f"weight {name!r} has dtype {t.dtype}; expected a floating dtype")
         devices.add(t.device)
     if len(devices) > 1:

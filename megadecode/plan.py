@@ -15,14 +15,22 @@ from .weights import param_specs
 # Op kinds. Each names what it computes; the reference implementation lives in executors/torch_ops.py.
 # ATTN_KDA (kimi_linear's linear-attention layers) reads/writes per-sequence state (conv window, recurrent
 # state) instead of per-token KV; its cache is still `cache.{layer}`.
-EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD = (
-    "embed", "rmsnorm", "add", "attn_gqa", "attn_mla", "attn_kda", "router", "experts", "mlp", "lm_head")
-OP_KINDS = (EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD)
+# kimi_k3 (megadecode/k3.md): ATTN_MLA with the output gate when the config has one (the gate weight is among
+# the op's weights); ATTN_RES (Block Attention Residuals: the layer input as a softmax over block sums; at a
+# block's first layer it also closes the previous block: `blocks` grows by `hidden`, `hidden` restarts at 0);
+# LATENT_MOE (the routed half of Stable LatentMoE after the router: latent down, MXFP4 experts, norm, up).
+EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD, ATTN_RES, LATENT_MOE = (
+    "embed", "rmsnorm", "add", "attn_gqa", "attn_mla", "attn_kda", "router", "experts", "mlp", "lm_head",
+    "attn_res", "latent_moe")
+OP_KINDS = (EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD, ATTN_RES,
+            LATENT_MOE)
 
 # Step inputs (written by the host before a step) and activations (written during the step).
 INPUTS = ("tokens", "positions", "slots", "logit_rows")
+# With AttnRes (kimi_k3), `hidden` is the current block's partial sum, `blocks` [n, N, D] the completed
+# blocks' sums, `layer_in` a layer's (or the final norm's) AttnRes input, `post_attn` = layer_in + attn_out.
 ACTIVATIONS = ("hidden", "normed", "attn_out", "topk_ids", "topk_weights", "moe_out", "shared_out",
-               "mlp_out", "final", "logits")
+               "mlp_out", "final", "logits", "blocks", "layer_in", "post_attn")
 
 
 @dataclass(frozen=True)
@@ -65,21 +73,43 @@ def build_plan(cfg: ModelConfig) -> DecodePlan:
     def under(prefix: str) -> tuple[str, ...]:
         return tuple(n for n in specs if n.startswith(prefix + "."))
 
+    B = cfg.attn_res_block_size
+
+    def attn_res(i: int, prefix: str) -> Op:
+        """Layer i's AttnRes (i = num_layers: the final norm's). Layer B first writes `blocks`."""
+        start = 0 < i < cfg.num_layers and i % B == 0
+        ins = ("hidden",) + (("blocks",) if i > B else ())
+        outs = (("blocks", "hidden") if start else ()) + ("layer_in",)
+        return Op(ATTN_RES, i if i < cfg.num_layers else -1, ins, outs, (f"{prefix}.query", f"{prefix}.norm.weight"))
+
     ops = [Op(EMBED, -1, ("tokens",), ("hidden",), ("model.embed_tokens.weight",))]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
+        x = "layer_in" if B else "hidden"  # the layer's input
+        if B:
+            ops.append(attn_res(i, f"{p}.attn_res"))
         if cfg.is_kda(i):  # no positions: KDA's state carries the order
             attn = Op(ATTN_KDA, i, ("normed", "slots"), ("attn_out",), under(f"{p}.self_attn"), f"cache.{i}")
         else:
             attn = Op(ATTN_MLA if cfg.is_mla else ATTN_GQA, i, ("normed", "positions", "slots"), ("attn_out",),
                       under(f"{p}.self_attn"), f"cache.{i}")
+        mid = "post_attn" if B else "hidden"
         ops += [
-            Op(RMSNORM, i, ("hidden",), ("normed",), (f"{p}.input_layernorm.weight",)),
+            Op(RMSNORM, i, (x,), ("normed",), (f"{p}.input_layernorm.weight",)),
             attn,
-            Op(ADD, i, ("hidden", "attn_out"), ("hidden",)),
-            Op(RMSNORM, i, ("hidden",), ("normed",), (f"{p}.post_attention_layernorm.weight",)),
+            Op(ADD, i, (x, "attn_out"), (mid,)),
+            Op(RMSNORM, i, (mid,), ("normed",), (f"{p}.post_attention_layernorm.weight",)),
         ]
-        if cfg.moe_layers[i]:
+        out = "moe_out" if cfg.moe_layers[i] else "mlp_out"
+        if cfg.moe_layers[i] and cfg.latent_size:
+            m = f"{p}.mlp"
+            ops += [Op(ROUTER, i, ("normed",), ("topk_ids", "topk_weights"),
+                       (f"{m}.gate.weight", f"{m}.gate.e_score_correction_bias")),
+                    Op(LATENT_MOE, i, ("normed", "topk_ids", "topk_weights"), ("moe_out",),
+                       tuple(n for n in under(m) if not n.startswith((f"{m}.gate.", f"{m}.shared_experts.")))),
+                    Op(MLP, i, ("normed",), ("shared_out",), under(f"{m}.shared_experts")),
+                    Op(ADD, i, ("moe_out", "shared_out"), ("moe_out",))]
+        elif cfg.moe_layers[i]:
             gate = (f"{p}.mlp.gate.weight",) + ((f"{p}.mlp.gate.e_score_correction_bias",)
                                                 if cfg.score_func == "sigmoid" else ())
             ops += [Op(ROUTER, i, ("normed",), ("topk_ids", "topk_weights"), gate),
@@ -88,11 +118,14 @@ def build_plan(cfg: ModelConfig) -> DecodePlan:
             if cfg.n_shared_experts:
                 ops += [Op(MLP, i, ("normed",), ("shared_out",), under(f"{p}.mlp.shared_experts")),
                         Op(ADD, i, ("moe_out", "shared_out"), ("moe_out",))]
-            ops.append(Op(ADD, i, ("hidden", "moe_out"), ("hidden",)))
         else:
-            ops += [Op(MLP, i, ("normed",), ("mlp_out",), under(f"{p}.mlp")),
-                    Op(ADD, i, ("hidden", "mlp_out"), ("hidden",))]
+            ops.append(Op(MLP, i, ("normed",), ("mlp_out",), under(f"{p}.mlp")))
+        if B:  # the layer's output (attention + MLP) joins the block's partial sum
+            ops.append(Op(ADD, i, ("attn_out", out), (out,)))
+        ops.append(Op(ADD, i, ("hidden", out), ("hidden",)))
+    if B:
+        ops.append(attn_res(cfg.num_layers, "model.attn_res"))
     lm = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    ops += [Op(RMSNORM, -1, ("hidden", "logit_rows"), ("final",), ("model.norm.weight",)),
+    ops += [Op(RMSNORM, -1, ("layer_in" if B else "hidden", "logit_rows"), ("final",), ("model.norm.weight",)),
             Op(LM_HEAD, -1, ("final",), ("logits",), (lm,))]
     return DecodePlan(cfg, tuple(ops))

@@ -11,6 +11,18 @@ import copy
 from .config import ConfigError, ModelConfig, config_from_hf
 from .tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID
 
+# Kimi K3's public dims (SPEC.md); bos/eos ids are Kimi K2's tokenizer's (K3's are not public).
+_K3 = {
+    "model_type": "kimi_k3", "vocab_size": 163840, "hidden_size": 7168, "num_attention_heads": 96,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4},
+    "intermediate_size": 33792, "latent_size": 3584, "moe_intermediate_size": 3072, "num_experts": 896,
+    "num_experts_per_tok": 16, "num_shared_experts": 2, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "moe_hidden_act": "situ", "attn_res_block_size": 12,
+    "mla_output_gate": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 163584, "eos_token_id": 163585,
+}
+
 PRESETS: dict[str, dict] = {
     "tiny-qwen3-moe": {
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
@@ -54,6 +66,27 @@ PRESETS: dict[str, dict] = {
         "hidden_act": "silu", "tie_word_embeddings": False,
         "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
     },
+    # Layers: 0 KDA + dense SwiGLU, 1 KDA, 2 MLA (gated, NoPE), 3 KDA, 4 MLA; 1-4 LatentMoE with 16 MXFP4
+    # experts (top 4, groups), SiTU-GLU. AttnRes blocks of 2 layers: {0, 1}, {2, 3}, {4}.
+    "tiny-k3": {
+        "model_type": "kimi_k3", "vocab_size": BYTE_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 5,
+        "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention",
+                        "full_attention"],
+        "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4},
+        "intermediate_size": 96, "first_k_dense_replace": 1, "latent_size": 32, "moe_intermediate_size": 32,
+        "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "num_shared_experts": 2,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True, "moe_hidden_act": "situ",
+        "attn_res_block_size": 2, "mla_output_gate": True,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+    },
+    # One K3 layer at true dims: a KDA layer (69 of K3's 93 layers are KDA) with LatentMoE (every layer but
+    # layer 0 is LatentMoE), for per-layer microbenchmarks.
+    "k3-layer": {**_K3, "num_hidden_layers": 1, "layer_types": ["linear_attention"], "first_k_dense_replace": 0},
+    # True K3 dims, 4 layers: 3 KDA + 1 MLA (the default layer kinds), all LatentMoE with 896 MXFP4 experts.
+    "k3-mini": {**_K3, "num_hidden_layers": 4, "first_k_dense_replace": 0},
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
         "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,

@@ -3,6 +3,10 @@ checkpoint. Internal names are the HF names, except routed experts, which are ke
 (`mlp.experts.gate_up_proj` [E, 2*I, D] with gate rows first, `mlp.experts.down_proj` [E, D, I]) the
 way transformers 5 holds them; HF checkpoints store them per expert (`mlp.experts.{j}.gate_proj.weight`;
 kimi_linear: `mlp.experts.{j}.w1.weight` gate, `w3` up, `w2` down). KDA layers: see `_kda`.
+kimi_k3 (`_k3_layer_extras`, megadecode/k3.md): MXFP4 routed experts stay packed in memory as two uint8 stacks per
+projection, `mlp.experts.gate_up_proj.weight_packed` [E, 2*I, R/2] + `.weight_scale` [E, 2*I, R/32] (and
+`down_proj` [E, R, I/2] + [E, R, I/32]), from per-expert compressed-tensors tensors
+`mlp.experts.{j}.{gate_proj,up_proj,down_proj}.weight_packed` / `.weight_scale`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     # "linear" (std 1/sqrt(fan_in)), "norm" (1 + noise), "embed", "bias" (N(0, 0.1): router selection bias,
     # KDA dt_bias), "a_log" (KDA decay rate log, N(-1, 0.3): per-token decays exp(-exp(A)*softplus(.)) ~ 0.5-0.8)
+    # MXFP4 (uint8): "mxfp4_packed" (uniform random bytes = random e2m1 codes), "mxfp4_scale" (e8m0 bytes
+    # 2**round(log2(1 / (2.93 sqrt(fan_in)))) or half that, at random per block: 2.93 is the RMS of a uniformly
+    # random e2m1 code; dequantized std 0.8-1.2 / sqrt(fan_in) for tiny-k3 and K3's dims)
     init: str
     fp32: bool = False  # kept in fp32 whatever the model dtype (the router selection bias)
     # How the tensor is assembled from HF per-expert tensors: None (stored as is) or "experts_gate_up" /
@@ -29,15 +36,19 @@ class ParamSpec:
     # Per-expert checkpoint names of (gate, up, down): DeepSeek/Qwen style, or Kimi's ("w1", "w3", "w2"),
     # the only per-expert spelling transformers converts for kimi_linear.
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # "mxfp4": one half of an MXFP4 weight (name ends in .weight_packed or .weight_scale), uint8 whatever the
+    # model dtype, never cast.
+    quant: str | None = None
 
     def hf_names(self, num_experts: int) -> list[str]:
         """Names of the checkpoint tensors that make up this parameter, in stacking order."""
         if self.stacked is None:
             return [self.name]
-        prefix = self.name.rsplit(".", 1)[0]  # ...mlp.experts
+        base, suffix = self.name.rsplit(".", 1) if self.quant else (self.name, "weight")
+        prefix = base.rsplit(".", 1)[0]  # ...mlp.experts
         if self.stacked == "experts_gate_up":
-            return [f"{prefix}.{j}.{p}.weight" for j in range(num_experts) for p in self.expert_names[:2]]
-        return [f"{prefix}.{j}.{self.expert_names[2]}.weight" for j in range(num_experts)]
+            return [f"{prefix}.{j}.{p}.{suffix}" for j in range(num_experts) for p in self.expert_names[:2]]
+        return [f"{prefix}.{j}.{self.expert_names[2]}.{suffix}" for j in range(num_experts)]
 
 
 def _mlp(prefix: str, d: int, inter: int) -> list[ParamSpec]:
@@ -101,11 +112,16 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
                       ParamSpec(f"{a}.o_proj.weight", (D, H * hd), "linear"),
                       ParamSpec(f"{a}.q_norm.weight", (hd,), "norm"),
                       ParamSpec(f"{a}.k_norm.weight", (hd,), "norm")]
+        if cfg.family == "kimi_k3":
+            specs += _k3_layer_extras(cfg, i)
         m = f"{p}.mlp"
         if not cfg.moe_layers[i]:
             specs += _mlp(m, D, cfg.intermediate_size)
             continue
         E, I = cfg.num_experts, cfg.moe_intermediate_size
+        if cfg.latent_size:
+            specs += _latent_moe(m, cfg)
+            continue
         names = ("w1", "w3", "w2") if cfg.family == "kimi_linear" else ("gate_proj", "up_proj", "down_proj")
         specs += [ParamSpec(f"{m}.gate.weight", (E, D), "linear"),
                   ParamSpec(f"{m}.experts.gate_up_proj", (E, 2 * I, D), "linear", stacked="experts_gate_up",
@@ -116,11 +132,48 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
             specs.append(ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True))
         if cfg.n_shared_experts:
             specs += _mlp(f"{m}.shared_experts", D, cfg.shared_intermediate_size)
+    if cfg.attn_res_block_size:
+        specs += _attn_res("model.attn_res", D)
     return {s.name: s for s in specs}
+
+
+def _attn_res(prefix: str, d: int) -> list[ParamSpec]:
+    """Block Attention Residuals: one pseudo-query and one key RMSNorm per layer (and one for the output)."""
+    return [ParamSpec(f"{prefix}.query", (d,), "linear"), ParamSpec(f"{prefix}.norm.weight", (d,), "norm")]
+
+
+def _k3_layer_extras(cfg: ModelConfig, i: int) -> list[ParamSpec]:
+    """kimi_k3 per-layer tensors beyond kimi_linear's: AttnRes, the MLA output gate [H*V, D]."""
+    specs = _attn_res(f"model.layers.{i}.attn_res", cfg.hidden_size) if cfg.attn_res_block_size else []
+    if cfg.mla_output_gate and not cfg.is_kda(i):
+        specs.append(ParamSpec(f"model.layers.{i}.self_attn.gate_proj.weight",
+                               (cfg.num_heads * cfg.v_head_dim, cfg.hidden_size), "linear"))
+    return specs
+
+
+def _mxfp4(name: str, e: int, out: int, k: int, stacked: str) -> list[ParamSpec]:
+    return [ParamSpec(f"{name}.weight_packed", (e, out, k // 2), "mxfp4_packed", stacked=stacked, quant="mxfp4"),
+            ParamSpec(f"{name}.weight_scale", (e, out, k // 32), "mxfp4_scale", stacked=stacked, quant="mxfp4")]
+
+
+def _latent_moe(m: str, cfg: ModelConfig) -> list[ParamSpec]:
+    """Stable LatentMoE (reference/latent_moe.py; its router.weight / router.bias are our gate.weight /
+    gate.e_score_correction_bias, kimi_linear's names). Routed experts MXFP4 along their input dim."""
+    D, E, I, R = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_size
+    return ([ParamSpec(f"{m}.gate.weight", (E, D), "linear"),
+             ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True),
+             ParamSpec(f"{m}.latent_down.weight", (R, D), "linear")]
+            + _mxfp4(f"{m}.experts.gate_up_proj", E, 2 * I, R, "experts_gate_up")
+            + _mxfp4(f"{m}.experts.down_proj", E, R, I, "experts_down")
+            + [ParamSpec(f"{m}.latent_norm.weight", (R,), "norm"),
+               ParamSpec(f"{m}.latent_up.weight", (D, R), "linear")]
+            + _mlp(f"{m}.shared_experts", D, cfg.shared_intermediate_size))
 
 
 def random_tensor(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dtype) -> torch.Tensor:
     """Random weights with O(1) activations, so that logits and routing decisions have clear margins."""
+    if spec.quant == "mxfp4":
+        return _random_mxfp4(spec, gen, device)
     dt = torch.float32 if spec.fp32 else dtype
     t = torch.empty(spec.shape, device=device, dtype=dt)
     if spec.init == "linear":
@@ -139,6 +192,19 @@ def random_tensor(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dt
     return t
 
 
+_E2M1_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)  # 2.93
+
+
+def _random_mxfp4(spec: ParamSpec, gen: torch.Generator, device) -> torch.Tensor:
+    if spec.init == "mxfp4_packed":
+        return torch.randint(0, 256, spec.shape, generator=gen, device=device, dtype=torch.uint8)
+    if spec.init != "mxfp4_scale":
+        raise ValueError(spec.init)
+    fan_in = spec.shape[-1] * 32
+    b = 127 + round(math.log2(1.0 / (_E2M1_RMS * math.sqrt(fan_in))))  # dequantized std ~ 1/sqrt(fan_in)
+    return torch.randint(b - 1, b + 1, spec.shape, generator=gen, device=device, dtype=torch.uint8)
+
+
 def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -147,11 +213,16 @@ def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: in
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> dict[str, int]:
     """Bytes of weights by role: `trunk` (everything read every step except experts and lm_head),
-    `expert` (one routed expert of one layer), `lm_head`."""
-    trunk = lm = 0
+    `expert` (one routed expert of one layer; MXFP4 experts count their packed bytes + scales, 4.25 bits per
+    weight), `lm_head`, and `total` (every weight held in memory, the embedding table included)."""
+    trunk = lm = total = 0
+    expert_by_layer: dict[str, int] = {}
     for s in param_specs(cfg).values():
-        n = math.prod(s.shape) * (4 if s.fp32 else dtype_bytes)
+        n = math.prod(s.shape) * (1 if s.quant else 4 if s.fp32 else dtype_bytes)
+        total += n
         if s.stacked:
+            layer = s.name.split(".mlp.")[0]
+            expert_by_layer[layer] = expert_by_layer.get(layer, 0) + n // s.shape[0]
             continue
         if s.name in ("lm_head.weight",) or (cfg.tie_word_embeddings and s.name == "model.embed_tokens.weight"):
             lm += n
@@ -159,5 +230,6 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> dict[str, int]:
             continue  # an embedding row per token, not the table
         else:
             trunk += n
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
-    return {"trunk": trunk, "expert": expert, "lm_head": lm}
+    expert = (next(iter(expert_by_layer.values())) if expert_by_layer
+              else 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes)
+    return {"trunk": trunk, "expert": expert, "lm_head": lm, "total": total}

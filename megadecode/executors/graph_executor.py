@@ -5,6 +5,9 @@ This is the strongest classic baseline: same ops as `torch`, but routed experts 
 step (embedding to logits) replays as one graph. One graph per (batch size, attended cache length
 rounded up to KV_BUCKET), so attention reads about the live context, not the whole allocation.
 Prefill runs eagerly. Without CUDA the same sync-free ops run eagerly (how CI tests this path).
+kimi_k3 is refused at construction: its LatentMoE experts run only in the reference loop over the selected
+MXFP4 experts (torch.unique / nonzero: host syncs), so the step cannot be captured; a sync-free grouped
+MXFP4 expert op (the `experts_grouped` analogue for packed experts) is what is missing.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from ..plan import DecodePlan
+from ..plan import LATENT_MOE, DecodePlan
 from ..step import Step
 from .torch_executor import TorchExecutor
 
@@ -24,6 +27,11 @@ class GraphExecutor(TorchExecutor):
     experts_impl = "grouped"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
+        if any(op.kind == LATENT_MOE for op in plan.ops):
+            raise ValueError(f"the {self.name} executor cannot run {plan.config.family!r}: its LatentMoE routed "
+                             "experts (MXFP4) only have the reference expert loop, which syncs with the host "
+                             "(torch.unique / nonzero) and cannot be captured in a CUDA graph; a sync-free "
+                             "grouped MXFP4 expert op is missing. Use executor 'torch'.")
         super().__init__(plan, weights, cache)
         self.device = next(iter(weights.values())).device
         self.use_graphs = self.device.type == "cuda"

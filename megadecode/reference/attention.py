@@ -70,7 +70,8 @@ def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
                   latent_cache: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 MLA, absorbed: the cache holds C + R values per token ([S, Lmax, C + R]) and the
     per-head key/value up-projections (kv_b_proj) are folded into the query and the output.
-    rope = (cos, sin), or None for MLA without positional encoding (kimi_linear: nothing is rotated)."""
+    rope = (cos, sin), or None for MLA without positional encoding (kimi_linear: nothing is rotated).
+    kimi_k3's output gate (`cfg.mla_output_gate`): o_proj(o * sigmoid(x gate_proj^T)), gate_proj [H*V, D]."""
     N, H = x.shape[0], cfg.num_heads
     C, R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     p, eps = prefix, cfg.rms_norm_eps
@@ -104,4 +105,6 @@ def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
 
     o_lat = _per_sequence(step, attend)
     o = torch.einsum("nhc,hvc->nhv", o_lat, w_uv).reshape(N, H * V)
+    if cfg.mla_output_gate:  # kimi_k3: per (head, v) element, gated by the layer input x
+        o = o * torch.sigmoid(F.linear(x, w[f"{p}.gate_proj.weight"]))
     return F.linear(o, w[f"{p}.o_proj.weight"])

@@ -101,15 +101,18 @@ def _expert(w, e: int) -> torch.Tensor:
     return w[e].dequantize(torch.float32) if isinstance(w, MXFP4Tensor) else w[e].float()
 
 
-def latent_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up, down) -> torch.Tensor:
+def latent_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up, down,
+                   act: str = "situ") -> torch.Tensor:
     """sum_a w[t, a] * Expert_{ids[t, a]}(h[t]) in fp32; h [T, R], gate_up [E, 2I, R], down [E, R, I].
+    `act`: the GLU activation, "situ" (SiTU-GLU, K3) or "silu" (SwiGLU).
 
     Loops over the experts that received tokens (a host sync; not graph-capturable)."""
     z = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = F.linear(h[tok], _expert(gate_up, e)).chunk(2, dim=-1)
-        y = F.linear(situ_glu(g, u), _expert(down, e))  # [T_e, R]
+        a = situ_glu(g, u) if act == "situ" else F.silu(g) * u
+        y = F.linear(a, _expert(down, e))  # [T_e, R]
         z.index_add_(0, tok, y * w[tok, slot, None].float())
     return z
 
