@@ -211,6 +211,29 @@ def test_cli_generate_json(capsys):
     assert len(r["token_ids"][0]) >= 1 and all(0 <= t < CFG.vocab_size for t in r["token_ids"][0])
 
 
+def test_cli_make_checkpoint_then_generate(capsys, tmp_path):
+    assert main(["make-checkpoint", "--preset", NAME, "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    argv = ["generate", "--model", str(tmp_path / "ck"), "--json", "--max-new-tokens", "3", "--check-finite"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert all(0 <= t < CFG.vocab_size for t in r["token_ids"][0]) and all(lp <= 0 for lp in r["logprobs"][0])
+
+
+def test_output_specs_cover_the_k3_ops(weights):
+    from megadecode.validate.shapes import output_specs
+
+    e = engine(weights, max_batch=3, max_seq_len=8)
+    step = Step(tokens=torch.tensor([5, 6, 7]), positions=torch.tensor([0, 1, 2]), slots=torch.arange(3),
+                logit_rows=torch.tensor([0, 2]), kv_len=3)
+    ctx = StepContext(CFG, weights, e.cache, step)
+    for op in e.plan.ops:
+        specs = output_specs(CFG, op, ctx.buf, weights)
+        OP_IMPLS[op.kind](ctx, op)
+        for n, (shape, dt) in specs.items():
+            assert (tuple(ctx.buf[n].shape), ctx.buf[n].dtype) == (shape, dt), (op.name, n)
+
+
 def test_graph_executor_refuses_k3_and_says_why(weights):
     with pytest.raises(ValueError, match="LatentMoE.*host.*grouped MXFP4"):
         engine(weights, executor="graph")

@@ -23,7 +23,13 @@ def output_specs(cfg: ModelConfig, op: P.Op, buf: dict[str, torch.Tensor],
         return {op.outputs[0]: ((rows, x.shape[1]), x.dtype)}
     if op.kind == P.ADD:
         return {op.outputs[0]: (tuple(x.shape), torch.promote_types(x.dtype, buf[op.inputs[1]].dtype))}
-    if op.kind in (P.ATTN_GQA, P.ATTN_MLA, P.EXPERTS, P.MLP):
+    if op.kind == P.ATTN_RES:  # kimi_k3; at a block's first layer it also closes the previous block
+        out = {"layer_in": ((x.shape[0], D), x.dtype)}
+        if "blocks" in op.outputs:
+            n = (buf["blocks"].shape[0] if "blocks" in op.inputs else 0) + 1
+            out.update(blocks=((n, x.shape[0], D), x.dtype), hidden=((x.shape[0], D), x.dtype))
+        return out
+    if op.kind in (P.ATTN_GQA, P.ATTN_MLA, P.ATTN_KDA, P.EXPERTS, P.LATENT_MOE, P.MLP):
         return {op.outputs[0]: ((x.shape[0], D), x.dtype)}
     if op.kind == P.ROUTER:
         return {"topk_ids": ((x.shape[0], A), torch.int64), "topk_weights": ((x.shape[0], A), torch.float32)}
