@@ -144,6 +144,8 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf.setdefault("torch_dtype", str(dtype).removeprefix("torch."))
+    if cfg.expert_quant == "mxfp4":  # say so, as a compressed-tensors checkpoint does
+        hf.setdefault("quantization_config", {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -14,8 +14,8 @@ Families:
                `config_k3.py`, every open choice documented in `megadecode/k3.md`).
 
 A field left out of config.json takes the default of transformers' config class for the family
-(Qwen3MoeConfig, DeepseekV3Config, KimiLinearConfig; kimi_k3: the public K3 values), so the model built is the one transformers would build; the
-fields that define the model's size have no default and are required.
+(Qwen3MoeConfig, DeepseekV3Config, KimiLinearConfig; kimi_k3: the public K3 values), so the model built is the
+one transformers would build; the fields that define the model's size have no default and are required.
 """
 
 from __future__ import annotations

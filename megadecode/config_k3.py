@@ -41,6 +41,8 @@ def default_layer_types(num_layers: int) -> list[str]:
 def kimi_k3_from_hf(d: dict) -> ModelConfig:
     for key in REQUIRED:
         _get(d, key)  # raises "missing the required field"
+    if d.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not supported for kimi_k3")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported for kimi_k3 (only 'silu': the dense layer and "
