@@ -5,9 +5,14 @@ This is the strongest classic baseline: same ops as `torch`, but routed experts 
 step (embedding to logits) replays as one graph. One graph per (batch size, attended cache length
 rounded up to KV_BUCKET), so attention reads about the live context, not the whole allocation.
 Prefill runs eagerly. Without CUDA the same sync-free ops run eagerly (how CI tests this path).
-kimi_k3 is refused at construction: its LatentMoE experts run only in the reference loop over the selected
-MXFP4 experts (torch.unique / nonzero: host syncs), so the step cannot be captured; a sync-free grouped
-MXFP4 expert op (the `experts_grouped` analogue for packed experts) is what is missing.
+kimi_k3: decode steps of up to 16 sequences are capturable. Their LatentMoE routed experts (MXFP4) run
+through the fused Triton kernel (kernels/fused_experts.py: T <= 16, no host sync; torch_ops `_latent_routed`);
+the rest of the op (router, latent down, latent norm, latent up, shared experts) is the reference math.
+A K3 decode step with more than 16 sequences is refused at capture (`check_capture`): at that batch the
+experts only have the reference loop over the selected experts (torch.unique / nonzero: host syncs);
+a sync-free grouped MXFP4 expert op (the `experts_grouped` analogue for packed experts) is what is missing.
+Prefill (eager) and CPU steps of more than 16 tokens keep the reference loop. Not yet run on a GPU
+(validated on the CPU in fp32 under the Triton interpreter only: tests/test_k3_graph.py).
 """
 
 from __future__ import annotations
@@ -18,8 +23,22 @@ from ..cache import KVCache
 from ..plan import LATENT_MOE, DecodePlan
 from ..step import Step
 from .torch_executor import TorchExecutor
+from .torch_ops import LATENT_FUSED_MAX_TOKENS
 
 KV_BUCKET = 256
+
+
+def check_capture(plan: DecodePlan, num_tokens: int) -> None:
+    """Raise ValueError when a decode step of `num_tokens` sequences of this plan cannot be captured in a
+    CUDA graph: a LatentMoE (kimi_k3) step above the fused experts kernel's limit. Device independent (the
+    executor calls it before capturing on CUDA; tests call it on the CPU)."""
+    if num_tokens > LATENT_FUSED_MAX_TOKENS and any(op.kind == LATENT_MOE for op in plan.ops):
+        raise ValueError(
+            f"the graph executor captures {plan.config.family!r} decode steps of at most "
+            f"{LATENT_FUSED_MAX_TOKENS} sequences (got {num_tokens}): above that its LatentMoE routed experts "
+            "(MXFP4) only have the reference expert loop, which syncs with the host (torch.unique / nonzero) "
+            "and cannot be captured; a sync-free grouped MXFP4 expert path is missing. Decode at most "
+            f"{LATENT_FUSED_MAX_TOKENS} sequences per step or use executor 'torch'.")
 
 
 class GraphExecutor(TorchExecutor):
@@ -27,11 +46,6 @@ class GraphExecutor(TorchExecutor):
     experts_impl = "grouped"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
-        if any(op.kind == LATENT_MOE for op in plan.ops):
-            raise ValueError(f"the {self.name} executor cannot run {plan.config.family!r}: its LatentMoE routed "
-                             "experts (MXFP4) only have the reference expert loop, which syncs with the host "
-                             "(torch.unique / nonzero) and cannot be captured in a CUDA graph; a sync-free "
-                             "grouped MXFP4 expert op is missing. Use executor 'torch'.")
         super().__init__(plan, weights, cache)
         self.device = next(iter(weights.values())).device
         self.use_graphs = self.device.type == "cuda"
@@ -63,6 +77,7 @@ class GraphExecutor(TorchExecutor):
 
     def _capture(self, step: Step, kv_len: int):
         B = step.num_tokens
+        check_capture(self.plan, B)
         static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),
                       logit_rows=torch.arange(B, device=self.device), kv_len=kv_len,
                       contiguous_slots=step.contiguous_slots)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -18,8 +20,19 @@ from ..reference.norm import rms_norm, swiglu_mlp
 from ..reference.rope import rope_cos_sin
 
 
+# Most tokens a step may have for the LatentMoE routed experts to go through the fused Triton kernel
+# (megadecode/kernels/fused_experts.py, MAX_TOKENS; a test checks they agree). Not imported from there so
+# that importing the executors does not import Triton (on the CPU it must first be imported under the
+# interpreter).
+LATENT_FUSED_MAX_TOKENS = 16
+
+
 class StepContext:
-    """Buffers of one step: step inputs, activations, plus the weights and the cache they use."""
+    """Buffers of one step: step inputs, activations, plus the weights and the cache they use.
+
+    `experts_impl`: "reference" (loops with host syncs: the torch executor's reference) or "grouped"
+    (sync-free: EXPERTS ops use torch._grouped_mm; K3's LATENT_MOE decode steps of <= 16 tokens use the
+    fused Triton experts kernel, see `_latent_routed`)."""
 
     def __init__(self, cfg, weights, cache, step, experts_impl: str = "reference"):
         self.cfg, self.w, self.cache, self.step = cfg, weights, cache, step
@@ -100,13 +113,49 @@ def _attn_res(ctx, op):
     ctx.buf["layer_in"] = attn_res(sources, q, norm, ctx.cfg.rms_norm_eps)
 
 
+def _fused_experts_fn(device: torch.device):
+    """megadecode.kernels.fused_experts.fused_experts when Triton can run it on `device`, else None.
+    On CUDA: always. On the CPU: only under the Triton interpreter, i.e. the kernels were decorated with
+    TRITON_INTERPRET=1 (never imports Triton on the CPU without it: that would break the interpreter for
+    the rest of the process)."""
+    name = "megadecode.kernels.fused_experts"
+    if device.type == "cpu" and name not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if device.type not in ("cpu", "cuda"):
+        return None
+    from ..kernels import fused_experts as fe
+    from ..validate.variant import triton_interpreted
+
+    if device.type == "cpu" and not triton_interpreted(fe.experts_up_kernel):
+        return None
+    return fe.fused_experts
+
+
+def _latent_routed(ctx, h, ids, wts, gate_up: MXFP4Tensor, down: MXFP4Tensor) -> torch.Tensor:
+    """z = sum_a wts[t, a] * Expert_{ids[t, a]}(h[t]) in fp32 (h [T, R] fp32).
+
+    experts_impl "grouped" (graph executor), decode step (no prefill segments), T <= 16 tokens and Triton
+    able to run: the fused kernel (two launches, MXFP4 decoded in registers, no host sync: capturable).
+    Otherwise the reference loop over the selected experts (host syncs): the torch executor always, and
+    prefill or more than 16 tokens in the graph executor (it refuses to capture those, see
+    graph_executor.check_capture)."""
+    if (ctx.experts_impl == "grouped" and ctx.step.segments is None
+            and h.shape[0] <= LATENT_FUSED_MAX_TOKENS):
+        fn = _fused_experts_fn(h.device)
+        if fn is not None:
+            return fn(h.contiguous(), ids.contiguous(), wts.float().contiguous(), gate_up, down,
+                      act=ctx.cfg.expert_act)
+    return latent_experts(h, ids, wts, gate_up, down, ctx.cfg.expert_act)
+
+
 def _latent_moe(ctx, op):
     """Stable LatentMoE's routed half (reference/latent_moe.py): latent down, the selected MXFP4 experts
-    decoded exactly one at a time, RMSNorm of the weighted sum, latent up. fp32 inside."""
+    (reference: decoded exactly one at a time; graph decode: the fused kernel, see `_latent_routed`),
+    RMSNorm of the weighted sum, latent up. fp32 inside."""
     x, ids, wts = (ctx.buf[n] for n in op.inputs)
     down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (ctx.w[n] for n in op.weights)
     h = F.linear(x.float(), down_w.float())
-    z = latent_experts(h, ids, wts, MXFP4Tensor(gu_p, gu_s), MXFP4Tensor(dn_p, dn_s), ctx.cfg.expert_act)
+    z = _latent_routed(ctx, h, ids, wts, MXFP4Tensor(gu_p, gu_s), MXFP4Tensor(dn_p, dn_s))
     z = rms_norm(z, norm_w.float(), ctx.cfg.rms_norm_eps)
     ctx.buf[op.outputs[0]] = F.linear(z, up_w.float()).to(x.dtype)
 
