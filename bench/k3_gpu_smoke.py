@@ -52,7 +52,7 @@ def fused_at_k3_dims(batch: int) -> dict:
     ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:A] for _ in range(batch)])
     w = torch.rand(batch, A, device="cuda", generator=g)
     got = fused_experts(x, ids, w, gu, dn, act="situ")
-    ref = latent_experts(x, ids, w, gu, dn, "situ")
+    ref = latent_experts(x.float(), ids, w, gu, dn, "situ")
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     ms = do_bench(lambda: fused_experts(x, ids, w, gu, dn, act="situ"))
     distinct = int(torch.unique(ids).numel())
