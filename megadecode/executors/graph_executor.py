@@ -11,8 +11,8 @@ the rest of the op (router, latent down, latent norm, latent up, shared experts)
 A K3 decode step with more than 16 sequences is refused at capture (`check_capture`): at that batch the
 experts only have the reference loop over the selected experts (torch.unique / nonzero: host syncs);
 a sync-free grouped MXFP4 expert op (the `experts_grouped` analogue for packed experts) is what is missing.
-Prefill (eager) and CPU steps of more than 16 tokens keep the reference loop. Not yet run on a GPU
-(validated on the CPU in fp32 under the Triton interpreter only: tests/test_k3_graph.py).
+Prefill (eager) and CPU steps of more than 16 tokens keep the reference loop. Validated on the CPU in fp32
+under the Triton interpreter (tests/test_k3_graph.py) and on the H200 on tiny-k3 (bench/k3_gpu_smoke.py).
 """
 
 from __future__ import annotations
