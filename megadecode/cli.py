@@ -4,6 +4,7 @@
     megadecode make-checkpoint --preset tiny-deepseek-v3 --out /tmp/ckpt
     megadecode bench --preset qwen3-30b-a3b --batch 1,8,64 --executor torch,graph   (GPU only)
     megadecode validate --list; megadecode validate triton-router --quick
+    megadecode tune --kernel fused-experts --shape k3 --batch 1,2,4,8,16   (GPU only)
 
 Errors the user can fix (bad config, checkpoint, request or argument) print one line,
 `megadecode: error: <message>`, and exit with code 2.
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from . import bench
+from . import bench, tune
 from .checkpoint import CheckpointError, make_checkpoint
 from .config import ConfigError
 from .engine import Engine, RequestError, resolve_dtype
@@ -79,11 +80,12 @@ def _add_make_checkpoint(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,make-checkpoint,bench,validate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,make-checkpoint,bench,validate,tune}")
     _add_generate(sub)
     _add_make_checkpoint(sub)
     bench.add_parser(sub)
     validate_command.add_parser(sub)
+    tune.add_parser(sub)
     return parser
 
 

@@ -41,18 +41,38 @@ from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
 from ..quant.mxfp4 import MXFP4Tensor
 from ..validate.variant import Manifest, Scope, Variant, register
+from . import tuning
 
 MAX_TOKENS = 16
 ACTS = {"silu": 0, "situ": 1}
-# Block sizes used when the caller passes none. Untuned starting points: tuning data will live in JSON
-# keyed by (shape, GPU) once it is measured on the H200; these are only the fallback.
+WDTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # names in shape keys
+KERNEL = "fused-experts"  # the name of this kernel's tuning files (kernels/tuning.py, `megadecode tune`)
+# Block sizes used when the caller passes none and no tuned config exists for (shape, GPU, batch) in
+# kernels/configs/fused-experts/<gpu>.json (see kernels/tuning.py). Untuned starting points, only the fallback.
 DEFAULT_BLOCKS = {
     "BLOCK_I": 32,    # stage 1: rows of gate (and of up) per program
     "BLOCK_D": 128,   # stage 1: reduction chunk over D (a multiple of 32 for MXFP4)
     "BLOCK_N": 16,    # stage 2: output columns per program (T * D / BLOCK_N programs)
     "BLOCK_K": 128,   # stage 2: reduction chunk over I (a multiple of 32 for MXFP4)
     "num_warps": 4,
+    "num_stages": 3,  # software pipelining of the reduction loops (Triton's own default on CUDA)
 }
+
+
+def shape_key(D: int, I: int, A: int, wdtype: str, act: str) -> str:
+    """The tuning files' key of a problem shape, e.g. "D=3584,I=3072,A=16,wdtype=mxfp4,act=situ"."""
+    return f"D={D},I={I},A={A},wdtype={wdtype},act={act}"
+
+
+def _device_name(device: torch.device) -> str | None:
+    """The GPU's name for the tuning files on CUDA; None elsewhere (no tuned configs there)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def tuned_blocks(device: torch.device, key: str, T: int) -> dict | None:
+    """The tuned config for (GPU of `device`, shape `key`, batch T), or None (use DEFAULT_BLOCKS)."""
+    name = _device_name(device)
+    return None if name is None else tuning.lookup(KERNEL, name, key, T)
 
 
 @triton.jit
@@ -200,7 +220,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     down [E, D, I] as float tensors, or as MXFP4 (an MXFP4Tensor or a (packed uint8 [E, out, in/2], scale
     uint8 [E, out, in/32]) tuple; D and I multiples of 32). act: "silu" (SwiGLU) or "situ" (SiTU-GLU).
     Writes and returns out [T, D] (x.dtype; every element written). `scratch`: optional fp32 [T*A, I]
-    buffer for h. `blocks`: overrides of DEFAULT_BLOCKS."""
+    buffer for h. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config for this shape, batch and GPU
+    (kernels/tuning.py lookup, CUDA only) when one exists."""
     if act not in ACTS:
         raise ValueError(f"act must be one of {sorted(ACTS)}, got {act!r}")
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -249,6 +270,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         raise ValueError(f"all tensors must be on one device, got {devs}")
     if T == 0:
         return out
+    if blocks is None:
+        wdtype = "mxfp4" if mx else WDTYPES[gu.dtype]
+        blocks = tuned_blocks(x.device, shape_key(D, I, A, wdtype, act), T)
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
     bi = min(b["BLOCK_I"], triton.next_power_of_2(I))
     bd = min(b["BLOCK_D"], max(MX_BLOCK, triton.next_power_of_2(D)))
@@ -260,11 +284,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     experts_up_kernel[(T * A, triton.cdiv(I, bi))](
         x, ids, gu, gus_, scratch, x.stride(0), gu.stride(0), gu.stride(1),
         gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, D=D, I=I,
-        A=A, ACT=ACTS[act], MXFP4=mx, BLOCK_I=bi, BLOCK_D=bd, num_warps=b["num_warps"])
+        A=A, ACT=ACTS[act], MXFP4=mx, BLOCK_I=bi, BLOCK_D=bd, num_warps=b["num_warps"],
+        num_stages=b["num_stages"])
     experts_down_kernel[(T, triton.cdiv(D, bn))](
         scratch, ids, weights, dn, dns_, out, out.stride(0), dn.stride(0), dn.stride(1),
         dns_.stride(0) if mx else 0, dns_.stride(1) if mx else 0, D=D, I=I,
-        A=A, MXFP4=mx, BLOCK_N=bn, BLOCK_K=bk, num_warps=b["num_warps"])
+        A=A, MXFP4=mx, BLOCK_N=bn, BLOCK_K=bk, num_warps=b["num_warps"],
+        num_stages=b["num_stages"])
     return out
 
 

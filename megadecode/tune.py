@@ -1,0 +1,187 @@
+"""`megadecode tune`: sweep a kernel's launch parameters on the GPU and store the best per batch in its
+tuning file (megadecode/kernels/tuning.py; GPU only).
+
+    megadecode tune --kernel fused-experts --shape k3 --batch 1,2,4,8,16
+
+Method, per batch T: random expert weights of the shape (MXFP4: random packed bytes and e8m0 scales
+118..123; bf16: N(0, 1/in)) for all E experts on the GPU; ROTATIONS id sets, each token drawing A distinct
+experts uniformly, so consecutive timed calls read different experts and do not find them in L2. Every
+candidate of GRID (the product, minus those the launcher would clamp to an already-seen config) runs on
+every id set and must match the DEFAULT_BLOCKS output within TOLERANCE (max |got - ref| / max |ref|:
+the pairs' fp32 sums run in a different order per block size, so results are close, not bitwise equal).
+Time: one CUDA graph holding one call per id set, in turn (launch cost excluded, as under the graph
+executor), replayed by triton.testing.do_bench (median ms, L2 cleared before each replay) / ROTATIONS.
+floor = the mean number of distinct experts per id set x bytes per expert / HBM_READ_BPS; MBU = floor / ms.
+The fastest candidate is merged into the file (other shapes and batches kept), with its ms, MBU, the command and the date.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from .bench import HBM_READ_BPS, _int_list
+from .kernels import tuning
+
+KERNELS = ("fused-experts",)
+# Routed-expert shapes (D: the input of gate_up; I: the expert intermediate; A: experts per token;
+# E: experts). k3: the LatentMoE experts (D = latent_size) of presets._K3; qwen3-30b-a3b: presets;
+# deepseek-v3: its public config.json (hidden 7168, moe_intermediate 2048, 256 routed, top 8).
+SHAPES = {
+    "k3": {"D": 3584, "I": 3072, "A": 16, "E": 896, "act": "situ", "weights": "mxfp4"},
+    "qwen3-30b-a3b": {"D": 2048, "I": 768, "A": 8, "E": 128, "act": "silu", "weights": "bf16"},
+    "deepseek-v3": {"D": 7168, "I": 2048, "A": 8, "E": 256, "act": "silu", "weights": "bf16"},
+}
+# The sweep: every combination (3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; compiled once, reused per batch).
+GRID = {
+    "BLOCK_I": (16, 32, 64),     # stage 1 rows of gate/up per program
+    "BLOCK_D": (128, 256),       # stage 1 reduction chunk over D
+    "BLOCK_N": (16, 32, 64),     # stage 2 output columns per program
+    "BLOCK_K": (128, 256),       # stage 2 reduction chunk over I
+    "num_warps": (4, 8),
+    "num_stages": (2, 3),
+}
+ROTATIONS = 8
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max |got - ref| / max |ref|, by output dtype
+X_DTYPE = {"mxfp4": torch.float32, "bf16": torch.bfloat16}  # LatentMoE feeds fp32; the others bf16
+
+
+def candidates(grid: dict = GRID):
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        yield dict(zip(keys, values))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune", help="sweep a kernel's launch parameters on the GPU; store the best as JSON",
+                       description="Sweep launch parameters per batch on the GPU, check each against the "
+                                   "default config's output, time it, and merge the fastest into the "
+                                   "kernel's tuning file (megadecode/kernels/configs/<kernel>/<gpu>.json).")
+    p.add_argument("--kernel", required=True, choices=KERNELS)
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--weights", choices=("mxfp4", "bf16"), default=None,
+                   help="expert weight format (default: the shape's own: mxfp4 for k3, bf16 otherwise)")
+    p.add_argument("--batch", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated (default: 1,2,4,8,16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default: the kernel's tuning file for this GPU)")
+    p.set_defaults(func=run)
+
+
+def _weights(shape: dict, wfmt: str, gen: torch.Generator):
+    from .quant.mxfp4 import MXFP4Tensor
+
+    D, I, E = shape["D"], shape["I"], shape["E"]
+
+    def one(out_dim, in_dim):
+        if wfmt == "mxfp4":
+            return MXFP4Tensor(
+                torch.randint(0, 256, (E, out_dim, in_dim // 2), device="cuda", dtype=torch.uint8, generator=gen),
+                torch.randint(118, 124, (E, out_dim, in_dim // 32), device="cuda", dtype=torch.uint8, generator=gen))
+        w = torch.empty(E, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
+        return w.normal_(0.0, in_dim ** -0.5, generator=gen)
+
+    gu, dn = one(2 * I, D), one(D, I)
+    per_expert = sum(t.numel() * t.element_size() // E for w in (gu, dn)
+                     for t in ((w.packed, w.scales) if wfmt == "mxfp4" else (w,)))
+    return gu, dn, per_expert
+
+
+def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, gen: torch.Generator) -> dict:
+    """Sweep GRID at batch T; -> {"best": config, "ms", "mbu", "floor_ms", "default_ms", "tried", "failed"}."""
+    from triton.testing import do_bench
+
+    D, A, E, act = shape["D"], shape["A"], shape["E"], shape["act"]
+    xdt = X_DTYPE[wfmt]
+    sets = []
+    for _ in range(ROTATIONS):
+        ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:A] for _ in range(T)])
+        x = torch.randn(T, D, device="cuda", generator=gen).to(xdt)
+        w = torch.rand(T, A, device="cuda", generator=gen) + 0.1
+        sets.append((x, ids, w))
+    floor_ms = sum(int(ids.unique().numel()) for _, ids, _ in sets) / ROTATIONS * expert_bytes / HBM_READ_BPS * 1e3
+    refs = [fe.fused_experts(x, ids, w, gu, dn, act=act, blocks=fe.DEFAULT_BLOCKS) for x, ids, w in sets]
+    outs = [torch.empty_like(r) for r in refs]
+    tol = TOLERANCE[xdt]
+
+    def timed(blocks) -> float:
+        """ms per call: one CUDA graph of one call per id set (as the graph executor runs the kernel, so
+        the Python launch cost is not timed), replayed by do_bench, divided by ROTATIONS."""
+        def calls():
+            for (x, ids, w), o in zip(sets, outs):
+                fe.fused_experts(x, ids, w, gu, dn, act=act, out=o, blocks=blocks)
+        calls()  # compiled outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        return float(do_bench(graph.replay)) / ROTATIONS
+
+    default_ms = timed(fe.DEFAULT_BLOCKS)
+    best, best_ms, tried, failed = dict(fe.DEFAULT_BLOCKS), default_ms, 0, []
+    for cand in candidates():
+        try:
+            for (x, ids, w), ref, o in zip(sets, refs, outs):
+                fe.fused_experts(x, ids, w, gu, dn, act=act, out=o, blocks=cand)
+                err = float((o.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-30)
+                if not err <= tol:
+                    raise ValueError(f"output differs from DEFAULT_BLOCKS: {err:.2e} > {tol:.0e} relative")
+            ms = timed(cand)
+        except Exception as e:  # out of resources, compile errors, a wrong result: not a candidate
+            failed.append((cand, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            continue
+        tried += 1
+        if ms < best_ms:
+            best, best_ms = cand, ms
+    return {"best": best, "ms": best_ms, "mbu": floor_ms / best_ms, "floor_ms": floor_ms,
+            "default_ms": default_ms, "tried": tried, "failed": failed}
+
+
+def format_table(rows: list[dict]) -> str:
+    keys = list(GRID)
+    head = f"{'batch':>5} {'default ms':>10} {'best ms':>8} {'floor ms':>8} {'MBU':>6} {'ok/fail':>8}  " + \
+        " ".join(f"{k}" for k in keys)
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['batch']:>5} {r['default_ms']:>10.4f} {r['ms']:>8.4f} {r['floor_ms']:>8.4f} "
+                     f"{r['mbu']:>6.1%} {r['tried']:>4}/{len(r['failed']):<3}  "
+                     + " ".join(f"{r['best'][k]:>{len(k)}}" for k in keys))
+    return "\n".join(lines)
+
+
+def run(args, argv: list[str]) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("tune needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
+    from .kernels import fused_experts as fe
+
+    shape = SHAPES[args.shape]
+    wfmt = args.weights or shape["weights"]
+    if not args.batch or min(args.batch) < 1 or max(args.batch) > fe.MAX_TOKENS:
+        raise ValueError(f"--batch values must be in 1..{fe.MAX_TOKENS}, got {args.batch}")
+    gpu = torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else tuning.config_path(fe.KERNEL, gpu)
+    key = fe.shape_key(shape["D"], shape["I"], shape["A"], wfmt, shape["act"])
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    gu, dn, expert_bytes = _weights(shape, wfmt, gen)
+    command = shlex.join(["megadecode", *argv])
+    data = tuning.read(out) if out.is_file() else None
+    rows = []
+    for T in args.batch:
+        r = tune_batch(fe, shape, wfmt, T, gu, dn, expert_bytes, gen)
+        rows.append({"batch": T, **r})
+        for cand, why in r["failed"][:3]:
+            print(f"batch {T}: skipped {cand}: {why}", file=sys.stderr)
+        data = tuning.merge(data, fe.KERNEL, gpu, key, T, r["best"], {
+            "ms": r["ms"], "mbu": r["mbu"], "default_ms": r["default_ms"], "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        tuning.write(out, data)  # after every batch: a long sweep that dies keeps what it measured
+    tuning.clear_cache()
+    print(f"{gpu}, {args.kernel} {args.shape} ({key}), E={shape['E']}, {ROTATIONS} rotating id sets; "
+          f"do_bench median; floor = distinct experts' bytes / {HBM_READ_BPS / 1e12:.2f} TB/s")
+    print(format_table(rows))
+    print(f"wrote {out}")
+    return 0
