@@ -16,17 +16,9 @@ import sys
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-from megadecode.kernels import fused_experts as FE  # noqa: E402  (decorated now)
-from megadecode.validate import catalog  # noqa: E402,F401
+from interp import ON_GPU, import_interpreted  # noqa: E402
 
-if _saved is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _saved
+FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.validate.catalog")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4  # noqa: E402

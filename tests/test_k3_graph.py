@@ -9,23 +9,15 @@ file in a fresh interpreter (the pattern of tests/test_fused_experts.py).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-from megadecode.kernels import fused_experts as FE  # noqa: E402  (decorated now)
+from interp import ON_GPU, import_interpreted  # noqa: E402
 
-if _saved is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _saved
+FE = import_interpreted("megadecode.kernels.fused_experts")
 
 from megadecode import Engine  # noqa: E402
 from megadecode import plan as P  # noqa: E402

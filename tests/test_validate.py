@@ -19,17 +19,9 @@ import sys
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-from megadecode.kernels.router import router_kernel  # noqa: E402  (decorated now)
-from megadecode.validate import catalog  # noqa: E402,F401
+from interp import ON_GPU, import_interpreted  # noqa: E402
 
-if _saved is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _saved
+router_kernel = import_interpreted("megadecode.kernels.router", "megadecode.validate.catalog").router_kernel
 
 from megadecode import plan as P  # noqa: E402
 from megadecode.cli import main  # noqa: E402
