@@ -40,12 +40,13 @@ HBM_READ_BPS = 4.57e12
 
 
 def step_bytes(cfg: ModelConfig, distinct_experts_per_layer: list[int], batch: int, context: int,
-               cache_bytes_per_token: int, dtype_bytes: int) -> int:
+               cache_bytes_per_token: int, dtype_bytes: int, state_bytes_per_sequence: int = 0) -> int:
     """Bytes one decode step must read: trunk + the union of selected experts per MoE layer + lm_head +
-    the KV cache of `batch` sequences of `context` tokens."""
+    the KV cache of `batch` sequences of `context` tokens + each sequence's fixed-size recurrent state
+    (KDA layers: conv window and k x v state, read once per step)."""
     wb = weight_bytes(cfg, dtype_bytes)
     return (wb["trunk"] + sum(distinct_experts_per_layer) * wb["expert"] + wb["lm_head"]
-            + batch * context * cache_bytes_per_token)
+            + batch * context * cache_bytes_per_token + batch * state_bytes_per_sequence)
 
 
 def distinct_experts(engine: Engine, tokens: torch.Tensor) -> list[int]:
@@ -96,7 +97,8 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args) -> dic
                     max_seq_len=args.context + args.warmup + args.steps + 8)
     ms, experts = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed)
     nbytes = step_bytes(cfg, experts, batch, args.context, engine.cache.bytes_per_token(),
-                        torch.empty((), dtype=engine.dtype).element_size())
+                        torch.empty((), dtype=engine.dtype).element_size(),
+                        engine.cache.state_bytes_per_sequence())
     floor_ms = nbytes / HBM_READ_BPS * 1e3
     row.update(ms_per_step=ms, tokens_per_s=batch / (ms / 1e3), bytes_per_step=nbytes, floor_ms=floor_ms,
                mbu=floor_ms / ms)

@@ -105,6 +105,19 @@ def test_step_bytes_by_hand():
     got = bench.step_bytes(cfg, [5, 7], batch=4, context=100, cache_bytes_per_token=cache_per_token,
                            dtype_bytes=2)
     assert got == trunk + 12 * expert + lm_head + 4 * 100 * cache_per_token
+    # recurrent (KDA) state is read once per sequence per step
+    with_state = bench.step_bytes(cfg, [5, 7], batch=4, context=100, cache_bytes_per_token=cache_per_token,
+                                  dtype_bytes=2, state_bytes_per_sequence=1000)
+    assert with_state == got + 4 * 1000
+
+
+def test_kimi_linear_cache_reports_its_state_bytes():
+    from megadecode.cache import KVCache
+
+    cfg = preset_config("tiny-kimi-linear")
+    cache = KVCache(cfg, num_slots=2, max_len=16, device="cpu", dtype=torch.float32)
+    per_seq = sum(t[0].numel() * t.element_size() for n in cache.state_layers for t in cache[n])
+    assert per_seq > 0 and cache.state_bytes_per_sequence() == per_seq
 
 
 def test_bench_helpers():
