@@ -8,7 +8,8 @@ Families:
   kimi_linear  hybrid: KDA layers (Kimi Delta Attention: short causal conv over q/k/v, gated delta rule
                with a per-channel decay, gated RMSNorm output) and MLA layers without positional
                encoding (the `qk_rope_head_dim` part of the key is shared across heads but never
-               rotated); DeepSeek-style MoE (sigmoid, selection bias, groups), shared experts.
+               rotated); DeepSeek-style MoE (sigmoid, selection bias, groups), shared experts
+               (parsed in `config_kimi_linear.py`).
   kimi_k3      hybrid KDA + gated NoPE MLA, Block Attention Residuals, Stable LatentMoE with MXFP4 routed
                experts; no transformers class exists, so its config.json fields are ours (parsed in
                `config_k3.py`, every open choice documented in `megadecode/k3.md`).
@@ -305,7 +306,9 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
     L = _get(d, "num_hidden_layers", type_=int)
     if family == "kimi_linear":
-        return _kimi_linear_from_hf(d, L)
+        from .config_kimi_linear import kimi_linear_from_hf
+
+        return kimi_linear_from_hf(d, L)
     common = dict(
         vocab_size=_get(d, "vocab_size", type_=int), hidden_size=_get(d, "hidden_size", type_=int),
         num_layers=L, num_heads=_get(d, "num_attention_heads", type_=int),
@@ -367,79 +370,6 @@ def config_from_hf(d: dict) -> ModelConfig:
         qk_nope_head_dim=_get(d, "qk_nope_head_dim", type_=int), qk_rope_head_dim=rope_dim,
         v_head_dim=_get(d, "v_head_dim", type_=int), rope_interleave=bool(d.get("rope_interleave", True)),
         num_kv_heads=_get(d, "num_key_value_heads", common["num_heads"], type_=int),
-    )
-
-
-def _alias(d: dict, names: tuple[str, ...], default: Any = ..., *, type_=None) -> Any:
-    """The first of several spellings of one field present in `d` (KimiLinearConfig's attribute_map)."""
-    for n in names:
-        if d.get(n) is not None:
-            return _get(d, n, type_=type_)
-    return _get(d, names[0], default, type_=type_)
-
-
-def _kimi_linear_from_hf(d: dict, L: int) -> ModelConfig:
-    """kimi_linear, with KimiLinearConfig's defaults and aliases (e.g. `num_experts` / `num_local_experts`,
-    `num_expert_group` / `n_group`). Layer kinds: `layer_types`, else `linear_attn_config`'s 1-indexed
-    `full_attn_layers` / `kda_layers`, else every 4th layer (not layer 0) is MLA. MLP kinds:
-    `mlp_layer_types`, else the first `first_k_dense_replace` (default 1) layers dense. The MLA layers use
-    no rotary embedding at all, so rope fields are ignored."""
-    if d.get("attention_bias"):
-        raise ConfigError("attention_bias=true is not supported for kimi_linear")
-    lin = d.get("linear_attn_config") or {}
-    if not isinstance(lin, dict):
-        raise ConfigError(f"config field 'linear_attn_config' must be a JSON object, got {lin!r}")
-    types = d.get("layer_types")
-    if types is None and "full_attn_layers" in lin and "kda_layers" in lin:
-        types = [None] * L
-        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
-            v = lin[key]
-            if not isinstance(v, list) or not all(isinstance(j, int) and not isinstance(j, bool) and 1 <= j <= L
-                                                  for j in v):
-                raise ConfigError(f"linear_attn_config {key!r} must list 1-indexed layers in [1, {L}], got {v!r}")
-            for j in v:
-                types[j - 1] = kind
-    if types is None:
-        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(L)]
-    if not isinstance(types, list) or len(types) != L or not set(types) <= {"full_attention", "linear_attention"}:
-        raise ConfigError(f"layer_types must list 'full_attention' / 'linear_attention' for each of the {L} "
-                          f"layers, got {types!r}")
-    mlp_types = d.get("mlp_layer_types")
-    if mlp_types is None:
-        first_dense = _get(d, "first_k_dense_replace", 1, type_=int)
-        mlp_types = ["dense" if i < first_dense else "sparse" for i in range(L)]
-    if not isinstance(mlp_types, list) or len(mlp_types) != L or not set(mlp_types) <= {"dense", "sparse"}:
-        raise ConfigError(f"mlp_layer_types must list 'dense' / 'sparse' for each of the {L} layers, "
-                          f"got {mlp_types!r}")
-    heads = _get(d, "num_attention_heads", type_=int)
-    return ModelConfig(
-        family="kimi_linear", vocab_size=_get(d, "vocab_size", type_=int),
-        hidden_size=_get(d, "hidden_size", type_=int), num_layers=L, num_heads=heads,
-        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5, type_=float)),
-        max_position_embeddings=_alias(d, ("max_position_embeddings", "model_max_length"), 1048576, type_=int),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=_get(d, "bos_token_id", None, type_=int), eos_token_id=_eos(d), hf=dict(d),
-        rope=RopeConfig(theta=10000.0),  # unused: mla_rope=False
-        num_experts=_alias(d, ("num_experts", "num_local_experts"), 256, type_=int),
-        top_k=_alias(d, ("num_experts_per_tok", "num_experts_per_token"), 8, type_=int),
-        moe_intermediate_size=_get(d, "moe_intermediate_size", 1024, type_=int),
-        intermediate_size=_get(d, "intermediate_size", 9216, type_=int),
-        norm_topk_prob=bool(_alias(d, ("norm_topk_prob", "moe_renormalize"), True)),
-        moe_layers=tuple(t == "sparse" for t in mlp_types), score_func="sigmoid",
-        n_group=_alias(d, ("n_group", "num_expert_group"), 1, type_=int),
-        topk_group=_get(d, "topk_group", 1, type_=int),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.446, type_=float)),
-        n_shared_experts=_alias(d, ("n_shared_experts", "num_shared_experts"), 1, type_=int),
-        q_lora_rank=_get(d, "q_lora_rank", None, type_=int), kv_lora_rank=_get(d, "kv_lora_rank", 512, type_=int),
-        qk_nope_head_dim=_get(d, "qk_nope_head_dim", 128, type_=int),
-        qk_rope_head_dim=_get(d, "qk_rope_head_dim", 64, type_=int),
-        v_head_dim=_get(d, "v_head_dim", 128, type_=int), mla_rope=False,
-        num_kv_heads=_get(d, "num_key_value_heads", heads, type_=int),
-        kda_layers=tuple(t == "linear_attention" for t in types),
-        linear_num_heads=_get(lin, "num_heads", _get(d, "linear_num_heads", 32, type_=int), type_=int),
-        linear_head_dim=_get(lin, "head_dim", _get(d, "linear_head_dim", 128, type_=int), type_=int),
-        conv_kernel=_get(lin, "short_conv_kernel_size", _get(d, "linear_conv_kernel_dim", 4, type_=int),
-                         type_=int),
     )
 
 

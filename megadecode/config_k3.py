@@ -2,7 +2,7 @@
 
 Fields shared with kimi_linear keep kimi_linear's names and meaning (`layer_types` or
 `linear_attn_config`, the MLA dims, `first_k_dense_replace`, `num_experts`, `num_experts_per_tok`,
-`num_shared_experts`, `n_group`, ...); `_kimi_linear_from_hf` parses them after the K3 defaults below are
+`num_shared_experts`, `n_group`, ...); `config_kimi_linear.kimi_linear_from_hf` parses them after the K3 defaults below are
 filled in. K3-only fields:
   latent_size           int, required   LatentMoE latent width (3584)
   moe_hidden_act        "situ"          routed experts' GLU: "situ" (SiTU-GLU) or "silu" (SwiGLU)
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, ModelConfig, _get, _kimi_linear_from_hf
+from .config import ConfigError, ModelConfig, _get
+from .config_kimi_linear import kimi_linear_from_hf
 
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "latent_size")
@@ -67,7 +68,7 @@ def kimi_k3_from_hf(d: dict) -> ModelConfig:
         raise ConfigError(f"num_hidden_layers must be a positive integer, got {L}")
     if merged.get("layer_types") is None and not ("full_attn_layers" in lin and "kda_layers" in lin):
         merged["layer_types"] = default_layer_types(L)
-    base = _kimi_linear_from_hf(merged, L)
+    base = kimi_linear_from_hf(merged, L)
     expert_act = d.get("moe_hidden_act", "situ")
     gate = d.get("mla_output_gate", True)
     if not isinstance(gate, bool):
