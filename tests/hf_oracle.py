@@ -31,3 +31,11 @@ def hf_teacher_forced(hf, prompt: list[int], continuation: list[int]) -> list[to
             logits.append(out.logits[0, -1])
             past = out.past_key_values
     return logits
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    """The oracle's greedy continuation of exactly `steps` tokens (EOS ignored)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -25,3 +25,13 @@ def import_interpreted(*modules: str):
         else:
             os.environ["TRITON_INTERPRET"] = saved
     return mods[0]
+
+
+def rerun_file_in_subprocess(path: str) -> None:
+    """Run a test file afresh (triton was imported here without the interpreter); fail with its output."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", path],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

@@ -9,13 +9,11 @@ file in a fresh interpreter (the pattern of tests/test_fused_experts.py).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted  # noqa: E402
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
 
 FE = import_interpreted("megadecode.kernels.fused_experts")
 
@@ -133,6 +131,4 @@ def test_rerun_in_subprocess_when_not_interpreted():
     """When triton was imported without the interpreter before this module, run this file afresh."""
     if TRITON_OK:
         pytest.skip("the interpreter tests ran in this process")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    rerun_file_in_subprocess(__file__)

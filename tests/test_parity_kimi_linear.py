@@ -14,7 +14,7 @@ from megadecode.presets import preset_config
 
 transformers = pytest.importorskip("transformers")
 
-from hf_oracle import PROMPTS, hf_teacher_forced, load_oracle, rel_err  # noqa: E402
+from hf_oracle import PROMPTS, hf_greedy, hf_teacher_forced, load_oracle, rel_err  # noqa: E402
 
 NAME = "tiny-kimi-linear"
 DECODE_STEPS = 20
@@ -89,10 +89,7 @@ def test_greedy_tokens_match_transformers(hf, ckpt):
     eng = Engine.from_pretrained(str(ckpt), max_batch=len(PROMPTS), max_seq_len=64)
     ours = eng.generate(PROMPTS, GREEDY_STEPS, SamplingParams(greedy=True), stop_at_eos=False).token_ids
     for b, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        ref = out[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, GREEDY_STEPS)
         assert ours[b] == ref, f"prompt {b}: greedy tokens differ\n ours {ours[b]}\n hf   {ref}"
     distinct = {t for row in ours for t in row}
     assert len(distinct) >= 8, f"degenerate continuations {ours}: the test would not discriminate"
