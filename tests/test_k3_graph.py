@@ -1,5 +1,6 @@
-"""kimi_k3 under the `graph` executor: decode steps of <= 16 sequences route the LatentMoE experts through the
-fused Triton kernel (megadecode/kernels/fused_experts.py), which the torch executor's reference loop checks.
+"""kimi_k3 under the `graph` executor: decode steps route the LatentMoE experts through the Triton routed
+experts (the fused small-batch kernels at <= 16 sequences, the grouped kernels above), which the torch
+executor's reference loop checks.
 
 On the CPU this runs eagerly, fp32, under the Triton interpreter. TRITON_INTERPRET=1 is set around the kernel
 import (the @jit functions are decorated then) and per test by a fixture. When another test module imported
@@ -15,12 +16,11 @@ import torch
 
 from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
 
-FE = import_interpreted("megadecode.kernels.fused_experts")
+FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.kernels.grouped_experts")
+GE = import_interpreted("megadecode.kernels.grouped_experts")
 
 from megadecode import Engine  # noqa: E402
 from megadecode import plan as P  # noqa: E402
-from megadecode.executors import torch_ops  # noqa: E402
-from megadecode.executors.graph_executor import check_capture  # noqa: E402
 from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.moe import route  # noqa: E402
@@ -48,17 +48,26 @@ def weights():
     return random_weights(CFG, DEVICE, torch.float32, seed=1)
 
 
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts the fused kernel's calls (torch_ops looks it up on the module at each call)."""
+def _counting(monkeypatch, mod, name):
     calls = []
-    real = FE.fused_experts
+    real = getattr(mod, name)
 
     def counting(*a, **kw):
         calls.append(a[0].shape[0])
         return real(*a, **kw)
-    monkeypatch.setattr(FE, "fused_experts", counting)
+    monkeypatch.setattr(mod, name, counting)
     return calls
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fused kernel's calls (routed_experts looks it up on the module at each call)."""
+    return _counting(monkeypatch, FE, "fused_experts")
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    return _counting(monkeypatch, GE, "grouped_experts")
 
 
 def _greedy(weights, executor, steps=12):
@@ -111,20 +120,31 @@ def test_graph_latent_op_equals_reference_op(weights, fused_calls):
 
 
 @needs_triton
-def test_over_16_tokens_takes_the_reference_loop(weights, fused_calls):
-    got, want = _latent_op_pair(weights, 17)
-    assert fused_calls == []
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+@pytest.mark.parametrize("T", [17, 40])
+def test_over_16_tokens_takes_the_grouped_kernels(weights, fused_calls, grouped_calls, T):
+    got, want = _latent_op_pair(weights, T, seed=T)
+    assert fused_calls == [] and grouped_calls == [T]
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err
 
 
-def test_capture_refuses_k3_above_16_sequences():
-    assert torch_ops.LATENT_FUSED_MAX_TOKENS == FE.MAX_TOKENS == 16
-    k3 = P.build_plan(CFG)
-    for b in (1, 8, 16):
-        check_capture(k3, b)
-    with pytest.raises(ValueError, match=r"at most 16 sequences \(got 17\).*grouped MXFP4 expert path"):
-        check_capture(k3, 17)
-    check_capture(P.build_plan(preset_config("tiny-deepseek-v3")), 64)  # only LatentMoE plans are limited
+@needs_triton
+def test_graph_decode_batch_20_matches_torch(weights, grouped_calls):
+    """A ragged batch of 20 sequences (above the fused kernels' 16): every decode step's LatentMoE layers
+    take the grouped kernels and the greedy tokens match the torch executor's."""
+    prompts = [[256] + list(range(1 + i, 4 + i % 5 + i)) for i in range(20)]
+    toks = {}
+    for ex in ("torch", "graph"):
+        e = Engine(CFG, weights, executor=ex, max_batch=20, max_seq_len=32)
+        out, logits = [e.prefill(prompts).argmax(-1)], []
+        for _ in range(4):
+            logits.append(e.decode(out[-1]).clone())
+            out.append(logits[-1].argmax(-1))
+        toks[ex] = (torch.stack(out, 1), torch.stack(logits, 1))
+    assert grouped_calls == [20] * (4 * MOE_LAYERS)
+    assert torch.equal(toks["graph"][0], toks["torch"][0])
+    err = (toks["graph"][1] - toks["torch"][1]).abs().max().item()
+    assert err <= 1e-4 * toks["torch"][1].abs().max().item(), err
 
 
 def test_rerun_in_subprocess_when_not_interpreted():

@@ -5,14 +5,12 @@ This is the strongest classic baseline: same ops as `torch`, but routed experts 
 step (embedding to logits) replays as one graph. One graph per (batch size, attended cache length
 rounded up to KV_BUCKET), so attention reads about the live context, not the whole allocation.
 Prefill runs eagerly. Without CUDA the same sync-free ops run eagerly (how CI tests this path).
-kimi_k3: decode steps of up to 16 sequences are capturable. Their LatentMoE routed experts (MXFP4) run
-through the fused Triton kernel (kernels/fused_experts.py: T <= 16, no host sync; torch_ops `_latent_routed`);
-the rest of the op (router, latent down, latent norm, latent up, shared experts) is the reference math.
-A K3 decode step with more than 16 sequences is refused at capture (`check_capture`): at that batch the
-experts only have the reference loop over the selected experts (torch.unique / nonzero: host syncs);
-a sync-free grouped MXFP4 expert op (the `experts_grouped` analogue for packed experts) is what is missing.
-Prefill (eager) and CPU steps of more than 16 tokens keep the reference loop. Validated on the CPU in fp32
-under the Triton interpreter (tests/test_k3_graph.py) and on the H200 on tiny-k3 (bench/k3_gpu_smoke.py).
+kimi_k3: the LatentMoE routed experts (MXFP4) of a decode step run through the Triton routed experts
+(kernels/grouped_experts.py routed_experts: the fused small-batch kernels at <= 16 sequences, the kernels
+grouped by expert above; no host sync; torch_ops `_latent_routed`); the rest of the op (router, latent
+down, latent norm, latent up, shared experts) is the reference math. Prefill (eager) keeps the reference
+expert loop. Validated on the CPU in fp32 under the Triton interpreter (tests/test_k3_graph.py) and on the
+H200 (bench/k3_gpu_smoke.py).
 """
 
 from __future__ import annotations
@@ -20,25 +18,11 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from ..plan import LATENT_MOE, DecodePlan
+from ..plan import DecodePlan
 from ..step import Step
 from .torch_executor import TorchExecutor
-from .torch_ops import LATENT_FUSED_MAX_TOKENS
 
 KV_BUCKET = 256
-
-
-def check_capture(plan: DecodePlan, num_tokens: int) -> None:
-    """Raise ValueError when a decode step of `num_tokens` sequences of this plan cannot be captured in a
-    CUDA graph: a LatentMoE (kimi_k3) step above the fused experts kernel's limit. Device independent (the
-    executor calls it before capturing on CUDA; tests call it on the CPU)."""
-    if num_tokens > LATENT_FUSED_MAX_TOKENS and any(op.kind == LATENT_MOE for op in plan.ops):
-        raise ValueError(
-            f"the graph executor captures {plan.config.family!r} decode steps of at most "
-            f"{LATENT_FUSED_MAX_TOKENS} sequences (got {num_tokens}): above that its LatentMoE routed experts "
-            "(MXFP4) only have the reference expert loop, which syncs with the host (torch.unique / nonzero) "
-            "and cannot be captured; a sync-free grouped MXFP4 expert path is missing. Decode at most "
-            f"{LATENT_FUSED_MAX_TOKENS} sequences per step or use executor 'torch'.")
 
 
 class GraphExecutor(TorchExecutor):
@@ -77,7 +61,6 @@ class GraphExecutor(TorchExecutor):
 
     def _capture(self, step: Step, kv_len: int):
         B = step.num_tokens
-        check_capture(self.plan, B)
         static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),
                       logit_rows=torch.arange(B, device=self.device), kv_len=kv_len,
                       contiguous_slots=step.contiguous_slots)

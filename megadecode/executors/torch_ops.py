@@ -20,19 +20,12 @@ from ..reference.norm import rms_norm, swiglu_mlp
 from ..reference.rope import rope_cos_sin
 
 
-# Most tokens a step may have for the LatentMoE routed experts to go through the fused Triton kernel
-# (megadecode/kernels/fused_experts.py, MAX_TOKENS; a test checks they agree). Not imported from there so
-# that importing the executors does not import Triton (on the CPU it must first be imported under the
-# interpreter).
-LATENT_FUSED_MAX_TOKENS = 16
-
-
 class StepContext:
     """Buffers of one step: step inputs, activations, plus the weights and the cache they use.
 
     `experts_impl`: "reference" (loops with host syncs: the torch executor's reference) or "grouped"
-    (sync-free: EXPERTS ops use torch._grouped_mm; K3's LATENT_MOE decode steps of <= 16 tokens use the
-    fused Triton experts kernel, see `_latent_routed`)."""
+    (sync-free: EXPERTS ops use torch._grouped_mm; K3's LATENT_MOE decode steps use the Triton routed
+    experts, see `_latent_routed`)."""
 
     def __init__(self, cfg, weights, cache, step, experts_impl: str = "reference"):
         self.cfg, self.w, self.cache, self.step = cfg, weights, cache, step
@@ -113,35 +106,34 @@ def _attn_res(ctx, op):
     ctx.buf["layer_in"] = attn_res(sources, q, norm, ctx.cfg.rms_norm_eps)
 
 
-def _fused_experts_fn(device: torch.device):
-    """megadecode.kernels.fused_experts.fused_experts when Triton can run it on `device`, else None.
-    On CUDA: always. On the CPU: only under the Triton interpreter, i.e. the kernels were decorated with
-    TRITON_INTERPRET=1 (never imports Triton on the CPU without it: that would break the interpreter for
-    the rest of the process)."""
-    name = "megadecode.kernels.fused_experts"
+def _triton_experts_fn(device: torch.device):
+    """megadecode.kernels.grouped_experts.routed_experts (the small-batch fused kernels for <= 16 tokens,
+    the grouped kernels above) when Triton can run it on `device`, else None. On CUDA: always. On the CPU:
+    only under the Triton interpreter, i.e. the kernels were decorated with TRITON_INTERPRET=1 (never
+    imports Triton on the CPU without it: that would break the interpreter for the rest of the process)."""
+    name = "megadecode.kernels.grouped_experts"
     if device.type == "cpu" and name not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         return None
     if device.type not in ("cpu", "cuda"):
         return None
-    from ..kernels import fused_experts as fe
+    from ..kernels import grouped_experts as ge
     from ..validate.variant import triton_interpreted
 
-    if device.type == "cpu" and not triton_interpreted(fe.experts_up_kernel):
+    if device.type == "cpu" and not (triton_interpreted(ge.grouped_up_kernel)
+                                     and triton_interpreted(ge.fe.experts_up_kernel)):
         return None
-    return fe.fused_experts
+    return ge.routed_experts
 
 
 def _latent_routed(ctx, h, ids, wts, gate_up: MXFP4Tensor, down: MXFP4Tensor) -> torch.Tensor:
     """z = sum_a wts[t, a] * Expert_{ids[t, a]}(h[t]) in fp32 (h [T, R] fp32).
 
-    experts_impl "grouped" (graph executor), decode step (no prefill segments), T <= 16 tokens and Triton
-    able to run: the fused kernel (two launches, MXFP4 decoded in registers, no host sync: capturable).
-    Otherwise the reference loop over the selected experts (host syncs): the torch executor always, and
-    prefill or more than 16 tokens in the graph executor (it refuses to capture those, see
-    graph_executor.check_capture)."""
-    if (ctx.experts_impl == "grouped" and ctx.step.segments is None
-            and h.shape[0] <= LATENT_FUSED_MAX_TOKENS):
-        fn = _fused_experts_fn(h.device)
+    experts_impl "grouped" (graph executor), a decode step (no prefill segments) and Triton able to run:
+    the Triton routed experts (MXFP4 decoded in registers, no host sync: capturable; fused kernels at
+    <= 16 tokens, grouped by expert above). Otherwise the reference loop over the selected experts (host
+    syncs): the torch executor always, and prefill (eager) in the graph executor."""
+    if ctx.experts_impl == "grouped" and ctx.step.segments is None:
+        fn = _triton_experts_fn(h.device)
         if fn is not None:
             return fn(h.contiguous(), ids.contiguous(), wts.float().contiguous(), gate_up, down,
                       act=ctx.cfg.expert_act)
@@ -150,7 +142,7 @@ def _latent_routed(ctx, h, ids, wts, gate_up: MXFP4Tensor, down: MXFP4Tensor) ->
 
 def _latent_moe(ctx, op):
     """Stable LatentMoE's routed half (reference/latent_moe.py): latent down, the selected MXFP4 experts
-    (reference: decoded exactly one at a time; graph decode: the fused kernel, see `_latent_routed`),
+    (reference: decoded exactly one at a time; graph decode: the Triton kernels, see `_latent_routed`),
     RMSNorm of the weighted sum, latent up. fp32 inside."""
     x, ids, wts = (ctx.buf[n] for n in op.inputs)
     down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (ctx.w[n] for n in op.weights)

@@ -76,13 +76,20 @@ def tuned_blocks(device: torch.device, key: str, T: int) -> dict | None:
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 code (int32, 0..15) -> fp32 value, exactly, by building the fp32 bits: sign = bit 3; magnitude
-    index m = bits 0..2: 0 -> 0, 1 -> 0.5 (the subnormal), m >= 2 -> 2**((m >> 1) - 1) * (1 + (m & 1) / 2)."""
-    m = code & 7
-    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 126 << 23, 0))
-    bits = bits | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _e2m1_lo(b):
+    """The low nibbles of bytes b (int32) as fp32 e2m1 values times 2**-14, in four integer ops and a
+    conversion: the code's bits moved into an fp16 (sign to bit 15, the 2 exponent and 1 mantissa bits to
+    bits 11..9). Exact: fp16 with exponent field e is 2**(e-15) (1 + m/2) = 2**-14 * e2m1, the subnormal
+    0.5 included (fp16 subnormal 512/1024 * 2**-14). Callers multiply their sums by 2**14 (exact)."""
+    bits = ((b & 8) << 12) | ((b & 7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_hi(b):
+    """The high nibbles of bytes b, as _e2m1_lo (times 2**-14)."""
+    bits = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -125,14 +132,14 @@ def _rows_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_
                         eviction_policy="evict_first").to(tl.int32)
             ve = tl.load(v_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
             vo = tl.load(v_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-            prod = _e2m1(b & 15) * ve[None, :] + _e2m1(b >> 4) * vo[None, :]  # [BLOCK_R, HALF]
+            prod = _e2m1_lo(b) * ve[None, :] + _e2m1_hi(b) * vo[None, :]  # [BLOCK_R, HALF], x 2**-14
             part = tl.sum(tl.reshape(prod, (BLOCK_R, NB, 16)), axis=2)  # per 32-weight block
             sb = k0 // 32 + tl.arange(0, NB)
             sc = tl.load(s_ptr + s_off + rows[:, None] * stride_sr + sb[None, :],
                          mask=row_ok[:, None] & (sb < K // 32)[None, :], other=127,
                          eviction_policy="evict_first").to(tl.int32)
             acc += part * _e8m0(sc)
-        return tl.sum(acc, axis=1)
+        return tl.sum(acc, axis=1) * 16384.0  # undo the decoders' 2**-14
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -212,16 +219,16 @@ def _as_weight(name: str, w):
     return w, None, tuple(w.shape)
 
 
-def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, *,
-                  act: str = "silu", out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-                  check_ids: bool = False, blocks: dict | None = None) -> torch.Tensor:
-    """Routed experts for T <= 16 tokens: x [T, D] float, ids [T, A] int64/int32 (0 <= ids < E, the router's
-    contract; checked on the host only with check_ids=True), weights [T, A] fp32; gate_up [E, 2I, D] and
-    down [E, D, I] as float tensors, or as MXFP4 (an MXFP4Tensor or a (packed uint8 [E, out, in/2], scale
-    uint8 [E, out, in/32]) tuple; D and I multiples of 32). act: "silu" (SwiGLU) or "situ" (SiTU-GLU).
-    Writes and returns out [T, D] (x.dtype; every element written). `scratch`: optional fp32 [T*A, I]
-    buffer for h. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config for this shape, batch and GPU
-    (kernels/tuning.py lookup, CUDA only) when one exists."""
+class Problem:
+    """A checked routed-experts call: shapes, the weight tensors (scales None for float weights), out."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def check_problem(x, ids, weights, gate_up, down, act, out, max_tokens: int | None, check_ids: bool) -> Problem:
+    """Validate a routed-experts call (shared by the fused and the grouped launchers); -> Problem with
+    T, D, A, E, I, mx, gu, gus, dn, dns and out (allocated when None). ValueError naming what is wrong."""
     if act not in ACTS:
         raise ValueError(f"act must be one of {sorted(ACTS)}, got {act!r}")
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -229,10 +236,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, D] with unit stride over D, got shape {tuple(x.shape)} strides {x.stride()}")
     T, D = x.shape
-    if T > MAX_TOKENS:
-        raise ValueError(f"fused_experts handles batch <= {MAX_TOKENS} (got T={T}): for larger batches use the "
-                         "grouped path (megadecode.reference.moe.experts_grouped, torch._grouped_mm over "
-                         "expert-sorted pairs)")
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"fused_experts handles batch <= {max_tokens} (got T={T}): for larger batches use the "
+                         "grouped path (megadecode.kernels.grouped_experts.grouped_experts, or "
+                         "routed_experts, which picks the path by batch)")
     if ids.dim() != 2 or ids.shape[0] != T or ids.dtype not in (torch.int64, torch.int32) or not ids.is_contiguous():
         raise ValueError(f"ids must be contiguous [T={T}, A] int64/int32, got {tuple(ids.shape)} {ids.dtype}")
     A = ids.shape[1]
@@ -261,13 +268,31 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if out.shape != (T, D) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [T, D]=({T}, {D}) {x.dtype} with unit stride over D, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    devs = {t.device for t in (x, ids, weights, gu, dn, out)}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devs}")
+    return Problem(T=T, D=D, A=A, E=E, I=I, mx=mx, gu=gu, gus=gus, dn=dn, dns=dns, out=out)
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, *,
+                  act: str = "silu", out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+                  check_ids: bool = False, blocks: dict | None = None) -> torch.Tensor:
+    """Routed experts for T <= 16 tokens: x [T, D] float, ids [T, A] int64/int32 (0 <= ids < E, the router's
+    contract; checked on the host only with check_ids=True), weights [T, A] fp32; gate_up [E, 2I, D] and
+    down [E, D, I] as float tensors, or as MXFP4 (an MXFP4Tensor or a (packed uint8 [E, out, in/2], scale
+    uint8 [E, out, in/32]) tuple; D and I multiples of 32). act: "silu" (SwiGLU) or "situ" (SiTU-GLU).
+    Writes and returns out [T, D] (x.dtype; every element written). `scratch`: optional fp32 [T*A, I]
+    buffer for h. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config for this shape, batch and GPU
+    (kernels/tuning.py lookup, CUDA only) when one exists."""
+    pb = check_problem(x, ids, weights, gate_up, down, act, out, MAX_TOKENS, check_ids)
+    T, D, A, I, mx, out = pb.T, pb.D, pb.A, pb.I, pb.mx, pb.out
+    gu, gus, dn, dns = pb.gu, pb.gus, pb.dn, pb.dns
     if scratch is None:
         scratch = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     if scratch.shape != (T * A, I) or scratch.dtype != torch.float32 or not scratch.is_contiguous():
         raise ValueError(f"scratch must be contiguous [T*A, I]=({T * A}, {I}) fp32")
-    devs = {t.device for t in (x, ids, weights, gu, dn, out, scratch)}
-    if len(devs) != 1:
-        raise ValueError(f"all tensors must be on one device, got {devs}")
+    if scratch.device != x.device:
+        raise ValueError(f"scratch is on {scratch.device}, x on {x.device}")
     if T == 0:
         return out
     if blocks is None:

@@ -1,0 +1,270 @@
+"""Grouped routed experts for any batch, without host syncs (issue 5: "a grouped path for larger batches").
+
+    out[t] = sum_a w[t, a] * down_e (act(gate_e x_t, up_e x_t)),   e = ids[t, a]
+
+Same legend, weights and activations as kernels/fused_experts.py (float or MXFP4 weights decoded in
+registers, fp32 math). The difference: the T*A (token, expert) pairs are grouped by expert first, so each
+selected expert's weights are read once per step however many tokens picked it. The small-batch kernel
+reads them once per pair, which is right at batch <= 16 (the picks are mostly distinct) and wrong at
+batch 64 (K3: 1024 picks of 896 experts) or for a hot expert.
+
+Bookkeeping on the device, sync-free (capturable): `order` = the pairs sorted by expert (a stable sort of
+the flat ids), `offs[e] .. offs[e+1]` = expert e's run in `order` (searchsorted of 0..E in the sorted ids).
+Three launches:
+  1. `grouped_up_kernel`, grid (E, cdiv(I, BLOCK_I)): program (e, i-tile) walks expert e's pairs BLOCK_M at
+     a time; per chunk it streams gate/up rows of the i-tile over D and computes, for all BLOCK_M pairs at
+     once, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t) (fp32 broadcast-multiply-reduce, no tensor cores:
+     at decode an expert has about one pair, and tl.dot would pad it to 16). Experts nobody picked exit
+     after two loads. An expert with more than BLOCK_M pairs re-reads its tile per chunk (from L2).
+  2. `grouped_down_kernel`, grid (E, cdiv(D, BLOCK_N)): y[p, n] = down_e[n, :] . h[p, :] for e's pairs.
+  3. `combine_kernel`, grid (T, cdiv(D, BLOCK_C)): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] y[t*A+a, n].
+Deterministic (no atomics; each pair's values come from one program) and batch invariant up to the
+grouping: a pair's h and y are the same arithmetic whatever else shares its expert.
+
+Memory paths: weights static; x, ids, order, offs, router weights, h and y are produced within the step and
+read with plain coherent loads (the static audit in tests/test_grouped_experts.py checks all three kernels).
+Contract for ids: 0 <= ids < E (the router's); `check_ids=True` verifies on the host (debug, syncs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import EXPERTS
+from ..quant.mxfp4 import BLOCK as MX_BLOCK
+from ..validate.variant import Manifest, Scope, Variant, register
+from . import fused_experts as fe
+from . import tuning
+from .fused_experts import ACTS, MAX_TOKENS, WDTYPES, _e2m1_hi, _e2m1_lo, _e8m0, _tanh, check_problem, shape_key
+
+KERNEL = "grouped-experts"
+MAX_BATCH = 4096  # a sanity bound for the launcher (T * A pairs are indexed in int32)
+DEFAULT_BLOCKS = {
+    "BLOCK_M": 2,     # pairs of one expert per chunk (the broadcast product is BLOCK_M x rows x BLOCK_K)
+    "BLOCK_I": 32,    # stage 1: gate (and up) rows per program
+    "BLOCK_D": 128,   # stage 1: reduction chunk over D (a multiple of 32 for MXFP4)
+    "BLOCK_N": 32,    # stage 2: output columns per program
+    "BLOCK_K": 128,   # stage 2: reduction chunk over I (a multiple of 32 for MXFP4)
+    "num_warps": 4,
+    "num_stages": 2,
+}
+BLOCK_C = 256  # combine: output columns per program
+
+
+@triton.jit
+def _pairs_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
+               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+               MXFP4: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32: W[rows, :K] . v[m, :K] for one expert's matrix at w_ptr + w_off and the
+    BLOCK_M activation rows starting at v_ptr + v_rows[m] (masked by m_ok). The weight tile is decoded once
+    per chunk and used by all BLOCK_M rows."""
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if MXFP4:
+        HALF: tl.constexpr = BLOCK_K // 2
+        NB: tl.constexpr = BLOCK_K // 32
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 // 2 + tl.arange(0, HALF)
+            j_ok = j < K // 2
+            b = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + j[None, :], mask=row_ok[:, None] & j_ok[None, :],
+                        other=0, eviction_policy="evict_first").to(tl.int32)
+            sb = k0 // 32 + tl.arange(0, NB)
+            sc = tl.load(s_ptr + s_off + rows[:, None] * stride_sr + sb[None, :],
+                         mask=row_ok[:, None] & (sb < K // 32)[None, :], other=127,
+                         eviction_policy="evict_first").to(tl.int32)
+            scale = tl.reshape(tl.broadcast_to(_e8m0(sc)[:, :, None], (BLOCK_R, NB, 16)), (BLOCK_R, HALF))
+            we = _e2m1_lo(b) * scale  # [BLOCK_R, HALF], weights of the even k, times 2**-14
+            wo = _e2m1_hi(b) * scale
+            vm = m_ok[:, None] & j_ok[None, :]
+            ve = tl.load(v_ptr + v_rows[:, None] + 2 * j[None, :], mask=vm, other=0.0).to(tl.float32)
+            vo = tl.load(v_ptr + v_rows[:, None] + 2 * j[None, :] + 1, mask=vm, other=0.0).to(tl.float32)
+            acc += tl.sum(ve[:, None, :] * we[None, :, :] + vo[:, None, :] * wo[None, :, :], axis=2)
+        acc = acc * 16384.0  # undo the decoders' 2**-14
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0, eviction_policy="evict_first").to(tl.float32)
+            v = tl.load(v_ptr + v_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(v[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def grouped_up_kernel(x_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e, stride_gu_r,
+                      stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
+                      ACT: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """Program (e, i-tile): for each pair p of expert e, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
+    e = tl.program_id(0)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < I
+    w_off = e.to(tl.int64) * stride_gu_e
+    s_off = e.to(tl.int64) * stride_gus_e
+    m0 = start
+    while m0 < end:  # a while loop: the interpreter cannot take a range() over loaded bounds
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < end
+        p = tl.load(order_ptr + m, mask=m_ok, other=0)
+        x_rows = (p // A).to(tl.int64) * stride_x
+        g = _pairs_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                       D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4)
+        u = _pairs_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows,
+                       m_ok, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        if ACT == 0:  # SiLU-GLU
+            h = g * sig * u
+        else:  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
+            h = 4.0 * _tanh(g * 0.25) * sig * (25.0 * _tanh(u * 0.04))
+        tl.store(h_ptr + p.to(tl.int64)[:, None] * I + i[None, :], h, mask=m_ok[:, None] & i_ok[None, :])
+        m0 += BLOCK_M
+
+
+@triton.jit
+def grouped_down_kernel(h_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
+                        stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e, n-tile): for each pair p of expert e, y[p, n] = down_e[n, :] . h[p, :]."""
+    e = tl.program_id(0)
+    start = tl.load(offs_ptr + e)
+    end = tl.load(offs_ptr + e + 1)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    w_off = e.to(tl.int64) * stride_dn_e
+    s_off = e.to(tl.int64) * stride_dns_e
+    m0 = start
+    while m0 < end:
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < end
+        p = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        y = _pairs_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
+                       I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4)
+        tl.store(y_ptr + p[:, None] * D + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+        m0 += BLOCK_M
+
+
+@triton.jit
+def combine_kernel(y_ptr, wts_ptr, out_ptr, stride_out, D: tl.constexpr, A: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (t, n-tile): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] * y[t*A + a, n]."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n_ok = n < D
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for a in range(A):
+        p = (t * A + a).to(tl.int64)
+        acc += tl.load(wts_ptr + p) * tl.load(y_ptr + p * D + n, mask=n_ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---- launcher -----------------------------------------------------------------------------------------
+def group_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order int32 [T*A]: pair indices sorted by expert, stable; offs int32 [E+1]: expert e's pairs are
+    order[offs[e]:offs[e+1]]). Device ops only, no host sync."""
+    flat = ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(E + 1, device=ids.device, dtype=flat.dtype)
+    offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    return order.to(torch.int32), offs
+
+
+def tuned_blocks(device: torch.device, key: str, T: int) -> dict | None:
+    return tuning.lookup(KERNEL, torch.cuda.get_device_name(device), key, T) if device.type == "cuda" else None
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, *,
+                    act: str = "silu", out: torch.Tensor | None = None, check_ids: bool = False,
+                    blocks: dict | None = None) -> torch.Tensor:
+    """Routed experts for any batch (T <= MAX_BATCH), arguments as kernels.fused_experts.fused_experts.
+    Allocates its scratch (h [T*A, I] and y [T*A, D], fp32) per call: under a CUDA graph they come from
+    the graph's pool. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config when one exists."""
+    pb = check_problem(x, ids, weights, gate_up, down, act, out, MAX_BATCH, check_ids)
+    T, D, A, E, I, mx, out = pb.T, pb.D, pb.A, pb.E, pb.I, pb.mx, pb.out
+    gu, gus, dn, dns = pb.gu, pb.gus, pb.dn, pb.dns
+    if T == 0:
+        return out
+    if blocks is None:
+        wdtype = "mxfp4" if mx else WDTYPES[gu.dtype]
+        blocks = tuned_blocks(x.device, shape_key(D, I, A, wdtype, act), T)
+    b = {**DEFAULT_BLOCKS, **(blocks or {})}
+    bm = triton.next_power_of_2(max(1, b["BLOCK_M"]))
+    bi = min(b["BLOCK_I"], triton.next_power_of_2(I))
+    bd = min(b["BLOCK_D"], max(MX_BLOCK, triton.next_power_of_2(D)))
+    bn = min(b["BLOCK_N"], triton.next_power_of_2(D))
+    bk = min(b["BLOCK_K"], max(MX_BLOCK, triton.next_power_of_2(I)))
+    if mx and (bd % MX_BLOCK or bk % MX_BLOCK):
+        raise ValueError(f"MXFP4 reduction blocks must be multiples of {MX_BLOCK}: BLOCK_D={bd}, BLOCK_K={bk}")
+    order, offs = group_pairs(ids, E)
+    h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
+    y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
+    gus_, dns_ = (gus, dns) if mx else (gu, dn)  # unused scale pointers: any valid tensor
+    kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
+    grouped_up_kernel[(E, triton.cdiv(I, bi))](
+        x, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
+        gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
+        BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, **kw)
+    grouped_down_kernel[(E, triton.cdiv(D, bn))](
+        h, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
+        dns_.stride(1) if mx else 0, D=D, I=I, MXFP4=mx, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
+    combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
+    return out
+
+
+def routed_experts(x, ids, weights, gate_up, down, *, act: str = "silu", out=None, blocks=None) -> torch.Tensor:
+    """The Triton routed experts at any batch: the small-batch fused kernels for T <= 16 (no grouping pass),
+    the grouped kernels above. Sync-free either way (graph capturable)."""
+    fn = fe.fused_experts if x.shape[0] <= MAX_TOKENS else grouped_experts  # module lookups: tests count calls
+    return fn(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)
+
+
+# ---- static audit description -------------------------------------------------------------------------
+def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 3584, I: int = 3072,
+                A: int = 16) -> list[tuple]:
+    """(kernel, signature, roles, constexprs) for the three kernels, for validate.audit.audit_kernel."""
+    w = s = "*u8" if mxfp4 else f"*{dtype}"
+    b = DEFAULT_BLOCKS
+    strides = {"stride_gu_e": "i32", "stride_gu_r": "i32", "stride_gus_e": "i32", "stride_gus_r": "i32"}
+    up_sig = {"x_ptr": f"*{dtype}", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w, "gus_ptr": s,
+              "h_ptr": "*fp32", "stride_x": "i32", **strides}
+    up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "BLOCK_M": b["BLOCK_M"],
+            "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"]}
+    up_sig.update({k: "constexpr" for k in up_c})
+    produced = {"order_ptr": "produced", "offs_ptr": "produced"}
+    up_roles = {"x_ptr": "produced", "h_ptr": "produced", "gu_ptr": "static", "gus_ptr": "static", **produced}
+    dn_sig = {"h_ptr": "*fp32", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": w, "dns_ptr": s,
+              "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32", "stride_dns_e": "i32",
+              "stride_dns_r": "i32"}
+    dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
+            "BLOCK_K": b["BLOCK_K"]}
+    dn_sig.update({k: "constexpr" for k in dn_c})
+    dn_roles = {"h_ptr": "produced", "y_ptr": "produced", "dn_ptr": "static", "dns_ptr": "static", **produced}
+    cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
+    cb_c = {"D": D, "A": A, "BLOCK_C": BLOCK_C}
+    cb_sig.update({k: "constexpr" for k in cb_c})
+    cb_roles = {"y_ptr": "produced", "wts_ptr": "produced", "out_ptr": "produced"}
+    return [(grouped_up_kernel, up_sig, up_roles, up_c), (grouped_down_kernel, dn_sig, dn_roles, dn_c),
+            (combine_kernel, cb_sig, cb_roles, cb_c)]
+
+
+# ---- the harness variant ----------------------------------------------------------------------------
+def _run(op, inputs, weights, outputs, cfg, step, cache=None):
+    x, ids, wts = (inputs[n] for n in op.inputs)
+    grouped_experts(x, ids, wts.float().contiguous(), weights[op.weights[0]], weights[op.weights[1]], act="silu",
+                    out=outputs[op.outputs[0]])
+
+
+GROUPED_EXPERTS_VARIANT = register(Variant(Manifest(
+    name="triton-grouped-experts",
+    description="routed experts at any batch in three Triton kernels: pairs sorted by expert on the device "
+                "(no host sync), (expert, tile) programs read each selected expert once for all its pairs, "
+                "a fixed-order weighted combine; fp32 math, float or MXFP4 weights",
+    replaces=(EXPERTS,),
+    scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
+                devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
+    sources=("megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True,
+    graph_capturable=True),
+    _run, kernel=grouped_up_kernel))

@@ -1,0 +1,183 @@
+"""The grouped routed-experts kernels (megadecode/kernels/grouped_experts.py) under the Triton interpreter
+(fp32, tiny dims), the batch dispatch of routed_experts, the registered variant, and the static sm_90 audit.
+Same interpreter arrangement as tests/test_fused_experts.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+
+GE = import_interpreted("megadecode.kernels.grouped_experts", "megadecode.validate.catalog")
+FE = GE.fe
+
+from megadecode.presets import preset_config  # noqa: E402
+from megadecode.quant.mxfp4 import MXFP4Tensor  # noqa: E402
+from megadecode.reference.latent_moe import latent_experts  # noqa: E402
+from megadecode.reference.moe import experts_reference  # noqa: E402
+from megadecode.validate.checks import check_op  # noqa: E402
+from megadecode.validate.variant import get, triton_interpreted  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+TRITON_OK = ON_GPU or triton_interpreted(GE.grouped_up_kernel)
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
+                                                        "test_rerun_in_subprocess_when_not_interpreted")
+SMALL = {"BLOCK_M": 2, "BLOCK_I": 16, "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_K": 32}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _problem(T, A=3, E=8, D=64, I=32, seed=0, dtype=torch.float32, ids=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])
+    w = torch.rand(T, A, generator=g) + 0.1
+    gu = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dtype)
+    dn = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype)
+    return [t.to(DEVICE) for t in (x, ids, w, gu, dn)]
+
+
+def _close(got, ref, tol):
+    got, ref = got.float(), ref.float()
+    err = (got - ref).abs().max().item()
+    assert torch.isfinite(got).all() and err <= tol * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+def _mx(w):
+    q = MXFP4Tensor.quantize(w.cpu())
+    return MXFP4Tensor(q.packed.to(DEVICE), q.scales.to(DEVICE))
+
+
+def test_group_pairs_sorts_by_expert_stably():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 3]])
+    order, offs = GE.group_pairs(ids, 5)
+    assert order.dtype == offs.dtype == torch.int32
+    assert order.tolist() == [3, 1, 2, 0, 4, 5] and offs.tolist() == [0, 1, 3, 3, 6, 6]
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 5, 24])
+def test_silu_matches_experts_reference(T):
+    x, ids, w, gu, dn = _problem(T, seed=T)
+    _close(GE.grouped_experts(x, ids, w, gu, dn, blocks=SMALL), experts_reference(x, ids, w, gu, dn), 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_mxfp4_matches_reference_on_decoded_weights(act):
+    x, ids, w, gu, dn = _problem(20, A=4, D=64, I=64, seed=3)
+    x = x * 4
+    gq, dq = _mx(gu), _mx(dn)
+    ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act=act)
+    _close(GE.grouped_experts(x, ids, w, gq, dq, act=act), ref, 1e-5)
+    _close(GE.grouped_experts(x, ids, w, gq, dq, act=act, blocks={**SMALL, "BLOCK_M": 4}), ref, 1e-5)
+
+
+@needs_triton
+def test_hot_expert_and_empty_experts():
+    """Every token on expert 2 (more pairs than BLOCK_M: the chunk loop runs many times), expert 7 never
+    picked, ragged D and I (masked tails), int32 ids."""
+    T, A = 9, 2
+    ids = torch.stack([torch.tensor([2, i % 6]) if i % 6 != 2 else torch.tensor([2, 5]) for i in range(T)])
+    x, ids, w, gu, dn = _problem(T, A=A, D=80, I=40, seed=5, ids=ids)
+    ref = experts_reference(x, ids, w, gu, dn)
+    _close(GE.grouped_experts(x, ids.int(), w, gu, dn, blocks=SMALL), ref, 1e-5)
+    same = torch.full((T, 1), 4, device=DEVICE)
+    _close(GE.grouped_experts(x, same, w[:, :1].contiguous(), gu, dn, blocks=SMALL),
+           experts_reference(x, same, w[:, :1], gu, dn), 1e-5)
+
+
+@needs_triton
+def test_poisoned_output_fully_written_deterministic_and_batch_invariant():
+    x, ids, w, gu, dn = _problem(18, seed=8)
+    out = torch.full_like(x, float("nan"))
+    ret = GE.grouped_experts(x, ids, w, gu, dn, out=out, blocks=SMALL)
+    assert ret is out and not out.isnan().any()
+    assert torch.equal(GE.grouped_experts(x, ids, w, gu, dn, blocks=SMALL), out)
+    for t in (0, 17):  # a row alone equals the row in the batch
+        alone = GE.grouped_experts(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gu, dn, blocks=SMALL)
+        assert torch.equal(alone, out[t:t + 1])
+
+
+@needs_triton
+def test_fp16_activations():
+    x, ids, w, gu, dn = _problem(17, seed=9, dtype=torch.float16)
+    got = GE.grouped_experts(x, ids, w, gu, dn)
+    assert got.dtype == torch.float16
+    _close(got, experts_reference(x.float(), ids, w, gu.float(), dn.float()), 2e-3)
+
+
+@needs_triton
+def test_routed_experts_picks_the_path_by_batch(monkeypatch):
+    calls = []
+    for mod, name in ((FE, "fused_experts"), (GE, "grouped_experts")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    for T in (16, 17):
+        x, ids, w, gu, dn = _problem(T, seed=T)
+        _close(GE.routed_experts(x, ids, w, gu, dn), experts_reference(x, ids, w, gu, dn), 1e-5)
+    assert calls == ["fused_experts", "grouped_experts"]
+
+
+def test_launcher_rejects_bad_arguments():
+    x, ids, w, gu, dn = _problem(3)
+    with pytest.raises(ValueError, match="ids must be"):
+        GE.grouped_experts(x, ids.float(), w, gu, dn)
+    with pytest.raises(ValueError, match="must be \\[E, 2I"):
+        GE.grouped_experts(x, ids, w, gu, dn[:, :, :16])
+    with pytest.raises(ValueError, match="both be float or both be MXFP4"):
+        GE.grouped_experts(x, ids, w, _mx(gu), dn)
+    with pytest.raises(ValueError, match="ids out of range"):
+        GE.grouped_experts(x, torch.tensor([[0, 8, 1], [1, 2, 3], [3, 4, 5]]), w, gu, dn, check_ids=True)
+    with pytest.raises(ValueError, match=f"batch <= {GE.MAX_BATCH}"):
+        GE.grouped_experts(*_problem(GE.MAX_BATCH + 1, A=1, E=2, D=32, I=32))
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("batch", [1, 20])
+def test_variant_passes_check_op(preset, batch):
+    row = check_op(get("triton-grouped-experts"), preset_config(preset), "experts", "float32", batch, seed=batch,
+                   device=DEVICE)
+    assert row["status"] == "PASS", row
+
+
+_AUDIT = """
+import json
+from megadecode.kernels.grouped_experts import audit_specs
+from megadecode.validate.audit import audit_kernel
+rows = []
+for dtype, mx, act in (("bf16", False, "silu"), ("fp32", True, "situ")):
+    for fn, sig, roles, consts in audit_specs(dtype, mx, act):
+        r = audit_kernel(fn, sig, roles, consts)
+        rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
+print(json.dumps(rows))
+"""
+
+
+def test_static_audit_sm90_all_three_kernels():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 6
+    for name, passed, rules, md in rows:
+        assert passed, md
+        assert "nc-load-of-produced" in rules, (name, rules)
+
+
+def test_rerun_in_subprocess_when_not_interpreted():
+    if TRITON_OK:
+        pytest.skip("the interpreter tests ran in this process")
+    rerun_file_in_subprocess(__file__)
