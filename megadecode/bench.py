@@ -154,7 +154,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time decode steps per executor and batch on the GPU (MBU vs HBM floor)",
                        description="Time decode steps on the GPU with random weights and a filled cache; "
                                    "report ms/step, tokens/s and MBU against the HBM read floor.")
-    p.add_argument("--preset", required=True, help=f"one of {', '.join(sorted(PRESETS))}")
+    p.add_argument("--preset", required=True,
+                   help=f"a model preset ({', '.join(sorted(PRESETS))}) or a MoE-layer preset (k3-moe, qwen3-moe: "
+                        "the routed experts alone, executors torch, graph, fused)")
     p.add_argument("--batch", type=_int_list, default=[1, 8, 64], help="comma-separated (default: 1,8,64)")
     p.add_argument("--executor", type=lambda s: [x for x in s.split(",") if x], default=["torch", "graph"],
                    help="comma-separated (default: torch,graph)")
@@ -163,6 +165,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="MoE-layer presets only: expert weight formats, comma-separated from mxfp4, bf16 "
+                        "(default: k3-moe both, qwen3-moe bf16)")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<preset>-<gpu>.json)")
     p.set_defaults(func=run)
 
@@ -172,14 +177,26 @@ def run(args, argv: list[str]) -> int:
 
     from .executors import EXECUTORS
 
+    from . import bench_moe
+
+    if args.preset in bench_moe.MOE_PRESETS:
+        bad = [w for w in args.weights or () if w not in ("mxfp4", "bf16")]
+        bad += [e for e in args.executor if e not in ("torch", "graph", "fused")]
+        if bad:
+            raise ValueError(f"{args.preset}: unknown weight format or executor {bad[0]!r} (weights: mxfp4, bf16; "
+                             "executors: torch, graph, fused)")
+    elif args.weights:
+        raise ValueError("--weights applies to the MoE-layer presets (k3-moe, qwen3-moe) only")
+    if not args.batch or min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.context < 1:
+        raise ValueError("--batch values, --steps and --context must be >= 1 and --warmup >= 0")
     if not torch.cuda.is_available():
         raise ValueError("bench needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
+    if args.preset in bench_moe.MOE_PRESETS:
+        return bench_moe.run(args, argv)
     cfg = preset_config(args.preset)
     bad = [e for e in args.executor if e not in EXECUTORS]
     if bad:
         raise ValueError(f"unknown executor {bad[0]!r}; choose from {', '.join(sorted(EXECUTORS))}")
-    if not args.batch or min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.context < 1:
-        raise ValueError("--batch values, --steps and --context must be >= 1 and --warmup >= 0")
     need = args.context + args.warmup + args.steps + 8
     if need > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} + warm-up + steps needs {need} positions; "

@@ -347,8 +347,8 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
 # ---- the harness variant ----------------------------------------------------------------------------
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
     x, ids, wts = (inputs[n] for n in op.inputs)
-    fused_experts(x, ids, wts, weights[op.weights[0]], weights[op.weights[1]], act="silu",
-                  out=outputs[op.outputs[0]])
+    fused_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(), weights[op.weights[0]],
+                  weights[op.weights[1]], act="silu", out=outputs[op.outputs[0]])
 
 
 FUSED_EXPERTS_VARIANT = register(Variant(Manifest(

@@ -253,7 +253,7 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
 # ---- the harness variant ----------------------------------------------------------------------------
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
     x, ids, wts = (inputs[n] for n in op.inputs)
-    grouped_experts(x, ids, wts.float().contiguous(), weights[op.weights[0]], weights[op.weights[1]], act="silu",
+    grouped_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(), weights[op.weights[0]], weights[op.weights[1]], act="silu",
                     out=outputs[op.outputs[0]])
 
 

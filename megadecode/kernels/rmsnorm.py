@@ -64,5 +64,5 @@ def _dims(cfg: ModelConfig) -> str | None:
 
 RMSNORM_VARIANT = register(Variant(Manifest(
     name="triton-rmsnorm", description="RMSNorm, a block of rows per Triton program, fp32 statistics",
-    replaces=(RMSNORM,), scope=Scope(dims=_dims), sources=("megadecode/kernels/rmsnorm.py",), uses_triton=True),
+    replaces=(RMSNORM,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), dims=_dims), sources=("megadecode/kernels/rmsnorm.py",), uses_triton=True),
     _run, kernel=rmsnorm_kernel))

@@ -135,7 +135,7 @@ def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "
             ids, wts = route(cfg, x, W, bias if cfg.score_func == "sigmoid" else None)
             inputs.update(normed=x, topk_ids=ids, topk_weights=wts)
     elif kind == P.RMSNORM:
-        inputs["hidden"] = x
+        inputs[op.inputs[0]] = x  # "hidden"; K3 (AttnRes) normalizes "layer_in"
     elif kind in (P.ATTN_GQA, P.ATTN_MLA):
         positions = torch.randint(0, CACHE_LEN, (T,), generator=gen)
         positions[0] = CACHE_LEN - 1  # one sequence at the end of its cache

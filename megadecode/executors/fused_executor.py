@@ -1,0 +1,89 @@
+"""The `fused` executor: the graph executor's decode step with plan ops replaced by the registered Triton
+variants of the validation harness, captured in a CUDA graph (issue 5, item 3).
+
+Which variants, in order of preference per op kind (the first whose manifest scope admits the model,
+dtype, batch and device runs the op; every other op runs the graph executor's op, sync-free):
+  rmsnorm  triton-rmsnorm            (one kernel instead of the reference's chain of elementwise ops)
+  experts  triton-fused-experts      (batch <= 16: two kernels, no sort pass)
+           triton-grouped-experts    (batch <= 256: pairs grouped by expert on the device)
+  K3's LatentMoE routed experts take the same Triton kernels through experts_impl "grouped"
+  (torch_ops._latent_routed), as under `graph`.
+Left out on purpose: triton-router (measured slower than the reference ops at batch 8 and 64 on the H200,
+docs/evidence/triton-router-h200.md). Variants run on outputs allocated with torch.empty: the manifest
+checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
+Scope decisions are made once per captured (batch, cache bucket); `chosen` records them per op kind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ..cache import KVCache
+from ..plan import DecodePlan
+from ..step import Step
+from .graph_executor import GraphExecutor
+from .torch_ops import OP_IMPLS, StepContext
+
+VARIANTS = ("triton-rmsnorm", "triton-fused-experts", "triton-grouped-experts")
+
+
+def _variants(device: torch.device) -> list:
+    """The registered variants of VARIANTS (importing the catalog registers them). On the CPU only under
+    the Triton interpreter (the kernels must have been decorated with TRITON_INTERPRET=1)."""
+    if device.type == "cpu" and "megadecode.kernels.fused_experts" not in sys.modules \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the fused executor runs Triton kernels: on the CPU set TRITON_INTERPRET=1 before "
+                         "megadecode.kernels is first imported (tiny models, fp32/fp16 only), or use a CUDA GPU")
+    from ..validate import catalog  # noqa: F401  (registers the variants)
+    from ..validate.variant import get
+
+    return [get(n) for n in VARIANTS]
+
+
+class FusedExecutor(GraphExecutor):
+    name = "fused"
+
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
+        super().__init__(plan, weights, cache)
+        self.variants = _variants(self.device)
+        self.dtype = next(iter(weights.values())).dtype
+        self.chosen: dict[tuple[str, int], str] = {}  # (op kind, batch) -> variant name or "reference: why"
+
+    def _pick(self, kind: str, batch: int):
+        why = []
+        for v in self.variants:
+            if kind not in v.manifest.replaces:
+                continue
+            reason = v.supports(self.cfg, self.dtype, batch, self.device)
+            if reason is None:
+                self.chosen[(kind, batch)] = v.name
+                return v
+            why.append(f"{v.name}: {reason}")
+        self.chosen.setdefault((kind, batch), "reference" + (f" ({'; '.join(why)})" if why else ""))
+        return None
+
+    def run_ops(self, step: Step, hook=None) -> StepContext:
+        from ..validate.shapes import output_specs
+
+        if step.segments is not None:  # prefill: the graph executor's ops (eager)
+            return super().run_ops(step, hook)
+        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl)
+        picks: dict[str, object] = {}
+        for op in self.plan.ops:
+            if op.kind not in picks:
+                picks[op.kind] = self._pick(op.kind, step.num_tokens)
+            v = picks[op.kind]
+            if v is None:
+                OP_IMPLS[op.kind](ctx, op)
+            else:
+                outputs = {n: torch.empty(shape, dtype=dt, device=self.device)
+                           for n, (shape, dt) in output_specs(self.cfg, op, ctx.buf, self.weights).items()}
+                v.run(op, {n: ctx.buf[n] for n in op.inputs}, {n: self.weights[n] for n in op.weights}, outputs,
+                      self.cfg, step, self.cache[op.cache] if op.cache else None)
+                ctx.buf.update(outputs)
+            if hook is not None:
+                hook(op, ctx)
+        return ctx

@@ -1,0 +1,76 @@
+"""The `fused` executor (megadecode/executors/fused_executor.py) on the CPU under the Triton interpreter,
+fp32: its decode steps run the registered Triton variants (scope permitting) and match the torch executor.
+Same interpreter arrangement as tests/test_fused_experts.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+
+CATALOG = import_interpreted("megadecode.validate.catalog")
+
+from megadecode import Engine  # noqa: E402
+from megadecode.kernels import grouped_experts as GE  # noqa: E402
+from megadecode.presets import preset_config  # noqa: E402
+from megadecode.validate.variant import triton_interpreted  # noqa: E402
+from megadecode.weights import random_weights  # noqa: E402
+
+TRITON_OK = ON_GPU or triton_interpreted(GE.grouped_up_kernel)
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
+                                                        "test_rerun_in_subprocess_when_not_interpreted")
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _run(cfg, weights, executor, prompts, steps):
+    e = Engine(cfg, weights, executor=executor, max_batch=len(prompts), max_seq_len=40)
+    toks, logits = [e.prefill(prompts).argmax(-1)], []
+    for _ in range(steps):
+        logits.append(e.decode(toks[-1]).clone())
+        toks.append(logits[-1].argmax(-1))
+    return e, torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("preset,batch", [("tiny-qwen3-moe", 3), ("tiny-deepseek-v3", 3),
+                                          ("tiny-qwen3-moe", 18), ("tiny-k3", 2)])
+def test_fused_decode_matches_torch(preset, batch):
+    cfg = preset_config(preset)
+    w = random_weights(cfg, DEVICE, torch.float32, seed=3)
+    prompts = [[1 + i, 5, 9 + i % 4][: 1 + i % 3] for i in range(batch)]
+    _, tok_t, log_t = _run(cfg, w, "torch", prompts, 6)
+    e, tok_f, log_f = _run(cfg, w, "fused", prompts, 6)
+    assert torch.equal(tok_f, tok_t)
+    err = (log_f - log_t).abs().max().item()
+    assert err <= 1e-4 * log_t.abs().max().item(), err
+    chosen = {k: v for (k, b), v in e.executor.chosen.items() if b == batch}
+    assert chosen["rmsnorm"] == "triton-rmsnorm", chosen
+    if preset != "tiny-k3":  # K3 has no EXPERTS op (LatentMoE takes the Triton experts itself)
+        assert chosen["experts"] == ("triton-fused-experts" if batch <= 16 else "triton-grouped-experts"), chosen
+
+
+def test_rerun_in_subprocess_when_not_interpreted():
+    if TRITON_OK:
+        pytest.skip("the interpreter tests ran in this process")
+    rerun_file_in_subprocess(__file__)
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_rmsnorm_variant_passes_on_kimi_families(preset):
+    """triton-rmsnorm's scope includes the kimi families: the harness checks it on their RMSNorm op (K3's
+    first one reads the AttnRes output `layer_in`)."""
+    from megadecode.validate.checks import check_op
+    from megadecode.validate.variant import get
+
+    for batch in (1, 7):
+        row = check_op(get("triton-rmsnorm"), preset_config(preset), "rmsnorm", "float32", batch, seed=batch,
+                       device=DEVICE)
+        assert row["status"] == "PASS", row
