@@ -28,7 +28,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 TRITON_OK = ON_GPU or triton_interpreted(GE.grouped_up_kernel)
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
                                                         "test_rerun_in_subprocess_when_not_interpreted")
-SMALL = {"BLOCK_M": 2, "BLOCK_I": 16, "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_K": 32}
+SMALL = {"BLOCK_M": 16, "BLOCK_I": 16, "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_K": 32}
 
 
 @pytest.fixture(autouse=True)
@@ -67,28 +67,32 @@ def test_group_pairs_sorts_by_expert_stably():
 
 
 @needs_triton
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("T", [1, 5, 24])
-def test_silu_matches_experts_reference(T):
+def test_silu_matches_experts_reference(T, grouped):
     x, ids, w, gu, dn = _problem(T, seed=T)
-    _close(GE.grouped_experts(x, ids, w, gu, dn, blocks=SMALL), experts_reference(x, ids, w, gu, dn), 1e-5)
+    got = GE.grouped_experts(x, ids, w, gu, dn, blocks=SMALL, grouped=grouped)
+    _close(got, experts_reference(x, ids, w, gu, dn), 1e-5)
 
 
 @needs_triton
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("act", ["silu", "situ"])
-def test_mxfp4_matches_reference_on_decoded_weights(act):
+def test_mxfp4_matches_reference_on_decoded_weights(act, grouped):
+    """fp32 activations (split into fp16 hi + lo for the MMAs) against the reference on decoded weights."""
     x, ids, w, gu, dn = _problem(20, A=4, D=64, I=64, seed=3)
     x = x * 4
     gq, dq = _mx(gu), _mx(dn)
     ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act=act)
-    _close(GE.grouped_experts(x, ids, w, gq, dq, act=act), ref, 1e-5)
-    _close(GE.grouped_experts(x, ids, w, gq, dq, act=act, blocks={**SMALL, "BLOCK_M": 4}), ref, 1e-5)
+    _close(GE.grouped_experts(x, ids, w, gq, dq, act=act, grouped=grouped), ref, 1e-5)
+    _close(GE.grouped_experts(x, ids, w, gq, dq, act=act, blocks={**SMALL, "BLOCK_M": 32}, grouped=grouped), ref, 1e-5)
 
 
 @needs_triton
 def test_hot_expert_and_empty_experts():
-    """Every token on expert 2 (more pairs than BLOCK_M: the chunk loop runs many times), expert 7 never
+    """Every token on expert 2 (more pairs than BLOCK_M = 16: the chunk loop runs twice), expert 7 never
     picked, ragged D and I (masked tails), int32 ids."""
-    T, A = 9, 2
+    T, A = 20, 2
     ids = torch.stack([torch.tensor([2, i % 6]) if i % 6 != 2 else torch.tensor([2, 5]) for i in range(T)])
     x, ids, w, gu, dn = _problem(T, A=A, D=80, I=40, seed=5, ids=ids)
     ref = experts_reference(x, ids, w, gu, dn)
@@ -158,8 +162,9 @@ import json
 from megadecode.kernels.grouped_experts import audit_specs
 from megadecode.validate.audit import audit_kernel
 rows = []
-for dtype, mx, act in (("bf16", False, "silu"), ("fp32", True, "situ")):
-    for fn, sig, roles, consts in audit_specs(dtype, mx, act):
+for dtype, mx, act, grouped in (("bf16", False, "silu", True), ("fp32", True, "situ", True),
+                                ("fp32", True, "situ", False)):
+    for fn, sig, roles, consts in audit_specs(dtype, mx, act, grouped=grouped):
         r = audit_kernel(fn, sig, roles, consts)
         rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
 print(json.dumps(rows))
@@ -171,7 +176,7 @@ def test_static_audit_sm90_all_three_kernels():
     p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
-    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 6
+    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 9
     for name, passed, rules, md in rows:
         assert passed, md
         assert "nc-load-of-produced" in rules, (name, rules)

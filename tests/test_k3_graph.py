@@ -85,8 +85,9 @@ def test_graph_decode_matches_torch_over_12_steps(weights, fused_calls):
     tok_t, log_t = _greedy(weights, "torch")
     assert fused_calls == []  # the torch executor stays the reference loop
     tok_g, log_g = _greedy(weights, "graph")
-    # prefill keeps the reference loop; every decode step's LatentMoE layers take the fused kernel
-    assert fused_calls == [len(PROMPTS)] * (12 * MOE_LAYERS)
+    # prefill keeps the reference loop; every decode step's LatentMoE layers take the fused kernel (on the
+    # GPU the Python call happens at capture: 2 warm-up runs + the captured one per (batch, cache bucket))
+    assert fused_calls == ([len(PROMPTS)] * (3 * MOE_LAYERS) if ON_GPU else [len(PROMPTS)] * (12 * MOE_LAYERS))
     assert torch.equal(tok_g, tok_t)
     err = (log_g[:, 1:] - log_t[:, 1:]).abs().max().item()
     assert err <= 1e-4 * log_t[:, 1:].abs().max().item(), err
@@ -141,7 +142,7 @@ def test_graph_decode_batch_20_matches_torch(weights, grouped_calls):
             logits.append(e.decode(out[-1]).clone())
             out.append(logits[-1].argmax(-1))
         toks[ex] = (torch.stack(out, 1), torch.stack(logits, 1))
-    assert grouped_calls == [20] * (4 * MOE_LAYERS)
+    assert grouped_calls == [20] * ((3 if ON_GPU else 4) * MOE_LAYERS)  # GPU: called at capture only
     assert torch.equal(toks["graph"][0], toks["torch"][0])
     err = (toks["graph"][1] - toks["torch"][1]).abs().max().item()
     assert err <= 1e-4 * toks["torch"][1].abs().max().item(), err

@@ -11,15 +11,20 @@ batch 64 (K3: 1024 picks of 896 experts) or for a hot expert.
 Bookkeeping on the device, sync-free (capturable): `order` = the pairs sorted by expert (a stable sort of
 the flat ids), `offs[e] .. offs[e+1]` = expert e's run in `order` (searchsorted of 0..E in the sorted ids).
 Three launches:
-  1. `grouped_up_kernel`, grid (E, cdiv(I, BLOCK_I)): program (e, i-tile) walks expert e's pairs BLOCK_M at
-     a time; per chunk it streams gate/up rows of the i-tile over D and computes, for all BLOCK_M pairs at
-     once, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t) (fp32 broadcast-multiply-reduce, no tensor cores:
-     at decode an expert has about one pair, and tl.dot would pad it to 16). Experts nobody picked exit
-     after two loads. An expert with more than BLOCK_M pairs re-reads its tile per chunk (from L2).
+  1. `grouped_up_kernel`, grid (E, cdiv(I, BLOCK_I)): program (e, i-tile) walks expert e's pairs BLOCK_M
+     (16) at a time; per chunk it streams the gate and up rows of its i-tile over D through tensor cores,
+     weights on the MMA's M side and the chunk's tokens on its N side ("swap AB": one token pads 16
+     columns, not 64 rows), h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t). Experts nobody picked exit after
+     two loads; one with more than BLOCK_M pairs re-reads its tile per chunk (from L2).
   2. `grouped_down_kernel`, grid (E, cdiv(D, BLOCK_N)): y[p, n] = down_e[n, :] . h[p, :] for e's pairs.
   3. `combine_kernel`, grid (T, cdiv(D, BLOCK_C)): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] y[t*A+a, n].
-Deterministic (no atomics; each pair's values come from one program) and batch invariant up to the
-grouping: a pair's h and y are the same arithmetic whatever else shares its expert.
+With grouped=False the same kernels give each pair its own programs (grid rows T*A, no sort: the
+small-batch layout of kernels/fused_experts.py on tensor cores).
+Numerics: fp32 accumulation. Float weights: bf16/fp16 MMAs; fp32 activations are split into hi + lo
+parts of the weight dtype (two MMAs, ~16 bits of mantissa for bf16); fp32 weights use IEEE fp32 dots.
+MXFP4: per 32-weight block the nibbles are decoded to fp16 with integer ops only (exact, times 2**-14),
+multiplied with fp16 activations (hi + lo split of fp32 activations; |x| < 65504), and the block's fp32
+sum is scaled by its e8m0 scale. Deterministic (no atomics; each pair's values come from one program).
 
 Memory paths: weights static; x, ids, order, offs, router weights, h and y are produced within the step and
 read with plain coherent loads (the static audit in tests/test_grouped_experts.py checks all three kernels).
@@ -42,66 +47,97 @@ from .fused_experts import ACTS, MAX_TOKENS, WDTYPES, _e2m1_hi, _e2m1_lo, _e8m0,
 KERNEL = "grouped-experts"
 MAX_BATCH = 4096  # a sanity bound for the launcher (T * A pairs are indexed in int32)
 DEFAULT_BLOCKS = {
-    "BLOCK_M": 2,     # pairs of one expert per chunk (the broadcast product is BLOCK_M x rows x BLOCK_K)
-    "BLOCK_I": 32,    # stage 1: gate (and up) rows per program
-    "BLOCK_D": 128,   # stage 1: reduction chunk over D (a multiple of 32 for MXFP4)
-    "BLOCK_N": 32,    # stage 2: output columns per program
-    "BLOCK_K": 128,   # stage 2: reduction chunk over I (a multiple of 32 for MXFP4)
+    "BLOCK_M": 16,    # pairs per MMA tile (the MMA's N side; 16 is its minimum)
+    "BLOCK_I": 64,    # stage 1: gate (and up) rows per program (the MMA's M side)
+    "BLOCK_D": 128,   # stage 1: reduction chunk over D, float weights (MXFP4 steps one 32-block at a time)
+    "BLOCK_N": 64,    # stage 2: output rows per program
+    "BLOCK_K": 128,   # stage 2: reduction chunk over I, float weights
     "num_warps": 4,
-    "num_stages": 2,
+    "num_stages": 3,
 }
 BLOCK_C = 256  # combine: output columns per program
 
 
 @triton.jit
-def _pairs_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
-               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-               MXFP4: tl.constexpr):
-    """[BLOCK_M, BLOCK_R] fp32: W[rows, :K] . v[m, :K] for one expert's matrix at w_ptr + w_off and the
-    BLOCK_M activation rows starting at v_ptr + v_rows[m] (masked by m_ok). The weight tile is decoded once
-    per chunk and used by all BLOCK_M rows."""
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+def _e2m1_lo_h(b):
+    """Low nibbles of bytes b (int32) as fp16 e2m1 values times 2**-14 (see fused_experts._e2m1_lo), with no
+    conversion instruction: integer ops and a bitcast."""
+    return (((b & 8) << 12) | ((b & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_hi_h(b):
+    return (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _mma(w, v, acc, SPLIT: tl.constexpr):
+    """acc + w @ v on tensor cores: w [R, K] (fp16/bf16/fp32), v [K, M] fp32/fp16/bf16 activations. fp32 w: an
+    IEEE fp32 dot. Else v is rounded to w's dtype; SPLIT (fp32 activations): v = hi + lo, both in w's dtype,
+    two products (about 2x the mantissa bits of one)."""
+    if w.dtype == tl.float32:
+        return tl.dot(w, v.to(tl.float32), acc, input_precision="ieee")
+    vh = v.to(w.dtype)
+    acc = tl.dot(w, vh, acc)
+    if SPLIT:
+        acc = tl.dot(w, (v.to(tl.float32) - vh.to(tl.float32)).to(w.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
+            K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+            MXFP4: tl.constexpr, SPLIT: tl.constexpr):
+    """[BLOCK_R, BLOCK_M] fp32: W[rows, :K] . v[m, :K] for one expert's matrix at w_ptr + w_off and the
+    BLOCK_M activation rows at v_ptr + v_rows[m] (masked by m_ok), on tensor cores (weights as the MMA's
+    M side, tokens as its N side: "swap AB", so a handful of tokens pads 16 columns, not 64 rows).
+    MXFP4: per 32-weight block, the low and high nibbles decoded to fp16 (times 2**-14, exact) multiply the
+    even and odd activations (fp16), and the block's fp32 sum is scaled by its e8m0 scale: exact weights,
+    activations rounded to fp16 (|v| < 65504; SPLIT keeps ~22 bits)."""
+    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     if MXFP4:
-        HALF: tl.constexpr = BLOCK_K // 2
-        NB: tl.constexpr = BLOCK_K // 32
-        for k0 in range(0, K, BLOCK_K):
-            j = k0 // 2 + tl.arange(0, HALF)
-            j_ok = j < K // 2
-            b = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + j[None, :], mask=row_ok[:, None] & j_ok[None, :],
-                        other=0, eviction_policy="evict_first").to(tl.int32)
-            sb = k0 // 32 + tl.arange(0, NB)
-            sc = tl.load(s_ptr + s_off + rows[:, None] * stride_sr + sb[None, :],
-                         mask=row_ok[:, None] & (sb < K // 32)[None, :], other=127,
+        for k0 in range(0, K, 32):
+            j = k0 // 2 + tl.arange(0, 16)
+            b = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + j[None, :], mask=row_ok[:, None], other=0,
+                        eviction_policy="evict_first").to(tl.int32)
+            sc = tl.load(s_ptr + s_off + rows * stride_sr + k0 // 32, mask=row_ok, other=127,
                          eviction_policy="evict_first").to(tl.int32)
-            scale = tl.reshape(tl.broadcast_to(_e8m0(sc)[:, :, None], (BLOCK_R, NB, 16)), (BLOCK_R, HALF))
-            we = _e2m1_lo(b) * scale  # [BLOCK_R, HALF], weights of the even k, times 2**-14
-            wo = _e2m1_hi(b) * scale
-            vm = m_ok[:, None] & j_ok[None, :]
-            ve = tl.load(v_ptr + v_rows[:, None] + 2 * j[None, :], mask=vm, other=0.0).to(tl.float32)
-            vo = tl.load(v_ptr + v_rows[:, None] + 2 * j[None, :] + 1, mask=vm, other=0.0).to(tl.float32)
-            acc += tl.sum(ve[:, None, :] * we[None, :, :] + vo[:, None, :] * wo[None, :, :], axis=2)
+            ke = k0 + 2 * tl.arange(0, 16)
+            ve = tl.load(v_ptr + v_rows[None, :] + ke[:, None], mask=m_ok[None, :], other=0.0)
+            vo = tl.load(v_ptr + v_rows[None, :] + ke[:, None] + 1, mask=m_ok[None, :], other=0.0)
+            part = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+            part = _mma(_e2m1_lo_h(b), ve, part, SPLIT)
+            part = _mma(_e2m1_hi_h(b), vo, part, SPLIT)
+            acc += part * _e8m0(sc)[:, None]
         acc = acc * 16384.0  # undo the decoders' 2**-14
     else:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0, eviction_policy="evict_first").to(tl.float32)
-            v = tl.load(v_ptr + v_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(v[:, None, :] * w[None, :, :], axis=2)
+                        other=0.0, eviction_policy="evict_first")
+            v = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            acc = _mma(w, v, acc, SPLIT)
     return acc
 
 
 @triton.jit
-def grouped_up_kernel(x_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e, stride_gu_r,
-                      stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
-                      ACT: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    """Program (e, i-tile): for each pair p of expert e, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
-    e = tl.program_id(0)
-    start = tl.load(offs_ptr + e)
-    end = tl.load(offs_ptr + e + 1)
+def _run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
+    """(expert, first, end) of program row `pid`: grouped, expert pid's run [offs[e], offs[e+1]) of the
+    sorted pairs; else pair pid alone (its expert read from ids)."""
+    if GROUPED:
+        return pid, tl.load(offs_ptr + pid), tl.load(offs_ptr + pid + 1)
+    else:
+        return tl.load(ids_ptr + pid).to(tl.int32), pid, pid + 1
+
+
+@triton.jit
+def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e,
+                      stride_gu_r, stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
+                      ACT: tl.constexpr, MXFP4: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
+    e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
     w_off = e.to(tl.int64) * stride_gu_e
@@ -110,29 +146,30 @@ def grouped_up_kernel(x_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride
     while m0 < end:  # a while loop: the interpreter cannot take a range() over loaded bounds
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < end
-        p = tl.load(order_ptr + m, mask=m_ok, other=0)
+        if GROUPED:
+            p = tl.load(order_ptr + m, mask=m_ok, other=0)
+        else:
+            p = m
         x_rows = (p // A).to(tl.int64) * stride_x
-        g = _pairs_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                       D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4)
-        u = _pairs_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows,
-                       m_ok, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4)
+        g = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT)
+        u = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT)
         sig = 1.0 / (1.0 + tl.exp(-g))
         if ACT == 0:  # SiLU-GLU
             h = g * sig * u
         else:  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
             h = 4.0 * _tanh(g * 0.25) * sig * (25.0 * _tanh(u * 0.04))
-        tl.store(h_ptr + p.to(tl.int64)[:, None] * I + i[None, :], h, mask=m_ok[:, None] & i_ok[None, :])
+        tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
 
 @triton.jit
-def grouped_down_kernel(h_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
+def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
                         stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (e, n-tile): for each pair p of expert e, y[p, n] = down_e[n, :] . h[p, :]."""
-    e = tl.program_id(0)
-    start = tl.load(offs_ptr + e)
-    end = tl.load(offs_ptr + e + 1)
+                        GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
+    e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     w_off = e.to(tl.int64) * stride_dn_e
@@ -141,10 +178,13 @@ def grouped_down_kernel(h_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stri
     while m0 < end:
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < end
-        p = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
-        y = _pairs_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
-                       I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4)
-        tl.store(y_ptr + p[:, None] * D + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+        if GROUPED:
+            p = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        else:
+            p = m.to(tl.int64)
+        y = _tc_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
+                    I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, True)
+        tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
 
@@ -178,38 +218,49 @@ def tuned_blocks(device: torch.device, key: str, T: int) -> dict | None:
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, *,
                     act: str = "silu", out: torch.Tensor | None = None, check_ids: bool = False,
-                    blocks: dict | None = None) -> torch.Tensor:
+                    blocks: dict | None = None, grouped: bool | None = None) -> torch.Tensor:
     """Routed experts for any batch (T <= MAX_BATCH), arguments as kernels.fused_experts.fused_experts.
-    Allocates its scratch (h [T*A, I] and y [T*A, D], fp32) per call: under a CUDA graph they come from
-    the graph's pool. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config when one exists."""
+    grouped: True sorts the pairs by expert on the device (each selected expert read once per step), False
+    gives each pair its own programs (no sort; an expert picked twice is read twice); None: grouped above
+    MAX_TOKENS (16) tokens. Allocates its scratch (h [T*A, I], y [T*A, D], fp32) per call: under a CUDA
+    graph they come from the graph's pool. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config
+    when one exists."""
     pb = check_problem(x, ids, weights, gate_up, down, act, out, MAX_BATCH, check_ids)
     T, D, A, E, I, mx, out = pb.T, pb.D, pb.A, pb.E, pb.I, pb.mx, pb.out
     gu, gus, dn, dns = pb.gu, pb.gus, pb.dn, pb.dns
     if T == 0:
         return out
+    if mx and x.dtype == torch.bfloat16:
+        x = x.float()  # MXFP4 products take fp16 activations: bf16's range is wider, so go through fp32 hi/lo
+    if grouped is None:
+        grouped = T > MAX_TOKENS
     if blocks is None:
         wdtype = "mxfp4" if mx else WDTYPES[gu.dtype]
-        blocks = tuned_blocks(x.device, shape_key(D, I, A, wdtype, act), T)
+        blocks = tuned_blocks(x.device, shape_key(D, I, A, wdtype, act) + f",grouped={int(grouped)}", T)
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
-    bm = triton.next_power_of_2(max(1, b["BLOCK_M"]))
-    bi = min(b["BLOCK_I"], triton.next_power_of_2(I))
-    bd = min(b["BLOCK_D"], max(MX_BLOCK, triton.next_power_of_2(D)))
-    bn = min(b["BLOCK_N"], triton.next_power_of_2(D))
-    bk = min(b["BLOCK_K"], max(MX_BLOCK, triton.next_power_of_2(I)))
-    if mx and (bd % MX_BLOCK or bk % MX_BLOCK):
-        raise ValueError(f"MXFP4 reduction blocks must be multiples of {MX_BLOCK}: BLOCK_D={bd}, BLOCK_K={bk}")
-    order, offs = group_pairs(ids, E)
+    bm = max(16, triton.next_power_of_2(b["BLOCK_M"]))
+    bi = max(16, min(b["BLOCK_I"], triton.next_power_of_2(I)))
+    bd = max(16, min(b["BLOCK_D"], triton.next_power_of_2(D)))
+    bn = max(16, min(b["BLOCK_N"], triton.next_power_of_2(D)))
+    bk = max(16, min(b["BLOCK_K"], triton.next_power_of_2(I)))
+    if grouped:
+        order, offs = group_pairs(ids, E)
+        rows = E
+    else:
+        order = offs = ids  # unused pointers
+        rows = T * A
     h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     gus_, dns_ = (gus, dns) if mx else (gu, dn)  # unused scale pointers: any valid tensor
+    split = x.dtype == torch.float32 and (mx or gu.dtype != torch.float32)
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
-    grouped_up_kernel[(E, triton.cdiv(I, bi))](
-        x, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
+    grouped_up_kernel[(rows, triton.cdiv(I, bi))](
+        x, ids, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
         gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
-        BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, **kw)
-    grouped_down_kernel[(E, triton.cdiv(D, bn))](
-        h, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
-        dns_.stride(1) if mx else 0, D=D, I=I, MXFP4=mx, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
+        GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, **kw)
+    grouped_down_kernel[(rows, triton.cdiv(D, bn))](
+        h, ids, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
+        dns_.stride(1) if mx else 0, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
@@ -223,22 +274,23 @@ def routed_experts(x, ids, weights, gate_up, down, *, act: str = "silu", out=Non
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 3584, I: int = 3072,
-                A: int = 16) -> list[tuple]:
+                A: int = 16, grouped: bool = True) -> list[tuple]:
     """(kernel, signature, roles, constexprs) for the three kernels, for validate.audit.audit_kernel."""
     w = s = "*u8" if mxfp4 else f"*{dtype}"
     b = DEFAULT_BLOCKS
+    split = dtype == "fp32" and mxfp4
     strides = {"stride_gu_e": "i32", "stride_gu_r": "i32", "stride_gus_e": "i32", "stride_gus_r": "i32"}
-    up_sig = {"x_ptr": f"*{dtype}", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w, "gus_ptr": s,
-              "h_ptr": "*fp32", "stride_x": "i32", **strides}
-    up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "BLOCK_M": b["BLOCK_M"],
-            "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"]}
+    up_sig = {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w,
+              "gus_ptr": s, "h_ptr": "*fp32", "stride_x": "i32", **strides}
+    up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "GROUPED": grouped, "SPLIT": split,
+            "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"]}
     up_sig.update({k: "constexpr" for k in up_c})
-    produced = {"order_ptr": "produced", "offs_ptr": "produced"}
+    produced = {"ids_ptr": "produced", "order_ptr": "produced", "offs_ptr": "produced"}
     up_roles = {"x_ptr": "produced", "h_ptr": "produced", "gu_ptr": "static", "gus_ptr": "static", **produced}
-    dn_sig = {"h_ptr": "*fp32", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": w, "dns_ptr": s,
-              "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32", "stride_dns_e": "i32",
+    dn_sig = {"h_ptr": "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": w,
+              "dns_ptr": s, "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32", "stride_dns_e": "i32",
               "stride_dns_r": "i32"}
-    dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
+    dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "GROUPED": grouped, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
             "BLOCK_K": b["BLOCK_K"]}
     dn_sig.update({k: "constexpr" for k in dn_c})
     dn_roles = {"h_ptr": "produced", "y_ptr": "produced", "dn_ptr": "static", "dns_ptr": "static", **produced}
