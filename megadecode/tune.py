@@ -2,7 +2,10 @@
 tuning file (megadecode/kernels/tuning.py; GPU only).
 
     megadecode tune --kernel fused-experts --shape k3 --batch 1,2,4,8,16
+    megadecode tune --kernel grouped-experts --shape qwen3-30b-a3b --batch 1,8,64
 
+Kernels: fused-experts (kernels/fused_experts.py, batch <= 16) and grouped-experts (kernels/grouped_experts.py:
+per pair at <= 16 tokens, grouped by expert above; its tuning keys carry ",grouped=0|1").
 Method, per batch T: random expert weights of the shape (MXFP4: random packed bytes and e8m0 scales
 118..123; bf16: N(0, 1/in)) for all E experts on the GPU; ROTATIONS id sets, each token drawing A distinct
 experts uniformly, so consecutive timed calls read different experts and do not find them in L2. Every
@@ -28,7 +31,7 @@ import torch
 from .bench import HBM_READ_BPS, _int_list
 from .kernels import tuning
 
-KERNELS = ("fused-experts",)
+KERNELS = ("fused-experts", "grouped-experts")
 # Routed-expert shapes (D: the input of gate_up; I: the expert intermediate; A: experts per token;
 # E: experts). k3: the LatentMoE experts (D = latent_size) of presets._K3; qwen3-30b-a3b: presets;
 # deepseek-v3: its public config.json (hidden 7168, moe_intermediate 2048, 256 routed, top 8).
@@ -37,15 +40,24 @@ SHAPES = {
     "qwen3-30b-a3b": {"D": 2048, "I": 768, "A": 8, "E": 128, "act": "silu", "weights": "bf16"},
     "deepseek-v3": {"D": 7168, "I": 2048, "A": 8, "E": 256, "act": "silu", "weights": "bf16"},
 }
-# The sweep: every combination (3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; compiled once, reused per batch).
-GRID = {
-    "BLOCK_I": (16, 32, 64),     # stage 1 rows of gate/up per program
-    "BLOCK_D": (128, 256),       # stage 1 reduction chunk over D
-    "BLOCK_N": (16, 32, 64),     # stage 2 output columns per program
-    "BLOCK_K": (128, 256),       # stage 2 reduction chunk over I
-    "num_warps": (4, 8),
-    "num_stages": (2, 3),
+# The sweeps: every combination (fused-experts: 3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; grouped-experts: 3 * 2
+# * 2 = 12; each compiled once and reused per batch).
+GRIDS = {
+    "fused-experts": {
+        "BLOCK_I": (16, 32, 64),     # stage 1 rows of gate/up per program
+        "BLOCK_D": (128, 256),       # stage 1 reduction chunk over D
+        "BLOCK_N": (16, 32, 64),     # stage 2 output columns per program
+        "BLOCK_K": (128, 256),       # stage 2 reduction chunk over I
+        "num_warps": (4, 8),
+        "num_stages": (2, 3),
+    },
+    "grouped-experts": {
+        "BLOCK_I": (16, 32, 64),  # stage 1 gate/up rows per program (the MMA's M side)
+        "BLOCK_N": (32, 64),      # stage 2 output rows per program
+        "num_stages": (3, 4),
+    },
 }
+GRID = GRIDS["fused-experts"]
 ROTATIONS = 8
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max |got - ref| / max |ref|, by output dtype
 X_DTYPE = {"mxfp4": torch.float32, "bf16": torch.bfloat16}  # LatentMoE feeds fp32; the others bf16
@@ -91,8 +103,10 @@ def _weights(shape: dict, wfmt: str, gen: torch.Generator):
     return gu, dn, per_expert
 
 
-def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, gen: torch.Generator) -> dict:
-    """Sweep GRID at batch T; -> {"best": config, "ms", "mbu", "floor_ms", "default_ms", "tried", "failed"}."""
+def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, gen: torch.Generator,
+               grid: dict = GRID) -> dict:
+    """Sweep `grid` at batch T for kernel module `fe` (its `launch(x, ids, w, gu, dn, act, out, blocks)` and
+    DEFAULT_BLOCKS); -> {"best": config, "ms", "mbu", "floor_ms", "default_ms", "tried", "failed"}."""
     from triton.testing import do_bench
 
     D, A, E, act = shape["D"], shape["A"], shape["E"], shape["act"]
@@ -104,7 +118,7 @@ def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, ge
         w = torch.rand(T, A, device="cuda", generator=gen) + 0.1
         sets.append((x, ids, w))
     floor_ms = sum(int(ids.unique().numel()) for _, ids, _ in sets) / ROTATIONS * expert_bytes / HBM_READ_BPS * 1e3
-    refs = [fe.fused_experts(x, ids, w, gu, dn, act=act, blocks=fe.DEFAULT_BLOCKS) for x, ids, w in sets]
+    refs = [fe.launch(x, ids, w, gu, dn, act, None, fe.DEFAULT_BLOCKS) for x, ids, w in sets]
     outs = [torch.empty_like(r) for r in refs]
     tol = TOLERANCE[xdt]
 
@@ -113,7 +127,7 @@ def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, ge
         the Python launch cost is not timed), replayed by do_bench, divided by ROTATIONS."""
         def calls():
             for (x, ids, w), o in zip(sets, outs):
-                fe.fused_experts(x, ids, w, gu, dn, act=act, out=o, blocks=blocks)
+                fe.launch(x, ids, w, gu, dn, act, o, blocks)
         calls()  # compiled outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -123,10 +137,11 @@ def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, ge
 
     default_ms = timed(fe.DEFAULT_BLOCKS)
     best, best_ms, tried, failed = dict(fe.DEFAULT_BLOCKS), default_ms, 0, []
-    for cand in candidates():
+    for cand in candidates(grid):
+        cand = {**fe.DEFAULT_BLOCKS, **cand}
         try:
             for (x, ids, w), ref, o in zip(sets, refs, outs):
-                fe.fused_experts(x, ids, w, gu, dn, act=act, out=o, blocks=cand)
+                fe.launch(x, ids, w, gu, dn, act, o, cand)
                 err = float((o.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-30)
                 if not err <= tol:
                     raise ValueError(f"output differs from DEFAULT_BLOCKS: {err:.2e} > {tol:.0e} relative")
@@ -141,8 +156,7 @@ def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, ge
             "default_ms": default_ms, "tried": tried, "failed": failed}
 
 
-def format_table(rows: list[dict]) -> str:
-    keys = list(GRID)
+def format_table(rows: list[dict], keys=tuple(GRID)) -> str:
     head = f"{'batch':>5} {'default ms':>10} {'best ms':>8} {'floor ms':>8} {'MBU':>6} {'ok/fail':>8}  " + \
         " ".join(f"{k}" for k in keys)
     lines = [head]
@@ -156,23 +170,26 @@ def format_table(rows: list[dict]) -> str:
 def run(args, argv: list[str]) -> int:
     if not torch.cuda.is_available():
         raise ValueError("tune needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
-    from .kernels import fused_experts as fe
+    from .kernels import fused_experts, grouped_experts
 
+    fe = {"fused-experts": fused_experts, "grouped-experts": grouped_experts}[args.kernel]
+    grid = GRIDS[args.kernel]
     shape = SHAPES[args.shape]
     wfmt = args.weights or shape["weights"]
-    if not args.batch or min(args.batch) < 1 or max(args.batch) > fe.MAX_TOKENS:
-        raise ValueError(f"--batch values must be in 1..{fe.MAX_TOKENS}, got {args.batch}")
+    limit = fused_experts.MAX_TOKENS if args.kernel == "fused-experts" else grouped_experts.MAX_BATCH
+    if not args.batch or min(args.batch) < 1 or max(args.batch) > limit:
+        raise ValueError(f"--batch values must be in 1..{limit} for {args.kernel}, got {args.batch}")
     gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else tuning.config_path(fe.KERNEL, gpu)
-    key = fe.shape_key(shape["D"], shape["I"], shape["A"], wfmt, shape["act"])
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     gu, dn, expert_bytes = _weights(shape, wfmt, gen)
     command = shlex.join(["megadecode", *argv])
     data = tuning.read(out) if out.is_file() else None
     rows = []
     for T in args.batch:
-        r = tune_batch(fe, shape, wfmt, T, gu, dn, expert_bytes, gen)
-        rows.append({"batch": T, **r})
+        key = fe.tuning_key(shape["D"], shape["I"], shape["A"], wfmt, shape["act"], T)
+        r = tune_batch(fe, shape, wfmt, T, gu, dn, expert_bytes, gen, grid)
+        rows.append({"batch": T, "key": key, **r})
         for cand, why in r["failed"][:3]:
             print(f"batch {T}: skipped {cand}: {why}", file=sys.stderr)
         data = tuning.merge(data, fe.KERNEL, gpu, key, T, r["best"], {
@@ -180,8 +197,8 @@ def run(args, argv: list[str]) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
         tuning.write(out, data)  # after every batch: a long sweep that dies keeps what it measured
     tuning.clear_cache()
-    print(f"{gpu}, {args.kernel} {args.shape} ({key}), E={shape['E']}, {ROTATIONS} rotating id sets; "
+    print(f"{gpu}, {args.kernel} {args.shape} ({rows[-1]['key']}), E={shape['E']}, {ROTATIONS} rotating id sets; "
           f"do_bench median; floor = distinct experts' bytes / {HBM_READ_BPS / 1e12:.2f} TB/s")
-    print(format_table(rows))
+    print(format_table(rows, tuple(grid)))
     print(f"wrote {out}")
     return 0

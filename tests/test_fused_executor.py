@@ -53,7 +53,7 @@ def test_fused_decode_matches_torch(preset, batch):
     chosen = {k: v for (k, b), v in e.executor.chosen.items() if b == batch}
     assert chosen["rmsnorm"] == "triton-rmsnorm", chosen
     if preset != "tiny-k3":  # K3 has no EXPERTS op (LatentMoE takes the Triton experts itself)
-        assert chosen["experts"] == ("triton-fused-experts" if batch <= 16 else "triton-grouped-experts"), chosen
+        assert chosen["experts"] == "triton-grouped-experts", chosen
 
 
 def test_rerun_in_subprocess_when_not_interpreted():

@@ -123,7 +123,8 @@ def test_fp16_activations():
 
 
 @needs_triton
-def test_routed_experts_picks_the_path_by_batch(monkeypatch):
+def test_routed_experts_picks_the_path_by_weights_and_batch(monkeypatch):
+    """Float weights: the tensor-core kernels at every batch; MXFP4: the FMA kernels up to 16 tokens."""
     calls = []
     for mod, name in ((FE, "fused_experts"), (GE, "grouped_experts")):
         real = getattr(mod, name)
@@ -131,7 +132,10 @@ def test_routed_experts_picks_the_path_by_batch(monkeypatch):
     for T in (16, 17):
         x, ids, w, gu, dn = _problem(T, seed=T)
         _close(GE.routed_experts(x, ids, w, gu, dn), experts_reference(x, ids, w, gu, dn), 1e-5)
-    assert calls == ["fused_experts", "grouped_experts"]
+        gq, dq = _mx(gu), _mx(dn)
+        ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="silu")
+        _close(GE.routed_experts(x, ids, w, gq, dq), ref, 1e-5)
+    assert calls == ["grouped_experts", "fused_experts", "grouped_experts", "grouped_experts"]
 
 
 def test_launcher_rejects_bad_arguments():

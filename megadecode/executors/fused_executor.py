@@ -4,8 +4,9 @@ variants of the validation harness, captured in a CUDA graph (issue 5, item 3).
 Which variants, in order of preference per op kind (the first whose manifest scope admits the model,
 dtype, batch and device runs the op; every other op runs the graph executor's op, sync-free):
   rmsnorm  triton-rmsnorm            (one kernel instead of the reference's chain of elementwise ops)
-  experts  triton-fused-experts      (batch <= 16: two kernels, no sort pass)
-           triton-grouped-experts    (batch <= 256: pairs grouped by expert on the device)
+  experts  triton-grouped-experts    (batch <= 256, tensor cores: per pair at <= 16 tokens, no sort pass;
+                                      grouped by expert on the device above)
+           triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
   K3's LatentMoE routed experts take the same Triton kernels through experts_impl "grouped"
   (torch_ops._latent_routed), as under `graph`.
 Left out on purpose: triton-router (measured slower than the reference ops at batch 8 and 64 on the H200,
@@ -27,7 +28,7 @@ from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
-VARIANTS = ("triton-rmsnorm", "triton-fused-experts", "triton-grouped-experts")
+VARIANTS = ("triton-rmsnorm", "triton-grouped-experts", "triton-fused-experts")
 
 
 def _variants(device: torch.device) -> list:

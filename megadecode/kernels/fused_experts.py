@@ -319,6 +319,16 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     return out
 
 
+def tuning_key(D: int, I: int, A: int, wdtype: str, act: str, T: int) -> str:
+    """The tuning-file key this launcher looks up at batch T (`megadecode tune`)."""
+    return shape_key(D, I, A, wdtype, act)
+
+
+def launch(x, ids, w, gu, dn, act, out, blocks):
+    """The tuner's entry point: one call with explicit blocks."""
+    return fused_experts(x, ids, w, gu, dn, act=act, out=out, blocks=blocks)
+
+
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 7168, I: int = 2048,
                 A: int = 8) -> list[tuple]:

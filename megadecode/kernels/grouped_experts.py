@@ -266,10 +266,25 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
 
 
 def routed_experts(x, ids, weights, gate_up, down, *, act: str = "silu", out=None, blocks=None) -> torch.Tensor:
-    """The Triton routed experts at any batch: the small-batch fused kernels for T <= 16 (no grouping pass),
-    the grouped kernels above. Sync-free either way (graph capturable)."""
-    fn = fe.fused_experts if x.shape[0] <= MAX_TOKENS else grouped_experts  # module lookups: tests count calls
-    return fn(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)
+    """The Triton routed experts at any batch, the path picked by what measured fastest on the H200
+    (bench/experts_paths.py, docs/evidence/experts-paths-h200.md): float weights take the tensor-core
+    kernels (per pair at <= 16 tokens, grouped by expert above); MXFP4 weights take the small-batch FMA
+    kernels (kernels/fused_experts.py) at <= 16 tokens, where their decode beat the tensor-core kernels',
+    and the grouped tensor-core kernels above. Sync-free either way (graph capturable)."""
+    mx = not isinstance(gate_up, torch.Tensor)
+    if mx and x.shape[0] <= MAX_TOKENS:
+        return fe.fused_experts(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)  # module lookup
+    return grouped_experts(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)
+
+
+def tuning_key(D: int, I: int, A: int, wdtype: str, act: str, T: int) -> str:
+    """The tuning-file key grouped_experts looks up at batch T with grouped=None (`megadecode tune`)."""
+    return shape_key(D, I, A, wdtype, act) + f",grouped={int(T > MAX_TOKENS)}"
+
+
+def launch(x, ids, w, gu, dn, act, out, blocks):
+    """The tuner's entry point: one call with explicit blocks (per pair at <= 16 tokens, grouped above)."""
+    return grouped_experts(x, ids, w, gu, dn, act=act, out=out, blocks=blocks)
 
 
 # ---- static audit description -------------------------------------------------------------------------
@@ -305,15 +320,16 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
 # ---- the harness variant ----------------------------------------------------------------------------
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
     x, ids, wts = (inputs[n] for n in op.inputs)
-    grouped_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(), weights[op.weights[0]], weights[op.weights[1]], act="silu",
-                    out=outputs[op.outputs[0]])
+    grouped_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(), weights[op.weights[0]],
+                    weights[op.weights[1]], act="silu", out=outputs[op.outputs[0]])
 
 
 GROUPED_EXPERTS_VARIANT = register(Variant(Manifest(
     name="triton-grouped-experts",
-    description="routed experts at any batch in three Triton kernels: pairs sorted by expert on the device "
-                "(no host sync), (expert, tile) programs read each selected expert once for all its pairs, "
-                "a fixed-order weighted combine; fp32 math, float or MXFP4 weights",
+    description="routed experts at any batch in three Triton kernels on tensor cores (weights on the MMA's M "
+                "side, 16 tokens on its N side): per (pair, tile) at <= 16 tokens; above, pairs sorted by "
+                "expert on the device (no host sync) and (expert, tile) programs that read each selected expert "
+                "once for all its pairs; a fixed-order weighted combine; fp32 accumulation",
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
