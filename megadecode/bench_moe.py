@@ -5,8 +5,8 @@ Executors (the expert path each decode executor takes):
   torch  reference loop over the selected experts (reference/moe.py experts_reference for float weights,
          reference/latent_moe.py latent_experts for MXFP4: each selected expert decoded exactly); eager,
          host syncs.
-  graph  torch._grouped_mm over expert-sorted pairs (reference/moe.py experts_grouped), in a CUDA graph.
-         Float weights only: torch has no MXFP4 grouped GEMM, and the graph executor's own MXFP4 path is
+  graph  torch._grouped_mm over expert-sorted pairs (reference/moe.py experts_grouped; SiLU- or SiTU-GLU),
+         in a CUDA graph. Float weights only: torch has no MXFP4 grouped GEMM, and the graph executor's own MXFP4 path is
          the Triton kernels (= `fused`), so an MXFP4 `graph` row says so instead of a time.
   fused  kernels/grouped_experts.py routed_experts (fused small-batch kernels at <= 16 tokens, grouped by
          expert above), in a CUDA graph.
@@ -64,8 +64,8 @@ def _path(executor: str, shape: dict, wfmt: str):
         if wfmt == "mxfp4":
             return ("no MXFP4 grouped GEMM in torch; the graph executor's MXFP4 experts are the Triton kernels "
                     "(the fused row)")
-        if act != "silu":
-            return "torch._grouped_mm path is SwiGLU only (experts_grouped); K3 experts are SiTU-GLU"
+        if act != "silu":  # K3 bf16: SiTU-GLU between the grouped GEMMs; fp32 activations -> bf16 for them
+            return lambda x, ids, w, gu, dn: experts_grouped(x.to(gu.dtype), ids, w, gu, dn, act).float()
         return experts_grouped
     if executor == "fused":
         from .kernels.grouped_experts import routed_experts

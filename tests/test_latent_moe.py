@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megadecode.quant.mxfp4 import MXFP4Tensor
-from megadecode.reference.latent_moe import LatentMoEParams, latent_moe_reference, situ_glu
+from megadecode.reference.latent_moe import LatentMoEParams, latent_experts, latent_moe_reference, situ_glu
 from megadecode.reference.moe import route
 
 P = LatentMoEParams(num_experts=16, top_k=4, hidden=64, latent=32, intermediate=16, shared_intermediate=32,
@@ -159,3 +159,19 @@ def test_k3_defaults():
     assert s["experts.gate_up_proj"] == (896, 6144, 3584) and s["experts.down_proj"] == (896, 3584, 3072)
     assert s["latent_down.weight"] == (3584, 7168) and s["shared_experts.down_proj.weight"] == (7168, 6144)
     assert (p.top_k, p.routed_scaling_factor) == (16, 1.0)
+
+
+def test_experts_grouped_situ_matches_latent_experts():
+    """The graph executor's grouped-GEMM expert path with act="situ" computes K3's SiTU-GLU experts."""
+    from megadecode.reference.moe import experts_grouped
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 32, generator=g) * 5
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(6)])
+    w = torch.rand(6, 3, generator=g)
+    gu, dn = torch.randn(7, 48, 32, generator=g) / 4, torch.randn(7, 32, 24, generator=g) / 4
+    ref = latent_experts(x, ids, w, gu, dn, "situ")
+    torch.testing.assert_close(experts_grouped(x, ids, w, gu, dn, "situ"), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(experts_grouped(x, ids, w, gu, dn, "silu"), ref, atol=1e-3)
+    with pytest.raises(ValueError, match="act must be"):
+        experts_grouped(x, ids, w, gu, dn, "gelu")

@@ -73,10 +73,18 @@ def experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                    gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """The same function without host syncs (CUDA-graph capturable): the T*A (token, expert) pairs are
     sorted by expert and run through `torch._grouped_mm` with device-side group offsets, so each
-    selected expert's weights are read once. The combine is a deterministic sum over A (no atomics)."""
+    selected expert's weights are read once. The combine is a deterministic sum over A (no atomics).
+    act: "silu" (SwiGLU) or "situ" (K3's SiTU-GLU, reference/latent_moe.py)."""
+    if act == "situ":
+        from .latent_moe import situ_glu as glu
+    elif act == "silu":
+        def glu(g, u):
+            return F.silu(g) * u
+    else:
+        raise ValueError(f"act must be 'silu' or 'situ', got {act!r}")
     T, A = ids.shape
     E = gate_up.shape[0]
     flat = ids.reshape(-1)
@@ -89,11 +97,11 @@ def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         # _grouped_mm has no fp32 CUDA kernel: gather each pair's expert (reads E_sel*A copies; fp32 only).
         h = torch.bmm(gate_up[flat[order]], xs[:, :, None])[..., 0]
         g, u = h.chunk(2, -1)
-        y = torch.bmm(down[flat[order]], (F.silu(g) * u)[:, :, None])[..., 0]
+        y = torch.bmm(down[flat[order]], glu(g, u)[:, :, None])[..., 0]
     else:
         h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*A, 2I]
         g, u = h.chunk(2, -1)
-        y = torch._grouped_mm((F.silu(g) * u).contiguous(), down.transpose(1, 2), offs=offs)  # [T*A, D]
+        y = torch._grouped_mm(glu(g, u).contiguous(), down.transpose(1, 2), offs=offs)  # [T*A, D]
     unsorted = torch.empty_like(y)
     unsorted[order] = y
     return (unsorted.view(T, A, -1).float() * weights[..., None].float()).sum(1).to(x.dtype)
