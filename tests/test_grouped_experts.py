@@ -166,9 +166,9 @@ import json
 from megadecode.kernels.grouped_experts import audit_specs
 from megadecode.validate.audit import audit_kernel
 rows = []
-for dtype, mx, act, grouped in (("bf16", False, "silu", True), ("fp32", True, "situ", True),
-                                ("fp32", True, "situ", False)):
-    for fn, sig, roles, consts in audit_specs(dtype, mx, act, grouped=grouped):
+for dtype, mx, act, grouped, fast in (("bf16", False, "silu", True, False), ("fp32", True, "situ", True, False),
+                                      ("fp32", True, "situ", False, False), ("fp32", True, "situ", True, True)):
+    for fn, sig, roles, consts in audit_specs(dtype, mx, act, grouped=grouped, fast=fast):
         r = audit_kernel(fn, sig, roles, consts)
         rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
 print(json.dumps(rows))
@@ -180,7 +180,7 @@ def test_static_audit_sm90_all_three_kernels():
     p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
-    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 9
+    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 12
     for name, passed, rules, md in rows:
         assert passed, md
         assert "nc-load-of-produced" in rules, (name, rules)
@@ -190,3 +190,26 @@ def test_rerun_in_subprocess_when_not_interpreted():
     if TRITON_OK:
         pytest.skip("the interpreter tests ran in this process")
     rerun_file_in_subprocess(__file__)
+
+
+def test_fast_scales_checks_the_range_once_per_tensor():
+    lo, hi = GE.FAST_SCALES
+    ok = torch.tensor([lo, hi, 120], dtype=torch.uint8)
+    bad = torch.tensor([lo - 1, 120], dtype=torch.uint8)
+    assert GE.fast_scales(ok) and not GE.fast_scales(ok, bad) and not GE.fast_scales(torch.tensor([hi + 1]))
+    assert GE._SCALES_CHECKED[id(ok)][1] is True
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the fast MXFP4 decode is inline PTX: GPU only")
+def test_fast_mxfp4_path_matches_exact_path():
+    """On the GPU, weights whose scales are in FAST_SCALES take the inline-PTX decode; it must equal the exact
+    per-block path (forced by a scale tensor with one byte out of range) within fp32 summation noise."""
+    x, ids, w, gu, dn = _problem(24, A=4, D=256, I=128, seed=12)
+    gq, dq = _mx(gu), _mx(dn)
+    assert GE.fast_scales(gq.scales, dq.scales)
+    fast = GE.grouped_experts(x, ids, w, gq, dq, act="situ")
+    s_exact = gq.scales.clone()
+    s_exact.view(-1)[-1] = 0  # out of range: exact path (that expert row's last block scale is changed)
+    ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="situ")
+    _close(fast, ref, 1e-5)
+    assert not GE.fast_scales(s_exact, dq.scales)

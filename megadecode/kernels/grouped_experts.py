@@ -70,6 +70,52 @@ def _e2m1_hi_h(b):
     return (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
 
 
+# e2m1 nibbles -> fp16, times an fp16 scale, four bytes (eight weights) per instruction sequence. Per 32-bit
+# register of four packed bytes: prmt spreads bytes 0,1 (then 2,3) into the low bytes of two 16-bit halves;
+# the low nibble's sign goes to bit 15 and its exponent and mantissa bits to bits 11..9 (an fp16 equal to
+# 2**-14 times the e2m1 value, exact, the 0.5 code being an fp16 subnormal), likewise the high nibble; one
+# packed fp16 multiply applies the scale (pre-multiplied by 2**14). Exact when the e8m0 scale byte is in
+# FAST_SCALES (then every product is an fp16 normal or subnormal number). GPU only (inline PTX).
+_MX_DECODE_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, c;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 a, t0, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 c, t0, 12;
+and.b32 c, c, 0x80008000;
+or.b32 a, a, c;
+mul.rn.f16x2 $0, a, $5;
+shl.b32 a, t1, 9;
+and.b32 a, a, 0x0E000E00;
+shl.b32 c, t1, 12;
+and.b32 c, c, 0x80008000;
+or.b32 a, a, c;
+mul.rn.f16x2 $1, a, $6;
+shl.b32 a, t0, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 c, t0, 8;
+and.b32 c, c, 0x80008000;
+or.b32 a, a, c;
+mul.rn.f16x2 $2, a, $5;
+shl.b32 a, t1, 5;
+and.b32 a, a, 0x0E000E00;
+shl.b32 c, t1, 8;
+and.b32 c, c, 0x80008000;
+or.b32 a, a, c;
+mul.rn.f16x2 $3, a, $6;
+}""")
+FAST_SCALES = (104, 128)  # e8m0 bytes for which the fp16 decode-and-scale is exact
+
+
+@triton.jit
+def _mx_decode_fast(b, s16):
+    """(low-nibble weights, high-nibble weights) as fp16 = e2m1 * s16 * 2**-14, from packed bytes b (uint8)
+    and the per-byte scale s16 (fp16, same shape)."""
+    return tl.inline_asm_elementwise(_MX_DECODE_ASM, "=r,=r,=r,=r,r,r,r", [b, s16],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
 @triton.jit
 def _mma(w, v, acc, SPLIT: tl.constexpr):
     """acc + w @ v on tensor cores: w [R, K] (fp16/bf16/fp32), v [K, M] fp32/fp16/bf16 activations. fp32 w: an
@@ -87,7 +133,7 @@ def _mma(w, v, acc, SPLIT: tl.constexpr):
 @triton.jit
 def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-            MXFP4: tl.constexpr, SPLIT: tl.constexpr):
+            MXFP4: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr = False):
     """[BLOCK_R, BLOCK_M] fp32: W[rows, :K] . v[m, :K] for one expert's matrix at w_ptr + w_off and the
     BLOCK_M activation rows at v_ptr + v_rows[m] (masked by m_ok), on tensor cores (weights as the MMA's
     M side, tokens as its N side: "swap AB", so a handful of tokens pads 16 columns, not 64 rows).
@@ -95,7 +141,25 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
     even and odd activations (fp16), and the block's fp32 sum is scaled by its e8m0 scale: exact weights,
     activations rounded to fp16 (|v| < 65504; SPLIT keeps ~22 bits)."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 and FAST:
+        HALF: tl.constexpr = BLOCK_K // 2
+        NB: tl.constexpr = BLOCK_K // 32
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 // 2 + tl.arange(0, HALF)
+            b = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + j[None, :], mask=row_ok[:, None], other=0,
+                        eviction_policy="evict_first")
+            sb = k0 // 32 + tl.arange(0, NB)
+            sc = tl.load(s_ptr + s_off + rows[:, None] * stride_sr + sb[None, :], mask=row_ok[:, None], other=113,
+                         eviction_policy="evict_first").to(tl.int32)
+            s16 = ((sc - 98) << 10).to(tl.uint16).to(tl.float16, bitcast=True)  # 2**(s - 113): scale * 2**14
+            s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_R, NB, 16)), (BLOCK_R, HALF))
+            we, wo = _mx_decode_fast(b, s16)
+            ke = k0 + 2 * tl.arange(0, HALF)
+            ve = tl.load(v_ptr + v_rows[None, :] + ke[:, None], mask=m_ok[None, :], other=0.0)
+            vo = tl.load(v_ptr + v_rows[None, :] + ke[:, None] + 1, mask=m_ok[None, :], other=0.0)
+            acc = _mma(we, ve, acc, SPLIT)
+            acc = _mma(wo, vo, acc, SPLIT)
+    elif MXFP4:
         for k0 in range(0, K, 32):
             j = k0 // 2 + tl.arange(0, 16)
             b = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + j[None, :], mask=row_ok[:, None], other=0,
@@ -135,7 +199,7 @@ def _run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
 def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e,
                       stride_gu_r, stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
                       ACT: tl.constexpr, MXFP4: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr = False):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
     e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -152,9 +216,9 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
             p = m
         x_rows = (p // A).to(tl.int64) * stride_x
         g = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT)
+                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
         u = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT)
+                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
         sig = 1.0 / (1.0 + tl.exp(-g))
         if ACT == 0:  # SiLU-GLU
             h = g * sig * u
@@ -167,7 +231,8 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
 @triton.jit
 def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
                         stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-                        GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        FAST: tl.constexpr = False):
     """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
     e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,7 +248,7 @@ def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_
         else:
             p = m.to(tl.int64)
         y = _tc_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
-                    I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, True)
+                    I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, True, FAST)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
@@ -202,6 +267,29 @@ def combine_kernel(y_ptr, wts_ptr, out_ptr, stride_out, D: tl.constexpr, A: tl.c
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
+_SCALES_CHECKED: dict[int, tuple] = {}  # id(scale tensor) -> (weakref to it, all in FAST_SCALES)
+
+
+def fast_scales(*scales: torch.Tensor) -> bool:
+    """True when every e8m0 byte of these (static) scale tensors lies in FAST_SCALES, so the fp16
+    decode-and-scale path is exact. Checked once per tensor object (a host sync: the first call must come
+    before a CUDA graph capture, as the executors' warm-up runs do; during a capture an unchecked tensor
+    takes the exact path)."""
+    import weakref
+
+    lo, hi = FAST_SCALES
+    for t in scales:
+        hit = _SCALES_CHECKED.get(id(t))
+        if hit is None or hit[0]() is not t:
+            if t.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            hit = (weakref.ref(t), bool(((t >= lo) & (t <= hi)).all()))
+            _SCALES_CHECKED[id(t)] = hit
+        if not hit[1]:
+            return False
+    return True
+
+
 def group_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order int32 [T*A]: pair indices sorted by expert, stable; offs int32 [E+1]: expert e's pairs are
     order[offs[e]:offs[e+1]]). Device ops only, no host sync."""
@@ -253,14 +341,18 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     gus_, dns_ = (gus, dns) if mx else (gu, dn)  # unused scale pointers: any valid tensor
     split = x.dtype == torch.float32 and (mx or gu.dtype != torch.float32)
+    fast = mx and x.is_cuda and fast_scales(gus, dns)
+    if fast and (bd % MX_BLOCK or bk % MX_BLOCK or D % bd or I % bk):
+        fast = False  # the fast MXFP4 loop takes whole chunks of a multiple of 32
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
     grouped_up_kernel[(rows, triton.cdiv(I, bi))](
         x, ids, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
         gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
-        GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, **kw)
+        GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FAST=fast, **kw)
     grouped_down_kernel[(rows, triton.cdiv(D, bn))](
         h, ids, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
-        dns_.stride(1) if mx else 0, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
+        dns_.stride(1) if mx else 0, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        FAST=fast, **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
@@ -289,8 +381,9 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 3584, I: int = 3072,
-                A: int = 16, grouped: bool = True) -> list[tuple]:
-    """(kernel, signature, roles, constexprs) for the three kernels, for validate.audit.audit_kernel."""
+                A: int = 16, grouped: bool = True, fast: bool = False) -> list[tuple]:
+    """(kernel, signature, roles, constexprs) for the three kernels, for validate.audit.audit_kernel
+    (`fast`: the MXFP4 inline-PTX decode path)."""
     w = s = "*u8" if mxfp4 else f"*{dtype}"
     b = DEFAULT_BLOCKS
     split = dtype == "fp32" and mxfp4
@@ -298,7 +391,7 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
     up_sig = {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w,
               "gus_ptr": s, "h_ptr": "*fp32", "stride_x": "i32", **strides}
     up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "GROUPED": grouped, "SPLIT": split,
-            "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"]}
+            "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"], "FAST": fast}
     up_sig.update({k: "constexpr" for k in up_c})
     produced = {"ids_ptr": "produced", "order_ptr": "produced", "offs_ptr": "produced"}
     up_roles = {"x_ptr": "produced", "h_ptr": "produced", "gu_ptr": "static", "gus_ptr": "static", **produced}
@@ -306,7 +399,7 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
               "dns_ptr": s, "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32", "stride_dns_e": "i32",
               "stride_dns_r": "i32"}
     dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "GROUPED": grouped, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
-            "BLOCK_K": b["BLOCK_K"]}
+            "BLOCK_K": b["BLOCK_K"], "FAST": fast}
     dn_sig.update({k: "constexpr" for k in dn_c})
     dn_roles = {"h_ptr": "produced", "y_ptr": "produced", "dn_ptr": "static", "dns_ptr": "static", **produced}
     cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
