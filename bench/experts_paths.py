@@ -42,10 +42,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="paths.json")
     ap.add_argument("--budget", type=int, default=6, help="configs tried per (shape, path, batch)")
+    ap.add_argument("--only", default=None, help="one case: k3-mxfp4, qwen3-bf16 or k3-bf16")
     args = ap.parse_args()
     rows = []
-    for shape_name, wfmt, batches in (("k3", "mxfp4", (1, 8, 64, 256)), ("qwen3-30b-a3b", "bf16", (1, 8, 64)),
-                                      ("k3", "bf16", (1, 8, 64))):
+    cases = {"k3-mxfp4": ("k3", "mxfp4", (1, 8, 64, 256)), "qwen3-bf16": ("qwen3-30b-a3b", "bf16", (1, 8, 64)),
+             "k3-bf16": ("k3", "bf16", (1, 8, 64))}
+    for shape_name, wfmt, batches in ([cases[args.only]] if args.only else cases.values()):
         shape = SHAPES[shape_name]
         gen = torch.Generator(device="cuda").manual_seed(0)
         gu, dn, eb = _weights(shape, wfmt, gen)

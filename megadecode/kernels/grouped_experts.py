@@ -359,13 +359,17 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
 
 def routed_experts(x, ids, weights, gate_up, down, *, act: str = "silu", out=None, blocks=None) -> torch.Tensor:
     """The Triton routed experts at any batch, the path picked by what measured fastest on the H200
-    (bench/experts_paths.py, docs/evidence/experts-paths-h200.md): float weights take the tensor-core
-    kernels (per pair at <= 16 tokens, grouped by expert above); MXFP4 weights take the small-batch FMA
-    kernels (kernels/fused_experts.py) at <= 16 tokens, where their decode beat the tensor-core kernels',
-    and the grouped tensor-core kernels above. Sync-free either way (graph capturable)."""
+    (bench/experts_paths.py; docs/evidence/experts-paths-h200.md): the tensor-core kernels (per pair at
+    <= 16 tokens, grouped by expert above) for float weights and for MXFP4 weights on the GPU whose scales
+    allow the fast decode (fast_scales); other MXFP4 weights (the exact per-block decode, and the CPU) take
+    the small-batch FMA kernels (kernels/fused_experts.py) at <= 16 tokens. Sync-free either way (graph
+    capturable; fast_scales syncs once per scale tensor, in the executors' warm-up before capture)."""
     mx = not isinstance(gate_up, torch.Tensor)
     if mx and x.shape[0] <= MAX_TOKENS:
-        return fe.fused_experts(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)  # module lookup
+        gus = gate_up[1] if isinstance(gate_up, tuple) else gate_up.scales
+        dns = down[1] if isinstance(down, tuple) else down.scales
+        if not (x.is_cuda and fast_scales(gus, dns)):
+            return fe.fused_experts(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)  # module lookup
     return grouped_experts(x, ids, weights, gate_up, down, act=act, out=out, blocks=blocks)
 
 
