@@ -81,13 +81,15 @@ def _greedy(weights, executor, steps=12):
 
 
 @needs_triton
-def test_graph_decode_matches_torch_over_12_steps(weights, fused_calls):
+def test_graph_decode_matches_torch_over_12_steps(weights, fused_calls, grouped_calls):
     tok_t, log_t = _greedy(weights, "torch")
     assert fused_calls == []  # the torch executor stays the reference loop
     tok_g, log_g = _greedy(weights, "graph")
     # prefill keeps the reference loop; every decode step's LatentMoE layers take the fused kernel (on the
     # GPU the Python call happens at capture: 2 warm-up runs + the captured one per (batch, cache bucket))
-    assert fused_calls == ([len(PROMPTS)] * (3 * MOE_LAYERS) if ON_GPU else [len(PROMPTS)] * (12 * MOE_LAYERS))
+    # (on the GPU, MXFP4 scales in FAST_SCALES send small batches to the tensor-core kernels instead)
+    calls = fused_calls + grouped_calls if ON_GPU else fused_calls
+    assert calls == ([len(PROMPTS)] * (3 * MOE_LAYERS) if ON_GPU else [len(PROMPTS)] * (12 * MOE_LAYERS))
     assert torch.equal(tok_g, tok_t)
     err = (log_g[:, 1:] - log_t[:, 1:]).abs().max().item()
     assert err <= 1e-4 * log_t[:, 1:].abs().max().item(), err
@@ -113,9 +115,9 @@ def _latent_op_pair(weights, T, layer=3, seed=2):
 
 
 @needs_triton
-def test_graph_latent_op_equals_reference_op(weights, fused_calls):
+def test_graph_latent_op_equals_reference_op(weights, fused_calls, grouped_calls):
     got, want = _latent_op_pair(weights, 5)
-    assert fused_calls == [5]
+    assert (fused_calls + grouped_calls if ON_GPU else fused_calls) == [5]
     err = (got - want).abs().max().item()
     assert err <= 1e-5 * want.abs().max().item(), err
 
