@@ -1,0 +1,64 @@
+"""Static instruction mix of the routed-expert kernels' inner loops, compiled for sm_90 on any machine
+(no GPU): warp-instructions issued per weight streamed, a proxy for how far an ALU-heavy decode can keep up
+with HBM (the H200 issues ~1.05e12 warp-instructions/s and must consume ~9.1e12 MXFP4 weights/s at 4.57 TB/s,
+so ~0.11 warp-instructions per weight is the budget). Reported for the innermost loop of the gate/up kernel.
+
+    python bench/sass_mix.py
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from megadecode.kernels import fused_experts as fe
+from megadecode.kernels import grouped_experts as ge
+from megadecode.validate.audit import compile_kernel, disassemble
+
+
+def inner_loops(fn, sig, consts):
+    """[(instructions, opcode Counter)] of every backward-branch loop in the kernel's SASS."""
+    sass, why = disassemble(compile_kernel(fn, sig, consts).asm["cubin"])
+    if sass is None:
+        raise SystemExit(why)
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        lab = re.match(r"^(\.L_x_\d+):", line.strip())
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update({p: addr for p in pending})
+            pending = []
+            ins.append((addr, m.group(3), m.group(4)))
+    loops = []
+    for addr, op, rest in ins:
+        t = re.search(r"\((\.L_x_\d+)\)", rest) if op.startswith("BRA") else None
+        if t and labels.get(t.group(1), 1 << 62) < addr:
+            body = [x for x in ins if labels[t.group(1)] <= x[0] <= addr]
+            loops.append((len(body), collections.Counter(x[1].split(".")[0] for x in body)))
+    return loops
+
+
+def main():
+    num_warps = 4  # compile_kernel's default
+    cases = []
+    for fn, sig, _, consts in fe.audit_specs("fp32", True, "situ", D=3584, I=3072, A=16)[:1]:
+        cases.append(("fused FMA (kernels/fused_experts.py)", fn, sig, consts,
+                      consts["BLOCK_I"] * consts["BLOCK_D"]))
+    for fast in (False, True):
+        fn, sig, _, consts = ge.audit_specs("fp32", True, "situ", grouped=True, fast=fast)[0]
+        per_iter = consts["BLOCK_I"] * (consts["BLOCK_D"] if fast else 32)
+        cases.append((f"tensor cores, {'fast inline-PTX' if fast else 'exact per-32-block'} decode", fn, sig, consts,
+                      per_iter))
+    print(f"{'kernel (K3 gate/up, MXFP4)':<48} {'loop instrs':>11} {'weights/iter':>12} {'warp-instr/weight':>17}  top opcodes")
+    for name, fn, sig, consts, per_iter in cases:
+        n, mix = min(inner_loops(fn, sig, consts), key=lambda t: t[0])
+        print(f"{name:<48} {n:>11} {per_iter:>12} {n * num_warps / per_iter:>17.3f}  "
+              + ", ".join(f"{k} {v}" for k, v in mix.most_common(6)))
+
+
+if __name__ == "__main__":
+    main()
