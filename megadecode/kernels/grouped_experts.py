@@ -131,7 +131,7 @@ def _mma(w, v, acc, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
+def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok, PS,
             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
             MXFP4: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr = False):
     """[BLOCK_R, BLOCK_M] fp32: W[rows, :K] . v[m, :K] for one expert's matrix at w_ptr + w_off and the
@@ -139,7 +139,9 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
     M side, tokens as its N side: "swap AB", so a handful of tokens pads 16 columns, not 64 rows).
     MXFP4: per 32-weight block, the low and high nibbles decoded to fp16 (times 2**-14, exact) multiply the
     even and odd activations (fp16), and the block's fp32 sum is scaled by its e8m0 scale: exact weights,
-    activations rounded to fp16 (|v| < 65504; SPLIT keeps ~22 bits)."""
+    activations rounded to fp16 (|v| < 65504; SPLIT keeps ~22 bits). FAST (MXFP4 only): v_ptr is the base of
+    four fp16 planes (even hi, even lo, odd hi, odd lo; PS elements apart, rows of K/2 at v_rows), prepared
+    once per launch instead of converted in the loop; the weights' decode is the inline PTX."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     if MXFP4 and FAST:
         HALF: tl.constexpr = BLOCK_K // 2
@@ -154,11 +156,12 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
             s16 = ((sc - 98) << 10).to(tl.uint16).to(tl.float16, bitcast=True)  # 2**(s - 113): scale * 2**14
             s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_R, NB, 16)), (BLOCK_R, HALF))
             we, wo = _mx_decode_fast(b, s16)
-            ke = k0 + 2 * tl.arange(0, HALF)
-            ve = tl.load(v_ptr + v_rows[None, :] + ke[:, None], mask=m_ok[None, :], other=0.0)
-            vo = tl.load(v_ptr + v_rows[None, :] + ke[:, None] + 1, mask=m_ok[None, :], other=0.0)
-            acc = _mma(we, ve, acc, SPLIT)
-            acc = _mma(wo, vo, acc, SPLIT)
+            # activations as fp16 planes [even hi, even lo, odd hi, odd lo], each [rows, K/2], PS apart
+            v = v_ptr + v_rows[None, :] + j[:, None]
+            acc = tl.dot(we, tl.load(v, mask=m_ok[None, :], other=0.0), acc)
+            acc = tl.dot(we, tl.load(v + PS, mask=m_ok[None, :], other=0.0), acc)
+            acc = tl.dot(wo, tl.load(v + 2 * PS, mask=m_ok[None, :], other=0.0), acc)
+            acc = tl.dot(wo, tl.load(v + 3 * PS, mask=m_ok[None, :], other=0.0), acc)
     elif MXFP4:
         for k0 in range(0, K, 32):
             j = k0 // 2 + tl.arange(0, 16)
@@ -197,7 +200,7 @@ def _run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
 
 @triton.jit
 def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e,
-                      stride_gu_r, stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
+                      stride_gu_r, stride_gus_e, stride_gus_r, ps_x, ps_h, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
                       ACT: tl.constexpr, MXFP4: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr = False):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
@@ -214,23 +217,34 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
             p = tl.load(order_ptr + m, mask=m_ok, other=0)
         else:
             p = m
-        x_rows = (p // A).to(tl.int64) * stride_x
-        g = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+        if FAST:
+            x_rows = (p // A).to(tl.int64) * (D // 2)  # row of the x planes
+        else:
+            x_rows = (p // A).to(tl.int64) * stride_x
+        g = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok, ps_x,
                     D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
         u = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
+                    ps_x, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
         sig = 1.0 / (1.0 + tl.exp(-g))
         if ACT == 0:  # SiLU-GLU
             h = g * sig * u
         else:  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
             h = 4.0 * _tanh(g * 0.25) * sig * (25.0 * _tanh(u * 0.04))
-        tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
+        hm = i_ok[:, None] & m_ok[None, :]
+        if FAST:  # h as the fp16 planes the down kernel reads: plane 2 * (i % 2) (+1 for the lo part)
+            hp = h_ptr + (2 * (i % 2)).to(tl.int64)[:, None] * ps_h + p.to(tl.int64)[None, :] * (I // 2) \
+                + (i // 2)[:, None]
+            hh = h.to(tl.float16)
+            tl.store(hp, hh, mask=hm)
+            tl.store(hp + ps_h, (h - hh.to(tl.float32)).to(tl.float16), mask=hm)
+        else:
+            tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=hm)
         m0 += BLOCK_M
 
 
 @triton.jit
 def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
-                        stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+                        stride_dns_e, stride_dns_r, ps_h, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
                         GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FAST: tl.constexpr = False):
     """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
@@ -247,7 +261,8 @@ def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_
             p = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
         else:
             p = m.to(tl.int64)
-        y = _tc_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
+        h_rows = p * (I // 2) if FAST else p * I
+        y = _tc_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, h_rows, m_ok, ps_h,
                     I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, True, FAST)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
@@ -337,21 +352,29 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     else:
         order = offs = ids  # unused pointers
         rows = T * A
-    h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     gus_, dns_ = (gus, dns) if mx else (gu, dn)  # unused scale pointers: any valid tensor
     split = x.dtype == torch.float32 and (mx or gu.dtype != torch.float32)
     fast = mx and x.is_cuda and fast_scales(gus, dns)
     if fast and (bd % MX_BLOCK or bk % MX_BLOCK or D % bd or I % bk):
         fast = False  # the fast MXFP4 loop takes whole chunks of a multiple of 32
+    if fast:  # activations as fp16 planes (even hi, even lo, odd hi, odd lo), h written the same way
+        xe, xo = x[:, 0::2].float(), x[:, 1::2].float()
+        xeh, xoh = xe.half(), xo.half()
+        xin = torch.stack((xeh, (xe - xeh.float()).half(), xoh, (xo - xoh.float()).half()))
+        h = torch.empty(4, T * A, I // 2, dtype=torch.float16, device=x.device)
+        ps_x, ps_h = T * (D // 2), T * A * (I // 2)
+    else:
+        xin, ps_x, ps_h = x, 0, 0
+        h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
     grouped_up_kernel[(rows, triton.cdiv(I, bi))](
-        x, ids, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
-        gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
+        xin, ids, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
+        gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, ps_x, ps_h, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
         GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FAST=fast, **kw)
     grouped_down_kernel[(rows, triton.cdiv(D, bn))](
         h, ids, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
-        dns_.stride(1) if mx else 0, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        dns_.stride(1) if mx else 0, ps_h, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         FAST=fast, **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
@@ -392,16 +415,17 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
     b = DEFAULT_BLOCKS
     split = dtype == "fp32" and mxfp4
     strides = {"stride_gu_e": "i32", "stride_gu_r": "i32", "stride_gus_e": "i32", "stride_gus_r": "i32"}
-    up_sig = {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w,
-              "gus_ptr": s, "h_ptr": "*fp32", "stride_x": "i32", **strides}
+    up_sig = {"x_ptr": "*fp16" if fast else f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w,
+              "gus_ptr": s, "h_ptr": "*fp16" if fast else "*fp32", "stride_x": "i32", **strides, "ps_x": "i32",
+              "ps_h": "i32"}
     up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "GROUPED": grouped, "SPLIT": split,
             "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"], "FAST": fast}
     up_sig.update({k: "constexpr" for k in up_c})
     produced = {"ids_ptr": "produced", "order_ptr": "produced", "offs_ptr": "produced"}
     up_roles = {"x_ptr": "produced", "h_ptr": "produced", "gu_ptr": "static", "gus_ptr": "static", **produced}
-    dn_sig = {"h_ptr": "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": w,
-              "dns_ptr": s, "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32", "stride_dns_e": "i32",
-              "stride_dns_r": "i32"}
+    dn_sig = {"h_ptr": "*fp16" if fast else "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32",
+              "dn_ptr": w, "dns_ptr": s, "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32",
+              "stride_dns_e": "i32", "stride_dns_r": "i32", "ps_h": "i32"}
     dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "GROUPED": grouped, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
             "BLOCK_K": b["BLOCK_K"], "FAST": fast}
     dn_sig.update({k: "constexpr" for k in dn_c})
