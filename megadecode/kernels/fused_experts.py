@@ -20,8 +20,9 @@ picked by several tokens is read once per pair (the repeats mostly hit L2: a sel
 one program is small and the pairs sharing it run concurrently). At decode batch the selected experts are
 mostly distinct (K3: T*A = 16*T picks from 896 experts), so the sort/offsets pass a grouped GEMM needs
 would cost a launch (and its sync-free bookkeeping) to save little traffic. At larger batch the repeats
-grow and the grouped path (reference/moe.py experts_grouped, torch._grouped_mm over expert-sorted pairs)
-stays the route: the launcher refuses T > 16.
+grow and the grouped kernels (kernels/grouped_experts.py) take over: the launcher refuses T > 16. Since the
+tensor-core kernels there measured faster (docs/evidence/experts-paths-h200.md), these FMA kernels are the
+path only for MXFP4 weights whose scales rule out the fast decode, and on the CPU (routed_experts).
 
 Memory paths: expert weights are static (they may take the non-coherent path); x, ids, the router weights
 and the h scratch are produced during a step and are read with plain coherent loads (no cache modifier,
