@@ -200,16 +200,31 @@ def test_fast_scales_checks_the_range_once_per_tensor():
     assert GE._SCALES_CHECKED[id(ok)][1] is True
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the fast MXFP4 decode is inline PTX: GPU only")
-def test_fast_mxfp4_path_matches_exact_path():
-    """On the GPU, weights whose scales are in FAST_SCALES take the inline-PTX decode; it must equal the exact
-    per-block path (forced by a scale tensor with one byte out of range) within fp32 summation noise."""
-    x, ids, w, gu, dn = _problem(24, A=4, D=256, I=128, seed=12)
+@needs_triton
+@pytest.mark.parametrize("grouped", [True, False])
+def test_fast_mxfp4_path_matches_reference_and_exact_path(grouped):
+    """Scales in FAST_SCALES take the fast decode (inline PTX on the GPU, the same arithmetic in plain Triton
+    under the interpreter) with fp16 activation planes; it must match the reference on decoded weights, also
+    for activations far outside fp16's range (the launcher scales them by a power of two on the device).
+    A scale byte out of range sends the call to the exact per-block path, which must agree too."""
+    x, ids, w, gu, dn = _problem(20, A=4, D=256, I=128, seed=12)
     gq, dq = _mx(gu), _mx(dn)
     assert GE.fast_scales(gq.scales, dq.scales)
-    fast = GE.grouped_experts(x, ids, w, gq, dq, act="situ")
-    s_exact = gq.scales.clone()
-    s_exact.view(-1)[-1] = 0  # out of range: exact path (that expert row's last block scale is changed)
+    x = x / 8
     ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="situ")
-    _close(fast, ref, 1e-5)
+    _close(GE.grouped_experts(x, ids, w, gq, dq, act="situ", grouped=grouped), ref, 1e-5)
+    # one activation column far past fp16's 65504, its gate/up weights zero: without the launcher's
+    # power-of-two scaling the fp16 plane would hold inf and inf * 0 = NaN would reach the output
+    big = x.clone()
+    big[:, 5] = 2e5
+    packed = gq.packed.clone()
+    packed[:, :, 2] &= 0x0F  # column 5 = the high nibble of byte 2: code 0
+    g0 = MXFP4Tensor(packed, gq.scales)
+    ref = latent_experts(big, ids, w, g0.dequantize(), dq.dequantize(), act="situ")
+    _close(GE.grouped_experts(big, ids, w, g0, dq, act="situ", grouped=grouped), ref, 1e-5)
+    s_exact = gq.scales.clone()
+    s_exact.view(-1)[-1] = GE.FAST_SCALES[1] + 1
+    g_exact = MXFP4Tensor(gq.packed, s_exact)
     assert not GE.fast_scales(s_exact, dq.scales)
+    ref = latent_experts(x, ids, w, g_exact.dequantize(), dq.dequantize(), act="situ")
+    _close(GE.grouped_experts(x, ids, w, g_exact, dq, act="situ", grouped=grouped), ref, 1e-5)

@@ -75,7 +75,8 @@ def _e2m1_hi_h(b):
 # the low nibble's sign goes to bit 15 and its exponent and mantissa bits to bits 11..9 (an fp16 equal to
 # 2**-14 times the e2m1 value, exact, the 0.5 code being an fp16 subnormal), likewise the high nibble; one
 # packed fp16 multiply applies the scale (pre-multiplied by 2**14). Exact when the e8m0 scale byte is in
-# FAST_SCALES (then every product is an fp16 normal or subnormal number). GPU only (inline PTX).
+# FAST_SCALES (then every product is an fp16 normal or subnormal number). Inline PTX on the GPU; under the
+# CPU interpreter the kernels compute the same values with plain Triton ops (USE_ASM=False).
 _MX_DECODE_ASM = tl.constexpr("""{
 .reg .b32 t0, t1, a, c;
 prmt.b32 t0, $4, 0, 0x4140;
@@ -106,6 +107,7 @@ or.b32 a, a, c;
 mul.rn.f16x2 $3, a, $6;
 }""")
 FAST_SCALES = (104, 128)  # e8m0 bytes for which the fp16 decode-and-scale is exact
+H_SCALE = tl.constexpr(128.0)  # the fast path stores h * 128 in its fp16 planes (SiTU-GLU: |h| <= 100)
 
 
 @triton.jit
@@ -133,7 +135,7 @@ def _mma(w, v, acc, SPLIT: tl.constexpr):
 @triton.jit
 def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok, PS,
             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-            MXFP4: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr = False):
+            MXFP4: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr = False, USE_ASM: tl.constexpr = True):
     """[BLOCK_R, BLOCK_M] fp32: W[rows, :K] . v[m, :K] for one expert's matrix at w_ptr + w_off and the
     BLOCK_M activation rows at v_ptr + v_rows[m] (masked by m_ok), on tensor cores (weights as the MMA's
     M side, tokens as its N side: "swap AB", so a handful of tokens pads 16 columns, not 64 rows).
@@ -141,7 +143,8 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
     even and odd activations (fp16), and the block's fp32 sum is scaled by its e8m0 scale: exact weights,
     activations rounded to fp16 (|v| < 65504; SPLIT keeps ~22 bits). FAST (MXFP4 only): v_ptr is the base of
     four fp16 planes (even hi, even lo, odd hi, odd lo; PS elements apart, rows of K/2 at v_rows), prepared
-    once per launch instead of converted in the loop; the weights' decode is the inline PTX."""
+    once per launch instead of converted in the loop; the weights' decode is the inline PTX (USE_ASM) or the
+    same arithmetic in plain Triton."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     if MXFP4 and FAST:
         HALF: tl.constexpr = BLOCK_K // 2
@@ -155,7 +158,12 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
                          eviction_policy="evict_first").to(tl.int32)
             s16 = ((sc - 98) << 10).to(tl.uint16).to(tl.float16, bitcast=True)  # 2**(s - 113): scale * 2**14
             s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_R, NB, 16)), (BLOCK_R, HALF))
-            we, wo = _mx_decode_fast(b, s16)
+            if USE_ASM:
+                we, wo = _mx_decode_fast(b, s16)
+            else:  # the same values without inline PTX (the CPU interpreter)
+                bi = b.to(tl.int32)
+                we = _e2m1_lo_h(bi) * s16
+                wo = _e2m1_hi_h(bi) * s16
             # activations as fp16 planes [even hi, even lo, odd hi, odd lo], each [rows, K/2], PS apart
             v = v_ptr + v_rows[None, :] + j[:, None]
             acc = tl.dot(we, tl.load(v, mask=m_ok[None, :], other=0.0), acc)
@@ -199,10 +207,11 @@ def _run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
 
 
 @triton.jit
-def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e,
+def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, xs_ptr, stride_x, stride_gu_e,
                       stride_gu_r, stride_gus_e, stride_gus_r, ps_x, ps_h, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
                       ACT: tl.constexpr, MXFP4: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr = False):
+                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr = False,
+                      USE_ASM: tl.constexpr = True):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
     e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -222,9 +231,13 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
         else:
             x_rows = (p // A).to(tl.int64) * stride_x
         g = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok, ps_x,
-                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
+                    D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST, USE_ASM)
         u = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                    ps_x, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST)
+                    ps_x, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST, USE_ASM)
+        if FAST:  # undo the power-of-two scaling that kept the x planes inside fp16's range
+            xs = tl.load(xs_ptr)
+            g = g * xs
+            u = u * xs
         sig = 1.0 / (1.0 + tl.exp(-g))
         if ACT == 0:  # SiLU-GLU
             h = g * sig * u
@@ -234,6 +247,7 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
         if FAST:  # h as the fp16 planes the down kernel reads: plane 2 * (i % 2) (+1 for the lo part)
             hp = h_ptr + (2 * (i % 2)).to(tl.int64)[:, None] * ps_h + p.to(tl.int64)[None, :] * (I // 2) \
                 + (i // 2)[:, None]
+            h = h * H_SCALE  # |SiTU-GLU| <= 100: times 128 stays in fp16's range and keeps the lo parts normal
             hh = h.to(tl.float16)
             tl.store(hp, hh, mask=hm)
             tl.store(hp + ps_h, (h - hh.to(tl.float32)).to(tl.float16), mask=hm)
@@ -246,7 +260,7 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
 def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
                         stride_dns_e, stride_dns_r, ps_h, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
                         GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FAST: tl.constexpr = False):
+                        FAST: tl.constexpr = False, USE_ASM: tl.constexpr = True):
     """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
     e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,7 +277,9 @@ def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_
             p = m.to(tl.int64)
         h_rows = p * (I // 2) if FAST else p * I
         y = _tc_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, h_rows, m_ok, ps_h,
-                    I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, True, FAST)
+                    I, BLOCK_M, BLOCK_N, BLOCK_K, MXFP4, True, FAST, USE_ASM)
+        if FAST:
+            y = y * (1.0 / H_SCALE)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
@@ -355,27 +371,33 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     gus_, dns_ = (gus, dns) if mx else (gu, dn)  # unused scale pointers: any valid tensor
     split = x.dtype == torch.float32 and (mx or gu.dtype != torch.float32)
-    fast = mx and x.is_cuda and fast_scales(gus, dns)
+    # fast: SiTU-GLU only, whose |h| <= 100 fits the fp16 planes of h (SiLU-GLU's h is unbounded)
+    fast = mx and act == "situ" and fast_scales(gus, dns)
     if fast and (bd % MX_BLOCK or bk % MX_BLOCK or D % bd or I % bk):
         fast = False  # the fast MXFP4 loop takes whole chunks of a multiple of 32
     if fast:  # activations as fp16 planes (even hi, even lo, odd hi, odd lo), h written the same way
-        xe, xo = x[:, 0::2].float(), x[:, 1::2].float()
+        # fp16 holds |x| < 65504 and loses bits below 6.1e-5 (subnormals, where the lo parts live): divide x
+        # by the power of two xs that brings max|x| into (8192, 16384], chosen on the device (no host sync;
+        # exact); the kernel multiplies its dot products back by xs
+        amax = x.detach().abs().amax().float().clamp(1e-30, 1e30)
+        xs = torch.exp2(torch.ceil(torch.log2(amax / 16384.0))).reshape(1)
+        xe, xo = x[:, 0::2].float() / xs, x[:, 1::2].float() / xs
         xeh, xoh = xe.half(), xo.half()
         xin = torch.stack((xeh, (xe - xeh.float()).half(), xoh, (xo - xoh.float()).half()))
         h = torch.empty(4, T * A, I // 2, dtype=torch.float16, device=x.device)
         ps_x, ps_h = T * (D // 2), T * A * (I // 2)
     else:
-        xin, ps_x, ps_h = x, 0, 0
+        xin, ps_x, ps_h, xs = x, 0, 0, y  # xs unused
         h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
     grouped_up_kernel[(rows, triton.cdiv(I, bi))](
-        xin, ids, order, offs, gu, gus_, h, x.stride(0), gu.stride(0), gu.stride(1),
+        xin, ids, order, offs, gu, gus_, h, xs, x.stride(0), gu.stride(0), gu.stride(1),
         gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, ps_x, ps_h, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
-        GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FAST=fast, **kw)
+        GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FAST=fast, USE_ASM=x.is_cuda, **kw)
     grouped_down_kernel[(rows, triton.cdiv(D, bn))](
         h, ids, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
         dns_.stride(1) if mx else 0, ps_h, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FAST=fast, **kw)
+        FAST=fast, USE_ASM=x.is_cuda, **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
@@ -415,19 +437,20 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
     b = DEFAULT_BLOCKS
     split = dtype == "fp32" and mxfp4
     strides = {"stride_gu_e": "i32", "stride_gu_r": "i32", "stride_gus_e": "i32", "stride_gus_r": "i32"}
-    up_sig = {"x_ptr": "*fp16" if fast else f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": w,
-              "gus_ptr": s, "h_ptr": "*fp16" if fast else "*fp32", "stride_x": "i32", **strides, "ps_x": "i32",
-              "ps_h": "i32"}
+    up_sig = {"x_ptr": "*fp16" if fast else f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32",
+              "offs_ptr": "*i32", "gu_ptr": w, "gus_ptr": s, "h_ptr": "*fp16" if fast else "*fp32",
+              "xs_ptr": "*fp32", "stride_x": "i32", **strides, "ps_x": "i32", "ps_h": "i32"}
     up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "GROUPED": grouped, "SPLIT": split,
-            "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"], "FAST": fast}
+            "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"], "FAST": fast, "USE_ASM": True}
     up_sig.update({k: "constexpr" for k in up_c})
     produced = {"ids_ptr": "produced", "order_ptr": "produced", "offs_ptr": "produced"}
-    up_roles = {"x_ptr": "produced", "h_ptr": "produced", "gu_ptr": "static", "gus_ptr": "static", **produced}
+    up_roles = {"x_ptr": "produced", "h_ptr": "produced", "xs_ptr": "produced", "gu_ptr": "static",
+                "gus_ptr": "static", **produced}
     dn_sig = {"h_ptr": "*fp16" if fast else "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32",
               "dn_ptr": w, "dns_ptr": s, "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32",
               "stride_dns_e": "i32", "stride_dns_r": "i32", "ps_h": "i32"}
     dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "GROUPED": grouped, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
-            "BLOCK_K": b["BLOCK_K"], "FAST": fast}
+            "BLOCK_K": b["BLOCK_K"], "FAST": fast, "USE_ASM": True}
     dn_sig.update({k: "constexpr" for k in dn_c})
     dn_roles = {"h_ptr": "produced", "y_ptr": "produced", "dn_ptr": "static", "dns_ptr": "static", **produced}
     cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
