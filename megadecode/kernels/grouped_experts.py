@@ -23,7 +23,8 @@ small-batch layout of kernels/fused_experts.py on tensor cores).
 Numerics: fp32 accumulation. Float weights: bf16/fp16 MMAs; fp32 activations are split into hi + lo
 parts of the weight dtype (two MMAs, ~16 bits of mantissa for bf16); fp32 weights use IEEE fp32 dots.
 MXFP4: per 32-weight block the nibbles are decoded to fp16 with integer ops only (exact, times 2**-14),
-multiplied with fp16 activations (hi + lo split of fp32 activations; |x| < 65504), and the block's fp32
+multiplied with fp16 activations (hi + lo split of fp32 activations, x first scaled by a power of two into
+fp16's range; with SiLU-GLU the exact path also needs |h| < 65504), and the block's fp32
 sum is scaled by its e8m0 scale. Deterministic (no atomics; each pair's values come from one program).
 
 Memory paths: weights static; x, ids, order, offs, router weights, h and y are produced within the step and
@@ -141,7 +142,7 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
     M side, tokens as its N side: "swap AB", so a handful of tokens pads 16 columns, not 64 rows).
     MXFP4: per 32-weight block, the low and high nibbles decoded to fp16 (times 2**-14, exact) multiply the
     even and odd activations (fp16), and the block's fp32 sum is scaled by its e8m0 scale: exact weights,
-    activations rounded to fp16 (|v| < 65504; SPLIT keeps ~22 bits). FAST (MXFP4 only): v_ptr is the base of
+    activations rounded to fp16 (the launcher scales x into range; SPLIT keeps ~22 bits). FAST (MXFP4 only): v_ptr is the base of
     four fp16 planes (even hi, even lo, odd hi, odd lo; PS elements apart, rows of K/2 at v_rows), prepared
     once per launch instead of converted in the loop; the weights' decode is the inline PTX (USE_ASM) or the
     same arithmetic in plain Triton."""
@@ -234,7 +235,7 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
                     D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST, USE_ASM)
         u = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
                     ps_x, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST, USE_ASM)
-        if FAST:  # undo the power-of-two scaling that kept the x planes inside fp16's range
+        if MXFP4:  # undo the power-of-two scaling that kept x inside fp16's range (see the launcher)
             xs = tl.load(xs_ptr)
             g = g * xs
             u = u * xs
@@ -375,23 +376,26 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     fast = mx and act == "situ" and fast_scales(gus, dns)
     if fast and (bd % MX_BLOCK or bk % MX_BLOCK or D % bd or I % bk):
         fast = False  # the fast MXFP4 loop takes whole chunks of a multiple of 32
-    if fast:  # activations as fp16 planes (even hi, even lo, odd hi, odd lo), h written the same way
-        # fp16 holds |x| < 65504 and loses bits below 6.1e-5 (subnormals, where the lo parts live): divide x
-        # by the power of two xs that brings max|x| into (8192, 16384], chosen on the device (no host sync;
-        # exact); the kernel multiplies its dot products back by xs
+    xs = y  # unused unless MXFP4
+    if mx:
+        # MXFP4 products take fp16 activations, which hold |x| < 65504 and lose bits below 6.1e-5 (subnormals,
+        # where the lo parts of the hi + lo split live): divide x by the power of two xs that brings max|x|
+        # into (8192, 16384], chosen on the device (no host sync; exact); the kernel multiplies its gate and
+        # up dot products back by xs
         amax = x.detach().abs().amax().float().clamp(1e-30, 1e30)
         xs = torch.exp2(torch.ceil(torch.log2(amax / 16384.0))).reshape(1)
+    if fast:  # activations as fp16 planes (even hi, even lo, odd hi, odd lo), h written the same way
         xe, xo = x[:, 0::2].float() / xs, x[:, 1::2].float() / xs
         xeh, xoh = xe.half(), xo.half()
         xin = torch.stack((xeh, (xe - xeh.float()).half(), xoh, (xo - xoh.float()).half()))
         h = torch.empty(4, T * A, I // 2, dtype=torch.float16, device=x.device)
         ps_x, ps_h = T * (D // 2), T * A * (I // 2)
     else:
-        xin, ps_x, ps_h, xs = x, 0, 0, y  # xs unused
+        xin, ps_x, ps_h = (x.float() / xs if mx else x), 0, 0
         h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
     grouped_up_kernel[(rows, triton.cdiv(I, bi))](
-        xin, ids, order, offs, gu, gus_, h, xs, x.stride(0), gu.stride(0), gu.stride(1),
+        xin, ids, order, offs, gu, gus_, h, xs, xin.stride(0) if not fast else 0, gu.stride(0), gu.stride(1),
         gus_.stride(0) if mx else 0, gus_.stride(1) if mx else 0, ps_x, ps_h, D=D, I=I, A=A, ACT=ACTS[act], MXFP4=mx,
         GROUPED=grouped, SPLIT=split, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FAST=fast, USE_ASM=x.is_cuda, **kw)
     grouped_down_kernel[(rows, triton.cdiv(D, bn))](
