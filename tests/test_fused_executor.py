@@ -52,8 +52,10 @@ def test_fused_decode_matches_torch(preset, batch):
     assert err <= 1e-4 * log_t.abs().max().item(), err
     chosen = {k: v for (k, b), v in e.executor.chosen.items() if b == batch}
     assert chosen["rmsnorm"] == "triton-rmsnorm", chosen
-    if preset != "tiny-k3":  # K3 has no EXPERTS op (LatentMoE takes the Triton experts itself)
+    if preset != "tiny-k3":
         assert chosen["experts"] == "triton-grouped-experts", chosen
+    else:  # K3 has no EXPERTS op: its LATENT_MOE op is the Triton variant
+        assert chosen["latent_moe"] == "triton-latent-moe", chosen
 
 
 def test_rerun_in_subprocess_when_not_interpreted():

@@ -7,8 +7,8 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
   experts  triton-grouped-experts    (batch <= 256, tensor cores: per pair at <= 16 tokens, no sort pass;
                                       grouped by expert on the device above)
            triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
-  K3's LatentMoE routed experts take the same Triton kernels through experts_impl "grouped"
-  (torch_ops._latent_routed), as under `graph`.
+  latent_moe triton-latent-moe     (K3: latent down, routed MXFP4 experts, RMSNorm fused into latent up;
+                                      batch <= 256; above, the graph op, whose experts are Triton too)
 Left out on purpose: triton-router (measured slower than the reference ops at batch 8 and 64 on the H200,
 docs/evidence/triton-router-h200.md). Variants run on outputs allocated with torch.empty: the manifest
 checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
@@ -28,7 +28,7 @@ from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
-VARIANTS = ("triton-rmsnorm", "triton-grouped-experts", "triton-fused-experts")
+VARIANTS = ("triton-rmsnorm", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe")
 
 
 def _variants(device: torch.device) -> list:

@@ -28,7 +28,7 @@ from ..step import Step
 from ..weights import param_specs, random_tensor
 
 DISTRIBUTIONS = ("uniform", "hot_expert", "same_experts", "exact_ties", "empty_experts")
-ROUTED = (P.ROUTER, P.EXPERTS)  # op kinds the routing distribution applies to
+ROUTED = (P.ROUTER, P.EXPERTS, P.LATENT_MOE)  # op kinds the routing distribution applies to
 CACHE_LEN = 16  # cache positions per slot in attention cases
 FP32_BUFFERS = ("topk_weights",)  # activations in fp32 whatever the model dtype
 
@@ -170,7 +170,7 @@ def reference_outputs(case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | No
 
     c = case.clone(torch.float32)
     c = replace(c, inputs={k: v.float() if v.is_floating_point() else v for k, v in c.inputs.items()},
-                weights={k: v.float() for k, v in c.weights.items()},
+                weights={k: v.float() if v.is_floating_point() else v for k, v in c.weights.items()},  # MXFP4 bytes stay
                 cache=None if c.cache is None else tuple(t.float() for t in c.cache))
     step = replace(c.step, positions=c.inputs.get("positions", c.step.positions),
                    slots=c.inputs.get("slots", c.step.slots))

@@ -1,0 +1,134 @@
+"""K3's Stable LatentMoE routed half in Triton (issue 5: "the K3 LatentMoE tail"): the plan's LATENT_MOE op
+
+    h   = x @ latent_down^T                         [T, R]  fp32   (latent down, 7168 -> 3584)
+    z   = sum_a w[t, a] * Expert_{ids[t, a]}(h[t])  [T, R]  fp32   (kernels/grouped_experts.routed_experts)
+    out = (rmsnorm(z) * latent_norm) @ latent_up^T  [T, D]  x.dtype (the tail: norm fused into the up-projection)
+
+What it replaces (the reference op, executors/torch_ops._latent_moe): F.linear on the weights cast to fp32
+(`down_w.float()`, `up_w.float()`: each step writes and reads an fp32 copy of two 25.7M-weight matrices per
+layer, about 0.5 GB of extra traffic per K3 layer), and RMSNorm as a chain of elementwise ops.
+
+`linear_kernel` (both projections): program (n-tile of BLOCK_N weight rows, chunk of BLOCK_M tokens) streams
+its rows of W over K through tensor cores (weights on the MMA's M side, tokens on its N side, as in
+kernels/grouped_experts.py), fp32 accumulation. Weights in their own dtype (bf16/fp16: fp32 activations are
+split into hi + lo parts of that dtype, two MMAs; fp32 weights: IEEE fp32 dots). NORM: the token's
+sum of squares is accumulated in the same K loop from the activations it already loads, the activations are
+multiplied by the norm weight on the way in, and the dot products by rsqrt(mean + eps) at the end:
+    out[t, n] = rsqrt(mean_k z[t, k]^2 + eps) * sum_k W[n, k] * (z[t, k] * g[k])
+which is rmsnorm(z) * g followed by the projection, for fp32 z (the reference's rounding of the normalized
+row to the input dtype is a no-op in fp32). Memory paths: W and g static; x produced (plain loads).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import LATENT_MOE
+from ..quant.mxfp4 import MXFP4Tensor
+from ..validate.variant import Manifest, Scope, Variant, register
+from .grouped_experts import _mma, routed_experts
+
+DEFAULT_BLOCKS = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def linear_kernel(x_ptr, w_ptr, g_ptr, out_ptr, T, stride_x, stride_w, stride_out, eps, N: tl.constexpr,
+                  K: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n-tile, token chunk): out[t, n] = [rsqrt(mean z^2 + eps)] * sum_k W[n, k] (x[t, k] [* g[k]])."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = n < N
+    m_ok = m < T
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        v = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + k[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_M]
+        if NORM:
+            ss += tl.sum(v * v, axis=0)
+            v = v * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+        acc = _mma(w, v, acc, SPLIT)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[None, :]
+    tl.store(out_ptr + m[None, :].to(tl.int64) * stride_out + n[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+           out_dtype: torch.dtype = torch.float32, blocks: dict | None = None) -> torch.Tensor:
+    """x [T, K] float @ w [N, K]^T (bf16/fp16/fp32, unit stride over K) -> [T, N] out_dtype, fp32 accumulation.
+    norm_weight [K]: apply RMSNorm (fp32 statistics) with that weight to each row of x first."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear: x [T, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("linear: x and w need unit stride over K")
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not x.is_floating_point():
+        raise ValueError(f"linear: float tensors expected, got x {x.dtype}, w {w.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous()):
+        raise ValueError(f"linear: norm_weight must be contiguous [{x.shape[1]}]")
+    if x.device != w.device:
+        raise ValueError(f"linear: x on {x.device}, w on {w.device}")
+    T, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    if T == 0:
+        return out
+    b = {**DEFAULT_BLOCKS, **(blocks or {})}
+    bn = max(16, min(b["BLOCK_N"], triton.next_power_of_2(N)))
+    bk = max(16, min(b["BLOCK_K"], triton.next_power_of_2(K)))
+    g = norm_weight if norm_weight is not None else w
+    split = x.dtype == torch.float32 and w.dtype != torch.float32
+    linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, b["BLOCK_M"]))](
+        x, w, g, out, T, x.stride(0), w.stride(0), out.stride(0), float(eps), N=N, K=K,
+        NORM=norm_weight is not None, SPLIT=split, BLOCK_N=bn, BLOCK_M=b["BLOCK_M"], BLOCK_K=bk,
+        num_warps=b["num_warps"], num_stages=b["num_stages"])
+    return out
+
+
+def latent_moe(x, ids, wts, down_w, gate_up: MXFP4Tensor, down: MXFP4Tensor, norm_w, up_w, *, act: str,
+               eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The LATENT_MOE op in Triton (see the module doc): three stages, no host sync."""
+    h = linear(x.contiguous(), down_w)
+    z = routed_experts(h, ids.contiguous(), wts.float().contiguous(), gate_up, down, act=act)
+    y = linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def audit_specs(dtype: str = "bf16", norm: bool = True, K: int = 3584, N: int = 7168) -> list[tuple]:
+    sig = {"x_ptr": "*fp32", "w_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "T": "i32",
+           "stride_x": "i32", "stride_w": "i32", "stride_out": "i32", "eps": "fp32"}
+    consts = {"N": N, "K": K, "NORM": norm, "SPLIT": dtype != "fp32", "BLOCK_N": DEFAULT_BLOCKS["BLOCK_N"],
+              "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"], "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"]}
+    sig.update({k: "constexpr" for k in consts})
+    roles = {"x_ptr": "produced", "out_ptr": "produced", "w_ptr": "static", "g_ptr": "static"}
+    return [(linear_kernel, sig, roles, consts)]
+
+
+def _run(op, inputs, weights, outputs, cfg, step, cache=None):
+    x, ids, wts = (inputs[n] for n in op.inputs)
+    down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (weights[n] for n in op.weights)
+    latent_moe(x, ids, wts, down_w, MXFP4Tensor(gu_p, gu_s), MXFP4Tensor(dn_p, dn_s), norm_w, up_w,
+               act=cfg.expert_act, eps=cfg.rms_norm_eps, out=outputs[op.outputs[0]])
+
+
+LATENT_MOE_VARIANT = register(Variant(Manifest(
+    name="triton-latent-moe",
+    description="K3 LatentMoE routed half: latent down and (RMSNorm fused into) latent up as tensor-core "
+                "projections on the weights' own dtype (no fp32 weight copies), routed MXFP4 experts through "
+                "kernels/grouped_experts.routed_experts; fp32 accumulation",
+    replaces=(LATENT_MOE,),
+    scope=Scope(families=("kimi_k3",), dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"),
+                batch=(1, 256), arch="sm_90"),
+    sources=("megadecode/kernels/latent_moe.py", "megadecode/kernels/grouped_experts.py",
+             "megadecode/kernels/fused_experts.py"), uses_triton=True, graph_capturable=True),
+    _run, kernel=linear_kernel))

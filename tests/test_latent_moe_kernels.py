@@ -1,0 +1,129 @@
+"""The Triton LatentMoE op (megadecode/kernels/latent_moe.py) under the Triton interpreter: the projection
+kernel (with and without the fused RMSNorm), the registered variant in the harness on tiny-k3, and the static
+sm_90 audit. Same interpreter arrangement as tests/test_fused_experts.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+
+LM = import_interpreted("megadecode.kernels.latent_moe", "megadecode.validate.catalog")
+
+from megadecode.presets import preset_config  # noqa: E402
+from megadecode.reference.norm import rms_norm  # noqa: E402
+from megadecode.validate.checks import check_op  # noqa: E402
+from megadecode.validate.variant import get, triton_interpreted  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+TRITON_OK = ON_GPU or triton_interpreted(LM.linear_kernel)
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
+                                                        "test_rerun_in_subprocess_when_not_interpreted")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _rel(got, ref):
+    assert torch.isfinite(got).all()
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 5, 19])
+def test_linear_matches_f_linear(T):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 96, generator=g).to(DEVICE)
+    w = (torch.randn(40, 96, generator=g) / 10).to(DEVICE)
+    assert _rel(LM.linear(x, w), F.linear(x, w)) < 1e-6
+    # fp16 weights with fp32 activations: hi + lo split of the activations keeps ~22 bits
+    assert _rel(LM.linear(x, w.half()), F.linear(x, w.half().float())) < 1e-5
+    out16 = LM.linear(x.half(), w.half(), out_dtype=torch.float16)
+    assert out16.dtype == torch.float16 and _rel(out16, F.linear(x.half().float(), w.half().float())) < 2e-3
+
+
+@needs_triton
+def test_linear_fused_rmsnorm_matches_norm_then_linear():
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 80, generator=g) * 3).to(DEVICE)  # K = 80: a masked tail in the last chunk
+    w = (torch.randn(50, 80, generator=g) / 9).to(DEVICE)  # N = 50: a masked tail in the last tile
+    nw = (torch.rand(80, generator=g) + 0.5).to(DEVICE)
+    ref = F.linear(rms_norm(x, nw, 1e-6), w)
+    got = LM.linear(x, w, norm_weight=nw, eps=1e-6, blocks={"BLOCK_K": 32, "BLOCK_N": 16})
+    assert _rel(got, ref) < 1e-6
+    alone = LM.linear(x[3:4], w, norm_weight=nw, eps=1e-6, blocks={"BLOCK_K": 32, "BLOCK_N": 16})
+    assert torch.equal(alone, got[3:4])  # each row's statistics are its own
+
+
+def test_linear_rejects_bad_arguments():
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="x \\[T, K\\] and w \\[N, K\\]"):
+        LM.linear(x, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="unit stride"):
+        LM.linear(x, torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="norm_weight"):
+        LM.linear(x, w, norm_weight=torch.ones(9))
+    with pytest.raises(ValueError, match="float tensors"):
+        LM.linear(x, w.to(torch.int8))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("batch", [1, 5, 20])
+def test_variant_passes_check_op_on_tiny_k3(dtype, batch):
+    row = check_op(get("triton-latent-moe"), preset_config("tiny-k3"), "latent_moe", dtype, batch, seed=batch,
+                   device=DEVICE)
+    assert row["status"] == "PASS", row
+
+
+@needs_triton
+@pytest.mark.parametrize("dist", ["hot_expert", "exact_ties", "empty_experts"])
+def test_variant_passes_routing_distributions(dist):
+    row = check_op(get("triton-latent-moe"), preset_config("tiny-k3"), "latent_moe", "float32", 7, seed=3, dist=dist,
+                   device=DEVICE)
+    assert row["status"] == "PASS", row
+
+
+def test_variant_scope():
+    m = get("triton-latent-moe").manifest
+    assert m.replaces == ("latent_moe",) and m.scope.families == ("kimi_k3",) and m.graph_capturable
+
+
+_AUDIT = """
+import json
+from megadecode.kernels.latent_moe import audit_specs
+from megadecode.validate.audit import audit_kernel
+rows = []
+for dtype, norm in (("bf16", False), ("bf16", True), ("fp32", True)):
+    for fn, sig, roles, consts in audit_specs(dtype, norm):
+        r = audit_kernel(fn, sig, roles, consts)
+        rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
+print(json.dumps(rows))
+"""
+
+
+def test_static_audit_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3
+    for name, passed, rules, md in rows:
+        assert passed, md
+        assert "nc-load-of-produced" in rules, (name, rules)
+
+
+def test_rerun_in_subprocess_when_not_interpreted():
+    if TRITON_OK:
+        pytest.skip("the interpreter tests ran in this process")
+    rerun_file_in_subprocess(__file__)
