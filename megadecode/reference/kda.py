@@ -43,9 +43,18 @@ def _conv_silu(windows: torch.Tensor, conv_w: torch.Tensor) -> torch.Tensor:
     return F.silu((windows.float() * conv_w.float()).sum(-1))
 
 
+def decode_recurrence(q, k, v, g, beta, rec_state: torch.Tensor, rows) -> torch.Tensor:
+    """One decode token per sequence: read the slots' states (rec_state[rows]), advance them by the delta
+    rule, write them back, return o [N, H, V]. The reference; kernels/kda.py has the fused Triton form."""
+    o, S = delta_rule_step(q, k, v, g, beta, rec_state[rows])
+    rec_state[rows] = S
+    return o
+
+
 def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step,
-                  conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
-    """x [N, D] -> [N, D]. conv_state [S, C, W-1], rec_state [S, H, K, V] fp32, both per cache slot."""
+                  conv_state: torch.Tensor, rec_state: torch.Tensor, recur=decode_recurrence) -> torch.Tensor:
+    """x [N, D] -> [N, D]. conv_state [S, C, W-1], rec_state [S, H, K, V] fp32, both per cache slot.
+    `recur`: the decode recurrence (decode_recurrence's signature); prefill always runs the reference loop."""
     N, H, K = x.shape[0], cfg.linear_num_heads, cfg.linear_head_dim
     W, p, f = cfg.conv_kernel, prefix, f"{prefix}.forget_gate"
     qkv = torch.cat([F.linear(x, w[f"{p}.{n}_proj.weight"]) for n in "qkv"], -1)  # [N, C]
@@ -65,8 +74,7 @@ def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
         windows = torch.cat((conv_state[rows], qkv[:, :, None]), -1)  # [N, C, W]
         conv_state[rows] = windows[..., 1:]
         q, k, v = heads(_conv_silu(windows, conv_w))
-        o, S = delta_rule_step(q, k, v, g, beta, rec_state[rows])
-        rec_state[rows] = S
+        o = recur(q, k, v, g, beta, rec_state, rows)
     else:
         outs = []
         for s, e, slot in step.segments:

@@ -55,9 +55,11 @@ class OpCase:
             if dtype is None or not t.is_floating_point() or keep_fp32:
                 return t.clone()
             return t.to(dtype).clone()
+        fp32_cache = (1,) if self.op.kind == P.ATTN_KDA else ()  # KDA's recurrent state is fp32 in every model
         return replace(self, inputs={k: cast(v, k in FP32_BUFFERS) for k, v in self.inputs.items()},
                        weights={k: cast(v, k in fp32_weights) for k, v in self.weights.items()},
-                       cache=None if self.cache is None else tuple(cast(c) for c in self.cache))
+                       cache=None if self.cache is None else tuple(cast(c, j in fp32_cache)
+                                                                   for j, c in enumerate(self.cache)))
 
     def row(self, i: int) -> "OpCase":
         """Token i alone (batch invariance). Attention keeps the whole cache and reads slot i."""
@@ -143,6 +145,12 @@ def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "
         inputs.update(normed=x, positions=positions, slots=step.slots)
         cache = tuple(torch.randn((T, CACHE_LEN) + c.shape[2:], generator=gen)
                       for c in _cache_like(cfg))
+    elif kind == P.ATTN_KDA:
+        # a decode step of T sequences in slots 0..T-1 with some history: random conv windows and states
+        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.conv_kernel
+        inputs.update(normed=x, slots=step.slots)
+        cache = (torch.randn(T, 3 * H * K, W - 1, generator=gen),
+                 torch.randn(T, H, K, K, generator=gen) * K ** -0.5)
     else:
         raise ValueError(f"no input builder for op kind {kind!r}")
     case = OpCase(cfg, op, inputs, weights, step, cache)
