@@ -11,6 +11,8 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
                                       batch <= 256; above, the graph op, whose experts are Triton too)
   attn_kda triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
                                       sequence's state; the rest of the op stays the reference ops)
+  attn_mla triton-mla-decode         (MLA decode attention over the latent cache: one kernel per (sequence,
+                                      head block), online softmax; projections stay the reference ops)
 Left out on purpose: triton-router (measured slower than the reference ops at batch 8 and 64 on the H200,
 docs/evidence/triton-router-h200.md). Variants run on outputs allocated with torch.empty: the manifest
 checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
@@ -31,7 +33,7 @@ from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
 VARIANTS = ("triton-rmsnorm", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
-            "triton-kda-decode")
+            "triton-kda-decode", "triton-mla-decode")
 
 
 def _variants(device: torch.device) -> list:

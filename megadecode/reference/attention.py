@@ -67,11 +67,13 @@ def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
 
 
 def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step, rope,
-                  latent_cache: torch.Tensor) -> torch.Tensor:
+                  latent_cache: torch.Tensor, core=None) -> torch.Tensor:
     """DeepSeek-V3 MLA, absorbed: the cache holds C + R values per token ([S, Lmax, C + R]) and the
     per-head key/value up-projections (kv_b_proj) are folded into the query and the output.
     rope = (cos, sin), or None for MLA without positional encoding (kimi_linear: nothing is rotated).
-    kimi_k3's output gate (`cfg.mla_output_gate`): o_proj(o * sigmoid(x gate_proj^T)), gate_proj [H*V, D]."""
+    kimi_k3's output gate (`cfg.mla_output_gate`): o_proj(o * sigmoid(x gate_proj^T)), gate_proj [H*V, D].
+    `core`: for decode steps, a replacement of the attention over the cache,
+    core(q_lat [N, H, C], q_pe [N, H, R], latent_cache, step, scale) -> o_lat [N, H, C] (kernels/mla.py)."""
     N, H = x.shape[0], cfg.num_heads
     C, R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     p, eps = prefix, cfg.rms_norm_eps
@@ -103,7 +105,10 @@ def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
         probs = _masked_softmax(scores * cfg.softmax_scale, step.positions[rows], x.dtype)
         return probs @ lat  # [n, H, C]
 
-    o_lat = _per_sequence(step, attend)
+    if core is not None and step.segments is None:
+        o_lat = core(q_lat, q_pe, latent_cache, step, cfg.softmax_scale).to(q_lat.dtype)
+    else:
+        o_lat = _per_sequence(step, attend)
     o = torch.einsum("nhc,hvc->nhv", o_lat, w_uv).reshape(N, H * V)
     if cfg.mla_output_gate:  # kimi_k3: per (head, v) element, gated by the layer input x
         o = o * torch.sigmoid(F.linear(x, w[f"{p}.gate_proj.weight"]))
