@@ -19,11 +19,14 @@ from .weights import param_specs
 # the op's weights); ATTN_RES (Block Attention Residuals: the layer input as a softmax over block sums; at a
 # block's first layer it also closes the previous block: `blocks` grows by `hidden`, `hidden` restarts at 0);
 # LATENT_MOE (the routed half of Stable LatentMoE after the router: latent down, MXFP4 experts, norm, up).
+# ADD_RMSNORM is a composite made by `fuse_add_rmsnorm` (never by build_plan): an ADD whose sum feeds the
+# next op, an RMSNORM; it writes both the sum and the normed sum, and its reference is the two ops in turn.
 EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD, ATTN_RES, LATENT_MOE = (
     "embed", "rmsnorm", "add", "attn_gqa", "attn_mla", "attn_kda", "router", "experts", "mlp", "lm_head",
     "attn_res", "latent_moe")
+ADD_RMSNORM = "add_rmsnorm"
 OP_KINDS = (EMBED, RMSNORM, ADD, ATTN_GQA, ATTN_MLA, ATTN_KDA, ROUTER, EXPERTS, MLP, LM_HEAD, ATTN_RES,
-            LATENT_MOE)
+            LATENT_MOE, ADD_RMSNORM)
 
 # Step inputs (written by the host before a step) and activations (written during the step).
 INPUTS = ("tokens", "positions", "slots", "logit_rows")
@@ -129,3 +132,21 @@ def build_plan(cfg: ModelConfig) -> DecodePlan:
     ops += [Op(RMSNORM, -1, ("layer_in" if B else "hidden", "logit_rows"), ("final",), ("model.norm.weight",)),
             Op(LM_HEAD, -1, ("final",), ("logits",), (lm,))]
     return DecodePlan(cfg, tuple(ops))
+
+
+def fuse_add_rmsnorm(plan: DecodePlan) -> DecodePlan:
+    """The same plan with every ADD immediately followed by a one-input RMSNORM of its sum replaced by one
+    ADD_RMSNORM op (inputs: the two addends; outputs: the sum, then the normed sum; weights: the norm's).
+    The residual add and the next norm then read the row once (the `fused` executor's rewrite)."""
+    ops, i = [], 0
+    while i < len(plan.ops):
+        a = plan.ops[i]
+        b = plan.ops[i + 1] if i + 1 < len(plan.ops) else None
+        if (a.kind == ADD and b is not None and b.kind == RMSNORM and len(b.inputs) == 1
+                and b.inputs[0] == a.outputs[0]):
+            ops.append(Op(ADD_RMSNORM, b.layer, a.inputs, (a.outputs[0], b.outputs[0]), b.weights))
+            i += 2
+        else:
+            ops.append(a)
+            i += 1
+    return DecodePlan(plan.config, tuple(ops))

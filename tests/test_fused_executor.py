@@ -52,6 +52,7 @@ def test_fused_decode_matches_torch(preset, batch):
     assert err <= 1e-4 * log_t.abs().max().item(), err
     chosen = {k: v for (k, b), v in e.executor.chosen.items() if b == batch}
     assert chosen["rmsnorm"] == "triton-rmsnorm", chosen
+    assert chosen["add_rmsnorm"] == "triton-add-rmsnorm", chosen
     if preset != "tiny-k3":
         assert chosen["experts"] == "triton-grouped-experts", chosen
     else:  # K3 has no EXPERTS op: its LATENT_MOE op is the Triton variant
@@ -77,5 +78,33 @@ def test_rmsnorm_variant_passes_on_kimi_families(preset):
 
     for batch in (1, 7):
         row = check_op(get("triton-rmsnorm"), preset_config(preset), "rmsnorm", "float32", batch, seed=batch,
+                       device=DEVICE)
+        assert row["status"] == "PASS", row
+
+
+def test_fuse_add_rmsnorm_rewrites_each_add_followed_by_its_norm():
+    from megadecode import plan as P
+
+    for preset in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3"):
+        plan = P.build_plan(preset_config(preset))
+        fused = P.fuse_add_rmsnorm(plan)
+        pairs = sum(1 for a, b in zip(plan.ops, plan.ops[1:]) if a.kind == P.ADD and b.kind == P.RMSNORM
+                    and len(b.inputs) == 1 and b.inputs[0] == a.outputs[0])
+        comp = [o for o in fused.ops if o.kind == P.ADD_RMSNORM]
+        assert pairs > 0 and len(comp) == pairs and len(fused.ops) == len(plan.ops) - pairs
+        assert all(len(o.inputs) == 2 and len(o.outputs) == 2 and len(o.weights) == 1 for o in comp)
+        # the final norm (two inputs: it gathers the logit rows) is never fused
+        assert fused.ops[-2].kind == P.RMSNORM and len(fused.ops[-2].inputs) == 2
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-k3"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_add_rmsnorm_variant_passes_check_op(preset, dtype):
+    from megadecode.validate.checks import check_op
+    from megadecode.validate.variant import get
+
+    for batch in (1, 7):
+        row = check_op(get("triton-add-rmsnorm"), preset_config(preset), "add_rmsnorm", dtype, batch, seed=batch,
                        device=DEVICE)
         assert row["status"] == "PASS", row

@@ -38,7 +38,7 @@ def test_static_findings_name_the_rule(cpu_rows):
     assert static["handoff"]["findings"] is None
 
 
-@pytest.mark.parametrize("variant", ["triton-rmsnorm", "triton-router"])
+@pytest.mark.parametrize("variant", ["triton-rmsnorm", "triton-router", "triton-add-rmsnorm"])
 def test_plan_op_kernels_read_activations_coherently(variant):
     reports = kernel_audits(variant)
     assert reports and all(r.passed for r in reports), [r.to_markdown() for r in reports]

@@ -3,7 +3,10 @@ variants of the validation harness, captured in a CUDA graph (issue 5, item 3).
 
 Which variants, in order of preference per op kind (the first whose manifest scope admits the model,
 dtype, batch and device runs the op; every other op runs the graph executor's op, sync-free):
+  The plan is first rewritten by plan.fuse_add_rmsnorm: each residual ADD followed by an RMSNORM of its sum
+  becomes one ADD_RMSNORM op (reference: the two ops in turn).
   rmsnorm  triton-rmsnorm            (one kernel instead of the reference's chain of elementwise ops)
+  add_rmsnorm triton-add-rmsnorm     (the residual add and the norm after it in one kernel)
   experts  triton-grouped-experts    (batch <= 256, tensor cores: per pair at <= 16 tokens, no sort pass;
                                       grouped by expert on the device above)
            triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
@@ -27,12 +30,12 @@ import sys
 import torch
 
 from ..cache import KVCache
-from ..plan import DecodePlan
+from ..plan import DecodePlan, fuse_add_rmsnorm
 from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
-VARIANTS = ("triton-rmsnorm", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
+VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
             "triton-kda-decode", "triton-mla-decode")
 
 
@@ -53,7 +56,7 @@ class FusedExecutor(GraphExecutor):
     name = "fused"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
-        super().__init__(plan, weights, cache)
+        super().__init__(fuse_add_rmsnorm(plan), weights, cache)
         self.variants = _variants(self.device)
         self.dtype = next(iter(weights.values())).dtype
         self.chosen: dict[tuple[str, int], str] = {}  # (op kind, batch) -> variant name or "reference: why"

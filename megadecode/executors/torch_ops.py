@@ -156,8 +156,14 @@ def _lm_head(ctx, op):
     ctx.buf["logits"] = F.linear(ctx.buf[op.inputs[0]], ctx.w[op.weights[0]]).float()
 
 
+def _add_rmsnorm(ctx, op):
+    """The composite of fuse_add_rmsnorm: ADD then RMSNORM, exactly as the two reference ops."""
+    _add(ctx, P.Op(P.ADD, op.layer, op.inputs, op.outputs[:1]))
+    _rmsnorm(ctx, P.Op(P.RMSNORM, op.layer, op.outputs[:1], op.outputs[1:], op.weights))
+
+
 OP_IMPLS: dict[str, Callable] = {
     P.EMBED: _embed, P.RMSNORM: _rmsnorm, P.ADD: _add, P.ATTN_GQA: _attn_gqa, P.ATTN_MLA: _attn_mla,
     P.ATTN_KDA: _attn_kda, P.ROUTER: _router, P.EXPERTS: _experts, P.MLP: _mlp, P.LM_HEAD: _lm_head,
-    P.ATTN_RES: _attn_res, P.LATENT_MOE: _latent_moe,
+    P.ATTN_RES: _attn_res, P.LATENT_MOE: _latent_moe, P.ADD_RMSNORM: _add_rmsnorm,
 }

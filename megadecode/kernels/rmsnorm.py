@@ -1,5 +1,10 @@
 """RMSNorm as a Triton kernel, a block of rows per program: y = w * (x / sqrt(mean(x^2) + eps)), statistics in
-fp32, the normalised row rounded to the input dtype before the weight (as reference/norm.py)."""
+fp32, the normalised row rounded to the input dtype before the weight (as reference/norm.py).
+
+`add_rmsnorm_kernel` (variant triton-add-rmsnorm) is the residual add fused with the norm that follows it
+(the plan's ADD_RMSNORM composite, plan.fuse_add_rmsnorm): s = a + b rounded to the model dtype (as the
+reference add), written out (the residual stream), and y = rmsnorm(s) from the same registers: the sum is read
+once instead of written by one kernel and read back by the next."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..config import ModelConfig
-from ..plan import RMSNORM
+from ..plan import ADD_RMSNORM, RMSNORM
 from ..validate.variant import Manifest, Scope, Variant, register
 
 
@@ -25,6 +30,47 @@ def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, T, stride_x, stride_out, eps, D: tl.co
     w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     tl.store(out_ptr + t[:, None] * stride_out + d[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
              mask=ok)
+
+
+@triton.jit
+def add_rmsnorm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, T, stride_a, stride_b, stride_s, stride_out, eps,
+                       D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """BLOCK_T rows per program: sum = a + b (rounded to sum's dtype), out = rmsnorm(sum) * w."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    a = tl.load(a_ptr + t[:, None] * stride_a + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t[:, None] * stride_b + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = (a + b).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + t[:, None] * stride_s + d[None, :], s, mask=ok)
+    x = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = (x * inv[:, None]).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t[:, None] * stride_out + d[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def add_rms_norm_triton(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float, sum_out: torch.Tensor,
+                        out: torch.Tensor) -> None:
+    """Writes a + b into sum_out and rms_norm(a + b) into out (all [T, D], one dtype, unit stride over D)."""
+    if not (a.shape == b.shape == sum_out.shape == out.shape) or a.dim() != 2:
+        raise ValueError(f"add_rmsnorm: a, b, sum_out and out must be one [T, D] shape, got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}, {tuple(sum_out.shape)}, {tuple(out.shape)}")
+    if any(t.stride(1) != 1 for t in (a, b, sum_out, out)):
+        raise ValueError("add_rmsnorm: unit stride over D expected")
+    if not (a.dtype == b.dtype == sum_out.dtype == out.dtype == weight.dtype):
+        raise ValueError(f"add_rmsnorm: one dtype expected, got {a.dtype}, {b.dtype}, {sum_out.dtype}, {out.dtype}, "
+                         f"weight {weight.dtype}")
+    if weight.shape != (a.shape[1],) or not weight.is_contiguous() or a.shape[1] > 16384:
+        raise ValueError(f"add_rmsnorm: weight must be contiguous [{a.shape[1]}] and D <= 16384")
+    n = a.shape[0]
+    if n > 0:
+        block_d = triton.next_power_of_2(a.shape[1])
+        block_t = min(triton.next_power_of_2(n), max(1, 4096 // block_d))
+        add_rmsnorm_kernel[(triton.cdiv(n, block_t),)](
+            a, b, weight, sum_out, out, n, a.stride(0), b.stride(0), sum_out.stride(0), out.stride(0), float(eps),
+            D=a.shape[1], BLOCK_T=block_t, BLOCK_D=block_d)
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -62,7 +108,24 @@ def _dims(cfg: ModelConfig) -> str | None:
     return None if cfg.hidden_size <= 16384 else f"hidden {cfg.hidden_size} > 16384 (one row per program)"
 
 
+FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
 RMSNORM_VARIANT = register(Variant(Manifest(
     name="triton-rmsnorm", description="RMSNorm, a block of rows per Triton program, fp32 statistics",
-    replaces=(RMSNORM,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), dims=_dims), sources=("megadecode/kernels/rmsnorm.py",), uses_triton=True),
+    replaces=(RMSNORM,), scope=Scope(families=FAMILIES, dims=_dims), sources=("megadecode/kernels/rmsnorm.py",),
+    uses_triton=True),
     _run, kernel=rmsnorm_kernel))
+
+
+def _run_add(op, inputs, weights, outputs, cfg: ModelConfig, step, cache=None):
+    a, b = (inputs[n] for n in op.inputs)
+    add_rms_norm_triton(a, b, weights[op.weights[0]], cfg.rms_norm_eps, outputs[op.outputs[0]],
+                        outputs[op.outputs[1]])
+
+
+ADD_RMSNORM_VARIANT = register(Variant(Manifest(
+    name="triton-add-rmsnorm",
+    description="the residual add fused with the RMSNorm after it (plan.fuse_add_rmsnorm's ADD_RMSNORM): "
+                "writes the sum and the normed sum from one read of the addends, fp32 statistics",
+    replaces=(ADD_RMSNORM,), scope=Scope(families=FAMILIES, dims=_dims), sources=("megadecode/kernels/rmsnorm.py",),
+    uses_triton=True, graph_capturable=True),
+    _run_add, kernel=add_rmsnorm_kernel))

@@ -75,7 +75,10 @@ class OpCase:
 
 
 def first_op(cfg: ModelConfig, kind: str) -> P.Op:
-    for op in P.build_plan(cfg).ops:
+    plan = P.build_plan(cfg)
+    if kind == P.ADD_RMSNORM:  # a composite: it exists in the rewritten plan only
+        plan = P.fuse_add_rmsnorm(plan)
+    for op in plan.ops:
         if op.kind == kind:
             return op
     raise ValueError(f"the {cfg.family} plan has no {kind!r} op")
@@ -138,6 +141,9 @@ def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "
             inputs.update(normed=x, topk_ids=ids, topk_weights=wts)
     elif kind == P.RMSNORM:
         inputs[op.inputs[0]] = x  # "hidden"; K3 (AttnRes) normalizes "layer_in"
+    elif kind == P.ADD_RMSNORM:  # the residual stream and an op's output, of different sizes
+        inputs[op.inputs[0]] = x
+        inputs[op.inputs[1]] = torch.randn(T, D, generator=gen) * 0.5
     elif kind in (P.ATTN_GQA, P.ATTN_MLA):
         positions = torch.randint(0, CACHE_LEN, (T,), generator=gen)
         positions[0] = CACHE_LEN - 1  # one sequence at the end of its cache

@@ -90,6 +90,15 @@ def _kernel_audits(variant: str) -> list[A.AuditReport]:
         roles = {"x_ptr": "produced", "w_ptr": "static", "bias_ptr": "static", "ids_ptr": "produced",
                  "wts_ptr": "produced"}
         return [A.audit_kernel(router_kernel, sig, roles, consts)]
+    if variant == "triton-add-rmsnorm":
+        from ..kernels.rmsnorm import add_rmsnorm_kernel
+
+        sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16",
+               "T": "i32", "stride_a": "i32", "stride_b": "i32", "stride_s": "i32", "stride_out": "i32",
+               "eps": "fp32", "D": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr"}
+        roles = {"a_ptr": "produced", "b_ptr": "produced", "w_ptr": "static", "sum_ptr": "produced",
+                 "out_ptr": "produced"}
+        return [A.audit_kernel(add_rmsnorm_kernel, sig, roles, {"D": 2048, "BLOCK_T": 2, "BLOCK_D": 2048})]
     return []
 
 

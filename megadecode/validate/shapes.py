@@ -23,6 +23,9 @@ def output_specs(cfg: ModelConfig, op: P.Op, buf: dict[str, torch.Tensor],
         return {op.outputs[0]: ((rows, x.shape[1]), x.dtype)}
     if op.kind == P.ADD:
         return {op.outputs[0]: (tuple(x.shape), torch.promote_types(x.dtype, buf[op.inputs[1]].dtype))}
+    if op.kind == P.ADD_RMSNORM:
+        dt = torch.promote_types(x.dtype, buf[op.inputs[1]].dtype)
+        return {op.outputs[0]: (tuple(x.shape), dt), op.outputs[1]: (tuple(x.shape), dt)}
     if op.kind == P.ATTN_RES:  # kimi_k3; at a block's first layer it also closes the previous block
         out = {"layer_in": ((x.shape[0], D), x.dtype)}
         if "blocks" in op.outputs:
