@@ -53,6 +53,7 @@ def test_fused_decode_matches_torch(preset, batch):
     chosen = {k: v for (k, b), v in e.executor.chosen.items() if b == batch}
     assert chosen["rmsnorm"] == "triton-rmsnorm", chosen
     assert chosen["add_rmsnorm"] == "triton-add-rmsnorm", chosen
+    assert chosen["router"] == "triton-router", chosen
     if preset != "tiny-k3":
         assert chosen["experts"] == "triton-grouped-experts", chosen
     else:  # K3 has no EXPERTS op: its LATENT_MOE op is the Triton variant
@@ -70,7 +71,7 @@ def test_rerun_in_subprocess_when_not_interpreted():
 
 @needs_triton
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
-def test_rmsnorm_variant_passes_on_kimi_families(preset):
+def test_rmsnorm_and_router_variants_pass_on_kimi_families(preset):
     """triton-rmsnorm's scope includes the kimi families: the harness checks it on their RMSNorm op (K3's
     first one reads the AttnRes output `layer_in`)."""
     from megadecode.validate.checks import check_op
@@ -80,6 +81,10 @@ def test_rmsnorm_variant_passes_on_kimi_families(preset):
         row = check_op(get("triton-rmsnorm"), preset_config(preset), "rmsnorm", "float32", batch, seed=batch,
                        device=DEVICE)
         assert row["status"] == "PASS", row
+        for dist in ("uniform", "hot_expert", "exact_ties"):
+            row = check_op(get("triton-router"), preset_config(preset), "router", "float32", batch, seed=batch,
+                           dist=dist, device=DEVICE)
+            assert row["status"] == "PASS", row
 
 
 def test_fuse_add_rmsnorm_rewrites_each_add_followed_by_its_norm():

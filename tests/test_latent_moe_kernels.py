@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
 
 LM = import_interpreted("megadecode.kernels.latent_moe", "megadecode.validate.catalog")
+RT = import_interpreted("megadecode.kernels.router")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.norm import rms_norm  # noqa: E402
@@ -92,6 +93,32 @@ def test_variant_passes_routing_distributions(dist):
     row = check_op(get("triton-latent-moe"), preset_config("tiny-k3"), "latent_moe", "float32", 7, seed=3, dist=dist,
                    device=DEVICE)
     assert row["status"] == "PASS", row
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3"])
+def test_router_split_matches_one_kernel(preset):
+    """The router's default two-launch form (logits by `linear`, then selection) picks what the one-kernel
+    form picks, with the same weights, and both match the reference route()."""
+    from megadecode.reference.moe import route
+    from megadecode.weights import random_weights
+
+    cfg = preset_config(preset)
+    w = random_weights(cfg, DEVICE, torch.float32, seed=4)
+    layer = next(i for i, m in enumerate(cfg.moe_layers) if m)
+    gate = w[f"model.layers.{layer}.mlp.gate.weight"]
+    bias = w.get(f"model.layers.{layer}.mlp.gate.e_score_correction_bias") if cfg.score_func == "sigmoid" else None
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = []
+    for split in (True, False):
+        ids = torch.empty(9, cfg.top_k, dtype=torch.int64, device=DEVICE)
+        wts = torch.empty(9, cfg.top_k, dtype=torch.float32, device=DEVICE)
+        RT.route_triton(cfg, x, gate, bias, ids, wts, split=split)
+        out.append((ids, wts))
+    ref_ids, ref_w = route(cfg, x, gate, bias)
+    for ids, wts in out:
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(wts, ref_w.float(), rtol=1e-5, atol=1e-6)
 
 
 def test_variant_scope():

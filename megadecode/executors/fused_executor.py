@@ -7,6 +7,7 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
   becomes one ADD_RMSNORM op (reference: the two ops in turn).
   rmsnorm  triton-rmsnorm            (one kernel instead of the reference's chain of elementwise ops)
   add_rmsnorm triton-add-rmsnorm     (the residual add and the norm after it in one kernel)
+  router   triton-router             (logits on tensor cores over expert tiles, then one selection kernel)
   experts  triton-grouped-experts    (batch <= 256, tensor cores: per pair at <= 16 tokens, no sort pass;
                                       grouped by expert on the device above)
            triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
@@ -16,8 +17,9 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
                                       sequence's state; the rest of the op stays the reference ops)
   attn_mla triton-mla-decode         (MLA decode attention over the latent cache: one kernel per (sequence,
                                       head block), online softmax; projections stay the reference ops)
-Left out on purpose: triton-router (measured slower than the reference ops at batch 8 and 64 on the H200,
-docs/evidence/triton-router-h200.md). Variants run on outputs allocated with torch.empty: the manifest
+triton-router: in its two-launch form (logits by the tensor-core projection, then selection); the one-kernel
+form measured slower than the reference ops at batch 8 and 64 on the H200 (docs/evidence/triton-router-h200.md),
+the two-launch form is not measured yet. Variants run on outputs allocated with torch.empty: the manifest
 checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
 Scope decisions are made once per captured (batch, cache bucket); `chosen` records them per op kind.
 """
@@ -35,7 +37,7 @@ from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
-VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
+VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
             "triton-kda-decode", "triton-mla-decode")
 
 

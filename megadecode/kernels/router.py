@@ -9,6 +9,13 @@ ones stated in reference/moe.py:
   ties: the lower index wins, for experts and for groups.
 
 Dimensions: T tokens, D hidden, E experts, A = top_k, G groups of E/G experts.
+
+Two launches by default (`split=True`): the logits x W^T [T, E] fp32 by the tensor-core projection of
+kernels/latent_moe.py (`linear`: programs over expert tiles, so the router weight is streamed by many programs
+at once, not by the one program that holds a token block), then the selection kernel reading them
+(PRESCORED). `split=False` keeps the single kernel that also computes the logits (fp32 FMA, one program per
+token block reads the whole router weight: slow at decode batch sizes, measured on the H200 in
+docs/evidence/triton-router-h200.md).
 """
 
 from __future__ import annotations
@@ -30,19 +37,24 @@ def _pick_max(values, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, T, stride_x, stride_w, scale,
+def router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, s_ptr, T, stride_x, stride_w, scale,
                   D: tl.constexpr, E: tl.constexpr,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                   G: tl.constexpr, TOPK_GROUP: tl.constexpr, A: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr,
+                  PRESCORED: tl.constexpr = False):
     """BLOCK_T tokens per program; every reduction is per token (row), so results do not depend on
-    which other tokens share the program (batch invariance)."""
+    which other tokens share the program (batch invariance). PRESCORED: the logits come from s_ptr [T, E] fp32
+    (computed by an earlier launch) instead of the D loop."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    if PRESCORED:
+        logits = tl.load(s_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
+                         other=0.0)
+    for d0 in range(0, D if not PRESCORED else 0, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         x = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=t_ok[:, None] & d_ok[None, :],
@@ -100,8 +112,9 @@ def router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, T, stride_x, stride_
 
 
 def route_triton(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None,
-                 ids: torch.Tensor, weights: torch.Tensor) -> None:
-    """x [T, D], gate_w [E, D], bias [E] or None -> writes ids [T, A] int64 and weights [T, A] fp32."""
+                 ids: torch.Tensor, weights: torch.Tensor, split: bool = True) -> None:
+    """x [T, D], gate_w [E, D], bias [E] or None -> writes ids [T, A] int64 and weights [T, A] fp32.
+    split: logits by the tensor-core projection first (two launches), else all in one kernel."""
     T, D = x.shape
     E, A = cfg.num_experts, cfg.top_k
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with unit stride over D, got {x.stride()}"
@@ -120,12 +133,18 @@ def route_triton(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: 
     BE = triton.next_power_of_2(E)
     block_t = min(16, triton.next_power_of_2(T), max(1, 4096 // BE))  # [BLOCK_T, E] scores <= 4096
     block_d = max(1, min(triton.next_power_of_2(D), 8192 // (BE * block_t)))  # x*w tile <= 8192 values
+    scores = ids  # unused pointer unless split
+    if split:
+        from .latent_moe import linear
+
+        scores = linear(x, gate_w)  # [T, E] fp32
+        block_d = 1
     router_kernel[(triton.cdiv(T, block_t),)](
-        x, gate_w, bias if bias is not None else gate_w, ids, weights, T, x.stride(0), gate_w.stride(0),
+        x, gate_w, bias if bias is not None else gate_w, ids, weights, scores, T, x.stride(0), gate_w.stride(0),
         float(cfg.routed_scaling_factor) if sigmoid else 1.0,
         D=D, E=E, SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=cfg.norm_topk_prob, G=cfg.n_group,
         TOPK_GROUP=cfg.topk_group, A=A, BLOCK_T=block_t, BLOCK_E=BE, BLOCK_D=block_d,
-        BLOCK_A=triton.next_power_of_2(A), BLOCK_G=triton.next_power_of_2(cfg.n_group))
+        BLOCK_A=triton.next_power_of_2(A), BLOCK_G=triton.next_power_of_2(cfg.n_group), PRESCORED=split)
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
@@ -145,7 +164,9 @@ def _dims(cfg: ModelConfig) -> str | None:
 
 ROUTER_VARIANT = register(Variant(Manifest(
     name="triton-router",
-    description="router in one Triton kernel (a block of tokens per program): scores, bias, groups, top-k (lowest index wins), "
-                "renormalise, scale; fp32 math",
-    replaces=(ROUTER,), scope=Scope(dims=_dims), sources=("megadecode/kernels/router.py",), uses_triton=True),
+    description="router in Triton: logits by a tensor-core projection over expert tiles, then one kernel (a "
+                "block of tokens per program) for scores, bias, groups, top-k (lowest index wins), renormalise, "
+                "scale; fp32 math",
+    replaces=(ROUTER,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), dims=_dims),
+    sources=("megadecode/kernels/router.py", "megadecode/kernels/latent_moe.py"), uses_triton=True),
     _run, kernel=router_kernel))

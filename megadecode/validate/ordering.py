@@ -82,14 +82,21 @@ def _kernel_audits(variant: str) -> list[A.AuditReport]:
     if variant == "triton-router":
         from ..kernels.router import router_kernel
 
+        from ..kernels.latent_moe import audit_specs as linear_specs
+
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32",
-               "T": "i32", "stride_x": "i32", "stride_w": "i32", "scale": "fp32"}
-        consts = {"D": 2048, "E": 128, "SIGMOID": False, "HAS_BIAS": False, "NORM": True, "G": 1, "TOPK_GROUP": 1,
-                  "A": 8, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_D": 64, "BLOCK_A": 8, "BLOCK_G": 1}
-        sig.update({k: "constexpr" for k in consts})
+               "s_ptr": "*fp32", "T": "i32", "stride_x": "i32", "stride_w": "i32", "scale": "fp32"}
         roles = {"x_ptr": "produced", "w_ptr": "static", "bias_ptr": "static", "ids_ptr": "produced",
-                 "wts_ptr": "produced"}
-        return [A.audit_kernel(router_kernel, sig, roles, consts)]
+                 "wts_ptr": "produced", "s_ptr": "produced"}
+        reports = []
+        for pre in (False, True):  # the one-kernel form and the selection kernel after the projection
+            consts = {"D": 2048, "E": 128, "SIGMOID": False, "HAS_BIAS": False, "NORM": True, "G": 1,
+                      "TOPK_GROUP": 1, "A": 8, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_D": 64, "BLOCK_A": 8,
+                      "BLOCK_G": 1, "PRESCORED": pre}
+            reports.append(A.audit_kernel(router_kernel, {**sig, **{k: "constexpr" for k in consts}}, roles, consts))
+        fn, lsig, lroles, lconsts = linear_specs("bf16", norm=False, K=2048, N=128)[0]
+        lsig = {**lsig, "x_ptr": "*bf16", "out_ptr": "*fp32"}
+        return reports + [A.audit_kernel(fn, lsig, lroles, lconsts)]
     if variant == "triton-add-rmsnorm":
         from ..kernels.rmsnorm import add_rmsnorm_kernel
 
