@@ -10,7 +10,8 @@ M="python -m megadecode.cli"
 python -m pytest -q -p no:cacheprovider tests/test_grouped_experts.py tests/test_fused_experts.py \
     tests/test_latent_moe_kernels.py tests/test_kda_kernel.py tests/test_mla_kernel.py tests/test_k3_graph.py \
     tests/test_fused_executor.py 2>&1 | tail -5
-for v in triton-grouped-experts triton-add-rmsnorm triton-router triton-latent-moe triton-kda-decode triton-mla-decode; do
+for v in triton-grouped-experts triton-add-rmsnorm triton-router triton-latent-moe triton-kda-decode triton-mla-decode \
+        triton-gqa-decode; do
     $M validate "$v" --seeds 1 --report "$OUT/evidence" 2>&1 | tail -2
 done
 [ "${1:-}" = quick ] && exit 0

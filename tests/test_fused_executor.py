@@ -61,6 +61,8 @@ def test_fused_decode_matches_torch(preset, batch):
         assert chosen["attn_kda"] == "triton-kda-decode", chosen
     if preset != "tiny-qwen3-moe":
         assert chosen["attn_mla"] == "triton-mla-decode", chosen
+    else:
+        assert chosen["attn_gqa"] == "triton-gqa-decode", chosen
 
 
 def test_rerun_in_subprocess_when_not_interpreted():

@@ -1,6 +1,6 @@
-"""The MLA decode attention kernel (megadecode/kernels/mla.py) under the Triton interpreter: against the
-reference attention over the latent cache (ragged positions, non-contiguous slots, position 0), its harness
-variant on the MLA families, and the static sm_90 audit."""
+"""The decode attention kernels (megadecode/kernels/mla.py: MLA over the latent cache; kernels/gqa.py: GQA over
+the KV cache) under the Triton interpreter: against the reference attention (ragged positions, non-contiguous
+slots, position 0), their harness variants, and the static sm_90 audits."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
 
 ML = import_interpreted("megadecode.kernels.mla", "megadecode.validate.catalog")
+GQ = import_interpreted("megadecode.kernels.gqa")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.step import Step  # noqa: E402
@@ -79,13 +80,42 @@ def test_variant_passes_check_op(preset, dtype):
         assert row["status"] == "PASS", row
 
 
+@needs_triton
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gqa_matches_sdpa(contiguous):
+    g = torch.Generator().manual_seed(4)
+    N, KH, G, d, L = 4, 2, 3, 24, 70  # G padded to 16, d not a power of two
+    qg = torch.randn(N, KH, G, d, generator=g)
+    kc, vc = torch.randn(6, L, KH, d, generator=g), torch.randn(6, L, KH, d, generator=g)
+    positions = torch.tensor([0, 69, 33, 31])
+    slots = torch.arange(N) if contiguous else torch.tensor([5, 0, 2, 3])
+    step = Step(tokens=torch.zeros(N, dtype=torch.long).to(DEVICE), positions=positions.to(DEVICE),
+                slots=slots.to(DEVICE), logit_rows=torch.arange(N).to(DEVICE), kv_len=L, contiguous_slots=contiguous)
+    got = GQ.gqa_decode_core(qg.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), step, d ** -0.5)
+    ref = []
+    for n in range(N):
+        k, v = kc[slots[n], : positions[n] + 1].transpose(0, 1), vc[slots[n], : positions[n] + 1].transpose(0, 1)
+        ref.append(torch.softmax(qg[n] @ k.transpose(1, 2) * d ** -0.5, -1) @ v)  # [KH, G, d]
+    torch.testing.assert_close(got.cpu(), torch.stack(ref), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gqa_variant_passes_check_op(dtype):
+    for batch in (1, 5):
+        row = check_op(get("triton-gqa-decode"), preset_config("tiny-qwen3-moe"), "attn_gqa", dtype, batch,
+                       seed=batch, device=DEVICE)
+        assert row["status"] == "PASS", row
+
+
 _AUDIT = """
 import json
 from megadecode.kernels.mla import audit_specs
+from megadecode.kernels.gqa import audit_specs as gqa_specs
 from megadecode.validate.audit import audit_kernel
 rows = []
 for dtype in ("bf16", "fp32"):
-    for fn, sig, roles, consts in audit_specs(dtype):
+    for fn, sig, roles, consts in audit_specs(dtype) + gqa_specs(dtype):
         r = audit_kernel(fn, sig, roles, consts)
         rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
 print(json.dumps(rows))
@@ -97,7 +127,7 @@ def test_static_audit_sm90():
     p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2
+    assert len(rows) == 4
     for name, passed, rules, md in rows:
         assert passed, md
         assert "nc-load-of-produced" in rules

@@ -17,6 +17,7 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
                                       sequence's state; the rest of the op stays the reference ops)
   attn_mla triton-mla-decode         (MLA decode attention over the latent cache: one kernel per (sequence,
                                       head block), online softmax; projections stay the reference ops)
+  attn_gqa triton-gqa-decode         (GQA decode attention: one kernel per (sequence, kv head))
 triton-router: in its two-launch form (logits by the tensor-core projection, then selection); the one-kernel
 form measured slower than the reference ops at batch 8 and 64 on the H200 (docs/evidence/triton-router-h200.md),
 the two-launch form is not measured yet. Variants run on outputs allocated with torch.empty: the manifest
@@ -38,7 +39,7 @@ from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
-            "triton-kda-decode", "triton-mla-decode")
+            "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
 
 
 def _variants(device: torch.device) -> list:

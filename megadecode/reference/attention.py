@@ -35,8 +35,10 @@ def _per_sequence(step: Step, fn):
 
 
 def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step, rope,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE attention. x [N, D] -> [N, D]. Caches [S, Lmax, K, d]. rope = (cos, sin) [N, d/2]."""
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, core=None) -> torch.Tensor:
+    """Qwen3-MoE attention. x [N, D] -> [N, D]. Caches [S, Lmax, K, d]. rope = (cos, sin) [N, d/2].
+    `core`: for decode steps, a replacement of the attention over the cache,
+    core(qg [N, K, G, d], k_cache, v_cache, step, scale) -> o [N, K, G, d] (kernels/gqa.py)."""
     N, H, K, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     p = prefix
     q = rms_norm(F.linear(x, w[f"{p}.q_proj.weight"]).view(N, H, d), w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
@@ -50,6 +52,9 @@ def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
     if step.segments is None:
         # Decode: one query per sequence. The G query heads of a kv head act as G query rows of one
         # attention over that head's cache (read in place, no copy); fp32 softmax inside SDPA.
+        if core is not None:
+            o = core(qg, k_cache, v_cache, step, d ** -0.5).to(x.dtype)
+            return F.linear(o.reshape(N, H * d), w[f"{p}.o_proj.weight"])
         rows = slice(0, N) if step.contiguous_slots else step.slots
         Kc = k_cache[rows, :step.kv_len].transpose(1, 2)  # [N, K, L, d]
         Vc = v_cache[rows, :step.kv_len].transpose(1, 2)
