@@ -18,12 +18,16 @@ from .variant import Variant
 
 BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
 QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep
-CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def run_matrix(variant: Variant, *, presets=CPU_PRESETS, batches=BATCH_SWEEP, dtypes=DTYPES,
+def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DTYPES,
                dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None) -> list[dict]:
+    """presets None: the CPU_PRESETS of the families in the variant's scope (named presets run as given, a
+    family out of scope then gives SKIP rows)."""
+    if presets is None:
+        presets = [p for p in CPU_PRESETS if preset_config(p).family in variant.manifest.scope.families]
     rows = []
     for preset in presets:
         cfg = preset_config(preset)
