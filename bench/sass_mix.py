@@ -1,6 +1,7 @@
 """Static instruction mix of the routed-expert kernels' inner loops, compiled for sm_90 on any machine
 (no GPU): warp-instructions issued per weight streamed, a proxy for how far an ALU-heavy decode can keep up
-with HBM (the H200 issues ~1.05e12 warp-instructions/s and must consume ~9.1e12 MXFP4 weights/s at 4.57 TB/s,
+with HBM (the H200 issues ~1.05e12 warp-instructions/s by its specification, 132 SMs x 4 schedulers x ~1.98 GHz,
+not measured; it must consume ~9.1e12 MXFP4 weights/s at the measured 4.57 TB/s,
 so ~0.11 warp-instructions per weight is the budget). Reported for the innermost loop of the gate/up kernel.
 
     python bench/sass_mix.py

@@ -35,3 +35,33 @@ def rerun_file_in_subprocess(path: str) -> None:
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", path],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+
+
+_AUDIT_SCRIPT = """
+import importlib, json, sys
+from megadecode.validate.audit import audit_kernel
+rows = []
+for module, calls in json.loads(sys.argv[1]):
+    specs = importlib.import_module(module).audit_specs
+    for kw in calls:
+        for fn, sig, roles, consts in specs(**kw):
+            r = audit_kernel(fn, sig, roles, consts)
+            rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
+print(json.dumps(rows))
+"""
+
+
+def static_audits(*groups) -> list:
+    """Static sm_90 audits of kernels described by modules' `audit_specs(**kw)`: groups are
+    (module name, [kw, ...]). Runs in a fresh process without TRITON_INTERPRET (interpreted kernels cannot
+    be compiled); returns rows [kernel name, passed, rules checked, markdown report]."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _AUDIT_SCRIPT, json.dumps([list(g) for g in groups])], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])

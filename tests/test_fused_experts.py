@@ -8,15 +8,11 @@ test_rerun_in_subprocess_when_not_interpreted reruns this file in a fresh interp
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess, static_audits  # noqa: E402
 
 FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.validate.catalog")
 
@@ -218,26 +214,12 @@ def test_variant_scope():
 
 
 # ---- static audit at sm_90 (compiled, not interpreted) ------------------------------------------------
-_AUDIT = """
-import json
-from megadecode.kernels.fused_experts import audit_specs
-from megadecode.validate.audit import audit_kernel
-rows = []
-for dtype, mx, act in (("bf16", False, "silu"), ("bf16", True, "situ"), ("fp16", True, "silu")):
-    for fn, sig, roles, consts in audit_specs(dtype, mx, act):
-        r = audit_kernel(fn, sig, roles, consts)
-        rows.append([fn.__name__, dtype, mx, act, r.passed, r.rules_checked, r.to_markdown()])
-print(json.dumps(rows))
-"""
-
-
 def test_static_audit_sm90_both_stages():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = static_audits(("megadecode.kernels.fused_experts", [
+        {"dtype": "bf16", "mxfp4": False, "act": "silu"}, {"dtype": "bf16", "mxfp4": True, "act": "situ"},
+        {"dtype": "fp16", "mxfp4": True, "act": "silu"}]))
     assert {r[0] for r in rows} == {"experts_up_kernel", "experts_down_kernel"} and len(rows) == 6
-    for name, dtype, mx, act, passed, rules, md in rows:
+    for name, passed, rules, md in rows:
         assert passed, md
         assert "nc-load-of-produced" in rules, (name, rules)
 

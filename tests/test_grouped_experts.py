@@ -4,15 +4,11 @@ Same interpreter arrangement as tests/test_fused_experts.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess, static_audits  # noqa: E402
 
 GE = import_interpreted("megadecode.kernels.grouped_experts", "megadecode.validate.catalog")
 FE = GE.fe
@@ -161,25 +157,11 @@ def test_variant_passes_check_op(preset, batch):
     assert row["status"] == "PASS", row
 
 
-_AUDIT = """
-import json
-from megadecode.kernels.grouped_experts import audit_specs
-from megadecode.validate.audit import audit_kernel
-rows = []
-for dtype, mx, act, grouped, fast in (("bf16", False, "silu", True, False), ("fp32", True, "situ", True, False),
-                                      ("fp32", True, "situ", False, False), ("fp32", True, "situ", True, True)):
-    for fn, sig, roles, consts in audit_specs(dtype, mx, act, grouped=grouped, fast=fast):
-        r = audit_kernel(fn, sig, roles, consts)
-        rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
-print(json.dumps(rows))
-"""
-
-
 def test_static_audit_sm90_all_three_kernels():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = static_audits(("megadecode.kernels.grouped_experts", [
+        {"dtype": "bf16", "mxfp4": False, "act": "silu"}, {"dtype": "fp32", "mxfp4": True, "act": "situ"},
+        {"dtype": "fp32", "mxfp4": True, "act": "situ", "grouped": False},
+        {"dtype": "fp32", "mxfp4": True, "act": "situ", "fast": True}]))
     assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 12
     for name, passed, rules, md in rows:
         assert passed, md

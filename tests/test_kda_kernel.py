@@ -4,15 +4,11 @@ recurrent state compared), the fused executor using it end to end, and the stati
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess, static_audits  # noqa: E402
 
 KD = import_interpreted("megadecode.kernels.kda", "megadecode.validate.catalog")
 
@@ -94,23 +90,8 @@ def test_fused_executor_runs_it_on_kimi_linear():
     assert toks["fused"][1].executor.chosen[("attn_kda", 2)] == "triton-kda-decode"
 
 
-_AUDIT = """
-import json
-from megadecode.kernels.kda import audit_specs
-from megadecode.validate.audit import audit_kernel
-rows = []
-for fn, sig, roles, consts in audit_specs():
-    r = audit_kernel(fn, sig, roles, consts)
-    rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
-print(json.dumps(rows))
-"""
-
-
 def test_static_audit_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    (name, passed, rules, md), = json.loads(p.stdout.strip().splitlines()[-1])
+    (name, passed, rules, md), = static_audits(("megadecode.kernels.kda", [{}]))
     assert passed, md
     assert "nc-load-of-produced" in rules
 

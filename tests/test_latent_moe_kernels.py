@@ -4,16 +4,12 @@ sm_90 audit. Same interpreter arrangement as tests/test_fused_experts.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess, static_audits  # noqa: E402
 
 LM = import_interpreted("megadecode.kernels.latent_moe", "megadecode.validate.catalog")
 RT = import_interpreted("megadecode.kernels.router")
@@ -126,24 +122,10 @@ def test_variant_scope():
     assert m.replaces == ("latent_moe",) and m.scope.families == ("kimi_k3",) and m.graph_capturable
 
 
-_AUDIT = """
-import json
-from megadecode.kernels.latent_moe import audit_specs
-from megadecode.validate.audit import audit_kernel
-rows = []
-for dtype, norm in (("bf16", False), ("bf16", True), ("fp32", True)):
-    for fn, sig, roles, consts in audit_specs(dtype, norm):
-        r = audit_kernel(fn, sig, roles, consts)
-        rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
-print(json.dumps(rows))
-"""
-
-
 def test_static_audit_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = static_audits(("megadecode.kernels.latent_moe", [{"dtype": "bf16", "norm": False},
+                                                            {"dtype": "bf16", "norm": True},
+                                                            {"dtype": "fp32", "norm": True}]))
     assert len(rows) == 3
     for name, passed, rules, md in rows:
         assert passed, md

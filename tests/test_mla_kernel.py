@@ -4,15 +4,11 @@ slots, position 0), their harness variants, and the static sm_90 audits."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess, static_audits  # noqa: E402
 
 ML = import_interpreted("megadecode.kernels.mla", "megadecode.validate.catalog")
 GQ = import_interpreted("megadecode.kernels.gqa")
@@ -108,25 +104,9 @@ def test_gqa_variant_passes_check_op(dtype):
         assert row["status"] == "PASS", row
 
 
-_AUDIT = """
-import json
-from megadecode.kernels.mla import audit_specs
-from megadecode.kernels.gqa import audit_specs as gqa_specs
-from megadecode.validate.audit import audit_kernel
-rows = []
-for dtype in ("bf16", "fp32"):
-    for fn, sig, roles, consts in audit_specs(dtype) + gqa_specs(dtype):
-        r = audit_kernel(fn, sig, roles, consts)
-        rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
-print(json.dumps(rows))
-"""
-
-
 def test_static_audit_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _AUDIT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    dtypes = [{"dtype": "bf16"}, {"dtype": "fp32"}]
+    rows = static_audits(("megadecode.kernels.mla", dtypes), ("megadecode.kernels.gqa", dtypes))
     assert len(rows) == 4
     for name, passed, rules, md in rows:
         assert passed, md

@@ -34,6 +34,8 @@ Contract for ids: 0 <= ids < E, as the router writes them. A device-side check w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import triton
 import triton.language as tl
@@ -220,15 +222,9 @@ def _as_weight(name: str, w):
     return w, None, tuple(w.shape)
 
 
-class Problem:
-    """A checked routed-experts call: shapes, the weight tensors (scales None for float weights), out."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def check_problem(x, ids, weights, gate_up, down, act, out, max_tokens: int | None, check_ids: bool) -> Problem:
-    """Validate a routed-experts call (shared by the fused and the grouped launchers); -> Problem with
+def check_problem(x, ids, weights, gate_up, down, act, out, max_tokens: int | None,
+                  check_ids: bool) -> SimpleNamespace:
+    """Validate a routed-experts call (shared by the fused and the grouped launchers); -> a namespace with
     T, D, A, E, I, mx, gu, gus, dn, dns and out (allocated when None). ValueError naming what is wrong."""
     if act not in ACTS:
         raise ValueError(f"act must be one of {sorted(ACTS)}, got {act!r}")
@@ -272,7 +268,7 @@ def check_problem(x, ids, weights, gate_up, down, act, out, max_tokens: int | No
     devs = {t.device for t in (x, ids, weights, gu, dn, out)}
     if len(devs) != 1:
         raise ValueError(f"all tensors must be on one device, got {devs}")
-    return Problem(T=T, D=D, A=A, E=E, I=I, mx=mx, gu=gu, gus=gus, dn=dn, dns=dns, out=out)
+    return SimpleNamespace(T=T, D=D, A=A, E=E, I=I, mx=mx, gu=gu, gus=gus, dn=dn, dns=dns, out=out)
 
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, *,

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..plan import ATTN_GQA
 from ..reference.attention import gqa_attention
 from ..validate.variant import Manifest, Scope, Variant, register
-from .mla import _dot
+from .mla import _dot, _online_softmax_step
 
 
 @triton.jit
@@ -51,13 +51,7 @@ def gqa_decode_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, o_ptr, stride_cs, 
         kt = tl.load(k_ptr + offs, mask=m, other=0.0)  # [BLOCK_L, BLOCK_D]
         vt = tl.load(v_ptr + offs, mask=m, other=0.0)
         s = _dot(q, tl.trans(kt), tl.zeros((BLOCK_G, BLOCK_L), dtype=tl.float32), IEEE) * scale
-        s = tl.where(l_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(vt.dtype), vt, acc * alpha[:, None], IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
     tl.store(o_ptr + qrow[:, None] * d + c[None, :], acc / l_i[:, None], mask=g_ok[:, None] & c_ok[None, :])
 

@@ -87,11 +87,10 @@ def audit_specs(H: int = 96, K: int = 128, V: int = 128) -> list[tuple]:
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
-    conv_state, rec_state = cache
-    recur = kda_decode_recurrence if step.segments is None else None
-    kw = {"recur": recur} if recur else {}
+    conv_state, rec_state = cache  # kda_attention takes `recur` on decode steps only (prefill: the reference)
     outputs[op.outputs[0]].copy_(kda_attention(cfg, weights, f"model.layers.{op.layer}.self_attn",
-                                               inputs[op.inputs[0]], step, conv_state, rec_state, **kw))
+                                               inputs[op.inputs[0]], step, conv_state, rec_state,
+                                               recur=kda_decode_recurrence))
 
 
 KDA_VARIANT = register(Variant(Manifest(

@@ -36,6 +36,20 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One cache tile of an online softmax: s [rows, BLOCK_L] scaled scores, l_ok the tile's visible positions,
+    vt [BLOCK_L, cols] the values; -> (m_i, l_i, acc) updated (running max, running sum, unnormalised
+    output). The probabilities are rounded to the values' dtype before the product (as the reference)."""
+    s = tl.where(l_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = _dot(p.to(vt.dtype), vt, acc * alpha[:, None], IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def mla_decode_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, o_ptr, stride_cs, stride_cl, scale,
                       H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
@@ -66,13 +80,7 @@ def mla_decode_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, o_ptr, strid
                      mask=l_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_L, BLOCK_R]
         s = _dot(ql, tl.trans(lat), tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32), IEEE)
         s = _dot(qp, tl.trans(pe), s, IEEE) * scale
-        s = tl.where(l_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(lat.dtype), lat, acc * alpha[:, None], IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, l_ok, lat, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
     o = acc / l_i[:, None]
     tl.store(o_ptr + bh[:, None] * C + c[None, :], o, mask=h_ok[:, None] & c_ok[None, :])
