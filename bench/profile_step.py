@@ -1,5 +1,5 @@
-"""Where does a decode step's GPU time go? Profiles the per-op step (the ops the `graph` executor
-captures), run eagerly under torch.profiler, and prints the top CUDA kernels and the number of
+"""Where does a decode step's GPU time go? Profiles the per-op step (the ops the `graph` or `fused`
+executor captures), run eagerly under torch.profiler, and prints the top CUDA kernels and the number of
 kernels per step; also times the captured step. Usage:
     python bench/profile_step.py --preset qwen3-30b-a3b --batch 1 --context 1024
 """
@@ -22,11 +22,12 @@ def main():
     ap.add_argument("--batch", default="1")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--executor", default="graph", help="graph or fused (both capture run_ops)")
     a = ap.parse_args()
     cfg = preset_config(a.preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
     for B in [int(b) for b in a.batch.split(",")]:
-        eng = Engine(cfg, w, executor="graph", max_batch=B, max_seq_len=a.context + 64)
+        eng = Engine(cfg, w, executor=a.executor, max_batch=B, max_seq_len=a.context + 64)
         for ts in eng.cache.layers.values():
             for t in ts:
                 t.normal_()
@@ -57,7 +58,7 @@ def main():
             torch.cuda.synchronize()
         evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
         total = sum(e.device_time for e in evs) / 1e3
-        print(f"\n== {a.preset} batch {B}: captured step {graph_ms:.3f} ms; eager step has {len(evs)} kernels, "
+        print(f"\n== {a.preset} {a.executor} batch {B}: captured step {graph_ms:.3f} ms; eager step has {len(evs)} kernels, "
               f"{total:.3f} ms of kernel time")
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=a.top, max_name_column_width=70))
         del eng
