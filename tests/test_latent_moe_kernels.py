@@ -117,6 +117,36 @@ def test_router_split_matches_one_kernel(preset):
         torch.testing.assert_close(wts, ref_w.float(), rtol=1e-5, atol=1e-6)
 
 
+@needs_triton
+def test_linear_partials_sum_to_the_projection():
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 300, generator=g).to(DEVICE), torch.randn(24, 300, generator=g).to(DEVICE)
+    parts = LM.linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
+    assert parts.shape == (3, 5, 24)
+    torch.testing.assert_close(parts.sum(0), x @ w.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(parts[2], x[:, 256:] @ w[:, 256:].T, rtol=1e-5, atol=1e-4)
+
+
+@needs_triton
+def test_router_adds_k_chunks(monkeypatch):
+    """With many SMs the logits come as several K chunks; the selection kernel adds them (a dropped chunk
+    changes the route)."""
+    from megadecode.kernels import splitk
+    from megadecode.reference.moe import route
+
+    monkeypatch.setattr(splitk, "num_sms", lambda device: 64)
+    cfg = preset_config("tiny-qwen3-moe")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 300, generator=g).to(DEVICE)
+    gate = torch.randn(cfg.num_experts, 300, generator=g).to(DEVICE)
+    ids = torch.empty(6, cfg.top_k, dtype=torch.int64, device=DEVICE)
+    wts = torch.empty(6, cfg.top_k, dtype=torch.float32, device=DEVICE)
+    RT.route_triton(cfg, x, gate, None, ids, wts)
+    ref_ids, ref_w = route(cfg, x, gate, None)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(wts, ref_w.float(), rtol=1e-5, atol=1e-6)
+
+
 def test_variant_scope():
     m = get("triton-latent-moe").manifest
     assert m.replaces == ("latent_moe",) and m.scope.families == ("kimi_k3",) and m.graph_capturable

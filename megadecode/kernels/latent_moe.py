@@ -36,17 +36,25 @@ DEFAULT_BLOCKS = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128, "num_warps": 4, 
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, g_ptr, out_ptr, T, stride_x, stride_w, stride_out, eps, N: tl.constexpr,
                   K: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (n-tile, token chunk): out[t, n] = [rsqrt(mean z^2 + eps)] * sum_k W[n, k] (x[t, k] [* g[k]])."""
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KC: tl.constexpr = 0):
+    """Program (n-tile, token chunk[, K chunk]): out[t, n] = [rsqrt(mean z^2 + eps)] * sum_k W[n, k] (x[t, k]
+    [* g[k]]). KC > 0 (no NORM): program axis 2 takes the K chunk [kc * KC, (kc + 1) * KC) and writes its
+    partial sums to out[kc] (out is [K / KC, T, N] fp32)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = n < N
     m_ok = m < T
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
+    k_lo = 0
+    k_hi = K
+    if KC > 0:
+        k_lo = tl.program_id(2) * KC
+        k_hi = tl.minimum(k_lo + KC, K)
+        out_ptr += tl.program_id(2).to(tl.int64) * T * N
+    for k0 in range(0, KC if KC > 0 else K, BLOCK_K):
+        k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_hi
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0, eviction_policy="evict_first")
         v = tl.load(x_ptr + m[None, :].to(tl.int64) * stride_x + k[:, None], mask=k_ok[:, None] & m_ok[None, :],
@@ -98,6 +106,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None
     return out
 
 
+def linear_partials(x: torch.Tensor, w: torch.Tensor, k_splits: int) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T cut over K into k_splits chunks: -> [k_splits', T, N] fp32 partial sums (k_splits'
+    <= k_splits: whole BLOCK_K tiles per chunk), for a consumer that adds them in a fixed order (the router's
+    selection kernel). For a small N at batch 1, the plain linear has too few programs to stream w quickly."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"linear_partials: x [T, K] and w [N, K] with unit stride over K expected, got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not x.is_floating_point():
+        raise ValueError(f"linear_partials: float tensors expected, got x {x.dtype}, w {w.dtype}")
+    T, K = x.shape
+    N = w.shape[0]
+    bn, bk, bm = max(16, min(64, triton.next_power_of_2(N))), max(16, min(128, triton.next_power_of_2(K))), 16
+    kc = triton.cdiv(triton.cdiv(K, max(1, k_splits)), bk) * bk
+    ks = triton.cdiv(K, kc)
+    out = torch.empty(ks, T, N, dtype=torch.float32, device=x.device)
+    if T:
+        linear_kernel[(triton.cdiv(N, bn), triton.cdiv(T, bm), ks)](
+            x, w, w, out, T, x.stride(0), w.stride(0), N, 0.0, N=N, K=K, NORM=False,
+            SPLIT=x.dtype == torch.float32 and w.dtype != torch.float32, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, KC=kc,
+            num_warps=4, num_stages=3)
+    return out
+
+
 def latent_moe(x, ids, wts, down_w, gate_up: MXFP4Tensor, down: MXFP4Tensor, norm_w, up_w, *, act: str,
                eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """The LATENT_MOE op in Triton (see the module doc): three stages, no host sync."""
@@ -110,7 +141,8 @@ def audit_specs(dtype: str = "bf16", norm: bool = True, K: int = 3584, N: int = 
     sig = {"x_ptr": "*fp32", "w_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "T": "i32",
            "stride_x": "i32", "stride_w": "i32", "stride_out": "i32", "eps": "fp32"}
     consts = {"N": N, "K": K, "NORM": norm, "SPLIT": dtype != "fp32", "BLOCK_N": DEFAULT_BLOCKS["BLOCK_N"],
-              "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"], "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"]}
+              "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"], "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"],
+              "KC": 0 if norm else 512}  # the K-chunk partials form (the router's logits) when not normed
     sig.update({k: "constexpr" for k in consts})
     roles = {"x_ptr": "produced", "out_ptr": "produced", "w_ptr": "static", "g_ptr": "static"}
     return [(linear_kernel, sig, roles, consts)]

@@ -6,12 +6,12 @@ position l holding [c_l (C latent values), r_l (R shared key values)]:
     score_l = scale * (q_lat[b, h] . c_l + q_pe[b, h] . r_l)      for l <= pos
     o_lat   = sum_l softmax(score)_l * c_l                         [C]
 (reference/attention.py mla_attention, the `attend` of a decode step; the kv_b up-projections stay outside:
-q_lat = q_nope W_UK, out = o_lat W_UV). Program (b, block of BLOCK_H heads) streams the sequence's cache in
-BLOCK_L-row tiles once for all its heads (the heads share the latent: MLA's point), scores on tensor cores,
+q_lat = q_nope W_UK, out = o_lat W_UV). Program (b, block of BLOCK_H heads, chunk) streams its chunk of the
+sequence's cache in BLOCK_L-row tiles once for all its heads (the heads share the latent: MLA's point), scores on tensor cores,
 an online softmax in fp32 (running max and sum), o accumulated in fp32; the probabilities are rounded to the
-cache dtype before the second product, as the reference rounds them. No split over the cache length yet: a
-batch-1 step has cdiv(H, BLOCK_H) programs (6 for K3's 96 heads), fine for short contexts, too few for long
-ones (split-K with a combine pass is the known next step).
+cache dtype before the second product, as the reference rounds them. Without a split a batch-1 step would
+have cdiv(H, BLOCK_H) programs (6 for K3's 96 heads), so the cache is cut into chunks (kernels/splitk.py) for
+~2 programs per SM, and a fixed-order merge gives o_lat.
 
 The cache rows of this step were written by an earlier op of the same step (a separate launch): plain
 loads. fp32 caches use IEEE fp32 dots.
@@ -26,6 +26,7 @@ import triton.language as tl
 from ..plan import ATTN_MLA
 from ..reference.attention import mla_attention
 from ..validate.variant import Manifest, Scope, Variant, register
+from .splitk import combine, partials, split_plan
 
 
 @triton.jit
@@ -50,11 +51,13 @@ def _online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def mla_decode_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, o_ptr, stride_cs, stride_cl, scale,
-                      H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Program (b, head block): o[b, heads] = softmax over l <= pos of the scores, times the latent rows."""
+def mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, stride_cs, stride_cl,
+                     scale, S, CHUNK, H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """Program (b, head block, chunk sp): the partial softmax of the block's heads over the cache positions
+    [sp * CHUNK, (sp + 1) * CHUNK) that are <= positions[b], times the latent rows (kernels/splitk.py)."""
     b = tl.program_id(0)
+    sp = tl.program_id(2)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     slot = tl.load(rows_ptr + b).to(tl.int64)
@@ -70,10 +73,11 @@ def mla_decode_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, o_ptr, strid
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-    l0 = pos * 0
-    while l0 <= pos:  # a while loop: the interpreter cannot take a range() over a loaded bound
+    l0 = sp * CHUNK
+    end = tl.minimum(l0 + CHUNK, pos + 1)
+    while l0 < end:  # a while loop: the interpreter cannot take a range() over a loaded bound
         ll = l0 + tl.arange(0, BLOCK_L)
-        l_ok = ll <= pos
+        l_ok = ll < end
         lat = tl.load(base + ll[:, None].to(tl.int64) * stride_cl + c[None, :], mask=l_ok[:, None] & c_ok[None, :],
                       other=0.0)  # [BLOCK_L, BLOCK_C]
         pe = tl.load(base + ll[:, None].to(tl.int64) * stride_cl + C + r[None, :],
@@ -82,14 +86,17 @@ def mla_decode_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, o_ptr, strid
         s = _dot(qp, tl.trans(pe), s, IEEE) * scale
         m_i, l_i, acc = _online_softmax_step(s, l_ok, lat, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
-    o = acc / l_i[:, None]
-    tl.store(o_ptr + bh[:, None] * C + c[None, :], o, mask=h_ok[:, None] & c_ok[None, :])
+    prow = bh * S + sp
+    tl.store(m_ptr + prow, m_i, mask=h_ok)
+    tl.store(l_ptr + prow, l_i, mask=h_ok)
+    tl.store(acc_ptr + prow[:, None] * C + c[None, :], acc, mask=h_ok[:, None] & c_ok[None, :])
 
 
 def mla_decode_core(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, step, scale: float,
-                    block_h: int = 16, block_l: int = 32) -> torch.Tensor:
+                    block_h: int = 16, block_l: int = 32, splits: int | None = None) -> torch.Tensor:
     """The `core` of reference/attention.py mla_attention for a decode step: q_lat [N, H, C], q_pe [N, H, R],
-    latent_cache [S, Lmax, C + R] (unit stride over the last dim) -> o_lat [N, H, C] fp32. No host sync."""
+    latent_cache [S, Lmax, C + R] (unit stride over the last dim) -> o_lat [N, H, C] fp32. The cache is split
+    into chunks over positions < step.kv_len (kernels/splitk.py; `splits` forces the number). No host sync."""
     N, H, C = q_lat.shape
     R = q_pe.shape[-1]
     if latent_cache.dim() != 3 or latent_cache.shape[-1] != C + R or latent_cache.stride(-1) != 1:
@@ -105,21 +112,25 @@ def mla_decode_core(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch
         return o
     block_c = max(16, triton.next_power_of_2(C))
     block_r = max(16, triton.next_power_of_2(R))
-    mla_decode_kernel[(N, triton.cdiv(H, block_h))](
-        ql, qp, latent_cache, rows.contiguous(), step.positions.contiguous(), o, latent_cache.stride(0),
-        latent_cache.stride(1), float(scale), H=H, C=C, R=R, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_C=block_c,
-        BLOCK_R=block_r, IEEE=dt == torch.float32)
-    return o
+    hb = triton.cdiv(H, block_h)
+    S, chunk = split_plan(N * hb, step.kv_len, block_l, q_lat.device, splits)
+    m, l, acc = partials(N * H, S, C, q_lat.device)
+    mla_split_kernel[(N, hb, S)](
+        ql, qp, latent_cache, rows.contiguous(), step.positions.contiguous(), m, l, acc, latent_cache.stride(0),
+        latent_cache.stride(1), float(scale), S, chunk, H=H, C=C, R=R, BLOCK_H=block_h, BLOCK_L=block_l,
+        BLOCK_C=block_c, BLOCK_R=block_r, IEEE=dt == torch.float32)
+    return combine(m, l, acc, o)
 
 
 def audit_specs(dtype: str = "bf16", H: int = 96, C: int = 512, R: int = 64) -> list[tuple]:
     sig = {"ql_ptr": f"*{dtype}", "qp_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "rows_ptr": "*i64",
-           "pos_ptr": "*i64", "o_ptr": "*fp32", "stride_cs": "i64", "stride_cl": "i32", "scale": "fp32"}
+           "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "stride_cs": "i64",
+           "stride_cl": "i32", "scale": "fp32", "S": "i32", "CHUNK": "i32"}
     consts = {"H": H, "C": C, "R": R, "BLOCK_H": 16, "BLOCK_L": 32, "BLOCK_C": C, "BLOCK_R": R,
               "IEEE": dtype == "fp32"}
     sig.update({k: "constexpr" for k in consts})
     roles = {n: "produced" for n in sig if n.endswith("_ptr")}
-    return [(mla_decode_kernel, sig, roles, consts)]
+    return [(mla_split_kernel, sig, roles, consts)]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
@@ -134,12 +145,13 @@ def _run(op, inputs, weights, outputs, cfg, step, cache=None):
 
 MLA_VARIANT = register(Variant(Manifest(
     name="triton-mla-decode",
-    description="MLA decode attention over the latent cache in one Triton kernel per (sequence, head block): "
-                "scores on tensor cores, online fp32 softmax, latent read once for all heads of the block; "
-                "projections and kv_b absorption stay the reference ops",
+    description="MLA decode attention over the latent cache, split over the cache length: one Triton program "
+                "per (sequence, head block, chunk), scores on tensor cores, online fp32 softmax, latent read once "
+                "for all heads of the block, then a fixed-order merge; projections and kv_b absorption stay the "
+                "reference ops",
     replaces=(ATTN_MLA,),
     scope=Scope(families=("deepseek_v3", "kimi_linear", "kimi_k3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
-    sources=("megadecode/kernels/mla.py", "megadecode/reference/attention.py"), uses_triton=True,
+    sources=("megadecode/kernels/mla.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py"), uses_triton=True,
     graph_capturable=True),
-    _run, kernel=mla_decode_kernel))
+    _run, kernel=mla_split_kernel))

@@ -10,10 +10,11 @@ ones stated in reference/moe.py:
 
 Dimensions: T tokens, D hidden, E experts, A = top_k, G groups of E/G experts.
 
-Two launches by default (`split=True`): the logits x W^T [T, E] fp32 by the tensor-core projection of
-kernels/latent_moe.py (`linear`: programs over expert tiles, so the router weight is streamed by many programs
-at once, not by the one program that holds a token block), then the selection kernel reading them
-(PRESCORED). `split=False` keeps the single kernel that also computes the logits (fp32 FMA, one program per
+Two launches by default (`split=True`): the logits x W^T fp32 by the tensor-core projection of
+kernels/latent_moe.py (`linear_partials`: programs over expert tiles and K chunks, so the router weight is
+streamed by ~one program per SM, not by the one program that holds a token block), then the selection kernel
+adding the chunks' partial sums in order (PRESCORED). The chunking depends on E, D and the GPU, not on the
+batch, so a token's route does not depend on the other tokens of the step. `split=False` keeps the single kernel that also computes the logits (fp32 FMA, one program per
 token block reads the whole router weight: slow at decode batch sizes, measured on the H200 in
 docs/evidence/triton-router-h200.md).
 """
@@ -42,18 +43,19 @@ def router_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wts_ptr, s_ptr, T, stride_x, 
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                   G: tl.constexpr, TOPK_GROUP: tl.constexpr, A: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr,
-                  PRESCORED: tl.constexpr = False):
+                  PRESCORED: tl.constexpr = False, KS: tl.constexpr = 1):
     """BLOCK_T tokens per program; every reduction is per token (row), so results do not depend on
     which other tokens share the program (batch invariance). PRESCORED: the logits come from s_ptr [T, E] fp32
-    (computed by an earlier launch) instead of the D loop."""
+    (computed by an earlier launch) instead of the D loop, as KS partial sums [KS, T, E] added in order."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     if PRESCORED:
-        logits = tl.load(s_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
-                         other=0.0)
+        for ks in tl.static_range(KS):
+            logits += tl.load(s_ptr + (ks * T + t[:, None].to(tl.int64)) * E + e[None, :],
+                              mask=t_ok[:, None] & e_ok[None, :], other=0.0)
     for d0 in range(0, D if not PRESCORED else 0, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
@@ -135,16 +137,21 @@ def route_triton(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: 
     block_d = max(1, min(triton.next_power_of_2(D), 8192 // (BE * block_t)))  # x*w tile <= 8192 values
     scores = ids  # unused pointer unless split
     if split:
-        from .latent_moe import linear
+        from .latent_moe import linear_partials
+        from .splitk import num_sms
 
-        scores = linear(x, gate_w)  # [T, E] fp32
+        # the logits as K-chunk partial sums, so that a batch-1 step streams gate_w with ~1 program per SM; the
+        # chunking depends on E, D and the GPU only, not on T: a token's logits do not depend on the batch
+        ks = max(1, min(16, num_sms(x.device) // triton.cdiv(E, 64)))
+        scores = linear_partials(x, gate_w, ks)  # [KS, T, E] fp32
         block_d = 1
     router_kernel[(triton.cdiv(T, block_t),)](
         x, gate_w, bias if bias is not None else gate_w, ids, weights, scores, T, x.stride(0), gate_w.stride(0),
         float(cfg.routed_scaling_factor) if sigmoid else 1.0,
         D=D, E=E, SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=cfg.norm_topk_prob, G=cfg.n_group,
         TOPK_GROUP=cfg.topk_group, A=A, BLOCK_T=block_t, BLOCK_E=BE, BLOCK_D=block_d,
-        BLOCK_A=triton.next_power_of_2(A), BLOCK_G=triton.next_power_of_2(cfg.n_group), PRESCORED=split)
+        BLOCK_A=triton.next_power_of_2(A), BLOCK_G=triton.next_power_of_2(cfg.n_group), PRESCORED=split,
+        KS=scores.shape[0] if split else 1)
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
