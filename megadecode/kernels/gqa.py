@@ -28,6 +28,7 @@ from ..plan import ATTN_GQA
 from ..reference.rope import _inv_freq_on
 from ..validate.variant import Manifest, Scope, Variant, register
 from .mla import _dot, _online_softmax_step
+from .splitk import audit_specs as splitk_specs
 from .splitk import combine, partials, split_plan
 
 
@@ -189,7 +190,8 @@ def audit_specs(dtype: str = "bf16", KH: int = 4, G: int = 8, d: int = 128) -> l
     pconsts = {"H": KH * G, "KH": KH, "d": d, "BLOCK_HALF": triton.next_power_of_2(d // 2)}
     pro.update({k: "constexpr" for k in pconsts})
     proles = {n: ("static" if n in ("qw_ptr", "kw_ptr", "inv_ptr") else "produced") for n in pro if n.endswith("_ptr")}
-    return [(gqa_split_kernel, sig, roles, consts), (qk_norm_rope_kernel, pro, proles, pconsts)]
+    return [(gqa_split_kernel, sig, roles, consts), (qk_norm_rope_kernel, pro, proles, pconsts),
+            *splitk_specs(dtype)]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):

@@ -26,6 +26,7 @@ import triton.language as tl
 from ..plan import ATTN_MLA
 from ..reference.attention import mla_attention
 from ..validate.variant import Manifest, Scope, Variant, register
+from .splitk import audit_specs as splitk_specs
 from .splitk import combine, partials, split_plan
 
 
@@ -130,7 +131,7 @@ def audit_specs(dtype: str = "bf16", H: int = 96, C: int = 512, R: int = 64) -> 
               "IEEE": dtype == "fp32"}
     sig.update({k: "constexpr" for k in consts})
     roles = {n: "produced" for n in sig if n.endswith("_ptr")}
-    return [(mla_split_kernel, sig, roles, consts)]
+    return [(mla_split_kernel, sig, roles, consts), *splitk_specs("fp32")]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):

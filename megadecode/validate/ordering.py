@@ -92,7 +92,7 @@ def _kernel_audits(variant: str) -> list[A.AuditReport]:
         for pre in (False, True):  # the one-kernel form and the selection kernel after the projection
             consts = {"D": 2048, "E": 128, "SIGMOID": False, "HAS_BIAS": False, "NORM": True, "G": 1,
                       "TOPK_GROUP": 1, "A": 8, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_D": 64, "BLOCK_A": 8,
-                      "BLOCK_G": 1, "PRESCORED": pre}
+                      "BLOCK_G": 1, "PRESCORED": pre, "KS": 8 if pre else 1}
             reports.append(A.audit_kernel(router_kernel, {**sig, **{k: "constexpr" for k in consts}}, roles, consts))
         fn, lsig, lroles, lconsts = linear_specs("bf16", norm=False, K=2048, N=128)[0]
         lsig = {**lsig, "x_ptr": "*bf16", "out_ptr": "*fp32"}
@@ -106,7 +106,16 @@ def _kernel_audits(variant: str) -> list[A.AuditReport]:
         roles = {"a_ptr": "produced", "b_ptr": "produced", "w_ptr": "static", "sum_ptr": "produced",
                  "out_ptr": "produced"}
         return [A.audit_kernel(add_rmsnorm_kernel, sig, roles, {"D": 2048, "BLOCK_T": 2, "BLOCK_D": 2048})]
-    return []
+    # the other variants: their kernel module's audit_specs() (the kernels it launches, default shapes)
+    import importlib
+
+    from .variant import get
+
+    v = get(variant)
+    mod = importlib.import_module(v.kernel.__module__) if getattr(v, "kernel", None) is not None else None
+    if mod is None or not hasattr(mod, "audit_specs"):
+        return []
+    return [A.audit_kernel(fn, sig, roles, consts) for fn, sig, roles, consts in mod.audit_specs()]
 
 
 def _launch_inputs(M, K, N, S, gen):
