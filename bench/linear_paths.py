@@ -1,0 +1,77 @@
+"""Dense projections at decode batch sizes (a development probe, GPU): cuBLAS (F.linear) against the Triton
+tensor-core projection of kernels/latent_moe.py (`linear`, weights on the MMA's M side), for every distinct
+2-D bf16 weight shape of a preset's first layers. Each timing replays one CUDA graph of ROT calls on ROT
+distinct copies of the weight (so the weight comes from HBM, not L2), median of do_bench; floor = weight
+bytes / 4.57 TB/s. Tells where the fused executor's dense projections could take the Triton path.
+
+    python bench/linear_paths.py --preset k3-mini --batch 1,8,64 --out linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from megadecode.bench import HBM_READ_BPS
+from megadecode.kernels.latent_moe import linear
+from megadecode.presets import preset_config
+from megadecode.weights import random_weights
+
+ROT = 8
+CONFIGS = ({}, {"BLOCK_N": 32}, {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
+           {"BLOCK_N": 32, "BLOCK_K": 256, "num_stages": 4})
+
+
+def graph_ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return float(do_bench(g.replay)) / ROT
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="k3-mini")
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--out", default="linear.json")
+    a = ap.parse_args()
+    cfg = preset_config(a.preset)
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    shapes = {}
+    for name, t in w.items():
+        if t.dim() == 2 and t.dtype == torch.bfloat16 and "embed" not in name and "lm_head" not in name:
+            shapes.setdefault(tuple(t.shape), name)
+    del w
+    rows = []
+    for (N, K), name in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
+        floor = N * K * 2 / HBM_READ_BPS * 1e3
+        for T in [int(b) for b in a.batch.split(",")]:
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            outs = [torch.empty(T, N, device="cuda", dtype=torch.bfloat16) for _ in range(ROT)]
+            ref = torch.nn.functional.linear(x.float(), ws[0].float())
+            got = linear(x, ws[0], out_dtype=torch.bfloat16).float()
+            err = float((got - ref).abs().max() / ref.abs().max())
+            t_cublas = graph_ms(lambda: [torch.mm(x, wi.t(), out=o) for wi, o in zip(ws, outs)])
+            tried = {}
+            for i, cfg_b in enumerate(CONFIGS):
+                tried[i] = graph_ms(lambda: [linear(x, wi, out=o, blocks=cfg_b) for wi, o in zip(ws, outs)])
+            best = min(tried, key=tried.get)
+            t_triton = tried[best]
+            rows.append({"weight": name, "N": N, "K": K, "batch": T, "cublas_ms": t_cublas, "triton_ms": t_triton,
+                         "triton_blocks": CONFIGS[best], "triton_all_ms": list(tried.values()), "floor_ms": floor,
+                         "err": err})
+            print(f"{name[:44]:44s} {N:6d}x{K:<6d} b{T:<3d} cublas {t_cublas * 1e3:7.1f} us "
+                  f"({floor / t_cublas:5.1%})  triton {t_triton * 1e3:7.1f} us ({floor / t_triton:5.1%})  "
+                  f"err {err:.1e} {CONFIGS[best]}", flush=True)
+        del ws
+    json.dump({"gpu": torch.cuda.get_device_name(), "preset": a.preset, "rows": rows}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
