@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from megadecode.bench import HBM_READ_BPS
 from megadecode.kernels.latent_moe import linear
 from megadecode.presets import preset_config
-from megadecode.weights import random_weights
+from megadecode.weights import param_specs
 
 ROT = 8
 CONFIGS = ({}, {"BLOCK_N": 32}, {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
@@ -41,12 +41,10 @@ def main():
     ap.add_argument("--out", default="linear.json")
     a = ap.parse_args()
     cfg = preset_config(a.preset)
-    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
-    shapes = {}
-    for name, t in w.items():
-        if t.dim() == 2 and t.dtype == torch.bfloat16 and "embed" not in name and "lm_head" not in name:
-            shapes.setdefault(tuple(t.shape), name)
-    del w
+    shapes = {}  # from the parameter specs: building a big preset's weights on the host takes minutes
+    for name, s in param_specs(cfg).items():
+        if len(s.shape) == 2 and s.quant is None and not s.fp32 and "embed" not in name and "lm_head" not in name:
+            shapes.setdefault(tuple(s.shape), name)
     rows = []
     for (N, K), name in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]

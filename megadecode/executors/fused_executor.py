@@ -7,7 +7,8 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
   becomes one ADD_RMSNORM op (reference: the two ops in turn).
   rmsnorm  triton-rmsnorm            (one kernel instead of the reference's chain of elementwise ops)
   add_rmsnorm triton-add-rmsnorm     (the residual add and the norm after it in one kernel)
-  router   triton-router             (logits on tensor cores over expert tiles, then one selection kernel)
+  router   triton-router             (logits on tensor cores over expert tiles and K chunks, then one selection
+                                      kernel that adds the chunks)
   experts  triton-grouped-experts    (batch <= 256, tensor cores: per pair at <= 16 tokens, no sort pass;
                                       grouped by expert on the device above)
            triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
@@ -15,12 +16,12 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
                                       batch <= 256; above, the graph op, whose experts are Triton too)
   attn_kda triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
                                       sequence's state; the rest of the op stays the reference ops)
-  attn_mla triton-mla-decode         (MLA decode attention over the latent cache: one kernel per (sequence,
-                                      head block), online softmax; projections stay the reference ops)
-  attn_gqa triton-gqa-decode         (GQA decode attention: one kernel per (sequence, kv head))
-triton-router: in its two-launch form (logits by the tensor-core projection, then selection); the one-kernel
-form measured slower than the reference ops at batch 8 and 64 on the H200 (docs/evidence/triton-router-h200.md),
-the two-launch form is not measured yet. Variants run on outputs allocated with torch.empty: the manifest
+  attn_mla triton-mla-decode         (MLA decode attention over the latent cache, split over the cache length:
+                                      programs (sequence, head block, chunk), online softmax, fixed-order merge;
+                                      projections stay the reference ops)
+  attn_gqa triton-gqa-decode         (GQA decode attention: q/k norms, RoPE and cache write in one kernel, then
+                                      the split attention and its merge; q/k/v/o projections stay torch)
+H200 harness reports for each: docs/evidence/<variant>-h200.md. Variants run on outputs allocated with torch.empty: the manifest
 checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
 Scope decisions are made once per captured (batch, cache bucket); `chosen` records them per op kind.
 """
