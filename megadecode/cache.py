@@ -16,6 +16,16 @@ import torch
 from .config import ModelConfig
 
 
+# Which parts of a layer's cache keep fp32 whatever the model dtype, by the layer's attention kind (the plan's
+# op kinds): KDA's recurrent state (part 1). Used here and by the validation harness when it casts cases.
+FP32_PARTS: dict[str, tuple[int, ...]] = {"attn_kda": (1,)}
+
+
+def part_dtype(attn_kind: str, part: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of part `part` of a layer's cache whose attention op kind is `attn_kind`, in a `dtype` model."""
+    return torch.float32 if part in FP32_PARTS.get(attn_kind, ()) else dtype
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, device, dtype: torch.dtype):
         if num_slots < 1 or max_len < 1:
@@ -28,7 +38,7 @@ class KVCache:
                 H, K = cfg.linear_num_heads, cfg.linear_head_dim
                 self.layers[f"cache.{i}"] = (
                     torch.zeros(num_slots, 3 * H * K, cfg.conv_kernel - 1, device=device, dtype=dtype),
-                    torch.zeros(num_slots, H, K, K, device=device, dtype=torch.float32))
+                    torch.zeros(num_slots, H, K, K, device=device, dtype=part_dtype("attn_kda", 1, dtype)))
                 self.state_layers.add(f"cache.{i}")
             elif cfg.is_mla:
                 shape = (num_slots, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)

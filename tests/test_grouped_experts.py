@@ -157,12 +157,13 @@ def test_variant_passes_check_op(preset, batch):
     assert row["status"] == "PASS", row
 
 
-def test_static_audit_sm90_all_three_kernels():
+def test_static_audit_sm90_all_kernels():
     rows = static_audits(("megadecode.kernels.grouped_experts", [
         {"dtype": "bf16", "mxfp4": False, "act": "silu"}, {"dtype": "fp32", "mxfp4": True, "act": "situ"},
         {"dtype": "fp32", "mxfp4": True, "act": "situ", "grouped": False},
         {"dtype": "fp32", "mxfp4": True, "act": "situ", "fast": True}]))
-    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel"} and len(rows) == 12
+    assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel",
+                                    "mx_prep_kernel"} and len(rows) == 15  # 3 kernels, + the prep for MXFP4
     for name, passed, rules, md in rows:
         assert passed, md
         assert "nc-load-of-produced" in rules, (name, rules)
@@ -213,3 +214,27 @@ def test_fast_mxfp4_path_matches_reference_and_exact_path(grouped):
     g0_exact = MXFP4Tensor(packed, s_exact)  # the exact path scales x into fp16's range as well
     ref = latent_experts(big, ids, w, g0_exact.dequantize(), dq.dequantize(), act="situ")
     _close(GE.grouped_experts(big, ids, w, g0_exact, dq, act="situ", grouped=grouped), ref, 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("fast", [True, False])
+def test_mxfp4_tokens_scaled_alone(fast):
+    """mx_prep_kernel scales each token by its own power of two: a token's result is bit-identical alone and
+    next to a token 1e6 times larger (with one scale for the batch, the small token's fp16 lo parts would go
+    subnormal and lose bits). fast=False: a scale byte out of FAST_SCALES sends the call to the exact path."""
+    x, ids, w, gu, dn = _problem(5, A=2, D=128, I=64, seed=13)
+    gq, dq = _mx(gu), _mx(dn)
+    if not fast:
+        s = gq.scales.clone()
+        s.view(-1)[-1] = GE.FAST_SCALES[1] + 1
+        gq = MXFP4Tensor(gq.packed, s)
+    assert GE.fast_scales(gq.scales, dq.scales) == fast
+    x[0] *= 0.1  # (much smaller tokens make h small, where its fp16 parts lose relative precision)
+    x[3] *= 1e6
+    batch = GE.grouped_experts(x, ids, w, gq, dq, act="situ", grouped=False)
+    for t in (0, 1, 3):
+        alone = GE.grouped_experts(x[t:t + 1], ids[t:t + 1], w[t:t + 1], gq, dq, act="situ", grouped=False)
+        assert torch.equal(alone, batch[t:t + 1]), t
+    ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="situ")
+    for t in range(5):
+        _close(batch[t:t + 1], ref[t:t + 1], 1e-5)

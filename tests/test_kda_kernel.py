@@ -100,3 +100,15 @@ def test_rerun_in_subprocess_when_not_interpreted():
     if TRITON_OK:
         pytest.skip("the interpreter tests ran in this process")
     rerun_file_in_subprocess(__file__)
+
+
+def test_fp32_cache_parts_follow_the_plan_op_kind():
+    """The cache's fp32 parts are keyed by the plan's op kind, which the harness uses when it casts a case."""
+    import torch
+
+    from megadecode import plan as P
+    from megadecode.cache import FP32_PARTS, part_dtype
+
+    assert set(FP32_PARTS) <= {P.ATTN_KDA, P.ATTN_MLA, P.ATTN_GQA}
+    assert part_dtype(P.ATTN_KDA, 1, torch.bfloat16) == torch.float32
+    assert part_dtype(P.ATTN_KDA, 0, torch.bfloat16) == torch.bfloat16

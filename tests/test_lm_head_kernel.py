@@ -77,6 +77,7 @@ def test_greedy_matches_reference(dtype, B):
         assert torch.equal(tok, ref_tok)
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
     else:
+        assert torch.equal(logits, logits.half().float())  # rounded to x's dtype, as F.linear's output
         torch.testing.assert_close(logits, ref_logits, rtol=2e-3, atol=2e-3)
     # greedy ignores top_p, as the reference does
     tok2, _, _ = LH.lm_head_sample(x, w, SamplingParams(greedy=True, top_p=0.5), blocks=SMALL)
@@ -155,8 +156,9 @@ def test_sampling_deterministic_per_seed():
 def test_sampling_frequencies_match_softmax(temperature):
     """1000 rows of the same token (independent draws: the noise counter includes the row) against
     softmax(logits / T): Pearson chi-square, passing at p > 1e-3 (a correct sampler fails 0.1% of seeds; the
-    seed is fixed, so the test is deterministic). The same counts must be rejected (p < 1e-8) against a
-    temperature off by x1.5 either way and against greedy, so the check can fail."""
+    seed is fixed, so the test is deterministic). The same counts must be rejected (p < 1e-5) against a
+    temperature off by x1.5 either way and against greedy, so the check can fail (over seeds 1230-1239 the
+    p-values were 0.015-1 for the right temperature, <= 1e-7 for the wrong ones)."""
     n, V = 1000, 40  # 3 vocab tiles, 2 merge chunks
     x, w = _inputs(1, V, 16, torch.float32, seed=4, scale=0.35)  # logits: std ~1.4
     tok, lp, logits = LH.lm_head_sample(x.expand(n, -1).contiguous(), w, SamplingParams(temperature=temperature),
@@ -167,9 +169,9 @@ def test_sampling_frequencies_match_softmax(temperature):
     probs = torch.softmax(l0 / temperature, -1)
     assert (probs * n >= 5).sum() >= 6  # enough populated categories for the test to have power
     assert _chi2_pvalue(counts, probs) > 1e-3
-    assert _chi2_pvalue(counts, torch.softmax(l0 / (temperature * 1.5), -1)) < 1e-8
-    assert _chi2_pvalue(counts, torch.softmax(l0 / (temperature / 1.5), -1)) < 1e-8
-    assert _chi2_pvalue(counts, F.one_hot(l0.argmax(), V).double() * 0.99 + 0.01 / V) < 1e-8
+    assert _chi2_pvalue(counts, torch.softmax(l0 / (temperature * 1.5), -1)) < 1e-5
+    assert _chi2_pvalue(counts, torch.softmax(l0 / (temperature / 1.5), -1)) < 1e-5
+    assert _chi2_pvalue(counts, F.one_hot(l0.argmax(), V).double() * 0.99 + 0.01 / V) < 1e-5
     torch.testing.assert_close(lp.cpu(), torch.log_softmax(l0, -1)[tok.cpu()], rtol=0, atol=1e-5)
 
 

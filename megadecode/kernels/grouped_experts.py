@@ -22,8 +22,8 @@ With grouped=False the same kernels give each pair its own programs (grid rows T
 small-batch layout of kernels/fused_experts.py on tensor cores).
 Numerics: fp32 accumulation. Float weights: bf16/fp16 MMAs; fp32 activations are split into hi + lo
 parts of the weight dtype (two MMAs, ~16 bits of mantissa for bf16); fp32 weights use IEEE fp32 dots.
-MXFP4, two paths (the launcher picks; activations are first scaled by a power of two, chosen on the
-device, into fp16's range, and split into fp16 hi + lo parts):
+MXFP4, two paths (the launcher picks; `mx_prep_kernel` first scales each token's activations by a power of
+two into fp16's range, in one launch, and the products split them into fp16 hi + lo parts):
   exact  per 32-weight block the nibbles are decoded to fp16 with integer ops (exact, times 2**-14), two
          small MMAs per block, the block's fp32 sum scaled by its e8m0 scale. Any scale byte. (With SiLU-GLU
          it also needs |h| < 65504.)
@@ -32,6 +32,11 @@ device, into fp16's range, and split into fp16 hi + lo parts):
          (exact in that scale range; plain Triton ops under the interpreter), activations and h as fp16 planes
          prepared once (even hi, even lo, odd hi, odd lo), four MMAs per chunk. Measured on the H200 at
          ~26-30% of the HBM floor against ~8-20% for the exact path (docs/evidence/experts-paths-h200.md).
+Known limit (both MXFP4 paths): h, the gate/up output, enters the down products as fp16 hi + lo parts with no
+per-token scale (its row max is spread over the up kernel's programs). Where |h| is small its parts are fp16
+subnormals with a fixed absolute precision (fast: h * 128 is stored, ~5e-10 absolute; exact: ~3e-8), so a token
+whose h is all tiny loses relative precision: a token scaled by 1e-3 in tests came out at 3e-4 (fast) and 4e-2
+(exact) relative error on its own output, against 1e-6 for ordinary magnitudes.
 Deterministic (no atomics; each pair's values come from one program).
 
 Memory paths: weights static; x, ids, order, offs, router weights, h and y are produced within the step and
@@ -242,10 +247,10 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
                     D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST, USE_ASM)
         u = _tc_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
                     ps_x, D, BLOCK_M, BLOCK_I, BLOCK_D, MXFP4, SPLIT, FAST, USE_ASM)
-        if MXFP4:  # undo the power-of-two scaling that kept x inside fp16's range (see the launcher)
-            xs = tl.load(xs_ptr)
-            g = g * xs
-            u = u * xs
+        if MXFP4:  # undo the per-token power-of-two scaling that kept x inside fp16's range (mx_prep_kernel)
+            xs = tl.load(xs_ptr + p // A, mask=m_ok, other=1.0)
+            g = g * xs[None, :]
+            u = u * xs[None, :]
         sig = 1.0 / (1.0 + tl.exp(-g))
         if ACT == 0:  # SiLU-GLU
             h = g * sig * u
@@ -290,6 +295,47 @@ def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_
             y = y * (1.0 / H_SCALE)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
+
+
+@triton.jit
+def mx_prep_kernel(x_ptr, xin_ptr, xs_ptr, stride_x, ps_x, D: tl.constexpr, FAST: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Program t: the activations of token t prepared for the MXFP4 products, in one launch. fp16 holds
+    |x| < 65504 and loses bits below 6.1e-5 (subnormals, where the lo parts of the hi + lo split live), so
+    row t is divided by the power of two xs[t] that brings its max |x| into [8192, 16384), built from the
+    exponent bits of the max (exact; no log/exp). Per token, so a token's result does not depend on the others
+    in the batch. FAST: writes the four fp16 planes of the fast loop (even hi, even lo, odd hi, odd lo; rows of
+    D/2, planes ps_x apart); else the scaled row in fp32. A NaN or inf stays in its element (and so reaches
+    the output)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = x_ptr + t * stride_x
+    amax = tl.zeros((), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.max(tl.abs(tl.load(row + d, mask=d < D, other=0.0).to(tl.float32)), axis=0))
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax in [2**(e-127), 2**(e-126))
+    k = tl.minimum(tl.maximum(e, 14), 255) - 13  # xs = 2**(k - 127), k in [1, 242]
+    tl.store(xs_ptr + t, (k << 23).to(tl.float32, bitcast=True))
+    inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / xs, exact
+    if FAST:
+        HALF: tl.constexpr = D // 2
+        for j0 in range(0, HALF, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            ok = j < HALF
+            xe = tl.load(row + 2 * j, mask=ok, other=0.0).to(tl.float32) * inv
+            xo = tl.load(row + 2 * j + 1, mask=ok, other=0.0).to(tl.float32) * inv
+            xeh = xe.to(tl.float16)
+            xoh = xo.to(tl.float16)
+            dst = xin_ptr + t * HALF + j
+            tl.store(dst, xeh, mask=ok)
+            tl.store(dst + ps_x, (xe - xeh.to(tl.float32)).to(tl.float16), mask=ok)
+            tl.store(dst + 2 * ps_x, xoh, mask=ok)
+            tl.store(dst + 3 * ps_x, (xo - xoh.to(tl.float32)).to(tl.float16), mask=ok)
+    else:
+        for d0 in range(0, D, BLOCK):
+            d = d0 + tl.arange(0, BLOCK)
+            v = tl.load(row + d, mask=d < D, other=0.0).to(tl.float32)
+            tl.store(xin_ptr + t * D + d, v * inv, mask=d < D)
 
 
 @triton.jit
@@ -357,8 +403,6 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     gu, gus, dn, dns = pb.gu, pb.gus, pb.dn, pb.dns
     if T == 0:
         return out
-    if mx and x.dtype == torch.bfloat16:
-        x = x.float()  # MXFP4 products take fp16 activations: bf16's range is wider, so go through fp32 hi/lo
     if grouped is None:
         grouped = T > MAX_TOKENS
     if blocks is None:
@@ -378,27 +422,26 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
         rows = T * A
     y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     gus_, dns_ = (gus, dns) if mx else (gu, dn)  # unused scale pointers: any valid tensor
-    split = x.dtype == torch.float32 and (mx or gu.dtype != torch.float32)
+    split = mx or (x.dtype == torch.float32 and gu.dtype != torch.float32)
     # fast: SiTU-GLU only, whose |h| <= 100 fits the fp16 planes of h (SiLU-GLU's h is unbounded)
     fast = mx and act == "situ" and fast_scales(gus, dns)
     if fast and (bd % MX_BLOCK or bk % MX_BLOCK or D % bd or I % bk):
         fast = False  # the fast MXFP4 loop takes whole chunks of a multiple of 32
     xs = y  # unused unless MXFP4
-    if mx:
-        # MXFP4 products take fp16 activations, which hold |x| < 65504 and lose bits below 6.1e-5 (subnormals,
-        # where the lo parts of the hi + lo split live): divide x by the power of two xs that brings max|x|
-        # into (8192, 16384], chosen on the device (no host sync; exact); the kernel multiplies its gate and
-        # up dot products back by xs
-        amax = x.detach().abs().amax().float().clamp(1e-30, 1e30)
-        xs = torch.exp2(torch.ceil(torch.log2(amax / 16384.0))).reshape(1)
-    if fast:  # activations as fp16 planes (even hi, even lo, odd hi, odd lo), h written the same way
-        xe, xo = x[:, 0::2].float() / xs, x[:, 1::2].float() / xs
-        xeh, xoh = xe.half(), xo.half()
-        xin = torch.stack((xeh, (xe - xeh.float()).half(), xoh, (xo - xoh.float()).half()))
-        h = torch.empty(4, T * A, I // 2, dtype=torch.float16, device=x.device)
-        ps_x, ps_h = T * (D // 2), T * A * (I // 2)
+    if mx:  # activations scaled per token into fp16's range, as fp16 planes (fast) or fp32 (mx_prep_kernel)
+        xs = torch.empty(T, dtype=torch.float32, device=x.device)
+        if fast:
+            xin = torch.empty(4, T, D // 2, dtype=torch.float16, device=x.device)
+            h = torch.empty(4, T * A, I // 2, dtype=torch.float16, device=x.device)
+            ps_x, ps_h = T * (D // 2), T * A * (I // 2)
+        else:
+            xin = torch.empty(T, D, dtype=torch.float32, device=x.device)
+            h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
+            ps_x = ps_h = 0
+        mx_prep_kernel[(T,)](x, xin, xs, x.stride(0), ps_x, D=D, FAST=fast,
+                             BLOCK=min(1024, triton.next_power_of_2(D)))
     else:
-        xin, ps_x, ps_h = (x.float() / xs if mx else x), 0, 0
+        xin, ps_x, ps_h = x, 0, 0
         h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
     grouped_up_kernel[(rows, triton.cdiv(I, bi))](
@@ -442,8 +485,8 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 3584, I: int = 3072,
                 A: int = 16, grouped: bool = True, fast: bool = False) -> list[tuple]:
-    """(kernel, signature, roles, constexprs) for the three kernels, for validate.audit.audit_kernel
-    (`fast`: the MXFP4 inline-PTX decode path)."""
+    """(kernel, signature, roles, constexprs) for the three kernels (and the MXFP4 activation prep), for
+    validate.audit.audit_kernel (`fast`: the MXFP4 inline-PTX decode path)."""
     w = s = "*u8" if mxfp4 else f"*{dtype}"
     b = DEFAULT_BLOCKS
     split = dtype == "fp32" and mxfp4
@@ -468,8 +511,16 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
     cb_c = {"D": D, "A": A, "BLOCK_C": BLOCK_C}
     cb_sig.update({k: "constexpr" for k in cb_c})
     cb_roles = {"y_ptr": "produced", "wts_ptr": "produced", "out_ptr": "produced"}
-    return [(grouped_up_kernel, up_sig, up_roles, up_c), (grouped_down_kernel, dn_sig, dn_roles, dn_c),
-            (combine_kernel, cb_sig, cb_roles, cb_c)]
+    specs = [(grouped_up_kernel, up_sig, up_roles, up_c), (grouped_down_kernel, dn_sig, dn_roles, dn_c),
+             (combine_kernel, cb_sig, cb_roles, cb_c)]
+    if mxfp4:
+        pr_sig = {"x_ptr": f"*{dtype}", "xin_ptr": "*fp16" if fast else "*fp32", "xs_ptr": "*fp32",
+                  "stride_x": "i32", "ps_x": "i32"}
+        pr_c = {"D": D, "FAST": fast, "BLOCK": 1024}
+        pr_sig.update({k: "constexpr" for k in pr_c})
+        specs.append((mx_prep_kernel, pr_sig, {"x_ptr": "produced", "xin_ptr": "produced", "xs_ptr": "produced"},
+                      pr_c))
+    return specs
 
 
 # ---- the harness variant ----------------------------------------------------------------------------

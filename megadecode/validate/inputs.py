@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import plan as P
+from ..cache import FP32_PARTS
 from ..config import ModelConfig
 from ..executors.torch_ops import StepContext
 from ..reference.moe import route
@@ -55,7 +56,7 @@ class OpCase:
             if dtype is None or not t.is_floating_point() or keep_fp32:
                 return t.clone()
             return t.to(dtype).clone()
-        fp32_cache = (1,) if self.op.kind == P.ATTN_KDA else ()  # KDA's recurrent state is fp32 in every model
+        fp32_cache = FP32_PARTS.get(self.op.kind, ())  # parts the cache keeps fp32 (cache.py: KDA's state)
         return replace(self, inputs={k: cast(v, k in FP32_BUFFERS) for k, v in self.inputs.items()},
                        weights={k: cast(v, k in fp32_weights) for k, v in self.weights.items()},
                        cache=None if self.cache is None else tuple(cast(c, j in fp32_cache)
