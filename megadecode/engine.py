@@ -166,6 +166,10 @@ class Engine:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
+        # executors that sample inside the captured decode step (fused: kernels/lm_head.py) take greedy and
+        # temperature sampling; the first token (prefill) and top-p use sampling.sample
+        in_step = getattr(self.executor, "set_sampling", None)
+        in_step = in_step is not None and in_step(sampling)
         logits = self.prefill(prompts, max_new_tokens)
         toks, lps = [], []
         if max_new_tokens:
@@ -173,8 +177,13 @@ class Engine:
             toks.append(tok), lps.append(lp)
         sync()
         t1 = time.perf_counter()
-        for _ in range(max_new_tokens - 1):
-            tok, lp = sample(self.decode(tok), sampling, gen)
+        for k in range(max_new_tokens - 1):
+            if in_step:
+                self.executor.seed.fill_(seed * 1_000_003 + k)  # fresh noise per step; a kernel, no copy
+                self.decode(tok)
+                tok, lp = (t.clone() for t in self.executor.sampled)  # the graph's buffers are reused
+            else:
+                tok, lp = sample(self.decode(tok), sampling, gen)
             toks.append(tok), lps.append(lp)
             if progress is not None:
                 progress.update(1)

@@ -65,6 +65,43 @@ def test_fused_decode_matches_torch(preset, batch):
         assert chosen["attn_gqa"] == "triton-gqa-decode", chosen
 
 
+@needs_triton
+def test_generate_samples_inside_the_step():
+    """Engine.generate with the fused executor samples in the decode step (kernels/lm_head.py) for greedy and
+    temperature sampling: greedy gives the torch executor's tokens; sampled tokens repeat for a seed, change
+    with it, and their logprobs are log_softmax of the step's logits at the token. Top-p stays outside."""
+    from megadecode.sampling import SamplingParams
+
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, DEVICE, torch.float32, seed=4)
+    prompts = [[1, 5, 9], [2, 7], [3]]
+    ref = Engine(cfg, w, executor="torch", max_batch=3, max_seq_len=40)
+    eng = Engine(cfg, w, executor="fused", max_batch=3, max_seq_len=40)
+    greedy = SamplingParams(greedy=True)
+    a = ref.generate(prompts, 5, greedy, stop_at_eos=False)
+    b = eng.generate(prompts, 5, greedy, stop_at_eos=False)
+    assert eng.executor.sampling == greedy and b.token_ids == a.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4)
+    hot = SamplingParams(temperature=1.5)
+    s1, s2 = (eng.generate(prompts, 6, hot, seed=s, stop_at_eos=False) for s in (1, 2))
+    assert eng.executor.sampling == hot
+    assert eng.generate(prompts, 6, hot, seed=1, stop_at_eos=False).token_ids == s1.token_ids
+    assert s1.token_ids != s2.token_ids
+    assert int(eng.executor.seed) == 1 * 1_000_003 + 4  # fresh noise per decode step (the last run: seed 1, k = 4)
+    # the in-step logprob is log_softmax(logits)[token] of that step
+    eng.executor.set_sampling(hot)
+    eng.prefill(prompts)
+    eng.executor.seed.fill_(7)
+    logits = eng.decode(torch.tensor([1, 2, 3], device=DEVICE)).clone()
+    tok, lp = eng.executor.sampled
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], rtol=1e-5,
+                               atol=1e-5)
+    assert not eng.executor.set_sampling(SamplingParams(top_p=0.9)) and eng.executor.sampled is not None
+    c = eng.generate(prompts, 3, SamplingParams(top_p=0.9), stop_at_eos=False)  # top-p: sampling.sample
+    assert eng.executor.sampling is None and len(c.token_ids[0]) == 3
+
+
 def test_rerun_in_subprocess_when_not_interpreted():
     if TRITON_OK:
         pytest.skip("the interpreter tests ran in this process")

@@ -267,3 +267,20 @@ def test_rerun_in_subprocess_when_not_interpreted():
     if TRITON_OK:
         pytest.skip("the interpreter tests ran in this process")
     rerun_file_in_subprocess(__file__)
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-k3"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_variant_passes_check_op(preset, dtype):
+    """The harness variant (the LM_HEAD op's logits): poisoned outputs fully written, repeat runs equal, batch
+    invariance, close to the reference op."""
+    from megadecode.presets import preset_config
+    from megadecode.validate import catalog  # noqa: F401
+    from megadecode.validate.checks import check_op
+    from megadecode.validate.variant import get
+
+    for batch in (1, 17):
+        row = check_op(get("triton-lm-head"), preset_config(preset), "lm_head", dtype, batch, seed=batch,
+                       device=DEVICE)
+        assert row["status"] == "PASS", row

@@ -24,6 +24,11 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
 H200 harness reports for each: docs/evidence/<variant>-h200.md. Variants run on outputs allocated with torch.empty: the manifest
 checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
 Scope decisions are made once per captured (batch, cache bucket); `chosen` records them per op kind.
+
+Sampling in the step (`set_sampling`): for greedy or temperature sampling (top_p == 1) the LM_HEAD op runs
+kernels/lm_head.py's lm_head_sample instead of F.linear, so the captured step also returns the next tokens and
+their logprobs (`sampled`), with the noise seed read from a device tensor (`seed`) that the caller rewrites
+before each step. Engine.generate uses it when the executor offers it; top-p keeps sampling.sample.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import sys
 import torch
 
 from ..cache import KVCache
-from ..plan import DecodePlan, fuse_add_rmsnorm
+from ..plan import LM_HEAD, DecodePlan, fuse_add_rmsnorm
 from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
@@ -64,6 +69,30 @@ class FusedExecutor(GraphExecutor):
         self.variants = _variants(self.device)
         self.dtype = next(iter(weights.values())).dtype
         self.chosen: dict[tuple[str, int], str] = {}  # (op kind, batch) -> variant name or "reference: why"
+        self.sampling = None  # SamplingParams when the step samples (set_sampling)
+        self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the step's noise seed, in place
+        self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, logprobs) of the last step
+
+    def set_sampling(self, params) -> bool:
+        """Sample inside the decode step with `params` (sampling.SamplingParams), or stop (None). Greedy and
+        temperature sampling only (top_p == 1); returns whether the step samples. Captured graphs are dropped
+        when the choice changes (the sampling mode is part of the graph)."""
+        new = params if params is not None and (params.greedy or params.top_p == 1.0) else None
+        if new != self.sampling:
+            self._graphs.clear()
+            self.sampling = new
+        return new is not None
+
+    def _step_fn(self, step: Step) -> torch.Tensor:
+        ctx = self.run_ops(step)
+        self.sampled = (ctx.buf["sampled_tokens"], ctx.buf["sampled_logprobs"]) if self.sampling else None
+        return ctx.buf["logits"]
+
+    def _capture_extras(self) -> tuple:
+        return (self.sampled,)
+
+    def _after_replay(self, extras: tuple) -> None:
+        self.sampled = extras[0]
 
     def _pick(self, kind: str, batch: int):
         why = []
@@ -89,7 +118,13 @@ class FusedExecutor(GraphExecutor):
             if op.kind not in picks:
                 picks[op.kind] = self._pick(op.kind, step.num_tokens)
             v = picks[op.kind]
-            if v is None:
+            if op.kind == LM_HEAD and self.sampling is not None:
+                from ..kernels.lm_head import lm_head_sample
+
+                tok, lp, logits = lm_head_sample(ctx.buf[op.inputs[0]], self.weights[op.weights[0]], self.sampling,
+                                                 seed=self.seed)
+                ctx.buf.update({op.outputs[0]: logits, "sampled_tokens": tok, "sampled_logprobs": lp})
+            elif v is None:
                 OP_IMPLS[op.kind](ctx, op)
             else:
                 outputs = {n: torch.empty(shape, dtype=dt, device=self.device)

@@ -42,21 +42,29 @@ class GraphExecutor(TorchExecutor):
     def _bucket(self, kv_len: int) -> int:
         return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.max_len)
 
+    def _capture_extras(self) -> tuple:
+        """Outputs besides the logits that a subclass's _step_fn leaves behind, kept with the graph."""
+        return ()
+
+    def _after_replay(self, extras: tuple) -> None:
+        """Hook for a subclass: the captured extras of the graph just replayed."""
+
     @torch.inference_mode()
     def decode(self, step: Step) -> torch.Tensor:
         if not self.use_graphs:
-            return self.run_ops(step).buf["logits"]
+            return self._step_fn(step)
         B, L = step.num_tokens, self._bucket(step.kv_len)
         key = (B, L, step.contiguous_slots)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(step, L)
             self._graphs[key] = entry
-        graph, static, logits = entry
+        graph, static, logits, extras = entry
         static.tokens.copy_(step.tokens, non_blocking=True)
         static.positions.copy_(step.positions, non_blocking=True)
         static.slots.copy_(step.slots, non_blocking=True)
         graph.replay()
+        self._after_replay(extras)
         return logits
 
     def _capture(self, step: Step, kv_len: int):
@@ -80,7 +88,7 @@ class GraphExecutor(TorchExecutor):
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step_fn(static)
         self._pool = graph.pool()
-        return graph, static, logits
+        return graph, static, logits, self._capture_extras()
 
 
 class CompiledGraphExecutor(GraphExecutor):

@@ -50,7 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import LM_HEAD
 from ..sampling import SamplingParams
+from ..validate.variant import Manifest, Scope, Variant, register
 
 DEFAULT_BLOCKS = {"BLOCK_V": 64, "BLOCK_K": 128, "BLOCK_T": 1024, "num_warps": 4, "num_stages": 3}
 BLOCK_B = 16  # tokens per program: the MMA's N side (the minimum tl.dot tile)
@@ -253,3 +255,22 @@ def audit_specs(dtype: str = "bf16", D: int = 7168, V: int = 163840) -> list[tup
         sig.update({k: "constexpr" for k in consts})
         specs.append((finalize_kernel, sig, {n: "produced" for n in sig if n.endswith("_ptr")}, consts))
     return specs
+
+
+# ---- the harness variant (the logits half: sampling is not a plan op) -----------------------------------------
+def _run(op, inputs, weights, outputs, cfg, step, cache=None):
+    lm_head_sample(inputs[op.inputs[0]].contiguous(), weights[op.weights[0]], SamplingParams(greedy=True),
+                   out_logits=outputs[op.outputs[0]])
+
+
+LM_HEAD_VARIANT = register(Variant(Manifest(
+    name="triton-lm-head",
+    description="lm_head on tensor cores with per-vocab-tile max / sum-exp / argmax (or Gumbel race) partials "
+                "and a merge kernel: logits plus the next token and its logprob in two launches. The harness "
+                "checks the logits (the LM_HEAD op's output); the fused executor runs it when it samples in the "
+                "step (FusedExecutor.set_sampling), where tests/test_lm_head_kernel.py checks the tokens",
+    replaces=(LM_HEAD,),
+    scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"),
+                dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
+    sources=("megadecode/kernels/lm_head.py",), uses_triton=True, graph_capturable=True),
+    _run, kernel=lm_head_kernel))

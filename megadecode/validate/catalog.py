@@ -4,5 +4,5 @@ Triton kernels are decorated when their module is first imported: on a CPU-only 
 TRITON_INTERPRET=1 before that (their variants otherwise SKIP on cpu, saying why)."""
 
 from ..kernels import rmsnorm, router, torch_variants  # noqa: F401
-from ..kernels import fused_experts, gqa, grouped_experts, kda, latent_moe, mla  # noqa: F401
+from ..kernels import fused_experts, gqa, grouped_experts, kda, latent_moe, lm_head, mla  # noqa: F401
 from . import broken  # noqa: F401

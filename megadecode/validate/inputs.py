@@ -142,6 +142,8 @@ def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "
             inputs.update(normed=x, topk_ids=ids, topk_weights=wts)
     elif kind == P.RMSNORM:
         inputs[op.inputs[0]] = x  # "hidden"; K3 (AttnRes) normalizes "layer_in"
+    elif kind == P.LM_HEAD:
+        inputs[op.inputs[0]] = x  # "final": the normed rows whose logits are wanted
     elif kind == P.ADD_RMSNORM:  # the residual stream and an op's output, of different sizes
         inputs[op.inputs[0]] = x
         inputs[op.inputs[1]] = torch.randn(T, D, generator=gen) * 0.5
