@@ -169,7 +169,7 @@ class Engine:
         # executors that sample inside the captured decode step (fused: kernels/lm_head.py) take greedy and
         # temperature sampling; the first token (prefill) and top-p use sampling.sample
         in_step = getattr(self.executor, "set_sampling", None)
-        in_step = in_step is not None and in_step(sampling)
+        in_step = in_step is not None and in_step(sampling, len(prompts))
         logits = self.prefill(prompts, max_new_tokens)
         toks, lps = [], []
         if max_new_tokens:

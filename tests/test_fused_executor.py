@@ -98,6 +98,7 @@ def test_generate_samples_inside_the_step():
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], rtol=1e-5,
                                atol=1e-5)
     assert not eng.executor.set_sampling(SamplingParams(top_p=0.9)) and eng.executor.sampled is not None
+    assert not eng.executor.set_sampling(hot, batch=65) and eng.executor.set_sampling(hot, batch=64)
     c = eng.generate(prompts, 3, SamplingParams(top_p=0.9), stop_at_eos=False)  # top-p: sampling.sample
     assert eng.executor.sampling is None and len(c.token_ids[0]) == 3
 

@@ -44,6 +44,10 @@ from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
+# lm_head_sample streams the lm_head weight once per 64 tokens: above that cuBLAS + sampling.sample is faster
+# (bench/lm_head_paths.py on the H200: at batch 64 in tiles of 16 tokens it took 2.15 ms for K3's against 0.72 ms)
+SAMPLE_IN_STEP_MAX_BATCH = 64
+
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
             "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
 
@@ -73,13 +77,17 @@ class FusedExecutor(GraphExecutor):
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the step's noise seed, in place
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, logprobs) of the last step
 
-    def set_sampling(self, params) -> bool:
-        """Sample inside the decode step with `params` (sampling.SamplingParams), or stop (None). Greedy and
-        temperature sampling only (top_p == 1); returns whether the step samples. Captured graphs are dropped
-        when the choice changes (the sampling mode is part of the graph)."""
-        new = params if params is not None and (params.greedy or params.top_p == 1.0) else None
+    def set_sampling(self, params, batch: int = 1) -> bool:
+        """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
+        (None). Greedy and temperature sampling only (top_p == 1), batch <= SAMPLE_IN_STEP_MAX_BATCH; returns
+        whether the step samples. Captured graphs are dropped when the choice changes (it is part of the graph)."""
+        ok = params is not None and (params.greedy or params.top_p == 1.0) and batch <= SAMPLE_IN_STEP_MAX_BATCH
+        new = params if ok else None
         if new != self.sampling:
+            # drop the graphs and their memory pool: capturing into the pool of freed graphs trips the caching
+            # allocator (seen on the H200: "use_count > 0 INTERNAL ASSERT")
             self._graphs.clear()
+            self._pool = None
             self.sampling = new
         return new is not None
 

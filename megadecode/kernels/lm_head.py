@@ -9,7 +9,8 @@ merges them: the logits are written once (the engine keeps them) and read back o
 Notation: x [B, D] (B tokens), W [V, D], l[b, v] = fp32(round_to_x_dtype(sum_d W[v, d] x[b, d])), which is what
 F.linear(x, w).float() computes up to the order of the fp32 accumulation.
 
-1. `lm_head_kernel`, program (vocab tile t of BLOCK_V rows, chunk of BLOCK_B = 16 tokens): the tile's logits
+1. `lm_head_kernel`, program (vocab tile t of BLOCK_V rows, chunk of BLOCK_B tokens: 16, or up to 64 for larger
+   batches so that the weight is streamed once, not once per chunk of 16): the tile's logits
    on tensor cores, weights on the MMA's M side and tokens on its N side ("swap AB", as kernels/latent_moe.py's
    `linear_kernel`, so a handful of tokens pads 16 columns, not 64 rows), fp32 accumulation (fp32 weights:
    IEEE fp32 dots), rounded to x's dtype then fp32 and stored to logits [B, V]. Per (token b, tile t):
@@ -56,6 +57,8 @@ from ..validate.variant import Manifest, Scope, Variant, register
 
 DEFAULT_BLOCKS = {"BLOCK_V": 64, "BLOCK_K": 128, "BLOCK_T": 1024, "num_warps": 4, "num_stages": 3}
 BLOCK_B = 16  # tokens per program: the MMA's N side (the minimum tl.dot tile)
+MAX_BLOCK_B = 64  # up to this many for larger batches: at 64 tokens in chunks of 16 the H200 read the 2.3 GB K3
+# lm_head four times (2.15 ms against 0.55 ms at batch 8; bench/lm_head_paths.py)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -223,9 +226,10 @@ def lm_head_sample(x: torch.Tensor, w: torch.Tensor, params: SamplingParams, see
     targ = torch.empty(B, nt, dtype=torch.int32, device=dev)  # greedy: argmax; sampling: race winner
     gmax = torch.empty(B, nt, dtype=torch.float32, device=dev) if sample else tmax  # unused when greedy
     inv_temp = 1.0 if params.greedy else 1.0 / params.temperature
-    lm_head_kernel[(nt, triton.cdiv(B, BLOCK_B))](
+    bb = bl.get("BLOCK_B") or max(BLOCK_B, min(MAX_BLOCK_B, triton.next_power_of_2(B)))
+    lm_head_kernel[(nt, triton.cdiv(B, bb))](
         x, w, seed_t, logits, tmax, tsum, targ, gmax, targ, B, V, x.stride(0), w.stride(0), logits.stride(0),
-        float(inv_temp), D=D, SAMPLE=sample, BLOCK_V=bv, BLOCK_B=BLOCK_B, BLOCK_K=bk,
+        float(inv_temp), D=D, SAMPLE=sample, BLOCK_V=bv, BLOCK_B=bb, BLOCK_K=bk,
         num_warps=bl["num_warps"], num_stages=bl["num_stages"])
     finalize_kernel[(B,)](logits, tmax, tsum, targ, gmax, targ, tokens, logprobs, logits.stride(0), NT=nt,
                           SAMPLE=sample, BLOCK_T=bt, num_warps=4)
