@@ -122,6 +122,20 @@ def test_greedy_ties_pick_the_lowest_index(dtype):
     assert (LH.lm_head_sample(x, w, GREEDY, blocks=SMALL)[0] == 37).all()
 
 
+@pytest.mark.skipif(not ON_GPU, reason="16-bit arithmetic: the interpreter gets bf16 wrong (GPU.md)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_batch_invariant_16bit_tiles(dtype):
+    """16-bit weights take 64-token tiles above 32 tokens and 16-token tiles at <= 16: a row's logits, token and
+    logprob must not change with the tile (batch invariance)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(40, 512, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(3000, 512, device="cuda", generator=g) * 0.05).to(dtype)
+    for p in (GREEDY, SamplingParams(temperature=1.3)):
+        tok, lp, logits = LH.lm_head_sample(x, w, p, seed=11)
+        tok5, lp5, logits5 = LH.lm_head_sample(x[:5], w, p, seed=11)
+        assert torch.equal(logits[:5], logits5) and torch.equal(tok[:5], tok5) and torch.equal(lp[:5], lp5)
+
+
 @needs_triton
 def test_batch_invariant():
     """A row's token and logprob depend only on that row (and the seed), not on the other rows."""

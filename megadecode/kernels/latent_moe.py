@@ -96,13 +96,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None
         return out
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
     bn = max(16, min(b["BLOCK_N"], triton.next_power_of_2(N)))
-    if blocks is None or "BLOCK_N" not in blocks:
-        from .splitk import num_sms
-
-        # decode batches: fewer weight rows per program until the grid covers the GPU about twice (K3's latent
-        # down at batch 1 has 56 tiles of 64 rows for 132 SMs)
-        while bn > 16 and triton.cdiv(N, bn) * triton.cdiv(T, b["BLOCK_M"]) < 2 * num_sms(x.device):
-            bn //= 2
     bk = max(16, min(b["BLOCK_K"], triton.next_power_of_2(K)))
     g = norm_weight if norm_weight is not None else w
     split = x.dtype == torch.float32 and w.dtype != torch.float32
