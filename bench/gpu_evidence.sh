@@ -12,11 +12,11 @@ mkdir -p "$OUT/evidence" "$OUT/results" "$FINAL"
 M="python -m megadecode.cli"
 python -m pytest -q -p no:cacheprovider tests/test_grouped_experts.py tests/test_fused_experts.py \
     tests/test_latent_moe_kernels.py tests/test_kda_kernel.py tests/test_mla_kernel.py tests/test_k3_graph.py \
-    tests/test_fused_executor.py 2>&1 | tee "$OUT/evidence/pytest-gpu.log" | tail -5
+    tests/test_fused_executor.py tests/test_lm_head_kernel.py 2>&1 | tee "$OUT/evidence/pytest-gpu.log" | tail -5
 MODE=${1:-full}
 shift || true
 VARIANTS=${*:-triton-grouped-experts triton-add-rmsnorm triton-router triton-latent-moe triton-kda-decode \
-    triton-mla-decode triton-gqa-decode}
+    triton-mla-decode triton-gqa-decode triton-lm-head}
 for v in $VARIANTS; do
     $M validate "$v" --seeds 1 --report "$OUT/evidence" 2>&1 | tail -2
 done

@@ -3,6 +3,8 @@ tensor-core projection of kernels/latent_moe.py (`linear`, weights on the MMA's 
 2-D bf16 weight shape of a preset's first layers. Each timing replays one CUDA graph of ROT calls on ROT
 distinct copies of the weight (so the weight comes from HBM, not L2), median of do_bench; floor = weight
 bytes / 4.57 TB/s. Tells where the fused executor's dense projections could take the Triton path.
+Not yet run to completion on the H200 (its first version built the preset's weights on the host, which takes
+minutes for k3-mini; it now reads the shapes from the parameter specs).
 
     python bench/linear_paths.py --preset k3-mini --batch 1,8,64 --out linear.json
 """
