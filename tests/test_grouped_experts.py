@@ -238,3 +238,19 @@ def test_mxfp4_tokens_scaled_alone(fast):
     ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="situ")
     for t in range(5):
         _close(batch[t:t + 1], ref[t:t + 1], 1e-5)
+
+
+@needs_triton
+def test_mxfp4_nan_token_stays_in_its_row():
+    """A NaN (or inf) activation reaches that token's output (never a finite answer) and leaves the other
+    tokens' results unchanged; an all-zero token gives zeros."""
+    x, ids, w, gu, dn = _problem(4, A=2, D=128, I=64, seed=14)
+    gq, dq = _mx(gu), _mx(dn)
+    clean = GE.grouped_experts(x, ids, w, gq, dq, act="situ", grouped=False)
+    bad = x.clone()
+    bad[1, 7] = float("nan")
+    bad[2, 3] = float("inf")
+    bad[3] = 0.0
+    got = GE.grouped_experts(bad, ids, w, gq, dq, act="situ", grouped=False)
+    assert got[1].isnan().any() and not got[2].isfinite().all()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[3], torch.zeros_like(got[3]))
