@@ -14,9 +14,8 @@ import json
 import statistics
 
 import torch
-from triton.testing import do_bench
 
-from megadecode.bench import HBM_READ_BPS
+from megadecode.bench import HBM_READ_BPS, graph_replay_ms
 from megadecode.bench_moe import ROTATIONS, _inputs
 from megadecode.kernels import fused_experts as fe
 from megadecode.kernels import grouped_experts as ge
@@ -27,15 +26,7 @@ CONFIGS = [{"BLOCK_I": bi, "BLOCK_N": bn, "num_warps": nw, "num_stages": ns, "BL
 
 
 def time_path(fn, sets, outs):
-    def calls():
-        for (x, ids, w), o in zip(sets, outs):
-            fn(x, ids, w, o)
-    calls()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    return float(do_bench(g.replay)) / ROTATIONS
+    return graph_replay_ms(lambda: [fn(x, ids, w, o) for (x, ids, w), o in zip(sets, outs)], ROTATIONS)
 
 
 def main():

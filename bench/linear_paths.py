@@ -15,9 +15,8 @@ import argparse
 import json
 
 import torch
-from triton.testing import do_bench
 
-from megadecode.bench import HBM_READ_BPS
+from megadecode.bench import HBM_READ_BPS, graph_replay_ms
 from megadecode.kernels.latent_moe import linear
 from megadecode.presets import preset_config
 from megadecode.weights import param_specs
@@ -26,14 +25,6 @@ ROT = 8
 CONFIGS = ({}, {"BLOCK_N": 32}, {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_K": 256, "num_stages": 4},
            {"BLOCK_N": 32, "BLOCK_K": 256, "num_stages": 4})
 
-
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return float(do_bench(g.replay)) / ROT
 
 
 def main():
@@ -57,10 +48,11 @@ def main():
             ref = torch.nn.functional.linear(x.float(), ws[0].float())
             got = linear(x, ws[0], out_dtype=torch.bfloat16).float()
             err = float((got - ref).abs().max() / ref.abs().max())
-            t_cublas = graph_ms(lambda: [torch.mm(x, wi.t(), out=o) for wi, o in zip(ws, outs)])
+            t_cublas = graph_replay_ms(lambda: [torch.mm(x, wi.t(), out=o) for wi, o in zip(ws, outs)], ROT)
             tried = {}
             for i, cfg_b in enumerate(CONFIGS):
-                tried[i] = graph_ms(lambda: [linear(x, wi, out=o, blocks=cfg_b) for wi, o in zip(ws, outs)])
+                tried[i] = graph_replay_ms(lambda: [linear(x, wi, out=o, blocks=cfg_b) for wi, o in zip(ws, outs)],
+                                           ROT)
             best = min(tried, key=tried.get)
             t_triton = tried[best]
             rows.append({"weight": name, "N": N, "K": K, "batch": T, "cublas_ms": t_cublas, "triton_ms": t_triton,

@@ -13,22 +13,13 @@ import json
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
-from megadecode.bench import HBM_READ_BPS
+from megadecode.bench import HBM_READ_BPS, graph_replay_ms
 from megadecode.kernels.lm_head import lm_head_sample
 from megadecode.sampling import SamplingParams, sample
 
 SHAPES = {"qwen3-30b-a3b": (151936, 2048), "k3": (163840, 7168)}
 
-
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return float(do_bench(g.replay))
 
 
 def main():
@@ -44,8 +35,8 @@ def main():
             x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
             for params in (SamplingParams(greedy=True), SamplingParams(temperature=0.8)):
                 seed = torch.zeros(1, dtype=torch.int64, device="cuda")
-                ref = graph_ms(lambda: sample(F.linear(x, w).float(), params))
-                mine = graph_ms(lambda: lm_head_sample(x, w, params, seed=seed))
+                ref = graph_replay_ms(lambda: sample(F.linear(x, w).float(), params))
+                mine = graph_replay_ms(lambda: lm_head_sample(x, w, params, seed=seed))
                 agree = None
                 if params.greedy:
                     agree = bool(torch.equal(lm_head_sample(x, w, params)[0], F.linear(x, w).float().argmax(-1)))

@@ -39,6 +39,20 @@ from .weights import random_weights, weight_bytes
 HBM_READ_BPS = 4.57e12
 
 
+def graph_replay_ms(fn, calls: int = 1) -> float:
+    """ms per call of `fn` (which makes `calls` calls), as the graph executors run kernels: fn runs once
+    outside the capture (compiles, allocates), then once inside one CUDA graph, whose replay
+    triton.testing.do_bench times (median, L2 flushed before each replay). GPU only."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return float(do_bench(graph.replay)) / calls
+
+
 def step_bytes(cfg: ModelConfig, distinct_experts_per_layer: list[int], batch: int, context: int,
                cache_bytes_per_token: int, dtype_bytes: int, state_bytes_per_sequence: int = 0) -> int:
     """Bytes one decode step must read: trunk + the union of selected experts per MoE layer + lm_head +

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import HBM_READ_BPS, _git_sha, _triton_version, default_out
+from .bench import HBM_READ_BPS, _git_sha, _triton_version, default_out, graph_replay_ms
 
 MOE_PRESETS = {"k3-moe": ("k3", ("mxfp4", "bf16")), "qwen3-moe": ("qwen3-30b-a3b", ("bf16",))}
 ROTATIONS = 8
@@ -74,8 +74,6 @@ def _path(executor: str, shape: dict, wfmt: str):
 
 
 def bench_row(executor: str, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, gen) -> dict:
-    from triton.testing import do_bench
-
     fn = _path(executor, shape, wfmt)
     row = {"executor": executor, "batch": T, "weights": wfmt}
     if isinstance(fn, str):
@@ -101,13 +99,7 @@ def bench_row(executor: str, shape: dict, wfmt: str, T: int, gu, dn, expert_byte
             times.append(s.elapsed_time(e))
         ms = statistics.median(times)
     else:
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for x, ids, w in sets:
-                fn(x, ids, w, gu, dn)
-        ms = float(do_bench(graph.replay)) / ROTATIONS
-        del graph
+        ms = graph_replay_ms(lambda: [fn(x, ids, w, gu, dn) for x, ids, w in sets], ROTATIONS)
     return {**row, "ms": ms, "floor_ms": floor_ms, "mbu": floor_ms / ms, "distinct_experts": statistics.mean(distinct),
             "bytes_per_expert": expert_bytes, "max_rel_err_vs_torch": err}
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .plan import ATTN_KDA
 
 
 # Which parts of a layer's cache keep fp32 whatever the model dtype, by the layer's attention kind (the plan's
 # op kinds): KDA's recurrent state (part 1). Used here and by the validation harness when it casts cases.
-FP32_PARTS: dict[str, tuple[int, ...]] = {"attn_kda": (1,)}
+FP32_PARTS: dict[str, tuple[int, ...]] = {ATTN_KDA: (1,)}
 
 
 def part_dtype(attn_kind: str, part: int, dtype: torch.dtype) -> torch.dtype:
@@ -38,7 +39,7 @@ class KVCache:
                 H, K = cfg.linear_num_heads, cfg.linear_head_dim
                 self.layers[f"cache.{i}"] = (
                     torch.zeros(num_slots, 3 * H * K, cfg.conv_kernel - 1, device=device, dtype=dtype),
-                    torch.zeros(num_slots, H, K, K, device=device, dtype=part_dtype("attn_kda", 1, dtype)))
+                    torch.zeros(num_slots, H, K, K, device=device, dtype=part_dtype(ATTN_KDA, 1, dtype)))
                 self.state_layers.add(f"cache.{i}")
             elif cfg.is_mla:
                 shape = (num_slots, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import HBM_READ_BPS, _int_list
+from .bench import HBM_READ_BPS, _int_list, graph_replay_ms
 from .kernels import tuning
 
 KERNELS = ("fused-experts", "grouped-experts")
@@ -107,8 +107,6 @@ def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, ge
                grid: dict = GRID) -> dict:
     """Sweep `grid` at batch T for kernel module `fe` (its `launch(x, ids, w, gu, dn, act, out, blocks)` and
     DEFAULT_BLOCKS); -> {"best": config, "ms", "mbu", "floor_ms", "default_ms", "tried", "failed"}."""
-    from triton.testing import do_bench
-
     D, A, E, act = shape["D"], shape["A"], shape["E"], shape["act"]
     xdt = X_DTYPE[wfmt]
     sets = []
@@ -125,15 +123,8 @@ def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, ge
     def timed(blocks) -> float:
         """ms per call: one CUDA graph of one call per id set (as the graph executor runs the kernel, so
         the Python launch cost is not timed), replayed by do_bench, divided by ROTATIONS."""
-        def calls():
-            for (x, ids, w), o in zip(sets, outs):
-                fe.launch(x, ids, w, gu, dn, act, o, blocks)
-        calls()  # compiled outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        return float(do_bench(graph.replay)) / ROTATIONS
+        return graph_replay_ms(lambda: [fe.launch(x, ids, w, gu, dn, act, o, blocks)
+                                         for (x, ids, w), o in zip(sets, outs)], ROTATIONS)
 
     default_ms = timed(fe.DEFAULT_BLOCKS)
     best, best_ms, tried, failed = dict(fe.DEFAULT_BLOCKS), default_ms, 0, []

@@ -7,9 +7,30 @@ from __future__ import annotations
 import importlib
 import os
 
+import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def interpreter_env(monkeypatch):
+    """TRITON_INTERPRET=1 during each test when there is no GPU (kernels a test imports late are interpreted).
+    A kernel test module imports this fixture by name, which makes it autouse there."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def triton_gate(kernel):
+    """(ok, needs_triton): whether `kernel` can run here (on the GPU, or interpreted on the CPU), and the skip
+    marker for the tests that launch it (without the interpreter, test_rerun_in_subprocess_when_not_interpreted
+    runs the file again in a fresh process)."""
+    from megadecode.validate.variant import triton_interpreted
+
+    ok = ON_GPU or triton_interpreted(kernel)
+    return ok, pytest.mark.skipif(not ok, reason="kernels imported without TRITON_INTERPRET: see "
+                                                 "test_rerun_in_subprocess_when_not_interpreted")
 
 
 def import_interpreted(*modules: str):
@@ -54,7 +75,8 @@ print(json.dumps(rows))
 def static_audits(*groups) -> list:
     """Static sm_90 audits of kernels described by modules' `audit_specs(**kw)`: groups are
     (module name, [kw, ...]). Runs in a fresh process without TRITON_INTERPRET (interpreted kernels cannot
-    be compiled); returns rows [kernel name, passed, rules checked, markdown report]."""
+    be compiled); asserts each passed with the coherent-load rule checked; returns rows [kernel name, passed,
+    rules checked, markdown report]."""
     import json
     import os
     import subprocess
@@ -64,4 +86,8 @@ def static_audits(*groups) -> list:
     p = subprocess.run([sys.executable, "-c", _AUDIT_SCRIPT, json.dumps([list(g) for g in groups])], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, passed, rules, md in rows:  # every kernel passes, and the coherence rule was among the checks
+        assert passed, md
+        assert "nc-load-of-produced" in rules, (name, rules)
+    return rows

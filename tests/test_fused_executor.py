@@ -7,26 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
+    DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, triton_gate,
+)
 
 CATALOG = import_interpreted("megadecode.validate.catalog")
 
 from megadecode import Engine  # noqa: E402
 from megadecode.kernels import grouped_experts as GE  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
-from megadecode.validate.variant import triton_interpreted  # noqa: E402
 from megadecode.weights import random_weights  # noqa: E402
 
-TRITON_OK = ON_GPU or triton_interpreted(GE.grouped_up_kernel)
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
-                                                        "test_rerun_in_subprocess_when_not_interpreted")
-DEVICE = "cuda" if ON_GPU else "cpu"
+TRITON_OK, needs_triton = triton_gate(GE.grouped_up_kernel)
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _run(cfg, weights, executor, prompts, steps):

@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted, rerun_file_in_subprocess  # noqa: E402
+from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
+    ON_GPU, DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, triton_gate,
+)
 
 FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.kernels.grouped_experts")
 GE = import_interpreted("megadecode.kernels.grouped_experts")
@@ -25,22 +27,13 @@ from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.moe import route  # noqa: E402
 from megadecode.step import Step  # noqa: E402
-from megadecode.validate.variant import triton_interpreted  # noqa: E402
 from megadecode.weights import random_weights  # noqa: E402
 
-TRITON_OK = ON_GPU or triton_interpreted(FE.experts_up_kernel)
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
-                                                        "test_rerun_in_subprocess_when_not_interpreted")
-DEVICE = "cuda" if ON_GPU else "cpu"
+TRITON_OK, needs_triton = triton_gate(FE.experts_up_kernel)
 CFG = preset_config("tiny-k3")
 PROMPTS = [[256, 72, 101, 108, 108, 111, 33], [256, 7], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 MOE_LAYERS = sum(CFG.moe_layers)
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

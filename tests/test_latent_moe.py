@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megadecode.quant.mxfp4 import MXFP4Tensor
 from megadecode.reference.latent_moe import LatentMoEParams, latent_experts, latent_moe_reference, situ_glu

@@ -19,7 +19,9 @@ import sys
 import pytest
 import torch
 
-from interp import ON_GPU, import_interpreted  # noqa: E402
+from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
+    ON_GPU, DEVICE, import_interpreted, interpreter_env, triton_gate,
+)
 
 router_kernel = import_interpreted("megadecode.kernels.router", "megadecode.validate.catalog").router_kernel
 
@@ -29,28 +31,18 @@ from megadecode.engine import Engine  # noqa: E402
 from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.step import Step  # noqa: E402
-from megadecode.validate.checks import check_op  # noqa: E402
 from megadecode.validate.e2e import compare_generation  # noqa: E402
 from megadecode.validate.executor import VariantExecutor, checksum  # noqa: E402
 from megadecode.validate.matrix import QUICK_BATCHES, run_matrix  # noqa: E402
 from megadecode.validate.shapes import output_specs  # noqa: E402
-from megadecode.validate.variant import (Manifest, ManifestViolation, Scope, Variant, all_variants, get,  # noqa: E402
-                                         triton_interpreted)
+from megadecode.validate.variant import Manifest, ManifestViolation, Scope, Variant, all_variants, get  # noqa: E402
 from megadecode.weights import random_weights  # noqa: E402
 
-DEVICE = "cuda" if ON_GPU else "cpu"
-TRITON_OK = ON_GPU or triton_interpreted(router_kernel)  # False when triton was imported before us
-needs_triton = pytest.mark.skipif(not TRITON_OK, reason="kernels imported without TRITON_INTERPRET: see "
-                                                        "test_rerun_in_subprocess_when_not_interpreted")
+TRITON_OK, needs_triton = triton_gate(router_kernel)  # False when triton was imported before us
 PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 CORRECT = ("triton-router", "triton-rmsnorm", "torch-grouped-experts", "torch-loop-experts", "torch-attn-gqa")
 USES_TRITON = {v.name for v in all_variants() if v.manifest.uses_triton}
 
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _failures(rows):

@@ -44,8 +44,9 @@ from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
-# lm_head_sample streams the lm_head weight once per 64 tokens: above that cuBLAS + sampling.sample is faster
-# (bench/lm_head_paths.py on the H200: at batch 64 in tiles of 16 tokens it took 2.15 ms for K3's against 0.72 ms)
+# lm_head_sample streams the lm_head weight once per 64 tokens, so above 64 it reads it several times (not
+# measured there; bench/lm_head_paths.py on the H200, batch 64 in tiles of 16 tokens = 4 reads: 2.15 ms for
+# K3's lm_head against 0.72 ms for cuBLAS + sampling.sample): larger batches keep sampling.sample
 SAMPLE_IN_STEP_MAX_BATCH = 64
 
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",

@@ -43,6 +43,7 @@ import triton.language as tl
 from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
 from ..quant.mxfp4 import MXFP4Tensor
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 from . import tuning
 
@@ -338,17 +339,12 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
               "stride_x": "i32", "stride_gu_e": "i32", "stride_gu_r": "i32", "stride_gus_e": "i32",
               "stride_gus_r": "i32"}
     up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"]}
-    up_sig.update({k: "constexpr" for k in up_c})
-    up_roles = {"x_ptr": "produced", "ids_ptr": "produced", "h_ptr": "produced", "gu_ptr": "static",
-                "gus_ptr": "static"}
     dn_sig = {"h_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "dn_ptr": w, "dns_ptr": s,
               "out_ptr": f"*{dtype}", "stride_out": "i32", "stride_dn_e": "i32", "stride_dn_r": "i32",
               "stride_dns_e": "i32", "stride_dns_r": "i32"}
     dn_c = {"D": D, "I": I, "A": A, "MXFP4": mxfp4, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": b["BLOCK_K"]}
-    dn_sig.update({k: "constexpr" for k in dn_c})
-    dn_roles = {"h_ptr": "produced", "ids_ptr": "produced", "wts_ptr": "produced", "out_ptr": "produced",
-                "dn_ptr": "static", "dns_ptr": "static"}
-    return [(experts_up_kernel, up_sig, up_roles, up_c), (experts_down_kernel, dn_sig, dn_roles, dn_c)]
+    return [kernel_spec(experts_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
+            kernel_spec(experts_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr"))]
 
 
 # ---- the harness variant ----------------------------------------------------------------------------

@@ -26,10 +26,11 @@ import triton.language as tl
 
 from ..plan import ATTN_GQA
 from ..reference.rope import _inv_freq_on
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 from .mla import _dot, _online_softmax_step
 from .splitk import audit_specs as splitk_specs
-from .splitk import combine, partials, split_plan
+from .splitk import combine, partials, split_plan, store_partials
 
 
 @triton.jit
@@ -65,10 +66,7 @@ def gqa_split_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, m_ptr, l_ptr, acc_p
         s = _dot(q, tl.trans(kt), tl.zeros((BLOCK_G, BLOCK_L), dtype=tl.float32), IEEE) * scale
         m_i, l_i, acc = _online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
-    prow = qrow * S + sp
-    tl.store(m_ptr + prow, m_i, mask=g_ok)
-    tl.store(l_ptr + prow, l_i, mask=g_ok)
-    tl.store(acc_ptr + prow[:, None] * d + c[None, :], acc, mask=g_ok[:, None] & c_ok[None, :])
+    store_partials(m_ptr, l_ptr, acc_ptr, qrow, g_ok, sp, S, m_i, l_i, acc, c, c_ok, d)
 
 
 @triton.jit
@@ -150,7 +148,7 @@ def gqa_decode_core(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def gqa_decode_attention(cfg, w: dict, prefix: str, x: torch.Tensor, step, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, splits: int | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """reference/attention.py gqa_attention for a decode step (step.segments is None), in five launches: the
+    """reference/attention.py gqa_attention for a decode step (step.segments is None), in seven launches: the
     q, k, v projections (torch), one kernel for the q/k norms, RoPE and the cache write, the split attention and
     its merge (written in x's dtype as the o_proj input), the o_proj (torch, into `out` [N, D] when given)."""
     N, H, KH, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -181,16 +179,13 @@ def audit_specs(dtype: str = "bf16", KH: int = 4, G: int = 8, d: int = 128) -> l
            "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "stride_cs": "i64", "stride_cl": "i32",
            "stride_ch": "i32", "scale": "fp32", "S": "i32", "CHUNK": "i32"}
     consts = {"KH": KH, "G": G, "d": d, "BLOCK_G": 16, "BLOCK_L": 32, "BLOCK_D": d, "IEEE": dtype == "fp32"}
-    sig.update({k: "constexpr" for k in consts})
-    roles = {n: "produced" for n in sig if n.endswith("_ptr")}
     pro = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "qw_ptr": f"*{dtype}",
            "kw_ptr": f"*{dtype}", "inv_ptr": "*fp32", "pos_ptr": "*i64", "slots_ptr": "*i64", "qo_ptr": f"*{dtype}",
            "kc_ptr": f"*{dtype}", "vc_ptr": f"*{dtype}", "stride_cs": "i64", "stride_cl": "i32", "stride_ch": "i32",
            "eps": "fp32", "att": "fp32"}
     pconsts = {"H": KH * G, "KH": KH, "d": d, "BLOCK_HALF": triton.next_power_of_2(d // 2)}
-    pro.update({k: "constexpr" for k in pconsts})
-    proles = {n: ("static" if n in ("qw_ptr", "kw_ptr", "inv_ptr") else "produced") for n in pro if n.endswith("_ptr")}
-    return [(gqa_split_kernel, sig, roles, consts), (qk_norm_rope_kernel, pro, proles, pconsts),
+    return [kernel_spec(gqa_split_kernel, sig, consts),
+            kernel_spec(qk_norm_rope_kernel, pro, pconsts, static=("qw_ptr", "kw_ptr", "inv_ptr")),
             *splitk_specs(dtype)]
 
 

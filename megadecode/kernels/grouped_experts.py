@@ -52,6 +52,7 @@ import triton.language as tl
 
 from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 from . import fused_experts as fe
 from . import tuning
@@ -496,30 +497,21 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
               "xs_ptr": "*fp32", "stride_x": "i32", **strides, "ps_x": "i32", "ps_h": "i32"}
     up_c = {"D": D, "I": I, "A": A, "ACT": ACTS[act], "MXFP4": mxfp4, "GROUPED": grouped, "SPLIT": split,
             "BLOCK_M": b["BLOCK_M"], "BLOCK_I": b["BLOCK_I"], "BLOCK_D": b["BLOCK_D"], "FAST": fast, "USE_ASM": True}
-    up_sig.update({k: "constexpr" for k in up_c})
-    produced = {"ids_ptr": "produced", "order_ptr": "produced", "offs_ptr": "produced"}
-    up_roles = {"x_ptr": "produced", "h_ptr": "produced", "xs_ptr": "produced", "gu_ptr": "static",
-                "gus_ptr": "static", **produced}
     dn_sig = {"h_ptr": "*fp16" if fast else "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32",
               "dn_ptr": w, "dns_ptr": s, "y_ptr": "*fp32", "stride_dn_e": "i32", "stride_dn_r": "i32",
               "stride_dns_e": "i32", "stride_dns_r": "i32", "ps_h": "i32"}
     dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "GROUPED": grouped, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
             "BLOCK_K": b["BLOCK_K"], "FAST": fast, "USE_ASM": True}
-    dn_sig.update({k: "constexpr" for k in dn_c})
-    dn_roles = {"h_ptr": "produced", "y_ptr": "produced", "dn_ptr": "static", "dns_ptr": "static", **produced}
     cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
     cb_c = {"D": D, "A": A, "BLOCK_C": BLOCK_C}
-    cb_sig.update({k: "constexpr" for k in cb_c})
-    cb_roles = {"y_ptr": "produced", "wts_ptr": "produced", "out_ptr": "produced"}
-    specs = [(grouped_up_kernel, up_sig, up_roles, up_c), (grouped_down_kernel, dn_sig, dn_roles, dn_c),
-             (combine_kernel, cb_sig, cb_roles, cb_c)]
+    specs = [kernel_spec(grouped_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
+             kernel_spec(grouped_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
+             kernel_spec(combine_kernel, cb_sig, cb_c)]
     if mxfp4:
         pr_sig = {"x_ptr": f"*{dtype}", "xin_ptr": "*fp16" if fast else "*fp32", "xs_ptr": "*fp32",
                   "stride_x": "i32", "ps_x": "i32"}
         pr_c = {"D": D, "FAST": fast, "BLOCK": 1024}
-        pr_sig.update({k: "constexpr" for k in pr_c})
-        specs.append((mx_prep_kernel, pr_sig, {"x_ptr": "produced", "xin_ptr": "produced", "xs_ptr": "produced"},
-                      pr_c))
+        specs.append(kernel_spec(mx_prep_kernel, pr_sig, pr_c))
     return specs
 
 

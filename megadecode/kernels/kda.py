@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..plan import ATTN_KDA
 from ..reference.kda import kda_attention
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 
 
@@ -81,9 +82,7 @@ def audit_specs(H: int = 96, K: int = 128, V: int = 128) -> list[tuple]:
     sig = {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "s_ptr", "o_ptr")}
     sig["rows_ptr"] = "*i64"
     consts = {"H": H, "K": K, "V": V, "BLOCK_K": triton.next_power_of_2(K), "BLOCK_V": 32}
-    sig.update({k: "constexpr" for k in consts})
-    roles = {n: "produced" for n in sig if n.endswith("_ptr")}
-    return [(kda_step_kernel, sig, roles, consts)]
+    return [kernel_spec(kda_step_kernel, sig, consts)]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..plan import LATENT_MOE
 from ..quant.mxfp4 import MXFP4Tensor
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 from .grouped_experts import _mma, routed_experts
 
@@ -143,9 +144,7 @@ def audit_specs(dtype: str = "bf16", norm: bool = True, K: int = 3584, N: int = 
     consts = {"N": N, "K": K, "NORM": norm, "SPLIT": dtype != "fp32", "BLOCK_N": DEFAULT_BLOCKS["BLOCK_N"],
               "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"], "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"],
               "KC": 0 if norm else 512}  # the K-chunk partials form (the router's logits) when not normed
-    sig.update({k: "constexpr" for k in consts})
-    roles = {"x_ptr": "produced", "out_ptr": "produced", "w_ptr": "static", "g_ptr": "static"}
-    return [(linear_kernel, sig, roles, consts)]
+    return [kernel_spec(linear_kernel, sig, consts, static=("w_ptr", "g_ptr"))]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from ..plan import LM_HEAD
 from ..sampling import SamplingParams
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 
 DEFAULT_BLOCKS = {"BLOCK_V": 64, "BLOCK_K": 128, "BLOCK_T": 1024, "num_warps": 4, "num_stages": 3}
@@ -251,17 +252,13 @@ def audit_specs(dtype: str = "bf16", D: int = 7168, V: int = 163840) -> list[tup
                "stride_l": "i32", "inv_temp": "fp32"}
         consts = {"D": D, "SAMPLE": sample, "BLOCK_V": DEFAULT_BLOCKS["BLOCK_V"], "BLOCK_B": BLOCK_B,
                   "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"]}
-        sig.update({k: "constexpr" for k in consts})
-        roles = {n: "produced" for n in sig if n.endswith("_ptr")}
-        roles["w_ptr"] = "static"
-        specs.append((lm_head_kernel, sig, roles, consts))
+        specs.append(kernel_spec(lm_head_kernel, sig, consts, static=("w_ptr",)))
         sig = {"logits_ptr": "*fp32", "tmax_ptr": "*fp32", "tsum_ptr": "*fp32", "targ_ptr": "*i32",
                "gmax_ptr": "*fp32", "garg_ptr": "*i32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32",
                "stride_l": "i32"}
         consts = {"NT": triton.cdiv(V, DEFAULT_BLOCKS["BLOCK_V"]), "SAMPLE": sample,
                   "BLOCK_T": DEFAULT_BLOCKS["BLOCK_T"]}
-        sig.update({k: "constexpr" for k in consts})
-        specs.append((finalize_kernel, sig, {n: "produced" for n in sig if n.endswith("_ptr")}, consts))
+        specs.append(kernel_spec(finalize_kernel, sig, consts))
     return specs
 
 

@@ -25,9 +25,10 @@ import triton.language as tl
 
 from ..plan import ATTN_MLA
 from ..reference.attention import mla_attention
+from ..validate.audit import kernel_spec
 from ..validate.variant import Manifest, Scope, Variant, register
 from .splitk import audit_specs as splitk_specs
-from .splitk import combine, partials, split_plan
+from .splitk import combine, partials, split_plan, store_partials
 
 
 @triton.jit
@@ -87,10 +88,7 @@ def mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, m_ptr, l_ptr,
         s = _dot(qp, tl.trans(pe), s, IEEE) * scale
         m_i, l_i, acc = _online_softmax_step(s, l_ok, lat, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
-    prow = bh * S + sp
-    tl.store(m_ptr + prow, m_i, mask=h_ok)
-    tl.store(l_ptr + prow, l_i, mask=h_ok)
-    tl.store(acc_ptr + prow[:, None] * C + c[None, :], acc, mask=h_ok[:, None] & c_ok[None, :])
+    store_partials(m_ptr, l_ptr, acc_ptr, bh, h_ok, sp, S, m_i, l_i, acc, c, c_ok, C)
 
 
 def mla_decode_core(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, step, scale: float,
@@ -129,9 +127,7 @@ def audit_specs(dtype: str = "bf16", H: int = 96, C: int = 512, R: int = 64) -> 
            "stride_cl": "i32", "scale": "fp32", "S": "i32", "CHUNK": "i32"}
     consts = {"H": H, "C": C, "R": R, "BLOCK_H": 16, "BLOCK_L": 32, "BLOCK_C": C, "BLOCK_R": R,
               "IEEE": dtype == "fp32"}
-    sig.update({k: "constexpr" for k in consts})
-    roles = {n: "produced" for n in sig if n.endswith("_ptr")}
-    return [(mla_split_kernel, sig, roles, consts), *splitk_specs("fp32")]
+    return [kernel_spec(mla_split_kernel, sig, consts), *splitk_specs("fp32")]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):

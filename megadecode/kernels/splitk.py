@@ -14,15 +14,24 @@ The partials are produced by an earlier launch: plain loads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from ..validate.audit import kernel_spec
+
 
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
     return 2  # the interpreter: small, but still more than one chunk so that CI runs the merge
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:  # asked once per GPU, not on every launch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def split_plan(programs: int, kv_len: int, block_l: int, device: torch.device,
@@ -34,6 +43,15 @@ def split_plan(programs: int, kv_len: int, block_l: int, device: torch.device,
     s = max(1, min(s, max_s))
     chunk = triton.cdiv(triton.cdiv(max(kv_len, 1), s), block_l) * block_l
     return triton.cdiv(max(kv_len, 1), chunk), chunk
+
+
+@triton.jit
+def store_partials(m_ptr, l_ptr, acc_ptr, rows, row_ok, sp, S, m_i, l_i, acc, cols, col_ok, W):
+    """A split program's partials of chunk sp for output rows `rows` (m, l [R, S]; acc [R, S, W])."""
+    prow = rows * S + sp
+    tl.store(m_ptr + prow, m_i, mask=row_ok)
+    tl.store(l_ptr + prow, l_i, mask=row_ok)
+    tl.store(acc_ptr + prow[:, None] * W + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -76,7 +94,4 @@ def combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Tens
 
 def audit_specs(dtype: str = "bf16") -> list[tuple]:
     sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": f"*{dtype}", "W": "i32", "S": "i32"}
-    consts = {"BLOCK_S": 64, "BLOCK_W": 128}
-    sig.update({k: "constexpr" for k in consts})
-    roles = {n: "produced" for n in sig if n.endswith("_ptr")}
-    return [(combine_kernel, sig, roles, consts)]
+    return [kernel_spec(combine_kernel, sig, {"BLOCK_S": 64, "BLOCK_W": 128})]

@@ -385,6 +385,15 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict | None = None
     return triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
 
 
+def kernel_spec(fn, runtime_sig: dict, consts: dict, static: tuple[str, ...] = ()) -> tuple:
+    """(fn, signature, roles, constexprs) for audit_kernel, as the kernel modules' audit_specs return them: the
+    constexprs marked in the signature; every pointer parameter (named ..._ptr) holds data produced within the
+    step unless it is named in `static` (weights, tables)."""
+    sig = {**runtime_sig, **{k: "constexpr" for k in consts}}
+    roles = {n: ("static" if n in static else "produced") for n in sig if n.endswith("_ptr")}
+    return fn, sig, roles, consts
+
+
 def audit_kernel(fn, signature: dict[str, str], roles: dict[str, str], constexprs: dict | None = None,
                  *, arch: int = 90, sass: bool = True) -> AuditReport:
     """Compile `fn` for sm_<arch> and audit its PTX (and SASS when `sass` and nvdisasm exist)."""

@@ -24,7 +24,7 @@ import torch
 from ..kernels import rmsnorm as K_NORM
 from ..kernels import router as K_ROUTER
 from ..kernels import torch_variants as K_TORCH
-from .variant import Manifest, Variant, register
+from .variant import Variant, register
 
 
 def _broken(base: Variant, name: str, description: str, impl) -> Variant:
