@@ -15,11 +15,10 @@ import statistics
 
 import torch
 
-from megadecode.bench import HBM_READ_BPS, graph_replay_ms
-from megadecode.bench_moe import ROTATIONS, _inputs
+from megadecode.measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms
+from megadecode.bench_moe import ROTATIONS, expert_inputs
 from megadecode.kernels import fused_experts as fe
 from megadecode.kernels import grouped_experts as ge
-from megadecode.tune import SHAPES, _weights
 
 CONFIGS = [{"BLOCK_I": bi, "BLOCK_N": bn, "num_warps": nw, "num_stages": ns, "BLOCK_D": bd, "BLOCK_K": bd}
            for bi, bn in ((64, 64), (128, 128), (32, 32)) for nw in (4, 8) for ns in (3, 4) for bd in (64, 128)]
@@ -41,10 +40,10 @@ def main():
     for shape_name, wfmt, batches in ([cases[args.only]] if args.only else cases.values()):
         shape = SHAPES[shape_name]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        gu, dn, eb = _weights(shape, wfmt, gen)
+        gu, dn, eb = expert_weights(shape, wfmt, gen)
         act = shape["act"]
         for T in batches:
-            sets = _inputs(shape, wfmt, T, gen)
+            sets = expert_inputs(shape, wfmt, T, gen)
             floor = statistics.mean(int(i.unique().numel()) for _, i, _ in sets) * eb / HBM_READ_BPS * 1e3
             ref = [fe.fused_experts(x, i, w, gu, dn, act=act) if T <= 16 else
                    ge.grouped_experts(x, i, w, gu, dn, act=act, grouped=True) for x, i, w in sets[:1]][0]

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from megadecode.bench import HBM_READ_BPS, graph_replay_ms
+from megadecode.measure import HBM_READ_BPS, graph_replay_ms
 from megadecode.kernels.latent_moe import linear
 from megadecode.presets import preset_config
 from megadecode.weights import param_specs

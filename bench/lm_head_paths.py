@@ -14,7 +14,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from megadecode.bench import HBM_READ_BPS, graph_replay_ms
+from megadecode.measure import HBM_READ_BPS, graph_replay_ms
 from megadecode.kernels.lm_head import lm_head_sample
 from megadecode.sampling import SamplingParams, sample
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from megadecode.bench import HBM_READ_BPS
+from megadecode.measure import HBM_READ_BPS
 from megadecode.kernels.fused_experts import _e8m0
 from megadecode.quant.mxfp4 import dequantize_mxfp4
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from megadecode.kernels import handoff as H
+from megadecode.validate import handoff as H
 from megadecode.presets import preset_config
 from megadecode.validate.checks import check_op
-from megadecode.validate.variant import get
+from megadecode.validate.catalog import get
 import megadecode.validate.catalog  # noqa: F401  (registers the variants)
 
 

@@ -17,11 +17,7 @@ MBU = floor / measured.
 from __future__ import annotations
 
 import gc
-import json
-import os
-import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,28 +25,11 @@ import torch
 
 from .config import ModelConfig
 from .engine import Engine, resolve_dtype
+from .measure import HBM_READ_BPS, default_out, environment, int_list, write_result
 from .plan import ROUTER
 from .presets import PRESETS, preset_config
 from .step import Step
 from .weights import random_weights, weight_bytes
-
-# HBM read bandwidth of our H200: a Triton streaming read of 4 GiB bf16, median of do_bench
-# (/work/shared/GPU.md, measured 2026-11-29). The floor of a decode step is its bytes over this.
-HBM_READ_BPS = 4.57e12
-
-
-def graph_replay_ms(fn, calls: int = 1) -> float:
-    """ms per call of `fn` (which makes `calls` calls), as the graph executors run kernels: fn runs once
-    outside the capture (compiles, allocates), then once inside one CUDA graph, whose replay
-    triton.testing.do_bench times (median, L2 flushed before each replay). GPU only."""
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return float(do_bench(graph.replay)) / calls
 
 
 def step_bytes(cfg: ModelConfig, distinct_experts_per_layer: list[int], batch: int, context: int,
@@ -119,36 +98,6 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args) -> dic
     return row
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _git_sha() -> str | None:
-    """HEAD of the checkout; MEGADECODE_GIT_SHA overrides (copies of the tree without .git, e.g. on
-    the GPU machine, are told the commit they were made from)."""
-    if os.environ.get("MEGADECODE_GIT_SHA"):
-        return os.environ["MEGADECODE_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sha = out.stdout.strip()
-    return sha if out.returncode == 0 and sha else None
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
-
-
-def default_out(preset: str, gpu_name: str) -> Path:
-    return Path("bench/results") / f"{preset}-{gpu_name.lower().replace(' ', '-')}.json"
-
-
 def format_table(rows: list[dict]) -> str:
     head = f"{'preset':<16} {'executor':<8} {'batch':>5} {'context':>7} {'ms/step':>9} {'tok/s':>10} " \
            f"{'GB/step':>8} {'floor ms':>8} {'MBU':>6}"
@@ -171,7 +120,7 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", required=True,
                    help=f"a model preset ({', '.join(sorted(PRESETS))}) or a MoE-layer preset (k3-moe, qwen3-moe: "
                         "the routed experts alone, executors torch, graph, fused)")
-    p.add_argument("--batch", type=_int_list, default=[1, 8, 64], help="comma-separated (default: 1,8,64)")
+    p.add_argument("--batch", type=int_list, default=[1, 8, 64], help="comma-separated (default: 1,8,64)")
     p.add_argument("--executor", type=lambda s: [x for x in s.split(",") if x], default=["torch", "graph"],
                    help="comma-separated (default: torch,graph)")
     p.add_argument("--context", type=int, default=1024, help="tokens already in the cache per sequence")
@@ -189,9 +138,8 @@ def add_parser(sub) -> None:
 def run(args, argv: list[str]) -> int:
     from tqdm import tqdm
 
-    from .executors import EXECUTORS
-
     from . import bench_moe
+    from .executors import EXECUTORS
 
     if args.preset in bench_moe.MOE_PRESETS:
         bad = [w for w in args.weights or () if w not in ("mxfp4", "bf16")]
@@ -228,10 +176,7 @@ def run(args, argv: list[str]) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     out = Path(args.out) if args.out else default_out(args.preset, gpu)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": gpu, "torch": torch.__version__, "triton": _triton_version(), "git_sha": _git_sha(),
-              "command": shlex.join(["megadecode", *argv]), "rows": rows}
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, {**environment(argv), "rows": rows})
     print(f"{gpu}, {args.dtype}, context {args.context}, median of {args.steps} steps after {args.warmup} "
           f"warm-up; floor = bytes / {HBM_READ_BPS / 1e12:.2f} TB/s")
     print(format_table(rows))

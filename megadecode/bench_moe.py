@@ -10,7 +10,7 @@ Executors (the expert path each decode executor takes):
          the Triton kernels (= `fused`), so an MXFP4 `graph` row says so instead of a time.
   fused  kernels/grouped_experts.py routed_experts (fused small-batch kernels at <= 16 tokens, grouped by
          expert above), in a CUDA graph.
-Method: all E experts of the shape (tune.SHAPES) on the GPU, random (MXFP4: random bytes, e8m0 118..123;
+Method: all E experts of the shape (measure.SHAPES) on the GPU, random (MXFP4: random bytes, e8m0 118..123;
 bf16: N(0, 1/in)); ROTATIONS input sets, each token drawing A distinct experts uniformly, so consecutive
 calls read different experts (not L2 hits). Time: one CUDA graph of one call per set, replayed by
 triton.testing.do_bench (median, L2 flushed before each replay), / ROTATIONS; torch: eager calls over the
@@ -22,21 +22,27 @@ check that the timed path computes the same function).
 from __future__ import annotations
 
 import gc
-import json
-import shlex
 import statistics
 from pathlib import Path
 
 import torch
 
-from .bench import HBM_READ_BPS, _git_sha, _triton_version, default_out, graph_replay_ms
+from .measure import (
+    HBM_READ_BPS,
+    SHAPES,
+    default_out,
+    environment,
+    expert_weights,
+    graph_replay_ms,
+    write_result,
+)
 
 MOE_PRESETS = {"k3-moe": ("k3", ("mxfp4", "bf16")), "qwen3-moe": ("qwen3-30b-a3b", ("bf16",))}
 ROTATIONS = 8
 CHECKED = 2  # sets whose output is compared with the torch path (the reference is slow at batch 256)
 
 
-def _inputs(shape: dict, wfmt: str, T: int, gen: torch.Generator):
+def expert_inputs(shape: dict, wfmt: str, T: int, gen: torch.Generator):
     D, A, E = shape["D"], shape["A"], shape["E"]
     xdt = torch.float32 if wfmt == "mxfp4" else torch.bfloat16  # LatentMoE feeds its experts fp32
     sets = []
@@ -78,7 +84,7 @@ def bench_row(executor: str, shape: dict, wfmt: str, T: int, gu, dn, expert_byte
     row = {"executor": executor, "batch": T, "weights": wfmt}
     if isinstance(fn, str):
         return {**row, "error": fn}
-    sets = _inputs(shape, wfmt, T, gen)
+    sets = expert_inputs(shape, wfmt, T, gen)
     distinct = [int(ids.unique().numel()) for _, ids, _ in sets]
     floor_ms = statistics.mean(distinct) * expert_bytes / HBM_READ_BPS * 1e3
     ref = _path("torch", shape, wfmt)
@@ -107,8 +113,6 @@ def bench_row(executor: str, shape: dict, wfmt: str, T: int, gu, dn, expert_byte
 def run(args, argv: list[str]) -> int:
     from tqdm import tqdm
 
-    from .tune import SHAPES, _weights
-
     shape_name, formats = MOE_PRESETS[args.preset]
     shape = SHAPES[shape_name]
     formats = args.weights or formats
@@ -116,7 +120,7 @@ def run(args, argv: list[str]) -> int:
     rows = []
     for wfmt in formats:
         gen = torch.Generator(device="cuda").manual_seed(args.seed)
-        gu, dn, expert_bytes = _weights(shape, wfmt, gen)
+        gu, dn, expert_bytes = expert_weights(shape, wfmt, gen)
         for executor in args.executor:
             for T in tqdm(args.batch, desc=f"{args.preset} {wfmt} {executor}", unit="batch"):
                 base = {"preset": args.preset, "executor": executor, "batch": T, "weights": wfmt}
@@ -131,11 +135,8 @@ def run(args, argv: list[str]) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     out = Path(args.out) if args.out else default_out(args.preset, gpu)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": gpu, "torch": torch.__version__, "triton": _triton_version(), "git_sha": _git_sha(),
-              "command": shlex.join(["megadecode", *argv]), "shape": {**shape, "name": shape_name},
-              "rotations": ROTATIONS, "hbm_read_bps": HBM_READ_BPS, "rows": rows}
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, {**environment(argv), "shape": {**shape, "name": shape_name}, "rotations": ROTATIONS,
+                       "hbm_read_bps": HBM_READ_BPS, "rows": rows})
     print(f"{gpu}, {args.preset} ({shape_name}: D={shape['D']} I={shape['I']} A={shape['A']} E={shape['E']}), "
           f"floor = distinct experts' bytes / {HBM_READ_BPS / 1e12:.2f} TB/s")
     print(format_table(rows))

@@ -28,18 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .bench import HBM_READ_BPS, _int_list, graph_replay_ms
 from .kernels import tuning
+from .measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms, int_list
 
 KERNELS = ("fused-experts", "grouped-experts")
-# Routed-expert shapes (D: the input of gate_up; I: the expert intermediate; A: experts per token;
-# E: experts). k3: the LatentMoE experts (D = latent_size) of presets._K3; qwen3-30b-a3b: presets;
-# deepseek-v3: its public config.json (hidden 7168, moe_intermediate 2048, 256 routed, top 8).
-SHAPES = {
-    "k3": {"D": 3584, "I": 3072, "A": 16, "E": 896, "act": "situ", "weights": "mxfp4"},
-    "qwen3-30b-a3b": {"D": 2048, "I": 768, "A": 8, "E": 128, "act": "silu", "weights": "bf16"},
-    "deepseek-v3": {"D": 7168, "I": 2048, "A": 8, "E": 256, "act": "silu", "weights": "bf16"},
-}
 # The sweeps: every combination (fused-experts: 3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; grouped-experts: 3 * 2
 # * 2 = 12; each compiled once and reused per batch).
 GRIDS = {
@@ -78,29 +70,10 @@ def add_parser(sub) -> None:
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--weights", choices=("mxfp4", "bf16"), default=None,
                    help="expert weight format (default: the shape's own: mxfp4 for k3, bf16 otherwise)")
-    p.add_argument("--batch", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated (default: 1,2,4,8,16)")
+    p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16], help="comma-separated (default: 1,2,4,8,16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default: the kernel's tuning file for this GPU)")
     p.set_defaults(func=run)
-
-
-def _weights(shape: dict, wfmt: str, gen: torch.Generator):
-    from .quant.mxfp4 import MXFP4Tensor
-
-    D, I, E = shape["D"], shape["I"], shape["E"]
-
-    def one(out_dim, in_dim):
-        if wfmt == "mxfp4":
-            return MXFP4Tensor(
-                torch.randint(0, 256, (E, out_dim, in_dim // 2), device="cuda", dtype=torch.uint8, generator=gen),
-                torch.randint(118, 124, (E, out_dim, in_dim // 32), device="cuda", dtype=torch.uint8, generator=gen))
-        w = torch.empty(E, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
-        return w.normal_(0.0, in_dim ** -0.5, generator=gen)
-
-    gu, dn = one(2 * I, D), one(D, I)
-    per_expert = sum(t.numel() * t.element_size() // E for w in (gu, dn)
-                     for t in ((w.packed, w.scales) if wfmt == "mxfp4" else (w,)))
-    return gu, dn, per_expert
 
 
 def tune_batch(fe, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, gen: torch.Generator,
@@ -173,7 +146,7 @@ def run(args, argv: list[str]) -> int:
     gpu = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else tuning.config_path(fe.KERNEL, gpu)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    gu, dn, expert_bytes = _weights(shape, wfmt, gen)
+    gu, dn, expert_bytes = expert_weights(shape, wfmt, gen)
     command = shlex.join(["megadecode", *argv])
     data = tuning.read(out) if out.is_file() else None
     rows = []

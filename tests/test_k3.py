@@ -22,7 +22,7 @@ from megadecode.executors.torch_ops import OP_IMPLS, StepContext
 from megadecode.presets import preset_config, preset_hf_config
 from megadecode.reference.attention import mla_attention
 from megadecode.reference.kda import kda_attention
-from megadecode.reference.moe import route
+from megadecode.reference.routing import route
 from megadecode.step import Step
 from megadecode.weights import param_specs, random_weights, weight_bytes
 
@@ -222,7 +222,7 @@ def test_cli_make_checkpoint_then_generate(capsys, tmp_path):
 
 
 def test_output_specs_cover_the_k3_ops(weights):
-    from megadecode.validate.shapes import output_specs
+    from megadecode.contract import output_specs
 
     e = engine(weights, max_batch=3, max_seq_len=8)
     step = Step(tokens=torch.tensor([5, 6, 7]), positions=torch.tensor([0, 1, 2]), slots=torch.arange(3),

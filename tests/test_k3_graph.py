@@ -2,10 +2,8 @@
 experts (the fused small-batch kernels at <= 16 sequences, the grouped kernels above), which the torch
 executor's reference loop checks.
 
-On the CPU this runs eagerly, fp32, under the Triton interpreter. TRITON_INTERPRET=1 is set around the kernel
-import (the @jit functions are decorated then) and per test by a fixture. When another test module imported
-triton first, the interpreter tests skip here and test_rerun_in_subprocess_when_not_interpreted reruns this
-file in a fresh interpreter (the pattern of tests/test_fused_experts.py).
+On the CPU this runs eagerly, fp32, under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before anything imports triton).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    ON_GPU, DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, triton_gate,
+    ON_GPU, DEVICE, import_interpreted, interpreter_env, triton_gate,
 )
 
 FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.kernels.grouped_experts")
@@ -25,7 +23,7 @@ from megadecode import Engine  # noqa: E402
 from megadecode import plan as P  # noqa: E402
 from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
-from megadecode.reference.moe import route  # noqa: E402
+from megadecode.reference.routing import route  # noqa: E402
 from megadecode.step import Step  # noqa: E402
 from megadecode.weights import random_weights  # noqa: E402
 
@@ -142,9 +140,3 @@ def test_graph_decode_batch_20_matches_torch(weights, grouped_calls):
     err = (toks["graph"][1] - toks["torch"][1]).abs().max().item()
     assert err <= 1e-4 * toks["torch"][1].abs().max().item(), err
 
-
-def test_rerun_in_subprocess_when_not_interpreted():
-    """When triton was imported without the interpreter before this module, run this file afresh."""
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)

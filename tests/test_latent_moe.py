@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from megadecode.quant.mxfp4 import MXFP4Tensor
-from megadecode.reference.latent_moe import LatentMoEParams, latent_experts, latent_moe_reference, situ_glu
-from megadecode.reference.moe import route
+from megadecode.reference.activations import situ_glu
+from megadecode.reference.latent_moe import LatentMoEParams, latent_experts, latent_moe_reference
+from megadecode.reference.routing import route
 
 P = LatentMoEParams(num_experts=16, top_k=4, hidden=64, latent=32, intermediate=16, shared_intermediate=32,
                     n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6)

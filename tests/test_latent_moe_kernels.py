@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, static_audits, triton_gate,
+    DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
 LM = import_interpreted("megadecode.kernels.latent_moe", "megadecode.validate.catalog")
@@ -19,7 +19,7 @@ RT = import_interpreted("megadecode.kernels.router")
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.norm import rms_norm  # noqa: E402
 from megadecode.validate.checks import check_op  # noqa: E402
-from megadecode.validate.variant import get  # noqa: E402
+from megadecode.validate.catalog import get  # noqa: E402
 
 TRITON_OK, needs_triton = triton_gate(LM.linear_kernel)
 
@@ -90,7 +90,7 @@ def test_variant_passes_routing_distributions(dist):
 def test_router_split_matches_one_kernel(preset):
     """The router's default two-launch form (logits by `linear`, then selection) picks what the one-kernel
     form picks, with the same weights, and both match the reference route()."""
-    from megadecode.reference.moe import route
+    from megadecode.reference.routing import route
     from megadecode.weights import random_weights
 
     cfg = preset_config(preset)
@@ -126,7 +126,7 @@ def test_router_adds_k_chunks(monkeypatch):
     """With many SMs the logits come as several K chunks; the selection kernel adds them (a dropped chunk
     changes the route)."""
     from megadecode.kernels import splitk
-    from megadecode.reference.moe import route
+    from megadecode.reference.routing import route
 
     monkeypatch.setattr(splitk, "num_sms", lambda device: 64)
     cfg = preset_config("tiny-qwen3-moe")
@@ -152,8 +152,3 @@ def test_static_audit_sm90():
                                                             {"dtype": "fp32", "norm": True}]))
     assert len(rows) == 3
 
-
-def test_rerun_in_subprocess_when_not_interpreted():
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)

@@ -1,5 +1,5 @@
 """The `fused` executor: the graph executor's decode step with plan ops replaced by the registered Triton
-variants of the validation harness, captured in a CUDA graph (issue 5, item 3).
+variants (megadecode.kernels.catalog), captured in a CUDA graph (issue 5, item 3).
 
 Which variants, in order of preference per op kind (the first whose manifest scope admits the model,
 dtype, batch and device runs the op; every other op runs the graph executor's op, sync-free):
@@ -22,7 +22,7 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
   attn_gqa triton-gqa-decode         (GQA decode attention: q/k norms, RoPE and cache write in one kernel, then
                                       the split attention and its merge; q/k/v/o projections stay torch)
 H200 harness reports for each: docs/evidence/<variant>-h200.md. Variants run on outputs allocated with torch.empty: the manifest
-checks (poisoning, write watch) are the harness's job (validate.executor.VariantExecutor), not serving's.
+checks (poisoning, write watch) are the harness's job (megadecode.validate.executor.VariantExecutor), not serving's.
 Scope decisions are made once per captured (batch, cache bucket); `chosen` records them per op kind.
 
 Sampling in the step (`set_sampling`): for greedy or temperature sampling (top_p == 1) the LM_HEAD op runs
@@ -39,6 +39,7 @@ import sys
 import torch
 
 from ..cache import KVCache
+from ..contract import output_specs
 from ..plan import LM_HEAD, DecodePlan, fuse_add_rmsnorm
 from ..step import Step
 from .graph_executor import GraphExecutor
@@ -54,16 +55,15 @@ VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-gro
 
 
 def _variants(device: torch.device) -> list:
-    """The registered variants of VARIANTS (importing the catalog registers them). On the CPU only under
-    the Triton interpreter (the kernels must have been decorated with TRITON_INTERPRET=1)."""
+    """The shipped variants of VARIANTS (megadecode.kernels.catalog). On the CPU only under the Triton
+    interpreter (the kernels must have been decorated with TRITON_INTERPRET=1)."""
     if device.type == "cpu" and "megadecode.kernels.fused_experts" not in sys.modules \
             and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the fused executor runs Triton kernels: on the CPU set TRITON_INTERPRET=1 before "
                          "megadecode.kernels is first imported (tiny models, fp32/fp16 only), or use a CUDA GPU")
-    from ..validate import catalog  # noqa: F401  (registers the variants)
-    from ..validate.variant import get
+    from ..kernels.catalog import shipped
 
-    return [get(n) for n in VARIANTS]
+    return shipped(VARIANTS)
 
 
 class FusedExecutor(GraphExecutor):
@@ -117,8 +117,6 @@ class FusedExecutor(GraphExecutor):
         return None
 
     def run_ops(self, step: Step, hook=None) -> StepContext:
-        from ..validate.shapes import output_specs
-
         if step.segments is not None:  # prefill: the graph executor's ops (eager)
             return super().run_ops(step, hook)
         ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl)

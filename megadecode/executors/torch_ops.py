@@ -10,14 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import plan as P
-from ..reference.attention import gqa_attention, mla_attention
 from ..quant.mxfp4 import MXFP4Tensor
+from ..reference.attention import gqa_attention, mla_attention
 from ..reference.attn_res import attn_res
 from ..reference.kda import kda_attention
 from ..reference.latent_moe import latent_experts
-from ..reference.moe import experts_grouped, experts_reference, route
+from ..reference.moe import experts_grouped, experts_reference
 from ..reference.norm import rms_norm, swiglu_mlp
 from ..reference.rope import rope_cos_sin
+from ..reference.routing import route
 
 
 class StepContext:
@@ -116,8 +117,8 @@ def _triton_experts_fn(device: torch.device):
         return None
     if device.type not in ("cpu", "cuda"):
         return None
+    from ..contract import triton_interpreted
     from ..kernels import grouped_experts as ge
-    from ..validate.variant import triton_interpreted
 
     if device.type == "cpu" and not (triton_interpreted(ge.grouped_up_kernel)
                                      and triton_interpreted(ge.fe.experts_up_kernel)):

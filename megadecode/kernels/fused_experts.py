@@ -40,12 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
 from ..quant.mxfp4 import MXFP4Tensor
-from ..validate.audit import kernel_spec
-from ..validate.variant import Manifest, Scope, Variant, register
 from . import tuning
+from .common import e8m0_to_f32, tanh_f32
 
 MAX_TOKENS = 16
 ACTS = {"silu": 0, "situ": 1}
@@ -97,28 +97,6 @@ def _e2m1_hi(b):
 
 
 @triton.jit
-def _e8m0(s):
-    """e8m0 byte (int32) -> fp32 2**(s - 127), exactly: biased exponent bits; 0 -> 2**-127 (subnormal),
-    255 -> NaN."""
-    bits = tl.where(s == 0, 1 << 22, s << 23)
-    bits = tl.where(s == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _tanh(z):
-    """tanh in fp32 without libdevice (the interpreter lacks it): odd Taylor series below |z| = 0.125 (error
-    < 1e-10 relative), sign(z) (1 - e) / (1 + e) with e = exp(-2|z|) above (no overflow)."""
-    a = tl.abs(z)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    z2 = a * a
-    small = a * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
-    r = tl.where(a < 0.125, small, big)
-    return tl.where(z < 0, -r, r)
-
-
-@triton.jit
 def _rows_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, K: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     """[BLOCK_R] fp32: W[rows, :K] . v[:K] for one expert's matrix starting at w_ptr + w_off (row stride
@@ -142,7 +120,7 @@ def _rows_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_
             sc = tl.load(s_ptr + s_off + rows[:, None] * stride_sr + sb[None, :],
                          mask=row_ok[:, None] & (sb < K // 32)[None, :], other=127,
                          eviction_policy="evict_first").to(tl.int32)
-            acc += part * _e8m0(sc)
+            acc += part * e8m0_to_f32(sc)
         return tl.sum(acc, axis=1) * 16384.0  # undo the decoders' 2**-14
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
@@ -179,7 +157,7 @@ def experts_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_g
     if ACT == 0:  # SiLU-GLU
         h = g * sig * u
     else:  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
-        h = 4.0 * _tanh(g * 0.25) * sig * (25.0 * _tanh(u * 0.04))
+        h = 4.0 * tanh_f32(g * 0.25) * sig * (25.0 * tanh_f32(u * 0.04))
     tl.store(h_ptr + p.to(tl.int64) * I + i, h, mask=i_ok)
 
 

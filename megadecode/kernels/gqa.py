@@ -24,11 +24,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import ATTN_GQA
-from ..reference.rope import _inv_freq_on
-from ..validate.audit import kernel_spec
-from ..validate.variant import Manifest, Scope, Variant, register
-from .mla import _dot, _online_softmax_step
+from ..reference.rope import inv_freq_on
+from .common import dot, online_softmax_step
 from .splitk import audit_specs as splitk_specs
 from .splitk import combine, partials, split_plan, store_partials
 
@@ -63,8 +62,8 @@ def gqa_split_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, m_ptr, l_ptr, acc_p
         m = l_ok[:, None] & c_ok[None, :]
         kt = tl.load(k_ptr + offs, mask=m, other=0.0)  # [BLOCK_L, BLOCK_D]
         vt = tl.load(v_ptr + offs, mask=m, other=0.0)
-        s = _dot(q, tl.trans(kt), tl.zeros((BLOCK_G, BLOCK_L), dtype=tl.float32), IEEE) * scale
-        m_i, l_i, acc = _online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE)
+        s = dot(q, tl.trans(kt), tl.zeros((BLOCK_G, BLOCK_L), dtype=tl.float32), IEEE) * scale
+        m_i, l_i, acc = online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
     store_partials(m_ptr, l_ptr, acc_ptr, qrow, g_ok, sp, S, m_i, l_i, acc, c, c_ok, d)
 
@@ -162,7 +161,7 @@ def gqa_decode_attention(cfg, w: dict, prefix: str, x: torch.Tensor, step, k_cac
     v = F.linear(x, w[f"{prefix}.v_proj.weight"]).contiguous()
     qn = torch.empty(N, H, d, dtype=x.dtype, device=x.device)
     if N:
-        inv, att = _inv_freq_on(cfg.rope, cfg.rope_dim, x.device)
+        inv, att = inv_freq_on(cfg.rope, cfg.rope_dim, x.device)
         qk_norm_rope_kernel[(N, H + KH)](
             q, k, v, w[f"{prefix}.q_norm.weight"], w[f"{prefix}.k_norm.weight"], inv, step.positions.contiguous(),
             step.slots.contiguous(), qn, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

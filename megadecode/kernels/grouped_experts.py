@@ -50,13 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
-from ..validate.audit import kernel_spec
-from ..validate.variant import Manifest, Scope, Variant, register
 from . import fused_experts as fe
 from . import tuning
-from .fused_experts import ACTS, MAX_TOKENS, WDTYPES, _e8m0, _tanh, check_problem, shape_key
+from .common import e8m0_to_f32, mma, tanh_f32
+from .fused_experts import ACTS, MAX_TOKENS, WDTYPES, check_problem, shape_key
 
 KERNEL = "grouped-experts"
 MAX_BATCH = 4096  # a sanity bound for the launcher (T * A pairs are indexed in int32)
@@ -133,20 +133,6 @@ def _mx_decode_fast(b, s16):
 
 
 @triton.jit
-def _mma(w, v, acc, SPLIT: tl.constexpr):
-    """acc + w @ v on tensor cores: w [R, K] (fp16/bf16/fp32), v [K, M] fp32/fp16/bf16 activations. fp32 w: an
-    IEEE fp32 dot. Else v is rounded to w's dtype; SPLIT (fp32 activations): v = hi + lo, both in w's dtype,
-    two products (about 2x the mantissa bits of one)."""
-    if w.dtype == tl.float32:
-        return tl.dot(w, v.to(tl.float32), acc, input_precision="ieee")
-    vh = v.to(w.dtype)
-    acc = tl.dot(w, vh, acc)
-    if SPLIT:
-        acc = tl.dot(w, (v.to(tl.float32) - vh.to(tl.float32)).to(w.dtype), acc)
-    return acc
-
-
-@triton.jit
 def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok, PS,
             K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
             MXFP4: tl.constexpr, SPLIT: tl.constexpr, FAST: tl.constexpr = False, USE_ASM: tl.constexpr = True):
@@ -195,9 +181,9 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
             ve = tl.load(v_ptr + v_rows[None, :] + ke[:, None], mask=m_ok[None, :], other=0.0)
             vo = tl.load(v_ptr + v_rows[None, :] + ke[:, None] + 1, mask=m_ok[None, :], other=0.0)
             part = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-            part = _mma(_e2m1_lo_h(b), ve, part, SPLIT)
-            part = _mma(_e2m1_hi_h(b), vo, part, SPLIT)
-            acc += part * _e8m0(sc)[:, None]
+            part = mma(_e2m1_lo_h(b), ve, part, SPLIT)
+            part = mma(_e2m1_hi_h(b), vo, part, SPLIT)
+            acc += part * e8m0_to_f32(sc)[:, None]
         acc = acc * 16384.0  # undo the decoders' 2**-14
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -206,7 +192,7 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
             w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
             v = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            acc = _mma(w, v, acc, SPLIT)
+            acc = mma(w, v, acc, SPLIT)
     return acc
 
 
@@ -256,7 +242,7 @@ def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_pt
         if ACT == 0:  # SiLU-GLU
             h = g * sig * u
         else:  # SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)
-            h = 4.0 * _tanh(g * 0.25) * sig * (25.0 * _tanh(u * 0.04))
+            h = 4.0 * tanh_f32(g * 0.25) * sig * (25.0 * tanh_f32(u * 0.04))
         hm = i_ok[:, None] & m_ok[None, :]
         if FAST:  # h as the fp16 planes the down kernel reads: plane 2 * (i % 2) (+1 for the lo part)
             hp = h_ptr + (2 * (i % 2)).to(tl.int64)[:, None] * ps_h + p.to(tl.int64)[None, :] * (I // 2) \

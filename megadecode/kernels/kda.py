@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import ATTN_KDA
 from ..reference.kda import kda_attention
-from ..validate.audit import kernel_spec
-from ..validate.variant import Manifest, Scope, Variant, register
 
 
 @triton.jit

@@ -51,10 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import LM_HEAD
 from ..sampling import SamplingParams
-from ..validate.audit import kernel_spec
-from ..validate.variant import Manifest, Scope, Variant, register
 
 DEFAULT_BLOCKS = {"BLOCK_V": 64, "BLOCK_K": 128, "BLOCK_T": 1024, "num_warps": 4, "num_stages": 3}
 BLOCK_B = 16  # tokens per program: the MMA's N side (the minimum tl.dot tile)

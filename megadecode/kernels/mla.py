@@ -23,33 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import ATTN_MLA
 from ..reference.attention import mla_attention
-from ..validate.audit import kernel_spec
-from ..validate.variant import Manifest, Scope, Variant, register
+from .common import dot, online_softmax_step
 from .splitk import audit_specs as splitk_specs
 from .splitk import combine, partials, split_plan, store_partials
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _online_softmax_step(s, l_ok, vt, m_i, l_i, acc, IEEE: tl.constexpr):
-    """One cache tile of an online softmax: s [rows, BLOCK_L] scaled scores, l_ok the tile's visible positions,
-    vt [BLOCK_L, cols] the values; -> (m_i, l_i, acc) updated (running max, running sum, unnormalised
-    output). The probabilities are rounded to the values' dtype before the product (as the reference)."""
-    s = tl.where(l_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = _dot(p.to(vt.dtype), vt, acc * alpha[:, None], IEEE)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -84,9 +63,9 @@ def mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, rows_ptr, pos_ptr, m_ptr, l_ptr,
                       other=0.0)  # [BLOCK_L, BLOCK_C]
         pe = tl.load(base + ll[:, None].to(tl.int64) * stride_cl + C + r[None, :],
                      mask=l_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_L, BLOCK_R]
-        s = _dot(ql, tl.trans(lat), tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32), IEEE)
-        s = _dot(qp, tl.trans(pe), s, IEEE) * scale
-        m_i, l_i, acc = _online_softmax_step(s, l_ok, lat, m_i, l_i, acc, IEEE)
+        s = dot(ql, tl.trans(lat), tl.zeros((BLOCK_H, BLOCK_L), dtype=tl.float32), IEEE)
+        s = dot(qp, tl.trans(pe), s, IEEE) * scale
+        m_i, l_i, acc = online_softmax_step(s, l_ok, lat, m_i, l_i, acc, IEEE)
         l0 += BLOCK_L
     store_partials(m_ptr, l_ptr, acc_ptr, bh, h_ok, sp, S, m_i, l_i, acc, c, c_ok, C)
 

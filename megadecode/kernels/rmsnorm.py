@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ..config import ModelConfig
+from ..contract import Manifest, Scope, Variant, register
 from ..plan import ADD_RMSNORM, RMSNORM
-from ..validate.variant import Manifest, Scope, Variant, register
 
 
 @triton.jit

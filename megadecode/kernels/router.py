@@ -11,7 +11,7 @@ ones stated in reference/moe.py:
 Dimensions: T tokens, D hidden, E experts, A = top_k, G groups of E/G experts.
 
 Two launches by default (`split=True`): the logits x W^T fp32 by the tensor-core projection of
-kernels/latent_moe.py (`linear_partials`: programs over expert tiles and K chunks, so the router weight is
+kernels/linear.py (`linear_partials`: programs over expert tiles and K chunks, so the router weight is
 streamed by ~one program per SM, not by the one program that holds a token block), then the selection kernel
 adding the chunks' partial sums in order (PRESCORED). The chunking depends on E, D and the GPU, not on the
 batch, so a token's route does not depend on the other tokens of the step. `split=False` keeps the single kernel that also computes the logits (fp32 FMA, one program per
@@ -26,8 +26,10 @@ import triton
 import triton.language as tl
 
 from ..config import ModelConfig
+from ..contract import Manifest, Scope, Variant, register
 from ..plan import ROUTER
-from ..validate.variant import Manifest, Scope, Variant, register
+from .linear import linear_partials
+from .splitk import num_sms
 
 
 @triton.jit
@@ -137,9 +139,6 @@ def route_triton(cfg: ModelConfig, x: torch.Tensor, gate_w: torch.Tensor, bias: 
     block_d = max(1, min(triton.next_power_of_2(D), 8192 // (BE * block_t)))  # x*w tile <= 8192 values
     scores = ids  # unused pointer unless split
     if split:
-        from .latent_moe import linear_partials
-        from .splitk import num_sms
-
         # the logits as K-chunk partial sums, so that a batch-1 step streams gate_w with ~1 program per SM; the
         # chunking depends on E, D and the GPU only, not on T: a token's logits do not depend on the batch
         ks = max(1, min(16, num_sms(x.device) // triton.cdiv(E, 64)))
@@ -175,5 +174,5 @@ ROUTER_VARIANT = register(Variant(Manifest(
                 "block of tokens per program) for scores, bias, groups, top-k (lowest index wins), renormalise, "
                 "scale; fp32 math",
     replaces=(ROUTER,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), dims=_dims),
-    sources=("megadecode/kernels/router.py", "megadecode/kernels/latent_moe.py"), uses_triton=True),
+    sources=("megadecode/kernels/router.py", "megadecode/kernels/linear.py", "megadecode/kernels/common.py"), uses_triton=True),
     _run, kernel=router_kernel))

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validate.audit import kernel_spec
+from ..contract import kernel_spec
 
 
 def num_sms(device: torch.device) -> int:

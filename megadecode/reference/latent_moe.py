@@ -10,7 +10,7 @@ R latent (3584), I routed-expert intermediate (3072), S shared intermediate (614
     z       = rms_norm(sum_a w[t, a] * y_ta, latent_norm) [T, R]    norm on the weighted SUM
     out     = z @ latent_up^T + shared(x)                [T, D]
 
-Routing (`megadecode.reference.moe.route`, sigmoid branch): s = sigmoid(x W^T) in fp32; the
+Routing (`megadecode.reference.routing.route`, sigmoid branch): s = sigmoid(x W^T) in fp32; the
 selection bias (`router.bias`) is added for choosing only; optional groups (`n_group`,
 `topk_group`); top-A with ties to the lower expert index; weights = s of the picks, renormalised
 when `norm_topk_prob`, times `routed_scaling_factor` (1.0 for K3).
@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from ..quant.mxfp4 import MXFP4Tensor
-from .moe import route
+from .activations import GLUS
 from .norm import rms_norm
+from .routing import route
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,6 @@ def check_weights(weights: dict, p: LatentMoEParams) -> None:
             raise ValueError(f"LatentMoE weights: {name!r} has shape {got}, expected {shape}")
 
 
-def situ_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """SiTU-GLU: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
-    return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * (25 * torch.tanh(u / 25))
-
-
 def _expert(w, e: int) -> torch.Tensor:
     """One routed expert's weight in fp32, decoding MXFP4 exactly (only the selected expert)."""
     return w[e].dequantize(torch.float32) if isinstance(w, MXFP4Tensor) else w[e].float()
@@ -111,7 +107,7 @@ def latent_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up,
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = F.linear(h[tok], _expert(gate_up, e)).chunk(2, dim=-1)
-        a = situ_glu(g, u) if act == "situ" else F.silu(g) * u
+        a = GLUS[act](g, u)
         y = F.linear(a, _expert(down, e))  # [T_e, R]
         z.index_add_(0, tok, y * w[tok, slot, None].float())
     return z
@@ -122,7 +118,7 @@ def shared_experts(x: torch.Tensor, weights: dict, act: str = "silu") -> torch.T
     xf = x.float()
     g = F.linear(xf, weights["shared_experts.gate_proj.weight"].float())
     u = F.linear(xf, weights["shared_experts.up_proj.weight"].float())
-    a = F.silu(g) * u if act == "silu" else situ_glu(g, u)
+    a = GLUS[act](g, u)
     return F.linear(a, weights["shared_experts.down_proj.weight"].float())
 
 

@@ -42,14 +42,14 @@ def inv_freq_and_scale(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]
 
 
 @functools.lru_cache(maxsize=32)
-def _inv_freq_on(rope: RopeConfig, dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
+def inv_freq_on(rope: RopeConfig, dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
     inv, att = inv_freq_and_scale(rope, dim)
     return inv.to(device), att  # built once per device: no host-to-device copy inside a CUDA graph
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, dim/2] for integer positions [N], computed in fp32 then cast to `dtype`."""
-    inv, att = _inv_freq_on(cfg.rope, cfg.rope_dim, positions.device)
+    inv, att = inv_freq_on(cfg.rope, cfg.rope_dim, positions.device)
     freqs = positions.float()[:, None] * inv[None, :]
     return (freqs.cos() * att).to(dtype), (freqs.sin() * att).to(dtype)
 

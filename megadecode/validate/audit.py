@@ -26,6 +26,8 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from ..contract.kernels import KernelSpec, kernel_spec  # noqa: F401  (the kernels' side of the audit)
+
 ROLES = ("static", "produced", "flag")
 R_NC, R_ACQ, R_REL, R_ORDER, R_SASS = ("nc-load-of-produced", "wait-without-acquire",
                                        "signal-without-release", "store-after-signal",
@@ -383,15 +385,6 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict | None = None
         raise ValueError(f"constexpr arguments without a value: {need}")
     src = ASTSource(fn, dict(signature), consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
-
-
-def kernel_spec(fn, runtime_sig: dict, consts: dict, static: tuple[str, ...] = ()) -> tuple:
-    """(fn, signature, roles, constexprs) for audit_kernel, as the kernel modules' audit_specs return them: the
-    constexprs marked in the signature; every pointer parameter (named ..._ptr) holds data produced within the
-    step unless it is named in `static` (weights, tables)."""
-    sig = {**runtime_sig, **{k: "constexpr" for k in consts}}
-    roles = {n: ("static" if n in static else "produced") for n in sig if n.endswith("_ptr")}
-    return fn, sig, roles, consts
 
 
 def audit_kernel(fn, signature: dict[str, str], roles: dict[str, str], constexprs: dict | None = None,

@@ -21,10 +21,10 @@ from dataclasses import replace
 
 import torch
 
+from ..contract import Variant, register
 from ..kernels import rmsnorm as K_NORM
 from ..kernels import router as K_ROUTER
-from ..kernels import torch_variants as K_TORCH
-from .variant import Variant, register
+from . import torch_variants as K_TORCH
 
 
 def _broken(base: Variant, name: str, description: str, impl) -> Variant:

@@ -17,10 +17,16 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..contract import (
+    DTYPE_NAMES,
+    Variant,
+    dtype_name,
+    output_specs,
+    poisoned,
+    unwritten,
+)
 from .inputs import OpCase, build_case, reference_outputs
-from .shapes import output_specs, poisoned, unwritten
 from .tolerances import TOLERANCES, UNORDERED, Tolerance
-from .variant import DTYPE_NAMES, Variant, dtype_name
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 

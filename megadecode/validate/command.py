@@ -43,8 +43,16 @@ def _device() -> str:
 def cmd_validate(args, argv) -> int:
     if _device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are decorated
-    from .matrix import BATCH_SWEEP, DTYPES, QUICK_BATCHES, counts, run_matrix, save_json, summary_table
-    from .variant import all_variants, get
+    from .catalog import all_variants, get
+    from .matrix import (
+        BATCH_SWEEP,
+        DTYPES,
+        QUICK_BATCHES,
+        counts,
+        run_matrix,
+        save_json,
+        summary_table,
+    )
 
     if args.ordering:
         return _cmd_ordering(args, argv)
@@ -126,7 +134,7 @@ def _cmd_ordering(args, argv) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": "megadecode " + shlex.join(argv), "rows": rows}, indent=1))
     if args.report:
-        manifest = {"name": "ordering-audit", "subject": "megadecode/kernels/handoff.py (persistent producer/"
+        manifest = {"name": "ordering-audit", "subject": "megadecode/validate/handoff.py (persistent producer/"
                     "consumer handoff through flags) and its planted ordering mistakes",
                     "variants": list(HANDOFF_VARIANTS)}
         _write_report(args, argv, "ordering-audit", manifest, rows, reports, [])

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import Variant, dtype_name
 from ..engine import Engine
 from ..presets import preset_config
 from ..weights import random_weights
 from .executor import VariantExecutor
 from .tolerances import TOLERANCES
-from .variant import Variant, dtype_name
 
 DEFAULT_PROMPTS = ([256, 72, 101, 108, 108, 111], [256, 1, 2, 3], [256, 77, 111, 69], [256, 40])
 

@@ -16,12 +16,11 @@ import logging
 import torch
 
 from ..cache import KVCache
+from ..contract import ManifestViolation, Variant, output_specs, poisoned, unwritten
 from ..executors.torch_executor import TorchExecutor
 from ..executors.torch_ops import OP_IMPLS, StepContext
 from ..plan import DecodePlan, Op
 from ..step import Step
-from .shapes import output_specs, poisoned, unwritten
-from .variant import ManifestViolation, Variant
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 24  # bytes per checksum chunk (bounds the int64 temporaries)

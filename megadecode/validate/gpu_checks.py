@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import output_specs
 from .inputs import OpCase
-from .shapes import output_specs
 
 
 def _outputs(case: OpCase) -> dict[str, torch.Tensor]:

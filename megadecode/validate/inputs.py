@@ -24,7 +24,7 @@ from .. import plan as P
 from ..cache import FP32_PARTS
 from ..config import ModelConfig
 from ..executors.torch_ops import StepContext
-from ..reference.moe import route
+from ..reference.routing import route
 from ..step import Step
 from ..weights import param_specs, random_tensor
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ..contract import Variant
 from ..presets import preset_config
 from .checks import check_op
 from .inputs import DISTRIBUTIONS, ROUTED
-from .variant import Variant
 
 BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
 QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep

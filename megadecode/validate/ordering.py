@@ -21,7 +21,7 @@ import torch
 
 from . import audit as A
 
-# name -> planted flags of megadecode.kernels.handoff (one mistake each)
+# name -> planted flags of megadecode.validate.handoff (one mistake each)
 HANDOFF_VARIANTS = {
     "handoff": {},
     "broken-handoff-hoist-nc": {"HOIST": True},  # produced data through the non-coherent path
@@ -34,7 +34,7 @@ JITTER = (None, "before_store", "after_signal")
 
 
 def static_audit(name: str) -> A.AuditReport:
-    from ..kernels import handoff as H
+    from . import handoff as H
 
     return A.audit_kernel(H.handoff_kernel, H.handoff_signature(), H.PARAM_ROLES,
                           H.handoff_constexprs(**HANDOFF_VARIANTS[name]))
@@ -80,9 +80,8 @@ def _kernel_audits(variant: str) -> list[A.AuditReport]:
         return [A.audit_kernel(rmsnorm_kernel, sig, {"x_ptr": "produced", "w_ptr": "static", "out_ptr": "produced"},
                                {"D": 2048, "BLOCK_T": 4, "BLOCK_D": 2048})]
     if variant == "triton-router":
+        from ..kernels.linear import audit_specs as linear_specs
         from ..kernels.router import router_kernel
-
-        from ..kernels.latent_moe import audit_specs as linear_specs
 
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32",
                "s_ptr": "*fp32", "T": "i32", "stride_x": "i32", "stride_w": "i32", "scale": "fp32"}
@@ -109,7 +108,7 @@ def _kernel_audits(variant: str) -> list[A.AuditReport]:
     # the other variants: their kernel module's audit_specs() (the kernels it launches, default shapes)
     import importlib
 
-    from .variant import get
+    from .catalog import get
 
     v = get(variant)
     mod = importlib.import_module(v.kernel.__module__) if getattr(v, "kernel", None) is not None else None
@@ -130,7 +129,7 @@ def dynamic_audit(name: str, *, launches: int = 100, M: int = 1024, K: int = 204
     """On the GPU: for each jitter placement, `launches` launches with fresh random inputs (and fresh
     random delays in [0, max_delay_ns)), each compared with the fp64 reference; plus, without jitter,
     two launches on the same inputs must be bitwise identical. One row per (placement | repeat)."""
-    from ..kernels import handoff as H
+    from . import handoff as H
 
     planted = HANDOFF_VARIANTS[name]
     gen = torch.Generator(device="cuda").manual_seed(seed)

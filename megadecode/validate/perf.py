@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import Variant, output_specs
 from ..executors.torch_ops import OP_IMPLS, StepContext
 from ..presets import preset_config
 from .inputs import build_case
-from .shapes import output_specs
-from .variant import Variant
 
 
 def time_against_reference(v: Variant, preset: str = "qwen3-30b-a3b", batches=(1, 8, 64)) -> list[dict]:

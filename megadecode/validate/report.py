@@ -31,9 +31,9 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    from ..bench import _git_sha
+    from ..measure import git_sha
 
-    env["git_sha"] = _git_sha()
+    env["git_sha"] = git_sha()
     return env
 
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from .config import ConfigError, ModelConfig, RopeConfig, _eos, _get
-
-
-def _alias(d: dict, names: tuple[str, ...], default: Any = ..., *, type_=None) -> Any:
-    """The first of several spellings of one field present in `d` (KimiLinearConfig's attribute_map)."""
-    for n in names:
-        if d.get(n) is not None:
-            return _get(d, n, type_=type_)
-    return _get(d, names[0], default, type_=type_)
+from ..fields import hf_alias, hf_eos, hf_field, reject_quantized, require_silu
+from ..model import ConfigError, ModelConfig, RopeConfig
 
 
-def kimi_linear_from_hf(d: dict, L: int) -> ModelConfig:
+def parse(d: dict) -> ModelConfig:
+    reject_quantized(d, d.get("model_type"))
+    require_silu(d)
+    L = hf_field(d, "num_hidden_layers", type_=int)
+    return build(d, L)
+
+
+def build(d: dict, L: int) -> ModelConfig:
     """kimi_linear, with KimiLinearConfig's defaults and aliases (e.g. `num_experts` / `num_local_experts`,
     `num_expert_group` / `n_group`). Layer kinds: `layer_types`, else `linear_attn_config`'s 1-indexed
     `full_attn_layers` / `kda_layers`, else every 4th layer (not layer 0) is MLA. MLP kinds:
@@ -43,38 +41,38 @@ def kimi_linear_from_hf(d: dict, L: int) -> ModelConfig:
                           f"layers, got {types!r}")
     mlp_types = d.get("mlp_layer_types")
     if mlp_types is None:
-        first_dense = _get(d, "first_k_dense_replace", 1, type_=int)
+        first_dense = hf_field(d, "first_k_dense_replace", 1, type_=int)
         mlp_types = ["dense" if i < first_dense else "sparse" for i in range(L)]
     if not isinstance(mlp_types, list) or len(mlp_types) != L or not set(mlp_types) <= {"dense", "sparse"}:
         raise ConfigError(f"mlp_layer_types must list 'dense' / 'sparse' for each of the {L} layers, "
                           f"got {mlp_types!r}")
-    heads = _get(d, "num_attention_heads", type_=int)
+    heads = hf_field(d, "num_attention_heads", type_=int)
     return ModelConfig(
-        family="kimi_linear", vocab_size=_get(d, "vocab_size", type_=int),
-        hidden_size=_get(d, "hidden_size", type_=int), num_layers=L, num_heads=heads,
-        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5, type_=float)),
-        max_position_embeddings=_alias(d, ("max_position_embeddings", "model_max_length"), 1048576, type_=int),
+        family="kimi_linear", vocab_size=hf_field(d, "vocab_size", type_=int),
+        hidden_size=hf_field(d, "hidden_size", type_=int), num_layers=L, num_heads=heads,
+        rms_norm_eps=float(hf_field(d, "rms_norm_eps", 1e-5, type_=float)),
+        max_position_embeddings=hf_alias(d, ("max_position_embeddings", "model_max_length"), 1048576, type_=int),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=_get(d, "bos_token_id", None, type_=int), eos_token_id=_eos(d), hf=dict(d),
+        bos_token_id=hf_field(d, "bos_token_id", None, type_=int), eos_token_id=hf_eos(d), hf=dict(d),
         rope=RopeConfig(theta=10000.0),  # unused: mla_rope=False
-        num_experts=_alias(d, ("num_experts", "num_local_experts"), 256, type_=int),
-        top_k=_alias(d, ("num_experts_per_tok", "num_experts_per_token"), 8, type_=int),
-        moe_intermediate_size=_get(d, "moe_intermediate_size", 1024, type_=int),
-        intermediate_size=_get(d, "intermediate_size", 9216, type_=int),
-        norm_topk_prob=bool(_alias(d, ("norm_topk_prob", "moe_renormalize"), True)),
+        num_experts=hf_alias(d, ("num_experts", "num_local_experts"), 256, type_=int),
+        top_k=hf_alias(d, ("num_experts_per_tok", "num_experts_per_token"), 8, type_=int),
+        moe_intermediate_size=hf_field(d, "moe_intermediate_size", 1024, type_=int),
+        intermediate_size=hf_field(d, "intermediate_size", 9216, type_=int),
+        norm_topk_prob=bool(hf_alias(d, ("norm_topk_prob", "moe_renormalize"), True)),
         moe_layers=tuple(t == "sparse" for t in mlp_types), score_func="sigmoid",
-        n_group=_alias(d, ("n_group", "num_expert_group"), 1, type_=int),
-        topk_group=_get(d, "topk_group", 1, type_=int),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.446, type_=float)),
-        n_shared_experts=_alias(d, ("n_shared_experts", "num_shared_experts"), 1, type_=int),
-        q_lora_rank=_get(d, "q_lora_rank", None, type_=int), kv_lora_rank=_get(d, "kv_lora_rank", 512, type_=int),
-        qk_nope_head_dim=_get(d, "qk_nope_head_dim", 128, type_=int),
-        qk_rope_head_dim=_get(d, "qk_rope_head_dim", 64, type_=int),
-        v_head_dim=_get(d, "v_head_dim", 128, type_=int), mla_rope=False,
-        num_kv_heads=_get(d, "num_key_value_heads", heads, type_=int),
+        n_group=hf_alias(d, ("n_group", "num_expert_group"), 1, type_=int),
+        topk_group=hf_field(d, "topk_group", 1, type_=int),
+        routed_scaling_factor=float(hf_field(d, "routed_scaling_factor", 2.446, type_=float)),
+        n_shared_experts=hf_alias(d, ("n_shared_experts", "num_shared_experts"), 1, type_=int),
+        q_lora_rank=hf_field(d, "q_lora_rank", None, type_=int), kv_lora_rank=hf_field(d, "kv_lora_rank", 512, type_=int),
+        qk_nope_head_dim=hf_field(d, "qk_nope_head_dim", 128, type_=int),
+        qk_rope_head_dim=hf_field(d, "qk_rope_head_dim", 64, type_=int),
+        v_head_dim=hf_field(d, "v_head_dim", 128, type_=int), mla_rope=False,
+        num_kv_heads=hf_field(d, "num_key_value_heads", heads, type_=int),
         kda_layers=tuple(t == "linear_attention" for t in types),
-        linear_num_heads=_get(lin, "num_heads", _get(d, "linear_num_heads", 32, type_=int), type_=int),
-        linear_head_dim=_get(lin, "head_dim", _get(d, "linear_head_dim", 128, type_=int), type_=int),
-        conv_kernel=_get(lin, "short_conv_kernel_size", _get(d, "linear_conv_kernel_dim", 4, type_=int),
+        linear_num_heads=hf_field(lin, "num_heads", hf_field(d, "linear_num_heads", 32, type_=int), type_=int),
+        linear_head_dim=hf_field(lin, "head_dim", hf_field(d, "linear_head_dim", 128, type_=int), type_=int),
+        conv_kernel=hf_field(lin, "short_conv_kernel_size", hf_field(d, "linear_conv_kernel_dim", 4, type_=int),
                          type_=int),
     )

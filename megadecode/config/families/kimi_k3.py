@@ -2,7 +2,7 @@
 
 Fields shared with kimi_linear keep kimi_linear's names and meaning (`layer_types` or
 `linear_attn_config`, the MLA dims, `first_k_dense_replace`, `num_experts`, `num_experts_per_tok`,
-`num_shared_experts`, `n_group`, ...); `config_kimi_linear.kimi_linear_from_hf` parses them after the K3 defaults below are
+`num_shared_experts`, `n_group`, ...); `families.kimi_linear.build` parses them after the K3 defaults below are
 filled in. K3-only fields:
   latent_size           int, required   LatentMoE latent width (3584)
   moe_hidden_act        "situ"          routed experts' GLU: "situ" (SiTU-GLU) or "silu" (SwiGLU)
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ConfigError, ModelConfig, _get
-from .config_kimi_linear import kimi_linear_from_hf
+from ..fields import hf_field
+from ..model import ConfigError, ModelConfig
+from . import kimi_linear
 
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "latent_size")
@@ -39,9 +40,9 @@ def default_layer_types(num_layers: int) -> list[str]:
             for i in range(num_layers)]
 
 
-def kimi_k3_from_hf(d: dict) -> ModelConfig:
+def parse(d: dict) -> ModelConfig:
     for key in REQUIRED:
-        _get(d, key)  # raises "missing the required field"
+        hf_field(d, key)  # raises "missing the required field"
     if d.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported for kimi_k3")
     act = d.get("hidden_act", "silu")
@@ -63,36 +64,17 @@ def kimi_k3_from_hf(d: dict) -> ModelConfig:
     if not isinstance(lin, dict):
         raise ConfigError(f"config field 'linear_attn_config' must be a JSON object, got {lin!r}")
     merged["linear_attn_config"] = {**LINEAR_DEFAULTS, **lin}
-    L = _get(d, "num_hidden_layers", type_=int)
+    L = hf_field(d, "num_hidden_layers", type_=int)
     if L < 1:
         raise ConfigError(f"num_hidden_layers must be a positive integer, got {L}")
     if merged.get("layer_types") is None and not ("full_attn_layers" in lin and "kda_layers" in lin):
         merged["layer_types"] = default_layer_types(L)
-    base = kimi_linear_from_hf(merged, L)
+    base = kimi_linear.build(merged, L)
     expert_act = d.get("moe_hidden_act", "situ")
     gate = d.get("mla_output_gate", True)
     if not isinstance(gate, bool):
         raise ConfigError(f"config field 'mla_output_gate' must be true or false, got {gate!r}")
     return dataclasses.replace(
-        base, family="kimi_k3", hf=dict(d), latent_size=_get(d, "latent_size", type_=int),
+        base, family="kimi_k3", hf=dict(d), latent_size=hf_field(d, "latent_size", type_=int),
         expert_act=expert_act, expert_quant="mxfp4", mla_output_gate=gate,
-        attn_res_block_size=_get(d, "attn_res_block_size", 12, type_=int))
-
-
-def check_k3(cfg: ModelConfig) -> None:
-    """kimi_k3 invariants (called from ModelConfig.__post_init__)."""
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"kimi_k3: {msg}")
-
-    need(cfg.latent_size > 0, f"latent_size must be a positive integer, got {cfg.latent_size!r}")
-    need(cfg.latent_size % 32 == 0 and cfg.moe_intermediate_size % 32 == 0,
-         f"MXFP4 experts pack 32 weights per scale along their input dim: latent_size ({cfg.latent_size}) and "
-         f"moe_intermediate_size ({cfg.moe_intermediate_size}) must be multiples of 32")
-    need(cfg.expert_act in ("silu", "situ"), f"moe_hidden_act must be 'situ' or 'silu', got {cfg.expert_act!r}")
-    need(cfg.expert_quant == "mxfp4", f"routed experts must be MXFP4, got expert_quant {cfg.expert_quant!r}")
-    need(cfg.score_func == "sigmoid", "Stable LatentMoE routes with sigmoid scores")
-    need(isinstance(cfg.attn_res_block_size, int) and cfg.attn_res_block_size >= 0,
-         f"attn_res_block_size must be an integer >= 0 (0: no AttnRes), got {cfg.attn_res_block_size!r}")
-    need(cfg.n_shared_experts >= 1 or not any(cfg.moe_layers),
-         "LatentMoE layers run shared experts: num_shared_experts must be >= 1")
+        attn_res_block_size=hf_field(d, "attn_res_block_size", 12, type_=int))

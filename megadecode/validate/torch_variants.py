@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..contract import Manifest, Scope, Variant, register
 from ..plan import ATTN_GQA, EXPERTS
 from ..reference.attention import gqa_attention
 from ..reference.moe import experts_grouped
 from ..reference.rope import rope_cos_sin
-from ..validate.variant import Manifest, Scope, Variant, register
 
 
 def _grouped_experts(op, inputs, weights, outputs, cfg, step, cache=None):
@@ -62,16 +62,16 @@ GROUPED_EXPERTS = register(Variant(Manifest(
     description="routed experts as two torch._grouped_mm over expert-sorted pairs (reference/moe.py "
                 "experts_grouped), no host sync",
     replaces=(EXPERTS,), scope=Scope(dtypes=("float32", "bfloat16")),  # _grouped_mm: no fp16 on cpu
-    sources=("megadecode/reference/moe.py", "megadecode/kernels/torch_variants.py")), _grouped_experts))
+    sources=("megadecode/reference/moe.py", "megadecode/validate/torch_variants.py")), _grouped_experts))
 
 LOOP_EXPERTS = register(Variant(Manifest(
     name="torch-loop-experts",
     description="routed experts over expert-sorted pairs with explicit per-expert offsets, one host loop "
                 "over the experts (the offset bookkeeping a grouped GEMM kernel needs)",
-    replaces=(EXPERTS,), sources=("megadecode/kernels/torch_variants.py",), graph_capturable=False),
+    replaces=(EXPERTS,), sources=("megadecode/validate/torch_variants.py",), graph_capturable=False),
     _loop_experts))
 
 ATTN_GQA_TORCH = register(Variant(Manifest(
     name="torch-attn-gqa", description="GQA attention of reference/attention.py in the variant contract",
     replaces=(ATTN_GQA,), scope=Scope(families=("qwen3_moe",)),
-    sources=("megadecode/reference/attention.py", "megadecode/kernels/torch_variants.py")), attn_gqa))
+    sources=("megadecode/reference/attention.py", "megadecode/validate/torch_variants.py")), attn_gqa))

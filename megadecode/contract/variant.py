@@ -1,15 +1,4 @@
-"""Variants: alternative implementations of plan op kinds, each with a manifest saying what it replaces,
-where it may run and which files it owns.
-
-The op contract (what lets the harness poison outputs and watch every other buffer):
-
-    run(op, inputs, weights, outputs, cfg, step, cache=None) -> None
-
-`inputs` maps the op's input buffer names to tensors, `weights` its weight names, `outputs` its output
-names to PREALLOCATED tensors (shape and dtype of the reference op's outputs) that the variant must
-write completely, in place. `cache` is the op's cache tuple (attention only), which the variant reads
-and writes. A variant must not modify anything else: inputs, weights, other buffers.
-"""
+"""Variant and Manifest: a fast path of plan ops, and what it declares about itself (see the package doc)."""
 
 from __future__ import annotations
 
@@ -118,27 +107,3 @@ class Variant:
         if s.dims is not None:
             return s.dims(cfg)
         return None
-
-
-_REGISTRY: dict[str, Variant] = {}
-
-
-def register(variant: Variant) -> Variant:
-    if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
-        raise ValueError(f"variant {variant.name!r} is already registered")
-    _REGISTRY[variant.name] = variant
-    return variant
-
-
-def get(name: str) -> Variant:
-    from . import catalog  # noqa: F401  (registers the shipped variants)
-
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown variant {name!r}; variants: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
-
-
-def all_variants() -> list[Variant]:
-    from . import catalog  # noqa: F401
-
-    return [_REGISTRY[n] for n in sorted(_REGISTRY)]

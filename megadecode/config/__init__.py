@@ -1,0 +1,55 @@
+"""Model configuration: read an HF config.json into a validated ModelConfig.
+
+    model.py      ModelConfig (and RopeConfig, ConfigError): the one dataclass the rest of megadecode reads
+    fields.py     typed readers of HF fields, shared by the parsers
+    families/     one parser per family (qwen3_moe, deepseek_v3, kimi_linear, kimi_k3), registered below
+
+A field left out of config.json takes the default of transformers' config class for the family
+(Qwen3MoeConfig, DeepseekV3Config, KimiLinearConfig; kimi_k3: the public K3 values), so the model built is the
+one transformers would build; the fields that define the model's size have no default and are required.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from .families import deepseek_v3, kimi_k3, kimi_linear, qwen3_moe
+from .model import FAMILIES, ConfigError, ModelConfig, RopeConfig, yarn_mscale
+
+# HF `model_type` -> the parser of its family.
+PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
+    "qwen3_moe": qwen3_moe.parse, "deepseek_v3": deepseek_v3.parse, "kimi_k2": deepseek_v3.parse,
+    "kimi_linear": kimi_linear.parse, "kimi_k3": kimi_k3.parse}
+MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+               "kimi_linear": "kimi_linear", "kimi_k3": "kimi_k3"}  # HF `model_type` -> our family
+
+__all__ = ["FAMILIES", "MODEL_TYPES", "PARSERS", "ConfigError", "ModelConfig", "RopeConfig", "config_from_hf",
+           "load_config", "yarn_mscale"]
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """Build and validate a ModelConfig from the dict of an HF config.json."""
+    if not isinstance(d, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    mt = d.get("model_type")
+    if mt not in PARSERS:
+        raise ConfigError(f"unsupported model_type {mt!r}; supported: {sorted(PARSERS)}")
+    return PARSERS[mt](d)
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read `config.json` from a checkpoint directory (or the file itself)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"no config.json at {p}")
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {p}: {e}") from None
+    return config_from_hf(d)

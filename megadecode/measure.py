@@ -1,0 +1,102 @@
+"""What the benchmarks and the tuner share: the GPU's measured bandwidth, how a kernel is timed, the header
+and file of a result, and the MoE-layer shapes they both run (`megadecode bench`, `megadecode tune`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .quant.mxfp4 import MXFP4Tensor
+
+# HBM read bandwidth of our H200: a Triton streaming read of 4 GiB bf16, median of do_bench
+# (/work/shared/GPU.md, measured 2026-11-29). The floor of a decode step is its bytes over this.
+HBM_READ_BPS = 4.57e12
+
+
+def graph_replay_ms(fn, calls: int = 1) -> float:
+    """ms per call of `fn` (which makes `calls` calls), as the graph executors run kernels: fn runs once
+    outside the capture (compiles, allocates), then once inside one CUDA graph, whose replay
+    triton.testing.do_bench times (median, L2 flushed before each replay). GPU only."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return float(do_bench(graph.replay)) / calls
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def git_sha() -> str | None:
+    """HEAD of the checkout; MEGADECODE_GIT_SHA overrides (copies of the tree without .git, e.g. on
+    the GPU machine, are told the commit they were made from)."""
+    if os.environ.get("MEGADECODE_GIT_SHA"):
+        return os.environ["MEGADECODE_GIT_SHA"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and sha else None
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def default_out(preset: str, gpu_name: str) -> Path:
+    return Path("bench/results") / f"{preset}-{gpu_name.lower().replace(' ', '-')}.json"
+
+
+def environment(argv: list[str]) -> dict:
+    """The header of a result file: GPU, software versions, commit, and the command that reproduces it."""
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton_version(),
+            "git_sha": git_sha(), "command": shlex.join(["megadecode", *argv])}
+
+
+def write_result(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+# Routed-expert shapes (D: the input of gate_up; I: the expert intermediate; A: experts per token;
+# E: experts). k3: the LatentMoE experts (D = latent_size) of presets._K3; qwen3-30b-a3b: presets;
+# deepseek-v3: its public config.json (hidden 7168, moe_intermediate 2048, 256 routed, top 8).
+SHAPES = {
+    "k3": {"D": 3584, "I": 3072, "A": 16, "E": 896, "act": "situ", "weights": "mxfp4"},
+    "qwen3-30b-a3b": {"D": 2048, "I": 768, "A": 8, "E": 128, "act": "silu", "weights": "bf16"},
+    "deepseek-v3": {"D": 7168, "I": 2048, "A": 8, "E": 256, "act": "silu", "weights": "bf16"},
+}
+
+
+def expert_weights(shape: dict, wfmt: str, gen: torch.Generator):
+    """Random routed experts of a SHAPES entry on the GPU: (gate_up, down, bytes per expert). MXFP4: random
+    bytes, e8m0 scales 118..123; bf16: normal with std 1/sqrt(fan-in)."""
+    D, I, E = shape["D"], shape["I"], shape["E"]
+
+    def one(out_dim, in_dim):
+        if wfmt == "mxfp4":
+            return MXFP4Tensor(
+                torch.randint(0, 256, (E, out_dim, in_dim // 2), device="cuda", dtype=torch.uint8, generator=gen),
+                torch.randint(118, 124, (E, out_dim, in_dim // 32), device="cuda", dtype=torch.uint8, generator=gen))
+        w = torch.empty(E, out_dim, in_dim, device="cuda", dtype=torch.bfloat16)
+        return w.normal_(0.0, in_dim ** -0.5, generator=gen)
+
+    gu, dn = one(2 * I, D), one(D, I)
+    per_expert = sum(t.numel() * t.element_size() // E for w in (gu, dn)
+                     for t in ((w.packed, w.scales) if wfmt == "mxfp4" else (w,)))
+    return gu, dn, per_expert
