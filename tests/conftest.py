@@ -1,11 +1,21 @@
-"""Shared fixtures: small random-weight HF checkpoints written on the fly (fp32, a few hundred KB)."""
+"""Shared fixtures: small random-weight HF checkpoints written on the fly (fp32, a few hundred KB).
+
+Without a GPU, TRITON_INTERPRET=1 is set here, before any test module imports triton or a kernel: @triton.jit
+functions are decorated for the interpreter when their module is first imported, so every Triton test of the
+suite runs in this process (tests/interp.py). Static audits compile for sm_90 in a subprocess without it."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from megadecode.checkpoint import make_checkpoint
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from megadecode.checkpoint import make_checkpoint  # noqa: E402
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from megadecode.kernels import handoff as H  # noqa: E402
+from megadecode.validate import handoff as H  # noqa: E402
 from megadecode.validate import audit as A  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ def test_launcher_validates_inputs():
 
 INTERP_SCRIPT = """
 import json, time, torch
-from megadecode.kernels.handoff import handoff, handoff_reference, ERR_WAIT_TIMEOUT
+from megadecode.validate.handoff import handoff, handoff_reference, ERR_WAIT_TIMEOUT
 torch.manual_seed(0)
 W, x, V = torch.randn(24, 40), torch.randn(3, 40), torch.randn(20, 24)
 t = time.time()

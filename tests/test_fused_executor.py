@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, triton_gate,
+    DEVICE, import_interpreted, interpreter_env, triton_gate,
 )
 
 CATALOG = import_interpreted("megadecode.validate.catalog")
@@ -96,11 +96,6 @@ def test_generate_samples_inside_the_step():
     assert eng.executor.sampling is None and len(c.token_ids[0]) == 3
 
 
-def test_rerun_in_subprocess_when_not_interpreted():
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)
-
 
 @needs_triton
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
@@ -108,7 +103,7 @@ def test_rmsnorm_and_router_variants_pass_on_kimi_families(preset):
     """triton-rmsnorm's scope includes the kimi families: the harness checks it on their RMSNorm op (K3's
     first one reads the AttnRes output `layer_in`)."""
     from megadecode.validate.checks import check_op
-    from megadecode.validate.variant import get
+    from megadecode.validate.catalog import get
 
     for batch in (1, 7):
         row = check_op(get("triton-rmsnorm"), preset_config(preset), "rmsnorm", "float32", batch, seed=batch,
@@ -140,7 +135,7 @@ def test_fuse_add_rmsnorm_rewrites_each_add_followed_by_its_norm():
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_add_rmsnorm_variant_passes_check_op(preset, dtype):
     from megadecode.validate.checks import check_op
-    from megadecode.validate.variant import get
+    from megadecode.validate.catalog import get
 
     for batch in (1, 7):
         row = check_op(get("triton-add-rmsnorm"), preset_config(preset), "add_rmsnorm", dtype, batch, seed=batch,

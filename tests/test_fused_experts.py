@@ -1,9 +1,8 @@
 """The small-batch fused experts kernel (megadecode/kernels/fused_experts.py) under the Triton interpreter
 (fp32, tiny dims), its registered variant in the harness, and the static sm_90 audit of both stages.
 
-TRITON_INTERPRET=1 is set around the kernel import (the @jit functions are decorated then) and per test by
-a fixture. When another test module imported triton first, the interpreter tests skip here and
-test_rerun_in_subprocess_when_not_interpreted reruns this file in a fresh interpreter (as test_validate.py).
+Without a GPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
+anything imports triton).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, static_audits, triton_gate,
+    DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
 FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.validate.catalog")
@@ -23,7 +22,7 @@ from megadecode.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4  # noqa: E402
 from megadecode.reference.latent_moe import latent_experts  # noqa: E402
 from megadecode.reference.moe import experts_reference  # noqa: E402
 from megadecode.validate.checks import check_op  # noqa: E402
-from megadecode.validate.variant import get  # noqa: E402
+from megadecode.validate.catalog import get  # noqa: E402
 
 TRITON_OK, needs_triton = triton_gate(FE.experts_up_kernel)
 
@@ -214,9 +213,3 @@ def test_static_audit_sm90_both_stages():
         {"dtype": "fp16", "mxfp4": True, "act": "silu"}]))
     assert {r[0] for r in rows} == {"experts_up_kernel", "experts_down_kernel"} and len(rows) == 6
 
-
-def test_rerun_in_subprocess_when_not_interpreted():
-    """When triton was imported without the interpreter before this module, run this file afresh."""
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)

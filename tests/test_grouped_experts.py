@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, static_audits, triton_gate,
+    DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
 GE = import_interpreted("megadecode.kernels.grouped_experts", "megadecode.validate.catalog")
@@ -20,7 +20,7 @@ from megadecode.quant.mxfp4 import MXFP4Tensor  # noqa: E402
 from megadecode.reference.latent_moe import latent_experts  # noqa: E402
 from megadecode.reference.moe import experts_reference  # noqa: E402
 from megadecode.validate.checks import check_op  # noqa: E402
-from megadecode.validate.variant import get  # noqa: E402
+from megadecode.validate.catalog import get  # noqa: E402
 
 TRITON_OK, needs_triton = triton_gate(GE.grouped_up_kernel)
 SMALL = {"BLOCK_M": 16, "BLOCK_I": 16, "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_K": 32}
@@ -159,11 +159,6 @@ def test_static_audit_sm90_all_kernels():
     assert {r[0] for r in rows} == {"grouped_up_kernel", "grouped_down_kernel", "combine_kernel",
                                     "mx_prep_kernel"} and len(rows) == 15  # 3 kernels, + the prep for MXFP4
 
-
-def test_rerun_in_subprocess_when_not_interpreted():
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)
 
 
 def test_fast_scales_checks_the_range_once_per_tensor():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, static_audits, triton_gate,
+    DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
 KD = import_interpreted("megadecode.kernels.kda", "megadecode.validate.catalog")
@@ -17,7 +17,7 @@ KD = import_interpreted("megadecode.kernels.kda", "megadecode.validate.catalog")
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.kda import decode_recurrence  # noqa: E402
 from megadecode.validate.checks import check_op  # noqa: E402
-from megadecode.validate.variant import get  # noqa: E402
+from megadecode.validate.catalog import get  # noqa: E402
 
 TRITON_OK, needs_triton = triton_gate(KD.kda_step_kernel)
 
@@ -87,11 +87,6 @@ def test_fused_executor_runs_it_on_kimi_linear():
 def test_static_audit_sm90():
     assert len(static_audits(("megadecode.kernels.kda", [{}]))) == 1  # passed, coherent loads checked
 
-
-def test_rerun_in_subprocess_when_not_interpreted():
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)
 
 
 def test_fp32_cache_parts_follow_the_plan_op_kind():

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    ON_GPU, DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, static_audits,
+    ON_GPU, DEVICE, import_interpreted, interpreter_env, static_audits,
     triton_gate,
 )
 
@@ -269,11 +269,6 @@ def test_gpu_graph_replay_reads_the_new_seed():
     assert torch.equal(outs[0], outs[2]) and not torch.equal(outs[0], outs[1])
 
 
-def test_rerun_in_subprocess_when_not_interpreted():
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)
-
 
 @needs_triton
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-k3"])
@@ -284,7 +279,7 @@ def test_variant_passes_check_op(preset, dtype):
     from megadecode.presets import preset_config
     from megadecode.validate import catalog  # noqa: F401
     from megadecode.validate.checks import check_op
-    from megadecode.validate.variant import get
+    from megadecode.validate.catalog import get
 
     for batch in (1, 17):
         row = check_op(get("triton-lm-head"), preset_config(preset), "lm_head", dtype, batch, seed=batch,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    ON_GPU, DEVICE, import_interpreted, interpreter_env, rerun_file_in_subprocess, static_audits,
+    ON_GPU, DEVICE, import_interpreted, interpreter_env, static_audits,
     triton_gate,
 )
 
@@ -19,7 +19,7 @@ GQ = import_interpreted("megadecode.kernels.gqa")
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.step import Step  # noqa: E402
 from megadecode.validate.checks import check_op  # noqa: E402
-from megadecode.validate.variant import get  # noqa: E402
+from megadecode.validate.catalog import get  # noqa: E402
 
 TRITON_OK, needs_triton = triton_gate(ML.mla_split_kernel)
 
@@ -144,8 +144,3 @@ def test_static_audit_sm90():
     rows = static_audits(("megadecode.kernels.mla", dtypes), ("megadecode.kernels.gqa", dtypes))
     assert len(rows) == 10  # mla: split + merge; gqa: split + prologue + merge; per dtype
 
-
-def test_rerun_in_subprocess_when_not_interpreted():
-    if TRITON_OK:
-        pytest.skip("the interpreter tests ran in this process")
-    rerun_file_in_subprocess(__file__)

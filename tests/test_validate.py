@@ -2,10 +2,8 @@
 variant is, the executor enforces manifests, the end-to-end comparison and the CLI work.
 
 Triton variants run on the CPU under the Triton interpreter: TRITON_INTERPRET=1 must be set when triton
-and the kernel modules are first imported (their @jit functions are decorated then) and while they run.
-It is set around the import here and per test by a fixture, so other test modules never see it. When
-another test module imported triton first (tests/test_audit.py does), the Triton tests skip here and
-test_rerun_in_subprocess_when_not_interpreted reruns this file in a fresh interpreter.
+and the kernel modules are first imported (their @jit functions are decorated then) and while they run;
+tests/conftest.py sets it for the whole suite when there is no GPU.
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,11 +30,12 @@ from megadecode.step import Step  # noqa: E402
 from megadecode.validate.e2e import compare_generation  # noqa: E402
 from megadecode.validate.executor import VariantExecutor, checksum  # noqa: E402
 from megadecode.validate.matrix import QUICK_BATCHES, run_matrix  # noqa: E402
-from megadecode.validate.shapes import output_specs  # noqa: E402
-from megadecode.validate.variant import Manifest, ManifestViolation, Scope, Variant, all_variants, get  # noqa: E402
+from megadecode.contract import output_specs  # noqa: E402
+from megadecode.contract import Manifest, ManifestViolation, Scope, Variant  # noqa: E402
+from megadecode.validate.catalog import all_variants, get  # noqa: E402
 from megadecode.weights import random_weights  # noqa: E402
 
-TRITON_OK, needs_triton = triton_gate(router_kernel)  # False when triton was imported before us
+TRITON_OK, needs_triton = triton_gate(router_kernel)
 PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 CORRECT = ("triton-router", "triton-rmsnorm", "torch-grouped-experts", "torch-loop-experts", "torch-attn-gqa")
 USES_TRITON = {v.name for v in all_variants() if v.manifest.uses_triton}
@@ -163,7 +160,7 @@ def test_skip_rows_carry_the_manifest_reason():
 def test_exact_ties_cross_the_topk_boundary():
     """The tie distribution is only useful if ties decide picks: picking by the lowest index must differ
     from picking by the highest index for some token (else broken-router-tie-high could pass)."""
-    from megadecode.reference.moe import route
+    from megadecode.reference.routing import route
     from megadecode.validate.inputs import build_case, reference_outputs
 
     for preset in PRESETS:
@@ -284,11 +281,3 @@ def test_cli_quick_passes_a_correct_variant(capsys):
     assert main(["validate", "torch-loop-experts", "--quick"]) == 0
     assert "0 FAIL" in capsys.readouterr().out
 
-
-@pytest.mark.skipif(TRITON_OK, reason="the Triton tests ran in this process")
-def test_rerun_in_subprocess_when_not_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True)
-    assert p.returncode == 0, p.stdout[-3000:]
-    assert " passed" in p.stdout and "skipped" in p.stdout  # this test itself skips there
