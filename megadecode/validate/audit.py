@@ -366,13 +366,44 @@ def disassemble(cubin: bytes) -> tuple[str | None, str]:
     return r.stdout, ""
 
 
+_COMPILE_SCRIPT = """
+import base64, importlib, json, sys
+from megadecode.validate.audit import compile_kernel
+module, name, signature, constexprs, arch = json.loads(sys.argv[1])
+k = compile_kernel(getattr(importlib.import_module(module), name), signature, constexprs, arch)
+print(json.dumps({"ptx": k.asm["ptx"], "cubin": base64.b64encode(k.asm["cubin"]).decode()}))
+"""
+
+
+def _compile_elsewhere(fn, signature: dict[str, str], constexprs: dict, arch: int):
+    """Compile a kernel that this process decorated for the Triton interpreter (which cannot be compiled): the
+    same module imported afresh in a child process without TRITON_INTERPRET. Returns an object with `asm`."""
+    import base64
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    module, name = fn.fn.__module__, fn.fn.__qualname__
+    try:
+        arg = json.dumps([module, name, signature, constexprs, arch])
+    except TypeError as e:
+        raise ValueError(f"cannot compile interpreted kernel {name} in a child process: its constexprs are not "
+                         f"JSON values ({e})") from None
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, arg], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {module}.{name} for sm_{arch} in a child process failed: {r.stderr[-2000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return SimpleNamespace(asm={"ptx": out["ptx"], "cubin": base64.b64decode(out["cubin"])})
+
+
 def compile_kernel(fn, signature: dict[str, str], constexprs: dict | None = None, arch: int = 90,
                    warp_size: int = 32):
     """triton.compile for cuda:<arch> without a GPU. `signature` maps every argument of `fn` to a
-    Triton type ("*fp32", "i32", ...) or "constexpr"; returns the CompiledKernel (asm["ptx"], ["cubin"])."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    Triton type ("*fp32", "i32", ...) or "constexpr"; returns the CompiledKernel (asm["ptx"], ["cubin"]).
+    A kernel decorated for the interpreter (TRITON_INTERPRET=1 at its import: CPU tests, `validate` on the CPU)
+    is compiled from its module in a child process."""
     unknown = set(signature) - set(fn.arg_names)
     if unknown:
         raise ValueError(f"signature names arguments {fn.__name__} does not have: {sorted(unknown)}")
@@ -383,6 +414,13 @@ def compile_kernel(fn, signature: dict[str, str], constexprs: dict | None = None
     need = [a for a, t in signature.items() if t == "constexpr" and a not in consts]
     if need:
         raise ValueError(f"constexpr arguments without a value: {need}")
+    if type(fn).__name__ == "InterpretedFunction":
+        if warp_size != 32:
+            raise ValueError("interpreted kernels compile in a child process with warp size 32 only")
+        return _compile_elsewhere(fn, dict(signature), consts, arch)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     src = ASTSource(fn, dict(signature), consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
 
