@@ -11,11 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .hardware import HBM_READ_BPS  # noqa: F401  (re-exported: the benches' floor)
 from .quant.mxfp4 import MXFP4Tensor
-
-# HBM read bandwidth of our H200: a Triton streaming read of 4 GiB bf16, median of do_bench
-# (/work/shared/GPU.md, measured 2026-11-29). The floor of a decode step is its bytes over this.
-HBM_READ_BPS = 4.57e12
 
 
 def graph_replay_ms(fn, calls: int = 1) -> float:

@@ -15,11 +15,12 @@ PKG = Path(__file__).resolve().parent.parent / "megadecode"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("foundation", ("megadecode.config", "megadecode.quant", "megadecode.tokenizer", "megadecode.step")),
+    ("foundation", ("megadecode.config", "megadecode.quant", "megadecode.tokenizer", "megadecode.step",
+                    "megadecode.hardware")),
     ("model", ("megadecode.weights", "megadecode.presets", "megadecode.plan", "megadecode.cache",
                "megadecode.checkpoint", "megadecode.reference", "megadecode.sampling")),
     ("contract", ("megadecode.contract",)),
-    ("kernels", ("megadecode.kernels",)),
+    ("kernels", ("megadecode.kernels", "megadecode.mega")),
     ("executors", ("megadecode.executors",)),
     ("engine", ("megadecode.engine",)),
     ("top", ("megadecode.measure", "megadecode.bench", "megadecode.bench_moe", "megadecode.tune",

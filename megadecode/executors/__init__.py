@@ -1,13 +1,15 @@
 """Executors run a DecodePlan. `torch`: the reference, per op in plain PyTorch. `graph`: the same
 per-op step without host syncs, captured in a CUDA graph. `compiled`: that step through torch.compile,
 then captured (the gpt-fast recipe). `fused`: the graph step with ops replaced by the harness's
-registered Triton variants, captured."""
+registered Triton variants, captured. `pyvm`: the megakernel's instruction stream interpreted with torch (its
+golden model)."""
 
-from .torch_executor import TorchExecutor
-from .graph_executor import CompiledGraphExecutor, GraphExecutor
 from .fused_executor import FusedExecutor
+from .graph_executor import CompiledGraphExecutor, GraphExecutor
+from .pyvm_executor import PyVMExecutor
+from .torch_executor import TorchExecutor
 
 EXECUTORS = {"torch": TorchExecutor, "graph": GraphExecutor, "compiled": CompiledGraphExecutor,
-             "fused": FusedExecutor}
+             "fused": FusedExecutor, "pyvm": PyVMExecutor}
 
-__all__ = ["EXECUTORS", "CompiledGraphExecutor", "FusedExecutor", "GraphExecutor", "TorchExecutor"]
+__all__ = ["EXECUTORS", "CompiledGraphExecutor", "FusedExecutor", "GraphExecutor", "PyVMExecutor", "TorchExecutor"]

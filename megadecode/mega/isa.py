@@ -1,0 +1,145 @@
+"""The megakernel's instruction set: one instruction is one tile of one op of the decode step.
+
+An instruction is a small dataclass that serializes to a fixed-width row of int32 (ROW ints):
+
+    0 opcode   1 layer   2 signal counter (-1: none)   3 flags
+    4..6   wait 0: counter, count needed, count per launch   (counter -1: no wait)
+    7..9   wait 1: the same
+    10..   arguments (ARGS ints; their meaning per opcode is in OPS)
+
+Dependencies are counters in global memory. An instruction waits until each of its counters reached its
+count for this launch, then runs, then (after its stores) adds 1 to its signal counter with release semantics.
+Counters are never reset: launch number e (1, 2, ... read from device memory) waits for
+`(e - 1) * per_launch + need`, compared in wrapping int32 arithmetic, so CUDA-graph replays need no reset
+kernel and the counters may wrap.
+
+Buffers: activations live in one fp32 arena and routing/step data in one int32 arena (offsets in elements);
+static weights and the KV cache are tensors in a table (indices). `ARGS` below names each opcode's arguments in
+order; `Instr.args` holds them by name, so a row can be printed and checked.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+ROW = 32  # int32 per instruction
+HEADER = 10
+ARGS = ROW - HEADER
+
+# flags
+F_NORM = 1  # MATVEC/GLU: RMSNorm the input rows first (weight `norm_w`, eps `eps`)
+F_RESID = 2  # MATVEC: out = out + W x (the residual stream, in place)
+F_WRITE_NORMED = 4  # MATVEC: the tile with r0 == 0 also writes the normed input rows to `normed_off`
+F_SIGMOID = 8  # ROUTE: sigmoid scores with selection bias (DeepSeek noaux_tc); else softmax
+F_RENORM = 16  # ROUTE: renormalise the picked weights
+F_INTERLEAVED = 32  # rope pairs (2i, 2i+1) (DeepSeek); else (i, i + d/2) (Qwen)
+F_SHARED = 64  # EXPERT_DOWN: add the shared experts' output (`shared_off`)
+F_GREEDY = 128  # SAMPLE: argmax; else temperature sampling by a Gumbel race
+
+# opcodes, with their argument names (in row order)
+OPS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "NOP": (0, ()),
+    # hidden[t, c0:c1] = embed[tokens[t], c0:c1]
+    "EMBED": (1, ("w", "tok_off", "out_off", "D", "B", "c0", "c1")),
+    # out[t, out_col + r] (+)= W[r, :K] . f(x[t, :K]) for r in [r0, r1), t < B; f = RMSNorm when F_NORM
+    "MATVEC": (2, ("w", "K", "x_off", "x_stride", "out_off", "out_stride", "out_col", "r0", "r1", "B",
+                   "norm_w", "eps_bits", "normed_off")),
+    # out[t, out_col + r] = silu(Wg[r] . f(x_t)) * (Wu[r] . f(x_t))
+    "GLU": (3, ("wg", "wu", "K", "x_off", "x_stride", "out_off", "out_stride", "out_col", "r0", "r1", "B",
+                "norm_w", "eps_bits")),
+    # GQA for (sequence b, kv head h, split s of S): q/k RMSNorm + RoPE of this token, the last split writes k/v
+    # to the cache, then attention of the G query heads over the split's share of positions [0, pos] ->
+    # partials (m, l, acc) at part_off + ((b * H + head) * S + s) * (d + 2)
+    "ATTN_GQA": (4, ("kc", "vc", "qkv_off", "qkv_stride", "qn_w", "kn_w", "pos_off", "slot_off", "b", "h", "s",
+                     "S", "H", "KH", "d", "part_off", "scale_bits", "eps_bits", "rope_w", "att_bits")),
+    # o[b, head*dv:(head+1)*dv] = merge of the S partials of (b, head) [MLA: then W_UV of the head]
+    "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P")),
+    # routing for the whole batch: picks, weights, and the pairs grouped by expert (see mega/lower.py)
+    "ROUTE": (6, ("logits_off", "E", "A", "B", "bias_w", "n_group", "topk_group", "scale_bits", "ids_off",
+                  "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off")),
+    # h[pair, i] = glu(gate_up[e] . x_t) for the work items [w * N / W, (w + 1) * N / W) of N = nuniq * tiles
+    "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "rows", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
+                      "ptok_off")),
+    # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
+    # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r])
+    "EXPERT_DOWN": (8, ("dn", "I", "D", "h_off", "y_off", "out_off", "r0", "r1", "B", "A", "nuniq_off",
+                        "uniq_off", "pstart_off", "wts_off", "pairof_off", "shared_off")),
+    # next token of sequence b from logits [B, V] (greedy, or temperature with the step's seed)
+    "SAMPLE": (9, ("logits_off", "V", "b", "tok_out_off", "lp_out_off", "seed_off", "inv_temp_bits")),
+    # MLA: the token's latent (RMSNorm) and rope key (rotated) into the cache
+    "MLA_KV": (10, ("cache", "kva_off", "kva_stride", "norm_w", "C", "R", "pos_off", "slot_off", "b", "eps_bits",
+                    "rope_w", "att_bits")),
+    # MLA: q_lat[b, head] = W_UK[head]^T q_nope, q_pe rotated
+    "MLA_Q": (11, ("wkv", "qb_off", "qb_stride", "qlat_off", "qpe_off", "b", "h", "H", "P", "R", "C", "V",
+                   "pos_off", "rope_w", "att_bits")),
+    # MLA attention for (b, head block [h0, h0 + HB), split s of S) over the latent cache -> partials
+    "MLA_ATTN": (12, ("cache", "qlat_off", "qpe_off", "pos_off", "slot_off", "b", "h0", "HB", "s", "S", "H",
+                      "C", "R", "part_off", "scale_bits")),
+}
+OPCODES = {name: code for name, (code, _) in OPS.items()}
+OPNAMES = {code: name for name, (code, _) in OPS.items()}
+for _name, (_, _args) in OPS.items():
+    assert len(_args) <= ARGS, (_name, len(_args))
+
+
+def f32_bits(x: float) -> int:
+    """The int32 holding fp32 `x`'s bits (how float arguments travel in a row)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def bits_f32(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(b)))[0]
+
+
+@dataclass
+class Wait:
+    counter: int
+    need: int  # instructions of this launch that must have signalled
+    per_launch: int  # instructions that signal the counter per launch
+
+
+@dataclass
+class Instr:
+    op: str
+    layer: int
+    args: dict[str, int]
+    signal: int = -1
+    waits: list[Wait] = field(default_factory=list)
+    flags: int = 0
+    # scheduling: estimated bytes moved from HBM and flops (the cost model)
+    bytes: int = 0
+    flops: int = 0
+    name: str = ""  # e.g. "L3.qkv[5]", for printing
+
+    def row(self) -> list[int]:
+        code, names = OPS[self.op]
+        unknown = set(self.args) - set(names)
+        missing = [n for n in names if n not in self.args]
+        if unknown or missing:
+            raise ValueError(f"{self.name or self.op}: unknown args {sorted(unknown)}, missing {missing}")
+        if len(self.waits) > 2:
+            raise ValueError(f"{self.name}: at most 2 waits, got {len(self.waits)}")
+        r = [code, self.layer, self.signal, self.flags]
+        for i in range(2):
+            w = self.waits[i] if i < len(self.waits) else Wait(-1, 0, 0)
+            r += [w.counter, w.need, w.per_launch]
+        r += [int(self.args[n]) for n in names]
+        r += [0] * (ROW - len(r))
+        for v in r:
+            if not -2**31 <= v < 2**31:
+                raise ValueError(f"{self.name}: value {v} does not fit int32")
+        return r
+
+    @staticmethod
+    def from_row(r: list[int]) -> "Instr":
+        name = OPNAMES[r[0]]
+        names = OPS[name][1]
+        waits = [Wait(r[4 + 3 * i], r[5 + 3 * i], r[6 + 3 * i]) for i in range(2) if r[4 + 3 * i] >= 0]
+        return Instr(name, r[1], {n: r[HEADER + i] for i, n in enumerate(names)}, signal=r[2], waits=waits,
+                     flags=r[3])
+
+    def describe(self) -> str:
+        waits = " ".join(f"wait c{w.counter}>={w.need}/{w.per_launch}" for w in self.waits)
+        sig = f" -> c{self.signal}" if self.signal >= 0 else ""
+        return f"{self.name or self.op:<24} {self.op:<11} {waits}{sig}  {self.bytes / 1e3:.1f} kB"

@@ -1,0 +1,95 @@
+"""A lowered decode step: instructions, the tensor table, the arenas and the counters.
+
+`Program` is what `lower.lower()` builds from a decode plan for one batch size, what `schedule.schedule()` assigns
+to the CTAs, what `pyvm` interprets on the CPU and what the CuTe kernel walks on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .isa import ROW, Instr
+
+
+@dataclass
+class Tensor:
+    """One entry of the tensor table: a weight (static for the whole launch) or a cache part (produced)."""
+    name: str
+    tensor: torch.Tensor
+    role: str  # "static" | "produced"
+
+
+@dataclass
+class Program:
+    cfg: object  # ModelConfig
+    batch: int
+    instrs: list[Instr]
+    tensors: list[Tensor]
+    f32: dict[str, tuple[int, int]]  # fp32 arena: buffer -> (offset, size) in elements
+    i32: dict[str, tuple[int, int]]  # int32 arena
+    counters: int  # counters used (counter 0 holds the launch number)
+    phases: list[str] = field(default_factory=list)  # counter c (>= 1) is signalled by phase c - 1
+    # filled by schedule.schedule()
+    num_ctas: int = 0
+    queues: list[list[int]] = field(default_factory=list)  # per CTA: instruction indices, in order
+    predicted_us: list[float] = field(default_factory=list)  # per instruction: estimated finish time
+
+    @property
+    def f32_size(self) -> int:
+        return max((o + n for o, n in self.f32.values()), default=0)
+
+    @property
+    def i32_size(self) -> int:
+        return max((o + n for o, n in self.i32.values()), default=0)
+
+    def tensor_index(self, name: str) -> int:
+        for i, t in enumerate(self.tensors):
+            if t.name == name:
+                return i
+        raise KeyError(name)
+
+    def rows(self) -> torch.Tensor:
+        """[N, ROW] int32: every instruction serialized."""
+        return torch.tensor([i.row() for i in self.instrs], dtype=torch.int32).reshape(-1, ROW)
+
+    def queue_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts [num_ctas + 1], order [N]) int32: CTA c runs instructions order[starts[c]:starts[c + 1]]."""
+        starts, order = [0], []
+        for q in self.queues:
+            order += q
+            starts.append(len(order))
+        return torch.tensor(starts, dtype=torch.int32), torch.tensor(order, dtype=torch.int32)
+
+    def per_launch(self) -> list[int]:
+        """How many instructions signal each counter per launch."""
+        n = [0] * self.counters
+        for ins in self.instrs:
+            if ins.signal >= 0:
+                n[ins.signal] += 1
+        return n
+
+    def check(self) -> None:
+        """Structural checks: every wait names a counter some instruction signals, with the count that signals it
+        per launch, and only counters of earlier phases (so in-order queues cannot deadlock)."""
+        per = self.per_launch()
+        for ins in self.instrs:
+            for w in ins.waits:
+                if not 1 <= w.counter < self.counters:
+                    raise ValueError(f"{ins.name}: waits on counter {w.counter}, not in [1, {self.counters})")
+                if w.per_launch != per[w.counter] or not 0 < w.need <= w.per_launch:
+                    raise ValueError(f"{ins.name}: waits for {w.need}/{w.per_launch} on counter {w.counter}, "
+                                     f"which {per[w.counter]} instructions signal")
+                if ins.signal >= 0 and w.counter >= ins.signal:
+                    raise ValueError(f"{ins.name}: waits on counter {w.counter}, not earlier than its own "
+                                     f"signal {ins.signal}")
+
+    def summary(self) -> str:
+        from collections import Counter
+
+        ops = Counter(i.op for i in self.instrs)
+        mb = sum(i.bytes for i in self.instrs) / 1e6
+        return (f"{self.cfg.family} batch {self.batch}: {len(self.instrs)} instructions "
+                f"({', '.join(f'{n} {o}' for o, n in sorted(ops.items()))}), {self.counters - 1} phases, "
+                f"{mb:.1f} MB estimated, arenas fp32 {self.f32_size} / int32 {self.i32_size} elements")

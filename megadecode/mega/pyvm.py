@@ -1,0 +1,441 @@
+"""pyvm: the megakernel's golden model. It interprets the same instruction rows on the CPU (or any torch device)
+with plain torch, one instruction at a time, in an order the CTAs' queues allow:
+
+- each CTA walks its queue in order; at every step one CTA whose next instruction's waits are satisfied runs it
+  (round robin, or a seeded random pick to try other interleavings); if no CTA can move, the schedule deadlocks
+  and pyvm raises naming the blocked instructions;
+- every wait is asserted satisfied when its instruction runs (the launch number's target, wrapping int32);
+- every arena element and cache row an instruction reads or writes is recorded, and `races()` checks that any two
+  instructions touching the same element, one of them writing, are ordered by their counters (a wait on every
+  producer of a phase orders that phase before the waiter, transitively).
+
+The semantics of each opcode here is the specification the CuTe kernel implements (fp32 activations, weights and
+caches in their dtype; keys and latents read back rounded to the cache dtype).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .isa import (
+    F_GREEDY,
+    F_INTERLEAVED,
+    F_NORM,
+    F_RENORM,
+    F_RESID,
+    F_SHARED,
+    F_SIGMOID,
+    F_WRITE_NORMED,
+    Instr,
+    bits_f32,
+)
+from .program import Program
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+class WaitViolation(RuntimeError):
+    pass
+
+
+@dataclass
+class Access:
+    space: str  # "f32" | "i32" | "t<index>" (a cache tensor, flat element range)
+    lo: int
+    hi: int
+    write: bool
+    instr: int
+
+
+def _wrap(x: int) -> int:
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def mix32(seed: torch.Tensor | int, b: int, v: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash of (seed, sequence, vocabulary index) -> uint32 values in int64 (the Gumbel noise source)."""
+    m = 0xFFFFFFFF
+    x = (int(seed) * 0x9E3779B1 + b * 0x85EBCA77 + v.long() * 0xC2B2AE3D) & m
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def gumbel(seed: int, b: int, V: int, device) -> torch.Tensor:
+    u = ((mix32(seed, b, torch.arange(V, device=device)) >> 8).float() + 0.5) / 16777216.0
+    return -torch.log(-torch.log(u))
+
+
+def rope(x: torch.Tensor, pos: int, inv: torch.Tensor, att: float, interleaved: bool) -> torch.Tensor:
+    """Rotate x [..., dim] (fp32) by position `pos`: cos/sin = cos/sin(pos * inv) * att."""
+    freqs = float(pos) * inv.float()
+    c, s = freqs.cos() * att, freqs.sin() * att
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+
+
+def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w.float() if w is not None else y
+
+
+class PyVM:
+    def __init__(self, prog: Program, device=None):
+        self.prog = prog
+        dev = device or prog.tensors[0].tensor.device
+        self.f32 = torch.zeros(prog.f32_size, dtype=torch.float32, device=dev)
+        self.i32 = torch.zeros(prog.i32_size, dtype=torch.int32, device=dev)
+        self.counters = [0] * prog.counters  # counters[0]: the launch number
+        self.T = [t.tensor for t in prog.tensors]
+        self.accesses: list[Access] = []
+        self.trace: list[int] = []
+        self._cur = -1
+
+    # ---- memory, with the accesses recorded --------------------------------------------------------
+    def _rec(self, space, lo, hi, write):
+        if hi > lo:
+            self.accesses.append(Access(space, int(lo), int(hi), write, self._cur))
+
+    def rf(self, off: int, n: int) -> torch.Tensor:
+        self._rec("f32", off, off + n, False)
+        return self.f32[off:off + n]
+
+    def wf(self, off: int, val: torch.Tensor) -> None:
+        val = val.reshape(-1)
+        self._rec("f32", off, off + val.numel(), True)
+        self.f32[off:off + val.numel()] = val.float()
+
+    def ri(self, off: int, n: int) -> torch.Tensor:
+        self._rec("i32", off, off + n, False)
+        return self.i32[off:off + n]
+
+    def wi(self, off: int, val) -> None:
+        val = torch.as_tensor(val, dtype=torch.int32, device=self.i32.device).reshape(-1)
+        self._rec("i32", off, off + val.numel(), True)
+        self.i32[off:off + val.numel()] = val
+
+    def cache_row(self, t: int, index: tuple, write: torch.Tensor | None = None) -> torch.Tensor:
+        """Read (or write) one row tensor[index] of a cache tensor, recorded as a flat element range."""
+        ten = self.T[t]
+        row = ten[index]
+        lo = sum(i * s for i, s in zip(index, ten.stride()))
+        self._rec(f"t{t}", lo, lo + row.numel(), write is not None)
+        if write is not None:
+            ten[index] = write.to(ten.dtype)
+            return ten[index]
+        return row
+
+    # ---- running ------------------------------------------------------------------------------------
+    def launch(self, order: str = "round_robin", seed: int = 0) -> None:
+        """One launch: every CTA's queue run to its end, in an interleaving `order` allows."""
+        prog = self.prog
+        if not prog.queues:
+            raise ValueError("the program is not scheduled (mega.schedule.schedule)")
+        self.counters[0] += 1
+        epoch = self.counters[0]
+        heads = [0] * len(prog.queues)
+        rng = random.Random(seed)
+        left = sum(len(q) for q in prog.queues)
+        rr = 0
+        while left:
+            ready = [c for c, q in enumerate(prog.queues)
+                     if heads[c] < len(q) and self._ready(prog.instrs[q[heads[c]]], epoch)]
+            if not ready:
+                blocked = [prog.instrs[q[heads[c]]].name for c, q in enumerate(prog.queues) if heads[c] < len(q)]
+                raise DeadlockError(f"no CTA can proceed; blocked: {blocked[:8]}")
+            if order == "random":
+                c = rng.choice(ready)
+            else:
+                later = [x for x in ready if x >= rr]
+                c = later[0] if later else ready[0]
+                rr = c + 1
+            idx = prog.queues[c][heads[c]]
+            heads[c] += 1
+            left -= 1
+            self.execute(idx, epoch)
+
+    def _ready(self, ins: Instr, epoch: int) -> bool:
+        return all(_wrap(self.counters[w.counter] - ((epoch - 1) * w.per_launch + w.need)) >= 0 for w in ins.waits)
+
+    def execute(self, idx: int, epoch: int) -> None:
+        ins = self.prog.instrs[idx]
+        if not self._ready(ins, epoch):
+            raise WaitViolation(f"{ins.name} ran before its waits were satisfied")
+        self._cur = idx
+        self.trace.append(idx)
+        getattr(self, f"op_{ins.op.lower()}")(ins, ins.args)
+        if ins.signal >= 0:
+            self.counters[ins.signal] = _wrap(self.counters[ins.signal] + 1)
+
+    # ---- race check ---------------------------------------------------------------------------------
+    def ancestors(self) -> dict[int, set[int]]:
+        """counter -> the counters it transitively waits on (a full wait orders every producer before)."""
+        direct: dict[int, set[int]] = {}
+        for ins in self.prog.instrs:
+            s = direct.setdefault(ins.signal, set())
+            s.update(w.counter for w in ins.waits if w.need == w.per_launch)
+        out: dict[int, set[int]] = {}
+        for c in sorted(direct):
+            acc = set()
+            for d in direct[c]:
+                acc |= {d} | out.get(d, set())
+            out[c] = acc
+        return out
+
+    def races(self, limit: int = 10) -> list[str]:
+        """Pairs of instructions that touch the same element, one writing, with no counter ordering them. Order is
+        a property of phases (the counters instructions signal): accesses of one phase are checked against each
+        other and against the phases neither before nor after it."""
+        anc = self.ancestors()
+        instrs = self.prog.instrs
+        phase_of = lambda a: instrs[a.instr].signal  # noqa: E731
+        by_phase: dict[int, list[Access]] = {}
+        for a in self.accesses:
+            by_phase.setdefault(phase_of(a), []).append(a)
+        phases = sorted(by_phase)
+        groups = [[p] for p in phases]  # a phase against itself
+        groups += [[p, q] for i, p in enumerate(phases) for q in phases[i + 1:]
+                   if p not in anc.get(q, ()) and q not in anc.get(p, ())]
+        found: list[str] = []
+        for group in groups:
+            accs = sorted((a for p in group for a in by_phase[p]), key=lambda a: (a.space, a.lo))
+            active: list[Access] = []
+            for a in accs:
+                active = [b for b in active if b.space == a.space and b.hi > a.lo]
+                for b in active:
+                    if (a.write or b.write) and a.instr != b.instr and (len(group) == 1 or
+                                                                        phase_of(a) != phase_of(b)):
+                        found.append(f"{a.space}[{max(a.lo, b.lo)}:{min(a.hi, b.hi)}]: {instrs[b.instr].name} "
+                                     f"({'write' if b.write else 'read'}) and {instrs[a.instr].name} "
+                                     f"({'write' if a.write else 'read'}) are not ordered")
+                        if len(found) >= limit:
+                            return found
+                active.append(a)
+        return found
+
+    # ---- opcodes ------------------------------------------------------------------------------------
+    def op_nop(self, ins, a):
+        pass
+
+    def op_embed(self, ins, a):
+        tok = self.ri(a["tok_off"], a["B"])
+        W = self.T[a["w"]]
+        for t in range(a["B"]):
+            self.wf(a["out_off"] + t * a["D"] + a["c0"], W[int(tok[t]), a["c0"]:a["c1"]].float())
+
+    def _rows_in(self, a) -> torch.Tensor:
+        B, K = a["B"], a["K"]
+        return torch.stack([self.rf(a["x_off"] + t * a["x_stride"], K) for t in range(B)])
+
+    def _normed(self, ins, a) -> torch.Tensor:
+        x = self._rows_in(a)
+        if ins.flags & F_NORM:
+            x = rms(x, self.T[a["norm_w"]], bits_f32(a["eps_bits"]))
+        return x
+
+    def _write_rows(self, a, y: torch.Tensor, resid: bool) -> None:
+        for t in range(a["B"]):
+            off = a["out_off"] + t * a["out_stride"] + a["out_col"] + a["r0"]
+            if resid:
+                y_t = self.rf(off, y.shape[1]) + y[t]
+            else:
+                y_t = y[t]
+            self.wf(off, y_t)
+
+    def op_matvec(self, ins, a):
+        x = self._normed(ins, a)
+        W = self.T[a["w"]][a["r0"]:a["r1"]].float()
+        self._write_rows(a, x @ W.T, bool(ins.flags & F_RESID))
+        if ins.flags & F_WRITE_NORMED and a["r0"] == 0:
+            for t in range(a["B"]):
+                self.wf(a["normed_off"] + t * a["K"], x[t])
+
+    def op_glu(self, ins, a):
+        x = self._normed(ins, a)
+        g = x @ self.T[a["wg"]][a["r0"]:a["r1"]].float().T
+        u = x @ self.T[a["wu"]][a["r0"]:a["r1"]].float().T
+        self._write_rows(a, F.silu(g) * u, False)
+
+    def op_attn_gqa(self, ins, a):
+        b, h, s, S, H, KH, d = (a[k] for k in ("b", "h", "s", "S", "H", "KH", "d"))
+        G = H // KH
+        pos, slot = int(self.ri(a["pos_off"] + b, 1)), int(self.ri(a["slot_off"] + b, 1))
+        eps, att = bits_f32(a["eps_bits"]), bits_f32(a["att_bits"])
+        inv = self.T[a["rope_w"]]
+        base = a["qkv_off"] + b * a["qkv_stride"]
+        q = torch.stack([self.rf(base + (h * G + g) * d, d) for g in range(G)])
+        q = rope(rms(q, self.T[a["qn_w"]], eps), pos, inv, att, False)
+        L = pos + 1
+        lo, hi = s * L // S, (s + 1) * L // S
+        if s == S - 1:  # the split holding this token's position writes its key and value
+            k = rope(rms(self.rf(base + (H + h) * d, d), self.T[a["kn_w"]], eps), pos, inv, att, False)
+            self.cache_row(a["kc"], (slot, pos, h), write=k)
+            self.cache_row(a["vc"], (slot, pos, h), write=self.rf(base + (H + KH + h) * d, d))
+        m = torch.full((G,), float("-inf"))
+        lsum, acc = torch.zeros(G), torch.zeros(G, d)
+        if hi > lo:
+            K = torch.stack([self.cache_row(a["kc"], (slot, p, h)).float() for p in range(lo, hi)])
+            V = torch.stack([self.cache_row(a["vc"], (slot, p, h)).float() for p in range(lo, hi)])
+            sc = (q @ K.T) * bits_f32(a["scale_bits"])  # [G, n]
+            m = sc.max(-1).values
+            pr = torch.exp(sc - m[:, None])
+            lsum, acc = pr.sum(-1), pr @ V
+        for g in range(G):
+            self.wf(a["part_off"] + ((b * H + h * G + g) * S + s) * (d + 2),
+                    torch.cat((m[g:g + 1], lsum[g:g + 1], acc[g])))
+
+    def op_merge(self, ins, a):
+        b, h, S, H, d = (a[k] for k in ("b", "h", "S", "H", "d"))
+        parts = torch.stack([self.rf(a["part_off"] + ((b * H + h) * S + s) * (d + 2), d + 2) for s in range(S)])
+        m, lsum, acc = parts[:, 0], parts[:, 1], parts[:, 2:]
+        M = m.max()
+        wgt = torch.where(torch.isfinite(m), torch.exp(m - M), torch.zeros_like(m))
+        o = (wgt[:, None] * acc).sum(0) / (wgt * lsum).sum()
+        if a["wuv"] >= 0:  # MLA: the head's value up-projection on the latent output
+            P, dv = a["P"], a["dv"]
+            W = self.T[a["wuv"]][h * (P + dv) + P:h * (P + dv) + P + dv].float()  # [V, C]
+            o = W @ o
+        self.wf(a["out_off"] + b * a["out_stride"] + h * a["dv"], o)
+
+    def op_route(self, ins, a):
+        E, A, B = a["E"], a["A"], a["B"]
+        logits = torch.stack([self.rf(a["logits_off"] + t * E, E) for t in range(B)])
+        if ins.flags & F_SIGMOID:
+            scores = torch.sigmoid(logits)
+            choice = scores + (self.T[a["bias_w"]].float()[None] if a["bias_w"] >= 0 else 0)
+            G = a["n_group"]
+            if G > 1:
+                grouped = choice.view(B, G, -1)
+                gs = torch.sort(grouped, dim=-1, descending=True).values[..., :2].sum(-1)
+                keep = torch.zeros_like(gs, dtype=torch.bool)
+                keep.scatter_(1, torch.sort(gs, dim=-1, descending=True, stable=True).indices[:, :a["topk_group"]],
+                              True)
+                choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(B, E)
+            ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :A]
+            w = scores.gather(1, ids)
+            if ins.flags & F_RENORM:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w * bits_f32(a["scale_bits"])
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :A]
+            w = probs.gather(1, ids)
+            if ins.flags & F_RENORM:
+                w = w / w.sum(-1, keepdim=True)
+        self.wi(a["ids_off"], ids.flatten())
+        self.wf(a["wts_off"], w.flatten())
+        flat = ids.flatten().tolist()
+        uniq = sorted(set(flat))
+        pstart, ptok, pslot, pairof = [0], [], [], [0] * (B * A)
+        for e in uniq:
+            for j, x in enumerate(flat):
+                if x == e:
+                    pairof[j] = len(ptok)
+                    ptok.append(j // A)
+                    pslot.append(j % A)
+            pstart.append(len(ptok))
+        self.wi(a["nuniq_off"], [len(uniq)])
+        self.wi(a["uniq_off"], uniq)
+        self.wi(a["pstart_off"], pstart)
+        self.wi(a["ptok_off"], ptok)
+        self.wi(a["pslot_off"], pslot)
+        self.wi(a["pairof_off"], pairof)
+
+    def _groups(self, a):
+        n = int(self.ri(a["nuniq_off"], 1))
+        uniq = self.ri(a["uniq_off"], n).tolist()
+        pstart = self.ri(a["pstart_off"], n + 1).tolist()
+        return n, uniq, pstart
+
+    def op_expert_up(self, ins, a):
+        I, D, rows = a["I"], a["D"], a["rows"]
+        n, uniq, pstart = self._groups(a)
+        tiles = -(-I // rows)
+        N = n * tiles
+        gu = self.T[a["gu"]]
+        for item in range(a["w"] * N // a["W"], (a["w"] + 1) * N // a["W"]):
+            u, tile = divmod(item, tiles)
+            e, r0 = uniq[u], tile * rows
+            r1 = min(I, r0 + rows)
+            toks = self.ri(a["ptok_off"] + pstart[u], pstart[u + 1] - pstart[u]).tolist()
+            x = torch.stack([self.rf(a["x_off"] + t * D, D) for t in toks])
+            g = x @ gu[e, r0:r1].float().T
+            up = x @ gu[e, I + r0:I + r1].float().T
+            hv = F.silu(g) * up
+            for j, p in enumerate(range(pstart[u], pstart[u + 1])):
+                self.wf(a["h_off"] + p * I + r0, hv[j])
+
+    def op_expert_down(self, ins, a):
+        I, D, r0, r1, B, A = (a[k] for k in ("I", "D", "r0", "r1", "B", "A"))
+        n, uniq, pstart = self._groups(a)
+        dn = self.T[a["dn"]]
+        for u in range(n):
+            Wd = dn[uniq[u], r0:r1].float()  # [rows, I]
+            for p in range(pstart[u], pstart[u + 1]):
+                self.wf(a["y_off"] + p * D + r0, Wd @ self.rf(a["h_off"] + p * I, I))
+        pairof = self.ri(a["pairof_off"], B * A).tolist()
+        wts = self.rf(a["wts_off"], B * A)
+        for t in range(B):
+            out = self.rf(a["out_off"] + t * D + r0, r1 - r0).clone()
+            for k in range(A):
+                out = out + wts[t * A + k] * self.rf(a["y_off"] + pairof[t * A + k] * D + r0, r1 - r0)
+            if ins.flags & F_SHARED:
+                out = out + self.rf(a["shared_off"] + t * D + r0, r1 - r0)
+            self.wf(a["out_off"] + t * D + r0, out)
+
+    def op_sample(self, ins, a):
+        V, b = a["V"], a["b"]
+        lg = self.rf(a["logits_off"] + b * V, V)
+        if ins.flags & F_GREEDY:
+            tok = int(torch.argmax(lg))
+        else:
+            seed = int(self.ri(a["seed_off"], 1))
+            tok = int(torch.argmax(lg * bits_f32(a["inv_temp_bits"]) + gumbel(seed, b, V, lg.device)))
+        self.wi(a["tok_out_off"] + b, [tok])
+        self.wf(a["lp_out_off"] + b, (lg[tok] - torch.logsumexp(lg, 0)).reshape(1))
+
+    def op_mla_kv(self, ins, a):
+        C, R, b = a["C"], a["R"], a["b"]
+        pos, slot = int(self.ri(a["pos_off"] + b, 1)), int(self.ri(a["slot_off"] + b, 1))
+        kv = self.rf(a["kva_off"] + b * a["kva_stride"], C + R)
+        lat = rms(kv[:C], self.T[a["norm_w"]], bits_f32(a["eps_bits"]))
+        pe = rope(kv[C:], pos, self.T[a["rope_w"]], bits_f32(a["att_bits"]), bool(ins.flags & F_INTERLEAVED))
+        self.cache_row(a["cache"], (slot, pos), write=torch.cat((lat, pe)))
+
+    def op_mla_q(self, ins, a):
+        b, h, H, P, R, C, V = (a[k] for k in ("b", "h", "H", "P", "R", "C", "V"))
+        pos = int(self.ri(a["pos_off"] + b, 1))
+        q = self.rf(a["qb_off"] + b * a["qb_stride"] + h * (P + R), P + R)
+        W = self.T[a["wkv"]][h * (P + V):h * (P + V) + P].float()  # [P, C]
+        self.wf(a["qlat_off"] + (b * H + h) * C, q[:P] @ W)
+        self.wf(a["qpe_off"] + (b * H + h) * R,
+                rope(q[P:], pos, self.T[a["rope_w"]], bits_f32(a["att_bits"]), bool(ins.flags & F_INTERLEAVED)))
+
+    def op_mla_attn(self, ins, a):
+        b, h0, HB, s, S, H, C, R = (a[k] for k in ("b", "h0", "HB", "s", "S", "H", "C", "R"))
+        pos, slot = int(self.ri(a["pos_off"] + b, 1)), int(self.ri(a["slot_off"] + b, 1))
+        L = pos + 1
+        lo, hi = s * L // S, (s + 1) * L // S
+        ql = torch.stack([self.rf(a["qlat_off"] + (b * H + h) * C, C) for h in range(h0, h0 + HB)])
+        qp = torch.stack([self.rf(a["qpe_off"] + (b * H + h) * R, R) for h in range(h0, h0 + HB)])
+        m = torch.full((HB,), float("-inf"))
+        lsum, acc = torch.zeros(HB), torch.zeros(HB, C)
+        if hi > lo:
+            rows = torch.stack([self.cache_row(a["cache"], (slot, p)).float() for p in range(lo, hi)])
+            sc = (ql @ rows[:, :C].T + qp @ rows[:, C:].T) * bits_f32(a["scale_bits"])
+            m = sc.max(-1).values
+            pr = torch.exp(sc - m[:, None])
+            lsum, acc = pr.sum(-1), pr @ rows[:, :C]
+        for j, h in enumerate(range(h0, h0 + HB)):
+            self.wf(a["part_off"] + ((b * H + h) * S + s) * (C + 2), torch.cat((m[j:j + 1], lsum[j:j + 1], acc[j])))

@@ -1,0 +1,176 @@
+"""The megakernel's instruction stream on the CPU: rows round-trip, lowering and scheduling of both families,
+and pyvm (the golden model) against the torch executor, with its own checks shown to fire: a missing wait is a
+race, a queue out of order deadlocks, a wait run early is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megadecode.cache import KVCache
+from megadecode.engine import Engine
+from megadecode.mega.isa import ROW, Instr, Wait, bits_f32, f32_bits
+from megadecode.mega.lower import Unsupported, lower
+from megadecode.mega.pyvm import DeadlockError, PyVM, WaitViolation
+from megadecode.mega.schedule import report, schedule
+from megadecode.presets import preset_config
+from megadecode.sampling import SamplingParams
+from megadecode.weights import random_weights
+
+FAMILIES = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+
+
+def _program(preset: str, batch: int, ctas: int = 8, seed: int = 0, sample=None):
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.float32, seed)
+    cache = KVCache(cfg, max(batch, 4), 64, "cpu", torch.float32)
+    return cfg, w, cache, schedule(lower(cfg, w, cache, batch, ctas, sample=sample), ctas)
+
+
+def test_rows_round_trip_and_float_bits():
+    ins = Instr("MERGE", 3, dict(part_off=1, out_off=2, out_stride=3, b=0, h=1, S=2, H=4, d=16, wuv=-1, dv=16, P=0),
+                signal=7, waits=[Wait(5, 12, 12)], flags=2, name="x")
+    row = ins.row()
+    assert len(row) == ROW
+    back = Instr.from_row(row)
+    assert (back.op, back.layer, back.signal, back.flags, back.args) == ("MERGE", 3, 7, 2, ins.args)
+    assert [(w.counter, w.need, w.per_launch) for w in back.waits] == [(5, 12, 12)]
+    assert bits_f32(f32_bits(1e-6)) == pytest.approx(1e-6, rel=1e-7)
+    with pytest.raises(ValueError, match="missing"):
+        Instr("MERGE", 0, {"b": 0}).row()
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
+    *_, prog = _program(preset, batch, ctas=6)
+    flat = sorted(i for q in prog.queues for i in q)
+    assert flat == list(range(len(prog.instrs)))
+    for q in prog.queues:  # in-order queues only wait on earlier phases
+        sig = [prog.instrs[i].signal for i in q]
+        assert sig == sorted(sig)
+    starts, order = prog.queue_table()
+    assert starts[-1] == len(prog.instrs) and order.shape == (len(prog.instrs),)
+    text = report(prog)
+    assert "predicted step" in text and "L0.attn" in text
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pyvm_decode_matches_torch(preset, batch):
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.float32, 1)
+    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
+    vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
+    vm.executor.check_races = True
+    prompts = [[3 + i, 7, 11 + 2 * i][: 1 + i % 3] for i in range(batch)]
+    tok = ref.prefill(prompts).argmax(-1)
+    vm.prefill(prompts)
+    for _ in range(3):
+        la, lb = ref.decode(tok), vm.decode(tok)
+        assert ((la - lb).abs().max() / la.abs().max()).item() < 1e-5
+        tok = la.argmax(-1)
+    # the caches the two executors wrote agree too (GQA keys/values, MLA latents)
+    for name, parts in ref.cache.layers.items():
+        for x, y in zip(parts, vm.cache.layers[name]):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), name
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_pyvm_greedy_generation_equals_torch(preset):
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.float32, 2)
+    prompts = [[1, 2, 3], [9, 8]]
+    a = Engine(cfg, w, executor="torch", max_batch=2, max_seq_len=64).generate(prompts, 8, SamplingParams(greedy=True))
+    b = Engine(cfg, w, executor="pyvm", max_batch=2, max_seq_len=64).generate(prompts, 8, SamplingParams(greedy=True))
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_interleavings_give_bitwise_identical_results(preset):
+    """Any order the queues and waits allow computes the same bits (no instruction depends on another's timing)."""
+    outs = []
+    for order, seed in (("round_robin", 0), ("random", 1), ("random", 2)):
+        cfg, w, cache, prog = _program(preset, 2, ctas=5, seed=3)
+        vm = PyVM(prog)
+        off, n = prog.i32["tokens"]
+        vm.i32[off:off + n] = torch.tensor([5, 9], dtype=torch.int32)
+        vm.i32[prog.i32["positions"][0]:][:2] = torch.tensor([0, 0], dtype=torch.int32)
+        vm.i32[prog.i32["slots"][0]:][:2] = torch.tensor([0, 1], dtype=torch.int32)
+        vm.launch(order, seed)
+        outs.append(vm.f32.clone())
+        assert not vm.races()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def _loaded_vm(preset, batch=2, ctas=5):
+    cfg, w, cache, prog = _program(preset, batch, ctas=ctas)
+    vm = PyVM(prog)
+    vm.i32[prog.i32["tokens"][0]:][:batch] = torch.arange(batch, dtype=torch.int32) + 3
+    vm.i32[prog.i32["slots"][0]:][:batch] = torch.arange(batch, dtype=torch.int32)
+    return prog, vm
+
+
+def test_a_missing_wait_is_reported_as_a_race():
+    prog, vm = _loaded_vm("tiny-qwen3-moe")
+    for ins in prog.instrs:
+        if ins.op == "MERGE" and ins.layer == 0:
+            ins.waits = []  # merge no longer waits for the attention partials it reads
+    vm.launch("round_robin")
+    found = vm.races(limit=100000)
+    assert any("merge" in f and "attn" in f for f in found), found[:5]
+
+
+def test_a_queue_out_of_order_deadlocks():
+    prog, vm = _loaded_vm("tiny-deepseek-v3", ctas=1)
+    prog.queues[0].reverse()  # the lm_head first: it waits on a phase queued behind it on the same CTA
+    with pytest.raises(DeadlockError, match="blocked"):
+        vm.launch()
+
+
+def test_a_wait_run_early_is_refused():
+    prog, vm = _loaded_vm("tiny-qwen3-moe")
+    vm.counters[0] = 1
+    later = next(i for i, ins in enumerate(prog.instrs) if ins.op == "ATTN_GQA")
+    with pytest.raises(WaitViolation):
+        vm.execute(later, epoch=1)
+
+
+def test_counters_wrap_around_int32():
+    """Counters are never reset: launch e waits for (e - 1) * per_launch + need, compared with wrapping int32,
+    so a long-running server's counters may overflow."""
+    prog, vm = _loaded_vm("tiny-qwen3-moe")
+    per = prog.per_launch()
+    e0 = 2**31 // max(per) + 5  # counters pass 2^31 within these launches
+    vm.counters = [e0 - 1] + [((e0 - 1) * n + 2**31) % 2**32 - 2**31 for n in per[1:]]
+    ref = None
+    for _ in range(3):
+        vm.launch()
+        out = vm.f32[prog.f32["logits"][0]:].clone()
+        ref = out if ref is None else ref
+        assert torch.isfinite(out).all()
+    assert any(c < 0 for c in vm.counters[1:])  # some counter wrapped
+
+
+def test_unsupported_models_and_batches_are_refused():
+    cfg = preset_config("tiny-kimi-linear")
+    w = random_weights(cfg, "cpu", torch.float32, 0)
+    with pytest.raises(Unsupported, match="kimi_linear"):
+        lower(cfg, w, KVCache(cfg, 1, 8, "cpu", torch.float32), 1)
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, "cpu", torch.float32, 0)
+    with pytest.raises(Unsupported, match="batch 65"):
+        lower(cfg, w, KVCache(cfg, 65, 8, "cpu", torch.float32), 65)
+
+
+def test_sample_instructions_pick_greedy_tokens():
+    cfg, w, cache, prog = _program("tiny-qwen3-moe", 2, sample="greedy")
+    vm = PyVM(prog)
+    vm.i32[prog.i32["tokens"][0]:][:2] = torch.tensor([4, 5], dtype=torch.int32)
+    vm.i32[prog.i32["slots"][0]:][:2] = torch.tensor([0, 1], dtype=torch.int32)
+    vm.launch()
+    logits = vm.f32[prog.f32["logits"][0]:][:2 * cfg.vocab_size].view(2, -1)
+    toks = vm.i32[prog.i32["sampled"][0]:][:2]
+    assert toks.tolist() == logits.argmax(-1).tolist()
+    lp = vm.f32[prog.f32["sampled_lp"][0]:][:2]
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, toks.long()[:, None])[:, 0])
