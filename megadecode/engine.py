@@ -189,6 +189,9 @@ class Engine:
                 progress.update(1)
         sync()
         t2 = time.perf_counter()
+        check = getattr(self.executor, "check_errors", None)
+        if check is not None:  # the mega executor: a wait that timed out inside a launch
+            check()
         ids = torch.stack(toks, 1).tolist() if toks else [[] for _ in prompts]
         lp_host = torch.stack(lps, 1).tolist() if lps else [[] for _ in prompts]
         eos = set(self.cfg.eos_token_id)

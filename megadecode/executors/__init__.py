@@ -2,14 +2,16 @@
 per-op step without host syncs, captured in a CUDA graph. `compiled`: that step through torch.compile,
 then captured (the gpt-fast recipe). `fused`: the graph step with ops replaced by the harness's
 registered Triton variants, captured. `pyvm`: the megakernel's instruction stream interpreted with torch (its
-golden model)."""
+golden model). `mega`: one persistent CuTe DSL kernel per decode step."""
 
 from .fused_executor import FusedExecutor
 from .graph_executor import CompiledGraphExecutor, GraphExecutor
+from .mega_executor import MegaExecutor
 from .pyvm_executor import PyVMExecutor
 from .torch_executor import TorchExecutor
 
 EXECUTORS = {"torch": TorchExecutor, "graph": GraphExecutor, "compiled": CompiledGraphExecutor,
-             "fused": FusedExecutor, "pyvm": PyVMExecutor}
+             "fused": FusedExecutor, "pyvm": PyVMExecutor, "mega": MegaExecutor}
 
-__all__ = ["EXECUTORS", "CompiledGraphExecutor", "FusedExecutor", "GraphExecutor", "PyVMExecutor", "TorchExecutor"]
+__all__ = ["EXECUTORS", "CompiledGraphExecutor", "FusedExecutor", "GraphExecutor", "MegaExecutor", "PyVMExecutor",
+           "TorchExecutor"]

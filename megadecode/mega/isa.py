@@ -52,7 +52,7 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # to the cache, then attention of the G query heads over the split's share of positions [0, pos] ->
     # partials (m, l, acc) at part_off + ((b * H + head) * S + s) * (d + 2)
     "ATTN_GQA": (4, ("kc", "vc", "qkv_off", "qkv_stride", "qn_w", "kn_w", "pos_off", "slot_off", "b", "h", "s",
-                     "S", "H", "KH", "d", "part_off", "scale_bits", "eps_bits", "rope_w", "att_bits")),
+                     "S", "H", "KH", "d", "part_off", "scale_bits", "eps_bits", "rope_w", "att_bits", "Lmax")),
     # o[b, head*dv:(head+1)*dv] = merge of the S partials of (b, head) [MLA: then W_UV of the head]
     "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P")),
     # routing for the whole batch: picks, weights, and the pairs grouped by expert (see mega/lower.py)
@@ -69,13 +69,13 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     "SAMPLE": (9, ("logits_off", "V", "b", "tok_out_off", "lp_out_off", "seed_off", "inv_temp_bits")),
     # MLA: the token's latent (RMSNorm) and rope key (rotated) into the cache
     "MLA_KV": (10, ("cache", "kva_off", "kva_stride", "norm_w", "C", "R", "pos_off", "slot_off", "b", "eps_bits",
-                    "rope_w", "att_bits")),
+                    "rope_w", "att_bits", "Lmax")),
     # MLA: q_lat[b, head] = W_UK[head]^T q_nope, q_pe rotated
     "MLA_Q": (11, ("wkv", "qb_off", "qb_stride", "qlat_off", "qpe_off", "b", "h", "H", "P", "R", "C", "V",
                    "pos_off", "rope_w", "att_bits")),
     # MLA attention for (b, head block [h0, h0 + HB), split s of S) over the latent cache -> partials
     "MLA_ATTN": (12, ("cache", "qlat_off", "qpe_off", "pos_off", "slot_off", "b", "h0", "HB", "s", "S", "H",
-                      "C", "R", "part_off", "scale_bits")),
+                      "C", "R", "part_off", "scale_bits", "Lmax")),
 }
 OPCODES = {name: code for name, (code, _) in OPS.items()}
 OPNAMES = {code: name for name, (code, _) in OPS.items()}

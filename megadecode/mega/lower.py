@@ -242,7 +242,7 @@ def _gqa_layer(b: _Builder, i: int, p: str, att_bits: int) -> None:
                       kn_w=b.t(f"{a}.k_norm.weight"), pos_off=b.i32["positions"][0], slot_off=b.i32["slots"][0],
                       b=s_, h=h, s=s, S=S, H=H, KH=KH, d=d, part_off=b.f32["part"][0],
                       scale_bits=f32_bits(d ** -0.5), eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"],
-                      att_bits=att_bits)
+                      att_bits=att_bits, Lmax=b.cache.max_len)
     b.close(f"L{i}.attn")
     b.buf("attn", B * H * d)
     for s_ in range(B):
@@ -278,7 +278,8 @@ def _mla_layer(b: _Builder, i: int, p: str, att_bits: int) -> None:
     for s_ in range(B):
         b.add("MLA_KV", i, f"L{i}.kv[{s_}]", _rope_flags(cfg), cache=cache, kva_off=b.f32["kva"][0],
               kva_stride=C + R, norm_w=b.t(f"{a}.kv_a_layernorm.weight"), C=C, R=R, pos_off=b.i32["positions"][0],
-              slot_off=b.i32["slots"][0], b=s_, eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"], att_bits=att_bits)
+              slot_off=b.i32["slots"][0], b=s_, eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"], att_bits=att_bits,
+              Lmax=b.cache.max_len)
     b.close(f"L{i}.qb_kv")
     b.buf("qlat", B * H * C)
     b.buf("qpe", B * H * R)
@@ -290,7 +291,7 @@ def _mla_layer(b: _Builder, i: int, p: str, att_bits: int) -> None:
                   b=s_, h=h, H=H, P=P, R=R, C=C, V=V, pos_off=b.i32["positions"][0],
                   rope_w=b._tidx["rope.inv_freq"], att_bits=att_bits)
     b.close(f"L{i}.q")
-    HB = min(H, 16)
+    HB = min(H, 8)  # heads per MLA attention instruction (their latent queries and outputs in shared memory)
     S = b.splits(B * -(-H // HB))
     b.buf("part", B * H * S * (C + 2))
     for s_ in range(B):
@@ -299,7 +300,7 @@ def _mla_layer(b: _Builder, i: int, p: str, att_bits: int) -> None:
                 b.add("MLA_ATTN", i, f"L{i}.attn[{s_},{h0},{s}]", cache=cache, qlat_off=b.f32["qlat"][0],
                       qpe_off=b.f32["qpe"][0], pos_off=b.i32["positions"][0], slot_off=b.i32["slots"][0], b=s_,
                       h0=h0, HB=min(HB, H - h0), s=s, S=S, H=H, C=C, R=R, part_off=b.f32["part"][0],
-                      scale_bits=f32_bits(cfg.softmax_scale))
+                      scale_bits=f32_bits(cfg.softmax_scale), Lmax=b.cache.max_len)
     b.close(f"L{i}.attn")
     b.buf("attn", B * H * V)
     for s_ in range(B):

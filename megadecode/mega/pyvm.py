@@ -282,8 +282,9 @@ class PyVM:
             k = rope(rms(self.rf(base + (H + h) * d, d), self.T[a["kn_w"]], eps), pos, inv, att, False)
             self.cache_row(a["kc"], (slot, pos, h), write=k)
             self.cache_row(a["vc"], (slot, pos, h), write=self.rf(base + (H + KH + h) * d, d))
-        m = torch.full((G,), float("-inf"))
-        lsum, acc = torch.zeros(G), torch.zeros(G, d)
+        dev = self.f32.device
+        m = torch.full((G,), float("-inf"), device=dev)
+        lsum, acc = torch.zeros(G, device=dev), torch.zeros(G, d, device=dev)
         if hi > lo:
             K = torch.stack([self.cache_row(a["kc"], (slot, p, h)).float() for p in range(lo, hi)])
             V = torch.stack([self.cache_row(a["vc"], (slot, p, h)).float() for p in range(lo, hi)])
@@ -429,8 +430,9 @@ class PyVM:
         lo, hi = s * L // S, (s + 1) * L // S
         ql = torch.stack([self.rf(a["qlat_off"] + (b * H + h) * C, C) for h in range(h0, h0 + HB)])
         qp = torch.stack([self.rf(a["qpe_off"] + (b * H + h) * R, R) for h in range(h0, h0 + HB)])
-        m = torch.full((HB,), float("-inf"))
-        lsum, acc = torch.zeros(HB), torch.zeros(HB, C)
+        dev = self.f32.device
+        m = torch.full((HB,), float("-inf"), device=dev)
+        lsum, acc = torch.zeros(HB, device=dev), torch.zeros(HB, C, device=dev)
         if hi > lo:
             rows = torch.stack([self.cache_row(a["cache"], (slot, p)).float() for p in range(lo, hi)])
             sc = (ql @ rows[:, :C].T + qp @ rows[:, C:].T) * bits_f32(a["scale_bits"])

@@ -1,0 +1,121 @@
+"""The `mega` executor: each decode step is one persistent CuTe DSL kernel launch (megadecode/mega/), captured in a
+CUDA graph per batch size. Each sequence's cache length is read inside the launch, so one graph serves every
+length. Prefill runs the torch reference. bf16 weights on an sm_90 GPU; qwen3_moe and deepseek_v3, batch <= 64.
+
+`generate` samples inside the launch (greedy, or temperature with top_p = 1: SAMPLE instructions after the
+lm_head), like the fused executor; a wait that timed out inside the kernel is raised by `check_errors()` (the
+engine calls it after generating; the error buffer is read once, not per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from ..plan import DecodePlan
+from ..step import Step
+from .torch_executor import TorchExecutor
+
+
+class MegaExecutor(TorchExecutor):
+    name = "mega"
+
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
+                 num_ctas: int | None = None):
+        from ..mega.lower import check_plan
+
+        check_plan(plan, plan.config)
+        super().__init__(plan, weights, cache)
+        any_w = next(iter(weights.values()))
+        self.device = any_w.device
+        if self.device.type != "cuda":
+            raise ValueError("the mega executor runs on a CUDA GPU (the `pyvm` executor interprets the same "
+                             "instructions on the CPU)")
+        if any_w.dtype != torch.bfloat16:
+            raise ValueError(f"the mega executor runs bf16 weights, got {any_w.dtype} (use --dtype bfloat16)")
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) != (9, 0):
+            raise ValueError(f"the mega executor is built for sm_90 (H100/H200), this GPU is sm_{major}{minor}")
+        self.num_ctas = num_ctas or default_ctas(self.device)
+        self.runtimes: dict[tuple, object] = {}
+        self.graphs: dict[tuple, tuple] = {}
+        self._pool = None
+        self.sampling = None
+        self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_sampling(self, params, batch: int = 1) -> bool:
+        """Sample inside the launch (greedy, or temperature with top_p == 1); returns whether it does."""
+        ok = params is not None and (params.greedy or params.top_p == 1.0)
+        self.sampling = params if ok else None
+        return ok
+
+    def _mode(self):
+        if self.sampling is None:
+            return None, 1.0
+        return ("greedy", 1.0) if self.sampling.greedy else ("temperature", 1.0 / self.sampling.temperature)
+
+    def runtime(self, batch: int):
+        from ..mega.isa import f32_bits
+        from ..mega.lower import lower
+        from ..mega.runtime import MegaRuntime
+        from ..mega.schedule import schedule
+
+        mode, inv_t = self._mode()
+        key = (batch, mode, inv_t)
+        if key not in self.runtimes:
+            prog = lower(self.cfg, self.weights, self.cache, batch, self.num_ctas, sample=mode)
+            for ins in prog.instrs:
+                if ins.op == "SAMPLE":
+                    ins.args["inv_temp_bits"] = f32_bits(inv_t)
+            self.runtimes[key] = MegaRuntime(schedule(prog, self.num_ctas), self.device)
+        return key, self.runtimes[key]
+
+    def _stage(self, rt, step: Step) -> None:
+        rt.view("tokens").copy_(step.tokens)
+        rt.view("positions").copy_(step.positions)
+        rt.view("slots").copy_(step.slots)
+        if "seed" in rt.prog.i32:
+            rt.view("seed").copy_(self.seed)
+
+    @torch.inference_mode()
+    def decode(self, step: Step) -> torch.Tensor:
+        B = step.num_tokens
+        key, rt = self.runtime(B)
+        entry = self.graphs.get(key)
+        if entry is None:
+            static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),
+                          logit_rows=step.logit_rows, kv_len=step.kv_len)
+            self._stage(rt, static)
+            rt.launch()  # compiles on first use; the same step's cache writes, repeated by the replay
+            torch.cuda.synchronize(self.device)
+            rt.check()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._stage(rt, static)
+                rt.launch()
+            self._pool = graph.pool()
+            entry = self.graphs[key] = (graph, static)
+        graph, static = entry
+        static.tokens.copy_(step.tokens, non_blocking=True)
+        static.positions.copy_(step.positions, non_blocking=True)
+        static.slots.copy_(step.slots, non_blocking=True)
+        graph.replay()
+        if self.sampling is not None:
+            self.sampled = (rt.view("sampled")[:B].long(), rt.view("sampled_lp")[:B])
+        return rt.view("logits").view(B, -1)
+
+    def check_errors(self) -> None:
+        """Raise mega.runtime.MegaError if any launch reported a wait that timed out."""
+        for rt in self.runtimes.values():
+            rt.check()
+
+
+def default_ctas(device) -> int:
+    """Every CTA the GPU holds at once: SMs x the kernel's resident CTAs per SM (registers, shared memory)."""
+    from ..mega import cute_kernel as K
+    from ..mega.runtime import ctas_per_sm, registers_per_thread
+
+    ptx = K.compile_for().__ptx__
+    per_sm = ctas_per_sm(registers_per_thread(hash(ptx), ptx), K.NT, K.SMEM_BYTES)
+    return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,148 @@
+"""The megakernel on the GPU: a scheduled program's device buffers, the compiled CuTe kernel, co-residency and the
+error buffer.
+
+One `MegaRuntime` per (model, batch size): the instruction rows, the CTA queues, the counters (word 0 is the launch
+number, bumped on the device before each launch so that CUDA-graph replays need no reset), the fp32 and int32
+arenas and the tensor table (device addresses of the weights and caches). `launch()` enqueues the bump and the
+kernel on the current stream, so a step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from .program import Program
+
+DEFAULT_MAX_SPIN = 1 << 20  # spin iterations before a wait reports a timeout (~1-2 s of polling)
+ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] target
+
+
+_COMPILED = None
+
+
+class MegaError(RuntimeError):
+    """The megakernel reported a wait that timed out (an instruction whose producers never signalled)."""
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_kernel():
+    """The CuTe DSL launcher, compiled once per process for tensors of any size (layouts marked dynamic)."""
+    from . import cute_kernel as K
+
+    return K
+
+
+def _cute_args(rt: "MegaRuntime"):
+    from cutlass import Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    def dyn(t):
+        return from_dlpack(t, assumed_align=16).mark_layout_dynamic()
+
+    return (dyn(rt.rows), dyn(rt.qstart), dyn(rt.qorder), dyn(rt.ctr), dyn(rt.f32), dyn(rt.i32), dyn(rt.taddr),
+            dyn(rt.err), Int32(rt.max_spin), Int32(rt.num_ctas))
+
+
+@functools.lru_cache(maxsize=None)
+def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
+    """Registers ptxas allocates per thread for the kernel's PTX (None when ptxas is not found)."""
+    ptxas = shutil.which("ptxas") or ("/usr/local/cuda/bin/ptxas" if shutil.which("/usr/local/cuda/bin/ptxas")
+                                       else None)
+    if ptxas is None:
+        return None
+    arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as d:
+        src = f"{d}/k.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True, text=True,
+                           timeout=300)
+    m = re.search(r"Used (\d+) registers", r.stderr)
+    return int(m.group(1)) if m else None
+
+
+def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
+    """CTAs of the kernel that fit on one sm_90 SM at once: registers (64K per SM, allocated per warp in units of
+    256), shared memory (228 KiB per SM, 1 KiB reserved per CTA), threads (2048). Unknown registers: 1 (255
+    registers per thread always fit one CTA of <= 256 threads)."""
+    if regs is None:
+        return 1
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = 65536 // (per_warp * (threads // 32))
+    by_smem = (228 * 1024) // (smem_bytes + 1024)
+    return max(0, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+class MegaRuntime:
+    def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN):
+        if not prog.queues:
+            raise ValueError("schedule the program first (mega.schedule.schedule)")
+        self.prog, self.device, self.max_spin = prog, torch.device(device), max_spin
+        self.num_ctas = prog.num_ctas
+        self.rows = prog.rows().to(self.device)
+        qstart, qorder = prog.queue_table()
+        self.qstart, self.qorder = qstart.to(self.device), qorder.to(self.device)
+        self.ctr = torch.zeros(max(prog.counters, 4), dtype=torch.int32, device=self.device)
+        self.f32 = torch.zeros(prog.f32_size + 64, dtype=torch.float32, device=self.device)
+        self.i32 = torch.zeros(prog.i32_size + 64, dtype=torch.int32, device=self.device)
+        for t in prog.tensors:
+            if t.tensor.device != self.device:
+                raise ValueError(f"tensor {t.name} is on {t.tensor.device}, the runtime on {self.device}")
+            if t.tensor.data_ptr() % 16:
+                raise ValueError(f"tensor {t.name} is not 16-byte aligned (the kernel's vector loads need it)")
+        self.taddr = torch.tensor([t.tensor.data_ptr() for t in prog.tensors], dtype=torch.int64, device=self.device)
+        self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
+        self._compiled = None
+
+    def view(self, name: str) -> torch.Tensor:
+        if name in self.prog.f32:
+            off, n = self.prog.f32[name]
+            return self.f32[off:off + n]
+        off, n = self.prog.i32[name]
+        return self.i32[off:off + n]
+
+    def compile(self):
+        """The compiled launcher: once per process (layouts are dynamic, so it serves every program)."""
+        global _COMPILED
+        if _COMPILED is None:
+            import cutlass.cute as cute
+
+            K = compiled_kernel()
+            _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg())
+        if self._compiled is None:
+            self._compiled = _COMPILED
+            self.check_residency()
+        return self._compiled
+
+    def check_residency(self) -> None:
+        """All CTAs must be resident at once (a CTA spinning on a counter would otherwise wait for a CTA that
+        never starts): refuse a launch larger than the GPU holds."""
+        K = compiled_kernel()
+        ptx = self._compiled.__ptx__
+        per_sm = ctas_per_sm(registers_per_thread(hash(ptx), ptx), K.NT, K.SMEM_BYTES)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.num_ctas > per_sm * sms:
+            raise ValueError(f"the megakernel launches {self.num_ctas} CTAs; this GPU holds {per_sm} per SM x {sms} "
+                             f"SMs = {per_sm * sms} at once")
+
+    def launch(self) -> None:
+        K = compiled_kernel()
+        fn = self.compile()
+        self.ctr[0:1].add_(1)  # the launch number, on the device (captured with the launch)
+        fn(*_cute_args(self), K.current_stream_arg())
+
+    def check(self) -> None:
+        """Raise MegaError when a wait timed out (reads the error buffer: a device sync)."""
+        e = self.err.tolist()
+        if e[0]:
+            ins = self.prog.instrs[e[1]] if 0 <= e[1] < len(self.prog.instrs) else None
+            raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "
+                            f"counter {e[2]} ({self.prog.phases[e[2] - 1] if 0 < e[2] <= len(self.prog.phases) else '?'})"
+                            f" for {e[4]}, saw {e[3]}")
