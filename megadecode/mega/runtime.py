@@ -84,7 +84,10 @@ class MegaRuntime:
     def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN):
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")
-        self.prog, self.device, self.max_spin = prog, torch.device(device), max_spin
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.prog, self.device, self.max_spin = prog, device, max_spin
         self.num_ctas = prog.num_ctas
         self.rows = prog.rows().to(self.device)
         qstart, qorder = prog.queue_table()
