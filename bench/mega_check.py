@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 
 import torch
 
@@ -126,14 +127,24 @@ def main() -> None:
     res = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "diff": [], "e2e": []}
     for preset in args.presets.split(","):
         for b in map(int, args.batches.split(",")):
-            r = diff_program(preset, b, ctas, seed=b)
+            try:
+                r = diff_program(preset, b, ctas, seed=b)
+            except Exception as e:  # noqa: BLE001  (report and go on: one GPU call, many cases)
+                print(f"diff {preset} b={b}: {type(e).__name__}: {traceback.format_exc()[-1500:]}", flush=True)
+                res["diff"].append({"preset": preset, "batch": b, "error": repr(e)})
+                continue
             res["diff"].append(r)
             worst = max((x.get("rel", 0.0) for x in r["buffers"]), default=0.0)
             print(f"diff {preset} b={b}: {r['instructions']} instrs, worst rel {worst:.2e}, mismatched "
                   f"{r['mismatched'][:6]}, repeat equal {r['repeat_bitwise_equal']}, first launch "
                   f"{r['first_launch_s']:.1f}s", flush=True)
         for b in (1, 4):
-            r = end_to_end(preset, b, args.tokens, seed=10 + b)
+            try:
+                r = end_to_end(preset, b, args.tokens, seed=10 + b)
+            except Exception as e:  # noqa: BLE001
+                print(f"e2e {preset} b={b}: {type(e).__name__}: {traceback.format_exc()[-1500:]}", flush=True)
+                res["e2e"].append({"preset": preset, "batch": b, "error": repr(e)})
+                continue
             res["e2e"].append(r)
             print(f"e2e {preset} b={b}: decode rel {['%.1e' % e for e in r['decode_rel_err']]}, greedy "
                   f"{r['greedy_equal']}/{r['greedy_tokens']} equal, first divergence {r['first_divergence']}",

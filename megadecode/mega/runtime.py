@@ -128,7 +128,7 @@ class MegaRuntime:
         """All CTAs must be resident at once (a CTA spinning on a counter would otherwise wait for a CTA that
         never starts): refuse a launch larger than the GPU holds."""
         K = compiled_kernel()
-        ptx = self._compiled.__ptx__
+        ptx = K.compile_for().__ptx__  # the same kernel, compiled without a GPU, keeps its PTX
         per_sm = ctas_per_sm(registers_per_thread(hash(ptx), ptx), K.NT, K.SMEM_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.num_ctas > per_sm * sms:

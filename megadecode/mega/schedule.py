@@ -9,6 +9,7 @@ every wait points to an earlier phase and in-order queues cannot deadlock while 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from ..hardware import HBM_READ_BPS
@@ -34,16 +35,15 @@ def schedule(prog: Program, num_ctas: int, cost: CostModel = CostModel()) -> Pro
     """Fill prog.queues (one list of instruction indices per CTA) and prog.predicted_us (finish times)."""
     if num_ctas < 1:
         raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
-    free = [0.0] * num_ctas
+    heap = [(0.0, c) for c in range(num_ctas)]  # (free at, CTA): the earliest free CTA starts soonest
     done_at: dict[int, float] = {}  # counter -> latest predicted finish of its producers so far
     queues: list[list[int]] = [[] for _ in range(num_ctas)]
     finish = [0.0] * len(prog.instrs)
     for idx, ins in enumerate(prog.instrs):
         ready = max((done_at.get(w.counter, 0.0) for w in ins.waits), default=0.0)
-        c = min(range(num_ctas), key=lambda k: (max(free[k], ready), k))
-        start = max(free[c], ready)
-        finish[idx] = start + cost.us(ins, num_ctas)
-        free[c] = finish[idx]
+        free, c = heapq.heappop(heap)
+        finish[idx] = max(free, ready) + cost.us(ins, num_ctas)
+        heapq.heappush(heap, (finish[idx], c))
         queues[c].append(idx)
         if ins.signal >= 0:
             done_at[ins.signal] = max(done_at.get(ins.signal, 0.0), finish[idx])
