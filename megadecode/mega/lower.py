@@ -134,8 +134,9 @@ class _Builder:
         return self.prev
 
     # ---- tiling ---------------------------------------------------------------------------------
-    def rows_per_tile(self, total_rows: int, per: float = 2.0) -> int:
-        """Rows per MATVEC tile so that a phase of `total_rows` makes about `per` instructions per CTA."""
+    def rows_per_tile(self, total_rows: int, per: float = 1.0) -> int:
+        """Rows per MATVEC tile so that a phase of `total_rows` makes about `per` instructions per CTA (one: every
+        instruction has a fixed cost, the wait, two block barriers and the signal)."""
         return max(1, math.ceil(total_rows / max(1, int(per * self.ctas))))
 
     def matvec(self, layer: int, name: str, w: str, x: str, out: str, out_col: int = 0, *, norm: str | None = None,
@@ -169,8 +170,9 @@ class _Builder:
                      out_col=0, r0=r0, r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps)
 
     def splits(self, units: int) -> int:
-        """Splits of the cache length per attention unit: about 2 instructions per CTA in all."""
-        return max(1, min(64, round(2 * self.ctas / max(1, units))))
+        """Splits of the cache length per attention unit: about one instruction per CTA in all, and no more
+        splits than the cache holds 256-position pieces (the length is only known in the launch)."""
+        return max(1, min(64, self.cache.max_len // 256, round(self.ctas / max(1, units))))
 
 
 def lower(cfg, weights: dict, cache, batch: int, num_ctas: int = 132, sample: str | None = None) -> Program:
@@ -364,8 +366,8 @@ def _moe_layer(b: _Builder, i: int, p: str) -> None:
     b.buf("h", B * A * I)
     b.buf("y", B * A * D)
     sel = expected_experts(E, A, B)
-    rows = max(1, min(I, math.ceil(I * sel / (2 * b.ctas))))  # ~2 work items per CTA
-    W = max(1, min(2 * b.ctas, math.ceil(sel) * -(-I // rows)))
+    rows = max(1, min(I, math.ceil(I * sel / b.ctas)))  # ~1 work item per CTA
+    W = max(1, min(b.ctas, math.ceil(sel) * -(-I // rows)))
     per_item = 2 * rows * D * b.wbytes
     gu = b.t(f"{m}.experts.gate_up_proj")
     for w in range(W):

@@ -44,6 +44,13 @@ class Program:
     def i32_size(self) -> int:
         return max((o + n for o, n in self.i32.values()), default=0)
 
+    def to(self, device) -> "Program":
+        """A copy whose tensor table lives on `device` (weights and caches copied): pyvm on the CPU for a program
+        built on the GPU."""
+        from dataclasses import replace
+
+        return replace(self, tensors=[Tensor(t.name, t.tensor.to(device), t.role) for t in self.tensors])
+
     def tensor_index(self, name: str) -> int:
         for i, t in enumerate(self.tensors):
             if t.name == name:
