@@ -51,6 +51,7 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int) -> dict:
             t.normal_(generator=g)
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
     rt = MegaRuntime(prog, "cuda")
+    print(f"  {preset} b={batch}: {len(prog.instrs)} instructions on {ctas} CTAs, launching", flush=True)
     tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=g)
     positions = torch.randint(0, 200, (batch,), device="cuda", generator=g)
     slots = torch.randperm(batch, device="cuda", generator=g)

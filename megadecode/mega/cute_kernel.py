@@ -49,6 +49,7 @@ CH = 64  # cache positions scored per attention chunk
 SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
 SMEM_I = 2048  # int32 words (8 KiB)
 SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
+ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -143,9 +144,9 @@ def hash32(seed: Uint32, b: Uint32, v: Uint32) -> Uint32:
 
 
 @cute.jit
-def arg(pb: Int64, idx: Int32, j: Constexpr) -> Int32:
-    """Argument word j of instruction idx."""
-    return ldi(pb + Int64(idx * ROW + j) * 4)
+def arg(smi: cute.Tensor, j: Constexpr) -> Int32:
+    """Word j of the current instruction (copied into shared memory while thread 0 waits)."""
+    return smi[ROW_S + j]
 
 
 @cute.jit
@@ -172,15 +173,15 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
             tid: Int32, glu: Constexpr):
     warp, lane = tid // 32, tid % 32
     op = "GLU" if glu else "MATVEC"
-    flags = arg(pb, idx, 3)
-    K, x_off, x_stride = arg(pb, idx, ARG[op]["K"]), arg(pb, idx, ARG[op]["x_off"]), arg(pb, idx, ARG[op]["x_stride"])
-    out_off, out_stride, out_col = arg(pb, idx, ARG[op]["out_off"]), arg(pb, idx, ARG[op]["out_stride"]), arg(pb, idx, ARG[op]["out_col"])
-    r0, r1, B, norm_w = arg(pb, idx, ARG[op]["r0"]), arg(pb, idx, ARG[op]["r1"]), arg(pb, idx, ARG[op]["B"]), arg(pb, idx, ARG[op]["norm_w"])
+    flags = arg(smi, 3)
+    K, x_off, x_stride = arg(smi, ARG[op]["K"]), arg(smi, ARG[op]["x_off"]), arg(smi, ARG[op]["x_stride"])
+    out_off, out_stride, out_col = arg(smi, ARG[op]["out_off"]), arg(smi, ARG[op]["out_stride"]), arg(smi, ARG[op]["out_col"])
+    r0, r1, B, norm_w = arg(smi, ARG[op]["r0"]), arg(smi, ARG[op]["r1"]), arg(smi, ARG[op]["B"]), arg(smi, ARG[op]["norm_w"])
     eps = argf(pb, idx, ARG[op]["eps_bits"])
-    w0 = taddr[arg(pb, idx, ARG[op]["wg" if glu else "w"])]
+    w0 = taddr[arg(smi, ARG[op]["wg" if glu else "w"])]
     w1 = w0
     if cutlass.const_expr(glu):
-        w1 = taddr[arg(pb, idx, ARG[op]["wu"])]
+        w1 = taddr[arg(smi, ARG[op]["wu"])]
     norm = (flags & F_NORM) != 0
     gaddr = w0
     if norm:
@@ -205,7 +206,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 acu[j] = Float32(0.0)
             wrow = w0 + Int64(r) * Int64(K) * 2
             urow = w1 + Int64(r) * Int64(K) * 2
-            for k in cutlass.range(lane * 8, K, 256):
+            for k in cutlass.range(lane * 8, K, 256, unroll=4):
                 wv = ld8(BFloat16, wrow + Int64(k) * 2)
                 uv = wv
                 if cutlass.const_expr(glu):
@@ -232,7 +233,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     stf(Float32, o, s)
     if cutlass.const_expr(not glu):
         if (flags & F_WRITE_NORMED) != 0 and r0 == 0:
-            normed_off = arg(pb, idx, ARG[op]["normed_off"])
+            normed_off = arg(smi, ARG[op]["normed_off"])
             for t in cutlass.range(B):
                 for k in cutlass.range(tid, K, NT):
                     v = ldf(Float32, fa(fb, x_off + t * x_stride + k)) * sm[RS + t] * ldf(BFloat16, gaddr + Int64(k) * 2)
@@ -243,8 +244,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
 def op_embed(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
     _warp, _lane = tid // 32, tid % 32
-    w, tok_off, out_off = taddr[arg(pb, idx, ARG["EMBED"]["w"])], arg(pb, idx, ARG["EMBED"]["tok_off"]), arg(pb, idx, ARG["EMBED"]["out_off"])
-    D, B, c0, c1 = arg(pb, idx, ARG["EMBED"]["D"]), arg(pb, idx, ARG["EMBED"]["B"]), arg(pb, idx, ARG["EMBED"]["c0"]), arg(pb, idx, ARG["EMBED"]["c1"])
+    w, tok_off, out_off = taddr[arg(smi, ARG["EMBED"]["w"])], arg(smi, ARG["EMBED"]["tok_off"]), arg(smi, ARG["EMBED"]["out_off"])
+    D, B, c0, c1 = arg(smi, ARG["EMBED"]["D"]), arg(smi, ARG["EMBED"]["B"]), arg(smi, ARG["EMBED"]["c0"]), arg(smi, ARG["EMBED"]["c1"])
     for t in cutlass.range(B):
         tok = ldi(ia(ib, tok_off + t))
         for col in cutlass.range(c0 + tid, c1, NT):
@@ -288,15 +289,15 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
                 tid: Int32):
     warp, lane = tid // 32, tid % 32
     A = "ATTN_GQA"
-    kc, vc = taddr[arg(pb, idx, ARG[A]["kc"])], taddr[arg(pb, idx, ARG[A]["vc"])]
-    qkv_off, qkv_stride = arg(pb, idx, ARG[A]["qkv_off"]), arg(pb, idx, ARG[A]["qkv_stride"])
-    qn, kn = taddr[arg(pb, idx, ARG[A]["qn_w"])], taddr[arg(pb, idx, ARG[A]["kn_w"])]
-    b, h, s, S, H, KH, d = (arg(pb, idx, ARG[A][n]) for n in ("b", "h", "s", "S", "H", "KH", "d"))
-    part_off, Lmax = arg(pb, idx, ARG[A]["part_off"]), arg(pb, idx, ARG[A]["Lmax"])
+    kc, vc = taddr[arg(smi, ARG[A]["kc"])], taddr[arg(smi, ARG[A]["vc"])]
+    qkv_off, qkv_stride = arg(smi, ARG[A]["qkv_off"]), arg(smi, ARG[A]["qkv_stride"])
+    qn, kn = taddr[arg(smi, ARG[A]["qn_w"])], taddr[arg(smi, ARG[A]["kn_w"])]
+    b, h, s, S, H, KH, d = (arg(smi, ARG[A][n]) for n in ("b", "h", "s", "S", "H", "KH", "d"))
+    part_off, Lmax = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["Lmax"])
     scale, eps, att = argf(pb, idx, ARG[A]["scale_bits"]), argf(pb, idx, ARG[A]["eps_bits"]), argf(pb, idx, ARG[A]["att_bits"])
-    inv = taddr[arg(pb, idx, ARG[A]["rope_w"])]
-    pos = ldi(ia(ib, arg(pb, idx, ARG[A]["pos_off"]) + b))
-    slot = ldi(ia(ib, arg(pb, idx, ARG[A]["slot_off"]) + b))
+    inv = taddr[arg(smi, ARG[A]["rope_w"])]
+    pos = ldi(ia(ib, arg(smi, ARG[A]["pos_off"]) + b))
+    slot = ldi(ia(ib, arg(smi, ARG[A]["slot_off"]) + b))
     G = H // KH
     half = d // 2
     Q, SC, ACC = 0, 2048, 3072
@@ -387,8 +388,8 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
              tid: Int32):
     warp, lane = tid // 32, tid % 32
     A = "MERGE"
-    part_off, out_off, out_stride = arg(pb, idx, ARG[A]["part_off"]), arg(pb, idx, ARG[A]["out_off"]), arg(pb, idx, ARG[A]["out_stride"])
-    b, h, S, H, d, wuv, dv, P = (arg(pb, idx, ARG[A][n]) for n in ("b", "h", "S", "H", "d", "wuv", "dv", "P"))
+    part_off, out_off, out_stride = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["out_off"]), arg(smi, ARG[A]["out_stride"])
+    b, h, S, H, d, wuv, dv, P = (arg(smi, ARG[A][n]) for n in ("b", "h", "S", "H", "d", "wuv", "dv", "P"))
     base = part_off + (b * H + h) * S * (d + 2)
     mx = Float32(NEG_INF)
     for s in cutlass.range(S):
@@ -425,11 +426,11 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
              tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "ROUTE"
-    flags = arg(pb, idx, 3)
-    logits_off, E, A, B = arg(pb, idx, ARG[A_]["logits_off"]), arg(pb, idx, ARG[A_]["E"]), arg(pb, idx, ARG[A_]["A"]), arg(pb, idx, ARG[A_]["B"])
-    bias_w, G, TG = arg(pb, idx, ARG[A_]["bias_w"]), arg(pb, idx, ARG[A_]["n_group"]), arg(pb, idx, ARG[A_]["topk_group"])
+    flags = arg(smi, 3)
+    logits_off, E, A, B = arg(smi, ARG[A_]["logits_off"]), arg(smi, ARG[A_]["E"]), arg(smi, ARG[A_]["A"]), arg(smi, ARG[A_]["B"])
+    bias_w, G, TG = arg(smi, ARG[A_]["bias_w"]), arg(smi, ARG[A_]["n_group"]), arg(smi, ARG[A_]["topk_group"])
     scale = argf(pb, idx, ARG[A_]["scale_bits"])
-    ids_off, wts_off = arg(pb, idx, ARG[A_]["ids_off"]), arg(pb, idx, ARG[A_]["wts_off"])
+    ids_off, wts_off = arg(smi, ARG[A_]["ids_off"]), arg(smi, ARG[A_]["wts_off"])
     sigmoid = (flags & F_SIGMOID) != 0
     nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
     region = 2 * E + 32
@@ -512,8 +513,8 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
             cute.arch.sync_warp()
     cute.arch.sync_threads()
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
-    nuniq_off, uniq_off, pstart_off = arg(pb, idx, ARG[A_]["nuniq_off"]), arg(pb, idx, ARG[A_]["uniq_off"]), arg(pb, idx, ARG[A_]["pstart_off"])
-    ptok_off, pslot_off, pairof_off = arg(pb, idx, ARG[A_]["ptok_off"]), arg(pb, idx, ARG[A_]["pslot_off"]), arg(pb, idx, ARG[A_]["pairof_off"])
+    nuniq_off, uniq_off, pstart_off = arg(smi, ARG[A_]["nuniq_off"]), arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
+    ptok_off, pslot_off, pairof_off = arg(smi, ARG[A_]["ptok_off"]), arg(smi, ARG[A_]["pslot_off"]), arg(smi, ARG[A_]["pairof_off"])
     n = B * A
     CNT, START, IDS = 0, E, 2 * E
     for j in cutlass.range(tid, n, NT):
@@ -554,11 +555,11 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                  tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
-    gu = taddr[arg(pb, idx, ARG[A_]["gu"])]
-    I, D, x_off, h_off, rows = arg(pb, idx, ARG[A_]["I"]), arg(pb, idx, ARG[A_]["D"]), arg(pb, idx, ARG[A_]["x_off"]), arg(pb, idx, ARG[A_]["h_off"]), arg(pb, idx, ARG[A_]["rows"])
-    w, W = arg(pb, idx, ARG[A_]["w"]), arg(pb, idx, ARG[A_]["W"])
-    nuniq = ldi(ia(ib, arg(pb, idx, ARG[A_]["nuniq_off"])))
-    uniq_off, pstart_off, ptok_off = arg(pb, idx, ARG[A_]["uniq_off"]), arg(pb, idx, ARG[A_]["pstart_off"]), arg(pb, idx, ARG[A_]["ptok_off"])
+    gu = taddr[arg(smi, ARG[A_]["gu"])]
+    I, D, x_off, h_off, rows = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["x_off"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["rows"])
+    w, W = arg(smi, ARG[A_]["w"]), arg(smi, ARG[A_]["W"])
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off, ptok_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"]), arg(smi, ARG[A_]["ptok_off"])
     tiles = (I + rows - 1) // rows
     N = nuniq * tiles
     accg = cute.make_rmem_tensor(TB, Float32)
@@ -576,7 +577,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                     accu[j] = Float32(0.0)
                 grow = gu + (Int64(e) * Int64(2 * I) + Int64(r)) * Int64(D) * 2
                 urow = gu + (Int64(e) * Int64(2 * I) + Int64(I + r)) * Int64(D) * 2
-                for k in cutlass.range(lane * 8, D, 256):
+                for k in cutlass.range(lane * 8, D, 256, unroll=4):
                     gv = ld8(BFloat16, grow + Int64(k) * 2)
                     uv = ld8(BFloat16, urow + Int64(k) * 2)
                     for j in cutlass.range_constexpr(TB):
@@ -597,13 +598,13 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
                    tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_DOWN"
-    flags = arg(pb, idx, 3)
-    dn = taddr[arg(pb, idx, ARG[A_]["dn"])]
-    I, D, h_off, y_off, out_off = arg(pb, idx, ARG[A_]["I"]), arg(pb, idx, ARG[A_]["D"]), arg(pb, idx, ARG[A_]["h_off"]), arg(pb, idx, ARG[A_]["y_off"]), arg(pb, idx, ARG[A_]["out_off"])
-    r0, r1, B, A = arg(pb, idx, ARG[A_]["r0"]), arg(pb, idx, ARG[A_]["r1"]), arg(pb, idx, ARG[A_]["B"]), arg(pb, idx, ARG[A_]["A"])
-    nuniq = ldi(ia(ib, arg(pb, idx, ARG[A_]["nuniq_off"])))
-    uniq_off, pstart_off = arg(pb, idx, ARG[A_]["uniq_off"]), arg(pb, idx, ARG[A_]["pstart_off"])
-    wts_off, pairof_off, shared_off = arg(pb, idx, ARG[A_]["wts_off"]), arg(pb, idx, ARG[A_]["pairof_off"]), arg(pb, idx, ARG[A_]["shared_off"])
+    flags = arg(smi, 3)
+    dn = taddr[arg(smi, ARG[A_]["dn"])]
+    I, D, h_off, y_off, out_off = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["y_off"]), arg(smi, ARG[A_]["out_off"])
+    r0, r1, B, A = arg(smi, ARG[A_]["r0"]), arg(smi, ARG[A_]["r1"]), arg(smi, ARG[A_]["B"]), arg(smi, ARG[A_]["A"])
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
+    wts_off, pairof_off, shared_off = arg(smi, ARG[A_]["wts_off"]), arg(smi, ARG[A_]["pairof_off"]), arg(smi, ARG[A_]["shared_off"])
     acc = cute.make_rmem_tensor(TB, Float32)
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
@@ -613,7 +614,7 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
                 for j in cutlass.range_constexpr(TB):
                     acc[j] = Float32(0.0)
                 wrow = dn + (Int64(e) * Int64(D) + Int64(r)) * Int64(I) * 2
-                for k in cutlass.range(lane * 8, I, 256):
+                for k in cutlass.range(lane * 8, I, 256, unroll=4):
                     wv = ld8(BFloat16, wrow + Int64(k) * 2)
                     for j in cutlass.range_constexpr(TB):
                         if p0 + j < pe:
@@ -641,10 +642,10 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
               tid: Int32):
     _warp, _lane = tid // 32, tid % 32
     A_ = "SAMPLE"
-    flags = arg(pb, idx, 3)
-    logits_off, V, b = arg(pb, idx, ARG[A_]["logits_off"]), arg(pb, idx, ARG[A_]["V"]), arg(pb, idx, ARG[A_]["b"])
+    flags = arg(smi, 3)
+    logits_off, V, b = arg(smi, ARG[A_]["logits_off"]), arg(smi, ARG[A_]["V"]), arg(smi, ARG[A_]["b"])
     inv_t = argf(pb, idx, ARG[A_]["inv_temp_bits"])
-    seed = ldi(ia(ib, arg(pb, idx, ARG[A_]["seed_off"])))
+    seed = ldi(ia(ib, arg(smi, ARG[A_]["seed_off"])))
     greedy = (flags & F_GREEDY) != 0
     base = logits_off + b * V
     mx, bv, bi = Float32(NEG_INF), Float32(NEG_INF), Int32(V)
@@ -682,8 +683,8 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
         for k in cutlass.range(NT):
             s += sm[2 * NT + k]
         tok = smi[0]
-        sti(ia(ib, arg(pb, idx, ARG[A_]["tok_out_off"]) + b), tok)
-        stf(Float32, fa(fb, arg(pb, idx, ARG[A_]["lp_out_off"]) + b), ldf(Float32, fa(fb, base + tok)) - gmax - cute.math.log(s))
+        sti(ia(ib, arg(smi, ARG[A_]["tok_out_off"]) + b), tok)
+        stf(Float32, fa(fb, arg(smi, ARG[A_]["lp_out_off"]) + b), ldf(Float32, fa(fb, base + tok)) - gmax - cute.math.log(s))
 
 
 # ---- MLA ----------------------------------------------------------------------------------------------------
@@ -701,13 +702,13 @@ def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
               tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "MLA_KV"
-    flags = arg(pb, idx, 3)
-    cache = taddr[arg(pb, idx, ARG[A_]["cache"])]
-    kva_off, kva_stride, norm_w = arg(pb, idx, ARG[A_]["kva_off"]), arg(pb, idx, ARG[A_]["kva_stride"]), taddr[arg(pb, idx, ARG[A_]["norm_w"])]
-    C, R, b, Lmax = arg(pb, idx, ARG[A_]["C"]), arg(pb, idx, ARG[A_]["R"]), arg(pb, idx, ARG[A_]["b"]), arg(pb, idx, ARG[A_]["Lmax"])
-    eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(pb, idx, ARG[A_]["rope_w"])]
-    pos = ldi(ia(ib, arg(pb, idx, ARG[A_]["pos_off"]) + b))
-    slot = ldi(ia(ib, arg(pb, idx, ARG[A_]["slot_off"]) + b))
+    flags = arg(smi, 3)
+    cache = taddr[arg(smi, ARG[A_]["cache"])]
+    kva_off, kva_stride, norm_w = arg(smi, ARG[A_]["kva_off"]), arg(smi, ARG[A_]["kva_stride"]), taddr[arg(smi, ARG[A_]["norm_w"])]
+    C, R, b, Lmax = arg(smi, ARG[A_]["C"]), arg(smi, ARG[A_]["R"]), arg(smi, ARG[A_]["b"]), arg(smi, ARG[A_]["Lmax"])
+    eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
+    pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
+    slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     row = kva_off + b * kva_stride
     if warp == 0:
         ss = Float32(0.0)
@@ -737,13 +738,13 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
              tid: Int32):
     _warp, _lane = tid // 32, tid % 32
     A_ = "MLA_Q"
-    flags = arg(pb, idx, 3)
-    wkv = taddr[arg(pb, idx, ARG[A_]["wkv"])]
-    qb_off, qb_stride, qlat_off, qpe_off = arg(pb, idx, ARG[A_]["qb_off"]), arg(pb, idx, ARG[A_]["qb_stride"]), arg(pb, idx, ARG[A_]["qlat_off"]), \
-        arg(pb, idx, ARG[A_]["qpe_off"])
-    b, h, H, P, R, C, V = (arg(pb, idx, ARG[A_][n]) for n in ("b", "h", "H", "P", "R", "C", "V"))
-    att, inv = argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(pb, idx, ARG[A_]["rope_w"])]
-    pos = ldi(ia(ib, arg(pb, idx, ARG[A_]["pos_off"]) + b))
+    flags = arg(smi, 3)
+    wkv = taddr[arg(smi, ARG[A_]["wkv"])]
+    qb_off, qb_stride, qlat_off, qpe_off = arg(smi, ARG[A_]["qb_off"]), arg(smi, ARG[A_]["qb_stride"]), arg(smi, ARG[A_]["qlat_off"]), \
+        arg(smi, ARG[A_]["qpe_off"])
+    b, h, H, P, R, C, V = (arg(smi, ARG[A_][n]) for n in ("b", "h", "H", "P", "R", "C", "V"))
+    att, inv = argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
+    pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     q = qb_off + b * qb_stride + h * (P + R)
     for p in cutlass.range(tid, P, NT):
         sm[p] = ldf(Float32, fa(fb, q + p))
@@ -767,12 +768,12 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
                 tid: Int32):
     _warp, _lane = tid // 32, tid % 32
     A_ = "MLA_ATTN"
-    cache = taddr[arg(pb, idx, ARG[A_]["cache"])]
-    qlat_off, qpe_off, part_off = arg(pb, idx, ARG[A_]["qlat_off"]), arg(pb, idx, ARG[A_]["qpe_off"]), arg(pb, idx, ARG[A_]["part_off"])
-    b, h0, HB, s, S, H, C, R, Lmax = (arg(pb, idx, ARG[A_][n]) for n in ("b", "h0", "HB", "s", "S", "H", "C", "R", "Lmax"))
+    cache = taddr[arg(smi, ARG[A_]["cache"])]
+    qlat_off, qpe_off, part_off = arg(smi, ARG[A_]["qlat_off"]), arg(smi, ARG[A_]["qpe_off"]), arg(smi, ARG[A_]["part_off"])
+    b, h0, HB, s, S, H, C, R, Lmax = (arg(smi, ARG[A_][n]) for n in ("b", "h0", "HB", "s", "S", "H", "C", "R", "Lmax"))
     scale = argf(pb, idx, ARG[A_]["scale_bits"])
-    pos = ldi(ia(ib, arg(pb, idx, ARG[A_]["pos_off"]) + b))
-    slot = ldi(ia(ib, arg(pb, idx, ARG[A_]["slot_off"]) + b))
+    pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
+    slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     QL, QP, SC, ACC = 0, 4096, 4608, 5120
     M, L, AL = 9216, 9232, 9248
     for e in cutlass.range(tid, HB * C, NT):
@@ -866,6 +867,8 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     epoch = ctr[0]
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
+        if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
+            smi[ROW_S + tid - 32] = prog[idx, tid - 32]
         if tid == 0:
             ok = wait_counter(ctr, err, prog[idx, 4], prog[idx, 5], prog[idx, 6], epoch, max_spin, idx)
             if ok == 1:

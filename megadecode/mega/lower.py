@@ -62,6 +62,9 @@ def supports(cfg, batch: int) -> str | None:
         return f"batch {batch} outside 1..{MAX_BATCH}"
     if cfg.family == "deepseek_v3" and not cfg.mla_rope:
         return "MLA without rope"
+    if 2 * cfg.num_experts + batch * cfg.top_k > 1900:
+        return (f"{cfg.num_experts} experts x top-{cfg.top_k} at batch {batch} (ROUTE groups the pairs in 1900 words "
+                "of shared memory)")
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ import torch
 
 from .program import Program
 
-DEFAULT_MAX_SPIN = 1 << 20  # spin iterations before a wait reports a timeout (~1-2 s of polling)
+# spin iterations before a wait reports a timeout (~1-2 s of polling); MEGADECODE_MAX_SPIN overrides
+DEFAULT_MAX_SPIN = int(os.environ.get("MEGADECODE_MAX_SPIN", 1 << 20))
 ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] target
 
 
