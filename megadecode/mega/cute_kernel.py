@@ -103,6 +103,22 @@ def dot8(a, b) -> Float32:
 
 
 @cute.jit
+def prefetch_l2(base: Int64, nbytes: Int64, first: Int32, stride: Int32):
+    """prefetch.global.L2 of every 128-byte line of [base, base + nbytes), lines first, first + stride, ..."""
+    lines = Int32((nbytes + 127) // 128)
+    for line in cutlass.range(first, lines, stride):
+        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[base + Int64(line) * 128])
+
+
+@cute.jit
+def prefetch_row(prog: cute.Tensor, taddr: cute.Tensor, idx: Int32, first: Int32, stride: Int32):
+    """Prefetch the static bytes instruction idx declares (header words 10..12) into L2."""
+    t = prog[idx, 10]
+    if t >= 0:
+        prefetch_l2(taddr[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
+
+
+@cute.jit
 def warp_sum(v: Float32) -> Float32:
     for i in cutlass.range_constexpr(5):
         v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << i)
@@ -481,9 +497,10 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                     if lane == bi:
                         keep = Int32(1)
                         gsc = Float32(NEG_INF)
+                sm[PK + lane] = Float32(keep)  # every lane: its group's flag (shuffles need all 32 lanes)
+                cute.arch.sync_warp()
                 for e in cutlass.range(lane, E, 32):
-                    kept = cute.arch.shuffle_sync(keep, e // gs)
-                    if kept == 0:
+                    if sm[PK + e // gs] == Float32(0.0):
                         sm[CHW + e] = Float32(NEG_INF)
                 cute.arch.sync_warp()
             for a in cutlass.range(A):
@@ -564,6 +581,14 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     N = nuniq * tiles
     accg = cute.make_rmem_tensor(TB, Float32)
     accu = cute.make_rmem_tensor(TB, Float32)
+    for item in cutlass.range(w * N // W, (w + 1) * N // W):  # all items' rows into L2 first (known after ROUTE)
+        u, tile = item // tiles, item % tiles
+        e = ldi(ia(ib, uniq_off + u))
+        r0 = tile * rows
+        r1 = cutlass.min(I, r0 + rows)
+        for half in cutlass.range_constexpr(2):
+            first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * Int64(D) * 2
+            prefetch_l2(gu + first, Int64(r1 - r0) * Int64(D) * 2, tid, NT)
     for item in cutlass.range(w * N // W, (w + 1) * N // W):
         u, tile = item // tiles, item % tiles
         e = ldi(ia(ib, uniq_off + u))
@@ -606,6 +631,9 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     uniq_off, pstart_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
     wts_off, pairof_off, shared_off = arg(smi, ARG[A_]["wts_off"]), arg(smi, ARG[A_]["pairof_off"]), arg(smi, ARG[A_]["shared_off"])
     acc = cute.make_rmem_tensor(TB, Float32)
+    for u in cutlass.range(nuniq):  # every selected expert's rows into L2 first
+        e = ldi(ia(ib, uniq_off + u))
+        prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * Int64(I) * 2, Int64(r1 - r0) * Int64(I) * 2, tid, NT)
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
@@ -869,6 +897,12 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
+        if tid >= 64:  # warps 2.. stream the static weights into L2 before the wait: the next instruction's
+            # (this one's were requested while the previous one ran; the first of the queue's now)
+            if qi == qstart[bid]:
+                prefetch_row(prog, taddr, idx, tid - 64, NT - 64)
+            if qi + 1 < qstart[bid + 1]:
+                prefetch_row(prog, taddr, qorder[qi + 1], tid - 64, NT - 64)
         if tid == 0:
             ok = wait_counter(ctr, err, prog[idx, 4], prog[idx, 5], prog[idx, 6], epoch, max_spin, idx)
             if ok == 1:

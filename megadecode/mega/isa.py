@@ -5,7 +5,9 @@ An instruction is a small dataclass that serializes to a fixed-width row of int3
     0 opcode   1 layer   2 signal counter (-1: none)   3 flags
     4..6   wait 0: counter, count needed, count per launch   (counter -1: no wait)
     7..9   wait 1: the same
-    10..   arguments (ARGS ints; their meaning per opcode is in OPS)
+    10..12 the static bytes the instruction streams, to prefetch before its wait: tensor (-1: none), offset and
+           length in 16-byte units
+    13..   arguments (ARGS ints; their meaning per opcode is in OPS)
 
 Dependencies are counters in global memory. An instruction waits until each of its counters reached its
 count for this launch, then runs, then (after its stores) adds 1 to its signal counter with release semantics.
@@ -23,8 +25,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-ROW = 32  # int32 per instruction
-HEADER = 10
+ROW = 40  # int32 per instruction
+HEADER = 13
 ARGS = ROW - HEADER
 
 # flags
@@ -111,6 +113,7 @@ class Instr:
     bytes: int = 0
     flops: int = 0
     name: str = ""  # e.g. "L3.qkv[5]", for printing
+    prefetch: tuple[int, int, int] = (-1, 0, 0)  # (tensor, byte offset, bytes) of static data read, or none
 
     def row(self) -> list[int]:
         code, names = OPS[self.op]
@@ -124,6 +127,10 @@ class Instr:
         for i in range(2):
             w = self.waits[i] if i < len(self.waits) else Wait(-1, 0, 0)
             r += [w.counter, w.need, w.per_launch]
+        t, off, n = self.prefetch
+        if off % 16 or n % 16:
+            raise ValueError(f"{self.name}: prefetch range ({off}, {n}) is not in 16-byte units")
+        r += [t, off // 16, n // 16]
         r += [int(self.args[n]) for n in names]
         r += [0] * (ROW - len(r))
         for v in r:
@@ -137,7 +144,7 @@ class Instr:
         names = OPS[name][1]
         waits = [Wait(r[4 + 3 * i], r[5 + 3 * i], r[6 + 3 * i]) for i in range(2) if r[4 + 3 * i] >= 0]
         return Instr(name, r[1], {n: r[HEADER + i] for i, n in enumerate(names)}, signal=r[2], waits=waits,
-                     flags=r[3])
+                     flags=r[3], prefetch=(r[10], 16 * r[11], 16 * r[12]))
 
     def describe(self) -> str:
         waits = " ".join(f"wait c{w.counter}>={w.need}/{w.per_launch}" for w in self.waits)

@@ -153,11 +153,12 @@ class _Builder:
         flags = (F_NORM if norm else 0) | (F_RESID if resid else 0) | (F_WRITE_NORMED if write_normed else 0)
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
-            self.add("MATVEC", layer, f"L{layer}.{name}[{r0}:{r1}]", flags,
+            ins = self.add("MATVEC", layer, f"L{layer}.{name}[{r0}:{r1}]", flags,
                      bytes_=(r1 - r0) * K * self.wbytes, flops=2 * (r1 - r0) * K * self.B,
                      w=self.t(w), K=K, x_off=xo, x_stride=xs, out_off=oo, out_stride=os_, out_col=out_col, r0=r0,
                      r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,
                      normed_off=self.f32[write_normed][0] if write_normed else -1)
+            ins.prefetch = self.range16(w, r0 * K, (r1 - r0) * K)
 
     def glu(self, layer: int, name: str, wg: str, wu: str, x: str, out: str, norm: str | None):
         Wg = self.weights[wg]
@@ -167,10 +168,17 @@ class _Builder:
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
-            self.add("GLU", layer, f"L{layer}.{name}[{r0}:{r1}]", F_NORM if norm else 0,
+            ins = self.add("GLU", layer, f"L{layer}.{name}[{r0}:{r1}]", F_NORM if norm else 0,
                      bytes_=2 * (r1 - r0) * K * self.wbytes, flops=4 * (r1 - r0) * K * self.B,
                      wg=self.t(wg), wu=self.t(wu), K=K, x_off=xo, x_stride=xs, out_off=oo, out_stride=os_,
                      out_col=0, r0=r0, r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps)
+            ins.prefetch = self.range16(wg, r0 * K, (r1 - r0) * K)  # the up rows: the kernel's own loads
+
+    def range16(self, w: str, first: int, count: int) -> tuple[int, int, int]:
+        """(tensor, byte offset, bytes) of elements [first, first + count) of weight w, widened to 16-byte units."""
+        es = self.weights[w].element_size()
+        lo, hi = first * es // 16 * 16, -(-(first + count) * es // 16) * 16
+        return (self.t(w), lo, hi - lo)
 
     def splits(self, units: int) -> int:
         """Splits of the cache length per attention unit: about one instruction per CTA in all, and no more

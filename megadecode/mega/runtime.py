@@ -55,8 +55,16 @@ def _cute_args(rt: "MegaRuntime"):
 @functools.lru_cache(maxsize=None)
 def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
     """Registers ptxas allocates per thread for the kernel's PTX (None when ptxas is not found)."""
-    ptxas = shutil.which("ptxas") or ("/usr/local/cuda/bin/ptxas" if shutil.which("/usr/local/cuda/bin/ptxas")
-                                       else None)
+    ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
+    if ptxas is None:  # triton's own ptxas (CUDA 12.8) reads PTX ISA 8.7; the kernel's 8.8 header is not needed
+        try:
+            import triton
+
+            cand = f"{triton.__path__[0]}/backends/nvidia/bin/ptxas"
+            ptxas = shutil.which(cand)
+            ptx = re.sub(r"^\.version 8\.8", ".version 8.7", ptx, flags=re.M)
+        except ImportError:
+            pass
     if ptxas is None:
         return None
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
