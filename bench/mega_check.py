@@ -86,7 +86,7 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int) -> dict:
     for name, (off, n) in sorted(prog.f32.items(), key=lambda kv: kv[1][0]):
         rows.append({"buffer": name, "rel": rel(mega_f32[off:off + n], vm.f32[off:off + n])})
     for name, (off, n) in sorted(prog.i32.items(), key=lambda kv: kv[1][0]):
-        rows.append({"buffer": name, "equal": bool(torch.equal(mega_i32[off:off + n], vm.i32[off:off + n]))})
+        rows.append({"buffer": name, "equal": bool(torch.equal(mega_i32[off:off + n].cpu(), vm.i32[off:off + n]))})
     for n, parts in mega_cache.items():
         for i, m in enumerate(parts):
             if f"{n}.{i}" in vm_cache:
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--presets", default="tiny-qwen3-moe,tiny-deepseek-v3")
     ap.add_argument("--batches", default="1,3,8")
     ap.add_argument("--ctas", type=int, default=0, help="0: every CTA the GPU holds")
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per sequence end to end (0: skip)")
     ap.add_argument("--out", default="mega_check.json")
     args = ap.parse_args()
     from megadecode.executors.mega_executor import default_ctas
@@ -153,7 +153,7 @@ def main() -> None:
             print(f"diff {preset} b={b}: {r['instructions']} instrs, worst rel {worst:.2e}, mismatched "
                   f"{r['mismatched'][:6]}, repeat equal {r['repeat_bitwise_equal']}, first launch "
                   f"{r['first_launch_s']:.1f}s", flush=True)
-        for b in (1, 4):
+        for b in ((1, 4) if args.tokens else ()):
             try:
                 r = end_to_end(preset, b, args.tokens, seed=10 + b)
             except Exception as e:  # noqa: BLE001
