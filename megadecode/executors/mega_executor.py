@@ -9,6 +9,8 @@ engine calls it after generating; the error buffer is read once, not per step).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..cache import KVCache
@@ -36,7 +38,7 @@ class MegaExecutor(TorchExecutor):
         major, minor = torch.cuda.get_device_capability(self.device)
         if (major, minor) != (9, 0):
             raise ValueError(f"the mega executor is built for sm_90 (H100/H200), this GPU is sm_{major}{minor}")
-        self.num_ctas = num_ctas or default_ctas(self.device)
+        self.num_ctas = num_ctas or int(os.environ.get("MEGADECODE_MEGA_CTAS", 0)) or default_ctas(self.device)
         self.runtimes: dict[tuple, object] = {}
         self.graphs: dict[tuple, tuple] = {}
         self._pool = None

@@ -74,7 +74,11 @@ def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
             f.write(ptx)
         r = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True, text=True,
                            timeout=300)
-    m = re.search(r"Used (\d+) registers", r.stderr)
+    m = re.search(r"Used (\d+) registers", r.stderr + r.stdout)
+    if m is None:
+        import warnings
+
+        warnings.warn(f"ptxas ({ptxas}) gave no register count (exit {r.returncode}): {(r.stderr + r.stdout)[-300:]}")
     return int(m.group(1)) if m else None
 
 
