@@ -68,12 +68,17 @@ def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
     if ptxas is None:
         return None
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
-    with tempfile.TemporaryDirectory() as d:
-        src = f"{d}/k.ptx"
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True, text=True,
-                           timeout=300)
+    for _ in range(2):  # a PTX ISA newer than this ptxas: retry with the version it names (registers only)
+        with tempfile.TemporaryDirectory() as d:
+            src = f"{d}/k.ptx"
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True,
+                               text=True, timeout=300)
+        v = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", r.stderr)
+        if v is None:
+            break
+        ptx = re.sub(r"^\.version [\d.]+", f".version {v.group(1)}", ptx, flags=re.M)
     m = re.search(r"Used (\d+) registers", r.stderr + r.stdout)
     if m is None:
         import warnings
