@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parent.parent / "megadecode"
 LAYERS = [
     ("foundation", ("megadecode.config", "megadecode.quant", "megadecode.tokenizer", "megadecode.step")),
     ("model", ("megadecode.weights", "megadecode.presets", "megadecode.plan", "megadecode.cache",
-               "megadecode.checkpoint", "megadecode.reference", "megadecode.sampling")),
+               "megadecode.checkpoint", "megadecode.reference", "megadecode.sampling", "megadecode.memory")),
     ("contract", ("megadecode.contract",)),
     ("kernels", ("megadecode.kernels",)),
     ("executors", ("megadecode.executors",)),
