@@ -66,6 +66,13 @@ class KVCache:
     def __getitem__(self, name: str) -> tuple[torch.Tensor, ...]:
         return self.layers[name]
 
+    def clear(self) -> None:
+        """Zero every entry. Attention masks positions past a sequence's length with zero weights, and 0 * NaN is
+        NaN: non-finite values a failed request left there would reach the next request of the slot."""
+        for ts in self.layers.values():
+            for t in ts:
+                t.zero_()
+
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies (and one attending query reads), summed over the per-token layers."""
         return sum(t[0, 0].numel() * t.element_size() for n, ts in self.layers.items()

@@ -199,7 +199,10 @@ def cmd_make_checkpoint(args, argv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument (Parser.error printed it): the code, not an exception
+        return e.code
     try:
         with warnings.catch_warnings():  # warnings (e.g. unknown checkpoint tensors) as one line each
             warnings.showwarning = _show_warning

@@ -240,6 +240,7 @@ class Engine:
         bad = [(i, pos) for i, pos in enumerate(first) if pos >= 0]
         if not bad:
             return
+        self.cache.clear()  # the failed steps wrote NaN/inf into the cache (KVCache.clear says why it matters)
         i, pos = bad[0]
         k = pos - prompt_lens[i] + 1  # the generated token these logits chose: 0 from the prefill's logits
         where = "the prefill" if k == 0 else f"decode step {k} of {max(max_new_tokens - 1, 0)}"
