@@ -37,33 +37,72 @@ def installed_with_test_extra() -> set[str]:
     return seen
 
 
-def _guarded(tree: ast.AST) -> set[int]:
-    """ids of the import nodes inside a `try` that handles ImportError (optional: the code runs without them)."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Try) and any(
-                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-                for h in node.handlers):
-            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return out
+def _optional(node: ast.Try) -> bool:
+    return any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+               for h in node.handlers)
+
+
+def _imports(tree: ast.Module, everywhere: bool):
+    """Import statements (and `pytest.importorskip("x")`, as `import x`) that run: at module level (not in a
+    function), or anywhere with `everywhere` (a test module's functions run too); never inside a `try` that
+    handles ImportError (an optional dependency: the code runs without it)."""
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not everywhere:
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "importorskip"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            yield ast.Import(names=[ast.alias(name=node.args[0].value)])
+        children = (node.handlers + node.orelse + node.finalbody if isinstance(node, ast.Try) and _optional(node)
+                    else ast.iter_child_nodes(node))
+        for child in children:
+            yield from visit(child)
+    yield from visit(tree)
+
+
+def _source(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    for f in (base.with_suffix(".py"), base / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
 
 
 def imported_by_tests() -> set[str]:
-    """Third-party top-level modules that the tests import, directly or through the package (the kernels import
-    triton), leaving out optional imports guarded by `except ImportError`."""
-    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"megadecode"}
-    mods = set()
-    for f in [*(ROOT / "tests").glob("*.py"), *(ROOT / "megadecode").rglob("*.py")]:
-        tree = ast.parse(f.read_text())
-        optional = _guarded(tree)
-        for node in ast.walk(tree):
-            if id(node) in optional:
-                continue
-            if isinstance(node, ast.Import):
-                mods.update(a.name.split(".")[0] for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                mods.add(node.module.split(".")[0])
-    return {m for m in mods if m not in sys.stdlib_module_names and m not in local}
+    """Third-party top-level modules the tests import: theirs (anywhere in a test module), and those the package
+    modules they import import at module level, followed through the package (the kernels import triton). The
+    package's imports inside functions are left out (e.g. the CuTe DSL of GPU-only paths, the `cute` extra)."""
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    todo = [(f, None) for f in (ROOT / "tests").glob("*.py")]
+    seen, third = set(), set()
+    while todo:
+        f, package = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in _imports(ast.parse(f.read_text()), everywhere=package is None):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative: inside the package
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                names = [".".join(parts + ([node.module] if node.module else []))]
+                names += [f"{names[0]}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                names = [a.name for a in node.names]
+            for name in names:
+                top = name.split(".")[0]
+                if top != "megadecode":
+                    if top not in sys.stdlib_module_names and top not in local and top != "__future__":
+                        third.add(top)
+                    continue
+                parts = name.split(".")
+                for i in range(1, len(parts) + 1):  # importing a.b.c runs a, a.b and a.b.c
+                    src = _source(".".join(parts[:i]))
+                    if src is not None:
+                        pkg = ".".join(parts[:i]) if src.name == "__init__.py" else ".".join(parts[:i - 1])
+                        todo.append((src, pkg))
+    return third
 
 
 def test_the_test_extra_brings_every_module_the_tests_import():
