@@ -176,11 +176,14 @@ def cmd_generate(args, argv) -> int:
         raise NonFiniteError(f"{args.model}: {e}{hint}") from None
     texts = [tok.decode(ids) for ids in res.token_ids]
     if args.json:
-        print(json.dumps({
-            "model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
-            "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
-            "prefill_s": res.prefill_s, "decode_s": res.decode_s,
-            "decode_tokens_per_s": res.decode_tokens_per_s}, allow_nan=False))  # strict JSON: never a bare NaN
+        doc = {"model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
+               "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
+               "prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_tokens_per_s": res.decode_tokens_per_s}
+        try:
+            text = json.dumps(doc, allow_nan=False)  # strict JSON: never a bare NaN or Infinity
+        except ValueError:
+            raise NonFiniteError(f"{args.model}: the result holds NaN or inf values, which JSON cannot carry") from None
+        print(text)
         return 0
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         print(f"[{i}] {tok.decode(prompt)!r} -> {text!r}")

@@ -226,7 +226,7 @@ def test_json_output_is_strict(capsys, monkeypatch):
     monkeypatch.setattr(Engine, "generate", lambda self, prompts, *a, **k: GenerationResult([[1]], [[math.nan]]))
     assert main(GEN) == 2
     out, err = capsys.readouterr()
-    assert "NaN" not in out and err.startswith("megadecode: error:")
+    assert "NaN" not in out and err.startswith("megadecode: error: tiny-qwen3-moe: the result holds NaN or inf")
 
 
 def test_make_checkpoint_onto_a_file_or_another_model(capsys, tmp_path):
