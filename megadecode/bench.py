@@ -25,7 +25,7 @@ import torch
 
 from .config import ModelConfig
 from .engine import Engine, resolve_dtype
-from .measure import HBM_READ_BPS, default_out, environment, int_list, write_result
+from .measure import HBM_READ_BPS, default_out, environment, int_list, seed_arg, write_result
 from .plan import ROUTER
 from .presets import PRESETS, preset_config
 from .step import Step
@@ -125,9 +125,9 @@ def add_parser(sub) -> None:
                    help="comma-separated (default: torch,graph)")
     p.add_argument("--context", type=int, default=1024, help="tokens already in the cache per sequence")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps (median reported)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before the timed ones")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight and cache dtype")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights, in [0, 2**32 - 1]")
     p.add_argument("--weights", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="MoE-layer presets only: expert weight formats, comma-separated from mxfp4, bf16 "
                         "(default: k3-moe both, qwen3-moe bf16)")

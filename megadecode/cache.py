@@ -11,6 +11,8 @@ A prefill never reads a slot's KDA state: it starts each sequence from zero and 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import ModelConfig
@@ -27,30 +29,49 @@ def part_dtype(attn_kind: str, part: int, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if part in FP32_PARTS.get(attn_kind, ()) else dtype
 
 
+def layer_shapes(cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype
+                 ) -> dict[str, tuple[tuple[tuple[int, ...], torch.dtype], ...]]:
+    """Per layer `cache.{i}`, the (shape, dtype) of each of its cache tensors (what KVCache allocates)."""
+    out = {}
+    for i in range(cfg.num_layers):
+        if cfg.is_kda(i):
+            H, K = cfg.linear_num_heads, cfg.linear_head_dim
+            out[f"cache.{i}"] = (((num_slots, 3 * H * K, cfg.conv_kernel - 1), dtype),
+                                 ((num_slots, H, K, K), part_dtype(ATTN_KDA, 1, dtype)))
+        elif cfg.is_mla:
+            out[f"cache.{i}"] = (((num_slots, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype),)
+        else:
+            shape = (num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+            out[f"cache.{i}"] = ((shape, dtype), (shape, dtype))
+    return out
+
+
+def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes a KVCache of these dimensions allocates, computed without allocating it."""
+    return sum(math.prod(shape) * dt.itemsize for parts in layer_shapes(cfg, num_slots, max_len, dtype).values()
+               for shape, dt in parts)
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, device, dtype: torch.dtype):
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"cache needs >= 1 slot and >= 1 position, got {num_slots} x {max_len}")
         self.cfg, self.num_slots, self.max_len = cfg, num_slots, max_len
-        self.layers: dict[str, tuple[torch.Tensor, ...]] = {}
-        self.state_layers: set[str] = set()  # KDA layers: per-sequence state, not per-token
-        for i in range(cfg.num_layers):
-            if cfg.is_kda(i):
-                H, K = cfg.linear_num_heads, cfg.linear_head_dim
-                self.layers[f"cache.{i}"] = (
-                    torch.zeros(num_slots, 3 * H * K, cfg.conv_kernel - 1, device=device, dtype=dtype),
-                    torch.zeros(num_slots, H, K, K, device=device, dtype=part_dtype(ATTN_KDA, 1, dtype)))
-                self.state_layers.add(f"cache.{i}")
-            elif cfg.is_mla:
-                shape = (num_slots, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                self.layers[f"cache.{i}"] = (torch.zeros(shape, device=device, dtype=dtype),)
-            else:
-                shape = (num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
-                self.layers[f"cache.{i}"] = (torch.zeros(shape, device=device, dtype=dtype),
-                                             torch.zeros(shape, device=device, dtype=dtype))
+        self.layers: dict[str, tuple[torch.Tensor, ...]] = {
+            name: tuple(torch.zeros(shape, device=device, dtype=dt) for shape, dt in parts)
+            for name, parts in layer_shapes(cfg, num_slots, max_len, dtype).items()}
+        # KDA layers: per-sequence state, not per-token
+        self.state_layers: set[str] = {f"cache.{i}" for i in range(cfg.num_layers) if cfg.is_kda(i)}
 
     def __getitem__(self, name: str) -> tuple[torch.Tensor, ...]:
         return self.layers[name]
+
+    def clear(self) -> None:
+        """Zero every entry. Attention masks positions past a sequence's length with zero weights, and 0 * NaN is
+        NaN: non-finite values a failed request left there would reach the next request of the slot."""
+        for ts in self.layers.values():
+            for t in ts:
+                t.zero_()
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies (and one attending query reads), summed over the per-token layers."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,6 +21,10 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config, with the tensor that is wrong."""
+
+
+class UnknownTensorsWarning(UserWarning):
+    """Tensors in a checkpoint that the model does not use, loaded anyway on request (ignore_unknown)."""
 
 
 def _open(f: Path):
@@ -62,17 +68,56 @@ def _index_files(ckpt: Path) -> dict[str, Path]:
     return out
 
 
+def _expected_extra(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint of the family may hold that the decode step does not use: DeepSeek-V3's
+    multi-token-prediction layers (indices num_hidden_layers .. + num_nextn_predict_layers - 1), rotary
+    `inv_freq` buffers of older exports, lm_head when the embedding is tied."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    mtp = cfg.hf.get("num_nextn_predict_layers") or 0
+    if m and isinstance(mtp, int) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + mtp:
+        return True
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _check_unknown(ckpt: Path, cfg: ModelConfig, where: dict[str, Path], ignore_unknown: bool) -> None:
+    """A tensor that no weight of the model reads is an error, as in vLLM's loader ("no module or parameter
+    named ..."): it usually means weights of another model or variant under this config.json, and loading the
+    rest would run a different model than the file describes. `ignore_unknown` turns it into a warning. Left to
+    the missing-tensor error when a tensor the model needs is missing too (a wrong config names that one)."""
+    specs = param_specs(cfg)
+    known = set(specs)
+    for spec in specs.values():
+        if spec.stacked:
+            known.update(spec.hf_names(cfg.num_experts))
+    unknown = sorted(n for n in where if n not in known and not _expected_extra(n, cfg))
+    missing = any(name not in where and (spec.stacked is None or any(n not in where for n in
+                                                                     spec.hf_names(cfg.num_experts)))
+                  for name, spec in specs.items())
+    if not unknown or missing:
+        return
+    msg = (f"checkpoint {ckpt} holds {len(unknown)} tensor{'s' if len(unknown) > 1 else ''} that a "
+           f"{cfg.family} model with this config.json does not use: {', '.join(map(repr, unknown[:3]))}"
+           f"{f' and {len(unknown) - 3} more' if len(unknown) > 3 else ''}")
+    if not ignore_unknown:
+        raise CheckpointError(f"{msg} (is config.json the one these weights were saved with? to load the "
+                              f"checkpoint anyway, pass --ignore-unknown-tensors / ignore_unknown=True)")
+    warnings.warn(f"{msg}; they are ignored", UnknownTensorsWarning, stacklevel=3)
+
+
 def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cpu", dtype=torch.float32,
-                 check_finite: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                 check_finite: bool = False, ignore_unknown: bool = False
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load every tensor the weight table expects, checking names, shapes and dtypes.
 
-    Routed experts may be stored per expert (HF hub layout) or already stacked. Extra tensors (e.g.
-    DeepSeek's multi-token-prediction layer) are ignored. With `check_finite`, NaN/inf is an error
-    naming the tensor.
+    Routed experts may be stored per expert (HF hub layout) or already stacked. A tensor the model does not
+    use is an error naming it (`_check_unknown`), a warning with `ignore_unknown`; those a checkpoint of the
+    family is expected to carry (DeepSeek's multi-token-prediction layers, `_expected_extra`) are skipped.
+    With `check_finite`, NaN/inf is an error naming the tensor.
     """
     ckpt = Path(ckpt)
     cfg = cfg or load_config(ckpt)
     where = _index_files(ckpt)
+    _check_unknown(ckpt, cfg, where, ignore_unknown)
     handles: dict[Path, object] = {}
 
     def read(name: str, quant: str | None = None) -> torch.Tensor:
@@ -132,9 +177,29 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     return cfg, weights
 
 
+def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+    """`out` becomes an empty directory, or a directory whose checkpoint files (config.json, safetensors, index)
+    are replaced with `overwrite`; never a file, never another model's directory silently."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"cannot write a checkpoint to {out}: it exists and is not a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        if not overwrite:
+            raise CheckpointError(f"{out} is not empty (it holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
+                                  f"); choose a new or empty directory, or pass --overwrite (overwrite=True) to "
+                                  f"replace the checkpoint in it")
+        for f in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+            f.unlink(missing_ok=True)  # no stale shard of the old checkpoint stays beside the new one
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the checkpoint directory {out}: {e}") from None
+
+
 def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int = 0, dtype=torch.bfloat16,
-                    shard_bytes: int = 2 << 30) -> Path:
-    """Write a random-weight HF-format checkpoint (config.json + sharded safetensors + index).
+                    shard_bytes: int = 2 << 30, overwrite: bool = False) -> Path:
+    """Write a random-weight HF-format checkpoint (config.json + sharded safetensors + index) into a new or empty
+    directory (`overwrite`: replace the checkpoint files of a non-empty one).
 
     Experts are written per expert, the layout of checkpoints on the hub (kimi_k3: MXFP4 experts as
     compressed-tensors `weight_packed` / `weight_scale` uint8 pairs, `random_tensor`'s bytes).
@@ -142,7 +207,7 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
     hf = preset_hf_config(preset_or_hf) if isinstance(preset_or_hf, str) else dict(preset_or_hf)
     cfg = config_from_hf(hf)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_out_dir(out, overwrite)
     hf.setdefault("torch_dtype", str(dtype).removeprefix("torch."))
     if cfg.expert_quant == "mxfp4":  # say so, as a compressed-tensors checkpoint does
         hf.setdefault("quantization_config", {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})

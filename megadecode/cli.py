@@ -14,23 +14,50 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import warnings
 
 import torch
 
 from . import bench, tune
 from .checkpoint import CheckpointError, make_checkpoint
 from .config import ConfigError
-from .engine import Engine, RequestError, resolve_dtype
+from .engine import Engine, NonFiniteError, RequestError, model_config, resolve_dtype
 from .executors import EXECUTORS
+from .kernels import require_triton
+from .measure import seed_arg
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 from .validate import command as validate_command
 
 DEFAULT_PROMPT = "Hello, megadecode!"
-# What a user can get wrong; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ConfigError, CheckpointError, RequestError, FileNotFoundError, ValueError)
+# What a user can get wrong; anything else is a bug and keeps its traceback. Out of memory past the up-front
+# check (memory.check_fits) is the user's to fix too (a smaller batch, context or dtype).
+USER_ERRORS = (ConfigError, CheckpointError, RequestError, FileNotFoundError, ValueError, torch.OutOfMemoryError)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's errors as the command's other errors: one `megadecode: error:` line, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"megadecode: error: {message} (see `{self.prog} --help`)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it (`default:`) or the flag is
+    required; switches are off unless given."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.required:
+            return f"{text} (required)"
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is False:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
 
 
 def token_id_list(text: str) -> list[int]:
@@ -46,23 +73,33 @@ def token_id_list(text: str) -> list[int]:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate tokens from a preset (random weights) or a checkpoint",
-                       description="Generate tokens with a preset (random weights) or an HF checkpoint directory.")
+                       description="Generate tokens with a preset (random weights) or an HF checkpoint directory. "
+                                   "The first new token comes from the prompt's logits (prefill), each further "
+                                   "one from a decode step: --max-new-tokens N runs N - 1 decode steps.")
     p.add_argument("--model", default="tiny-qwen3-moe",
-                   help=f"preset ({', '.join(sorted(PRESETS))}) or checkpoint directory (default: %(default)s)")
+                   help=f"preset ({', '.join(sorted(PRESETS))}) or checkpoint directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     src.add_argument("--token-ids", action="append", type=token_id_list, metavar="IDS",
-                     help="prompt as comma-separated token ids; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch")
+                     help="prompt as comma-separated token ids, instead of --prompt; repeat for a batch "
+                          "(default: --prompt's)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="tokens to generate per prompt (sequences stop early at EOS)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and cache dtype")
+    p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch",
+                   help="how the decode step runs (README, Executors); fused needs Triton (on the CPU only under "
+                        "TRITON_INTERPRET=1)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores --temperature/--top-p)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="seed of the preset's random weights and of sampling")
-    p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=seed_arg, default=0,
+                   help="seed of the preset's random weights and of sampling, in [0, 2**32 - 1]")
+    p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf, naming them")
+    p.add_argument("--ignore-unknown-tensors", action="store_true",
+                   help="load a checkpoint that holds tensors the model does not use, with a warning naming them "
+                        "(without it, an error)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout and nothing else")
     p.set_defaults(func=cmd_generate)
 
@@ -71,22 +108,36 @@ def _add_make_checkpoint(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a random-weight HF-format checkpoint of a preset",
                        description="Write a random-weight HF-format checkpoint (config.json + safetensors).")
     p.add_argument("--preset", required=True, help=f"one of {', '.join(sorted(PRESETS))}")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty DIR, replacing its config.json and safetensors files")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights, in [0, 2**32 - 1]")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="dtype of the stored weights")
     p.set_defaults(func=cmd_make_checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.")
+    parser = Parser(prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.",
+                    formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,make-checkpoint,bench,validate,tune}")
     _add_generate(sub)
     _add_make_checkpoint(sub)
     bench.add_parser(sub)
     validate_command.add_parser(sub)
     tune.add_parser(sub)
+    for p in sub.choices.values():  # add_parser takes no formatter from its parent
+        p.formatter_class = HelpFormatter
     return parser
+
+
+def _sampling(args) -> SamplingParams:
+    """SamplingParams from the flags, with errors that name the flags."""
+    if not args.greedy and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise RequestError(f"--temperature must be finite and > 0, got {args.temperature} (for argmax decoding, "
+                           "pass --greedy)")
+    if not 0 < args.top_p <= 1:
+        raise RequestError(f"--top-p must be in (0, 1], got {args.top_p}")
+    return SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p)
 
 
 def cmd_generate(args, argv) -> int:
@@ -94,30 +145,45 @@ def cmd_generate(args, argv) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
-    is_preset = args.model in PRESETS
-    tok = load_tokenizer(None if is_preset else args.model)
+    if args.executor == "fused":
+        require_triton("--executor fused")
+    if args.max_new_tokens < 0:
+        raise RequestError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    sampling = _sampling(args)
+    cfg = model_config(args.model)
+    tok = load_tokenizer(None if args.model in PRESETS else args.model)
     if args.token_ids:
         prompts = args.token_ids
     else:
         prompts = [tok.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
-    sampling = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p)
-    if args.max_new_tokens < 0:
-        raise RequestError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+    need = len(prompts[i]) + args.max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise RequestError(f"prompt {i} has {len(prompts[i])} tokens; with --max-new-tokens {args.max_new_tokens} it "
+                           f"needs {need} positions, more than the model's context of {cfg.max_position_embeddings} "
+                           f"(max_position_embeddings)")
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, executor=args.executor,
                                     seed=args.seed, check_finite=args.check_finite, max_batch=len(prompts),
-                                    max_seq_len=max(len(p) for p in prompts) + args.max_new_tokens)
+                                    ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need)
     engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
     progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
                     disable=args.json)
-    with progress:
-        res = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
+    try:
+        with progress:
+            res = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
+    except NonFiniteError as e:
+        hint = "" if args.model in PRESETS or args.check_finite else " (--check-finite names a tensor that holds them)"
+        raise NonFiniteError(f"{args.model}: {e}{hint}") from None
     texts = [tok.decode(ids) for ids in res.token_ids]
     if args.json:
-        print(json.dumps({
-            "model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
-            "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
-            "prefill_s": res.prefill_s, "decode_s": res.decode_s,
-            "decode_tokens_per_s": res.decode_tokens_per_s}))
+        doc = {"model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
+               "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
+               "prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_tokens_per_s": res.decode_tokens_per_s}
+        try:
+            text = json.dumps(doc, allow_nan=False)  # strict JSON: never a bare NaN or Infinity
+        except ValueError:
+            raise NonFiniteError(f"{args.model}: the result holds NaN or inf values, which JSON cannot carry") from None
+        print(text)
         return 0
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         print(f"[{i}] {tok.decode(prompt)!r} -> {text!r}")
@@ -128,19 +194,36 @@ def cmd_generate(args, argv) -> int:
 
 
 def cmd_make_checkpoint(args, argv) -> int:
-    out = make_checkpoint(args.out, args.preset, seed=args.seed, dtype=resolve_dtype(args.dtype))
+    out = make_checkpoint(args.out, args.preset, seed=args.seed, dtype=resolve_dtype(args.dtype),
+                          overwrite=args.overwrite)
     print(f"wrote {args.preset} checkpoint ({args.dtype}, seed {args.seed}) to {out}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args, argv)
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument (Parser.error printed it): the code, not an exception
+        return e.code
+    try:
+        with warnings.catch_warnings():  # warnings (e.g. unknown checkpoint tensors) as one line each
+            warnings.showwarning = _show_warning
+            return args.func(args, argv)
     except USER_ERRORS as e:
         print(f"megadecode: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # an optional dependency this command needs
+        if (e.name or "").split(".")[0] != "triton":
+            raise
+        print(f"megadecode: error: {e}" if "install" in str(e) else
+              f"megadecode: error: `megadecode {args.command}` needs Triton, which cannot be imported here ({e}); "
+              f"install it with `pip install triton==3.6.0`", file=sys.stderr)
+        return 2
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"megadecode: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

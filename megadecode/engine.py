@@ -11,19 +11,25 @@ import torch
 
 from .cache import KVCache
 from .checkpoint import load_weights
-from .config import ModelConfig
+from .config import ModelConfig, load_config
 from .executors import EXECUTORS
+from .memory import check_fits
 from .plan import build_plan
 from .presets import PRESETS, preset_config
 from .sampling import SamplingParams, sample
 from .step import Step
 from .weights import param_specs, random_weights
 
+MAX_SEED = 2**32 - 1  # generate's in-step sampler derives a seed per step as seed * 1_000_003 + step (int64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve (bad token ids, too long, too many sequences)."""
+
+
+class NonFiniteError(ValueError):
+    """The model produced NaN or inf logits (broken weights, or an overflow): generation cannot go on."""
 
 
 @dataclass
@@ -60,12 +66,40 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         raise RequestError(f"weights are spread over several devices {sorted(map(str, devices))}")
 
 
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
+
+
 def resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+def cache_dims(cfg: ModelConfig, max_batch: int, max_seq_len: int | None) -> tuple[int, int]:
+    """The cache's (sequences, positions) for these arguments (max_seq_len None: the model's context, at most
+    4096), checked against the model."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise RequestError(f"max_batch must be a positive integer, got {max_batch!r}")
+    if max_seq_len is None:
+        return max_batch, min(4096, cfg.max_position_embeddings)
+    if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+        raise RequestError(f"max_seq_len {max_seq_len} is outside [1, {cfg.max_position_embeddings}], the model's "
+                           f"context (max_position_embeddings in its config.json)")
+    return max_batch, max_seq_len
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of `model`: a preset name or an HF checkpoint directory (its config.json)."""
+    if model in PRESETS:
+        return preset_config(model)
+    if not Path(model).is_dir():
+        raise FileNotFoundError(f"--model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                                "nor a checkpoint directory")
+    return load_config(model)
 
 
 class Engine:
@@ -77,12 +111,7 @@ class Engine:
         check_weights(cfg, weights)
         any_w = next(iter(weights.values()))
         self.device, self.dtype = any_w.device, any_w.dtype
-        if max_seq_len is not None and not 1 <= max_seq_len <= cfg.max_position_embeddings:
-            raise RequestError(f"max_seq_len {max_seq_len} outside [1, max_position_embeddings="
-                               f"{cfg.max_position_embeddings}]")
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise RequestError(f"max_batch must be a positive integer, got {max_batch!r}")
-        self.max_seq_len = max_seq_len or min(4096, cfg.max_position_embeddings)
+        max_batch, self.max_seq_len = cache_dims(cfg, max_batch, max_seq_len)
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, self.device, self.dtype)
         self.plan = build_plan(cfg)
         self.executor = EXECUTORS[executor](self.plan, weights, self.cache)
@@ -91,18 +120,21 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str, *, device="cpu", dtype="float32", seed: int = 0,
-                        check_finite: bool = False, **kw) -> "Engine":
-        """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory."""
+                        check_finite: bool = False, ignore_unknown: bool = False, max_batch: int = 8,
+                        max_seq_len: int | None = None, **kw) -> "Engine":
+        """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory. Whether the
+        weights and the cache fit in the device's memory is checked before either is built (memory.check_fits)."""
         dt = resolve_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RequestError(f"device {device!r} requested but CUDA is not available")
+        check_seed(seed)
+        cfg = model_config(model)
+        check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len))
+        kw.update(max_batch=max_batch, max_seq_len=max_seq_len)
         if model in PRESETS:
-            cfg = preset_config(model)
             return cls(cfg, random_weights(cfg, device, dt, seed), **kw)
-        if not Path(model).is_dir():
-            raise FileNotFoundError(f"--model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                                    "nor a checkpoint directory")
-        cfg, weights = load_weights(model, device=device, dtype=dt, check_finite=check_finite)
+        _, weights = load_weights(model, cfg, device=device, dtype=dt, check_finite=check_finite,
+                                  ignore_unknown=ignore_unknown)
         return cls(cfg, weights, **kw)
 
     # ---- request checks -------------------------------------------------------------------------
@@ -163,7 +195,9 @@ class Engine:
                  *, seed: int = 0, stop_at_eos: bool = True, progress=None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt. Tokens stay on the device during the loop; the
         host reads them once at the end (sequences are cut after their first EOS)."""
+        check_seed(seed)
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.executor.first_nonfinite.fill_(-1)  # written by every step on the device, read once at the end
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         # executors that sample inside the captured decode step (fused: kernels/lm_head.py) take greedy and
@@ -192,6 +226,7 @@ class Engine:
         check = getattr(self.executor, "check_errors", None)
         if check is not None:  # the mega executor: a wait that timed out inside a launch
             check()
+        self._check_finite([len(p) for p in prompts], max_new_tokens)
         ids = torch.stack(toks, 1).tolist() if toks else [[] for _ in prompts]
         lp_host = torch.stack(lps, 1).tolist() if lps else [[] for _ in prompts]
         eos = set(self.cfg.eos_token_id)
@@ -201,3 +236,17 @@ class Engine:
                 ids[i], lp_host[i] = row[:cut], lp_host[i][:cut]
         return GenerationResult(ids, lp_host, prefill_s=t1 - t0, decode_s=t2 - t1,
                                 decode_steps=max(max_new_tokens - 1, 0))
+
+    def _check_finite(self, prompt_lens: list[int], max_new_tokens: int) -> None:
+        """Raise NonFiniteError naming the first sequence whose logits held NaN or inf, and the step."""
+        first = self.executor.first_nonfinite[:len(prompt_lens)].tolist()
+        bad = [(i, pos) for i, pos in enumerate(first) if pos >= 0]
+        if not bad:
+            return
+        self.cache.clear()  # the failed steps wrote NaN/inf into the cache (KVCache.clear says why it matters)
+        i, pos = bad[0]
+        k = pos - prompt_lens[i] + 1  # the generated token these logits chose: 0 from the prefill's logits
+        where = "the prefill" if k == 0 else f"decode step {k} of {max(max_new_tokens - 1, 0)}"
+        others = f" ({len(bad) - 1} more sequences too)" if len(bad) > 1 else ""
+        raise NonFiniteError(f"sequence {i}: the logits for generated token {k} ({where}, position {pos}) hold NaN "
+                             f"or inf{others}; the weights may hold NaN or inf")

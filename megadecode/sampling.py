@@ -16,7 +16,7 @@ class SamplingParams:
 
     def __post_init__(self):
         if not self.greedy and not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and > 0 (use greedy for argmax), got {self.temperature}")
+            raise ValueError(f"temperature must be finite and > 0 (greedy=True for argmax), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .kernels import tuning
-from .measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms, int_list
+from .measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms, int_list, seed_arg
 
 KERNELS = ("fused-experts", "grouped-experts")
 # The sweeps: every combination (fused-experts: 3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; grouped-experts: 3 * 2
@@ -66,12 +66,13 @@ def add_parser(sub) -> None:
                        description="Sweep launch parameters per batch on the GPU, check each against the "
                                    "default config's output, time it, and merge the fastest into the "
                                    "kernel's tuning file (megadecode/kernels/configs/<kernel>/<gpu>.json).")
-    p.add_argument("--kernel", required=True, choices=KERNELS)
-    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--kernel", required=True, choices=KERNELS, help="the kernel whose launch parameters are swept")
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES),
+                   help="the MoE layer shape to tune for")
     p.add_argument("--weights", choices=("mxfp4", "bf16"), default=None,
                    help="expert weight format (default: the shape's own: mxfp4 for k3, bf16 otherwise)")
     p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16], help="comma-separated (default: 1,2,4,8,16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights and inputs, in [0, 2**32 - 1]")
     p.add_argument("--out", default=None, help="JSON path (default: the kernel's tuning file for this GPU)")
     p.set_defaults(func=run)
 

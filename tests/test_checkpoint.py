@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megadecode.checkpoint import CheckpointError, load_weights, make_checkpoint
+from megadecode.checkpoint import CheckpointError, UnknownTensorsWarning, load_weights, make_checkpoint
 from megadecode.config import ConfigError
 from megadecode.engine import Engine
 from megadecode.presets import preset_config, preset_hf_config
@@ -176,12 +177,40 @@ def test_mixed_stacked_and_per_expert_layers(tiny_ckpt, tmp_path):
         assert torch.equal(got[k], want[k]), k
 
 
-def test_extra_tensors_are_ignored(tiny_ckpt, tmp_path):
+def with_extra(src: Path, dst: Path, extra: dict[str, torch.Tensor], **config) -> Path:
+    """A single-file copy of `src` with `extra` tensors added and `config` fields set in its config.json."""
+    ckpt = single_file_checkpoint(src, dst, {**read_all(src), **extra})
+    if config:
+        d = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**d, **config}))
+    return ckpt
+
+
+def test_expected_extra_tensors_are_skipped(tiny_ckpt, tmp_path):
+    """DeepSeek-V3's multi-token-prediction layer (index num_hidden_layers, declared by num_nextn_predict_layers)
+    and rotary inv_freq buffers are carried by real checkpoints and unused by decode: no error, no warning."""
     src = tiny_ckpt(DS)
-    tensors = read_all(src)
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)  # e.g. DeepSeek's MTP layer
-    _, got = load_weights(single_file_checkpoint(src, tmp_path / "extra", tensors))
-    assert "model.layers.3.eh_proj.weight" not in got
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(4, 4),
+             "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(4, 4),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, got = load_weights(with_extra(src, tmp_path / "mtp", extra, num_nextn_predict_layers=1))
+    assert not set(extra) & set(got)
+
+
+def test_unknown_tensors_are_an_error_naming_them(tiny_ckpt, tmp_path):
+    src = tiny_ckpt(DS)
+    extra = {f"model.layers.{i}.mystery.weight": torch.zeros(2) for i in range(5)}
+    ckpt = with_extra(src, tmp_path / "unknown", extra)  # no num_nextn_predict_layers: layer 3 is unknown too
+    msg = load_error(ckpt)
+    assert "5 tensors" in msg and "'model.layers.0.mystery.weight'" in msg and "and 2 more" in msg
+    assert "--ignore-unknown-tensors" in msg
+    with pytest.warns(UnknownTensorsWarning, match="model.layers.0.mystery.weight") as w:
+        _, got = load_weights(ckpt, ignore_unknown=True)
+    assert len(w) == 1 and not set(extra) & set(got)
+    _, want = load_weights(src)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_bf16_checkpoint_loads_as_requested_dtype(tiny_ckpt):
@@ -326,6 +355,7 @@ def test_wrong_config_for_checkpoint(tiny_ckpt):
     ckpt = tiny_ckpt(QWEN)
     msg = load_error(ckpt, cfg=preset_config(DS))
     assert "missing tensor 'model.layers.0.self_attn.q_a_proj.weight'" in msg
+    assert "does not use" not in msg  # what the config misses, not the other model's tensors, is the message
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -372,3 +402,22 @@ def test_make_checkpoint_from_dict(tmp_path):
     assert cfg.num_layers == 2 and all(cfg.moe_layers)
     assert "model.layers.1.mlp.experts.gate_up_proj" in w and "model.layers.2.input_layernorm.weight" not in w
     assert "torch_dtype" not in d  # the caller's dict is not modified
+
+
+def test_make_checkpoint_refuses_a_file_and_a_non_empty_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(CheckpointError, match="it exists and is not a directory"):
+        make_checkpoint(f, QWEN)
+    other = make_checkpoint(tmp_path / "other", DS, dtype=torch.float32)
+    config = (other / "config.json").read_text()
+    with pytest.raises(CheckpointError, match=r"is not empty \(it holds config.json"):
+        make_checkpoint(other, QWEN)
+    assert (other / "config.json").read_text() == config  # the other model's files are untouched
+    (other / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    make_checkpoint(other, QWEN, dtype=torch.float32, overwrite=True)
+    assert not (other / "model-00009-of-00009.safetensors").exists()  # no stale shard beside the new ones
+    cfg, _ = load_weights(other)
+    assert cfg.family == "qwen3_moe"
+    (tmp_path / "empty").mkdir()
+    make_checkpoint(tmp_path / "empty", QWEN, dtype=torch.float32)  # an empty directory is fine

@@ -2,32 +2,82 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from megadecode import bench
-from megadecode.cli import main
+from megadecode.cli import build_parser, main
+from megadecode.executors import EXECUTORS
 from megadecode.presets import preset_config
 
 GEN = ["generate", "--model", "tiny-qwen3-moe", "--greedy", "--json", "--max-new-tokens", "5"]
 
 
+def strict_json(text: str):
+    """json.loads that refuses NaN / Infinity, which are not JSON (the standard library reads them by default)."""
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
 def run_json(capsys, argv: list[str]) -> dict:
     assert main(argv) == 0
     out = capsys.readouterr().out
-    return json.loads(out)  # stdout holds exactly one JSON object
+    return strict_json(out)  # stdout holds exactly one JSON object
+
+
+def fails(capsys, argv: list[str]) -> str:
+    """The one-line error of a command the user got wrong (exit code 2, nothing on stdout, no traceback)."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("megadecode: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
 
 
 def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "megadecode", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for cmd in ("generate", "make-checkpoint", "bench"):
+    assert set(subcommands()) == {"generate", "make-checkpoint", "bench", "validate", "tune"}
+    for cmd in subcommands():
         assert cmd in out
+
+
+def test_every_flag_has_help_and_its_default():
+    for name, parser in subcommands().items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help"
+            if action.option_strings:
+                shown = formatter._get_help_string(action) % vars(action)
+                assert "default" in shown or "(required)" in shown, f"{name} {action.option_strings}: {shown!r}"
+
+
+def test_readme_command_line_section_lists_every_subcommand():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]
+    for cmd in subcommands():
+        assert f"### {cmd}" in section, cmd
+        assert cmd in section.split("###", 1)[0], f"{cmd} missing from the README's `megadecode --help` line"
+    for flag in ("--ignore-unknown-tensors", "--overwrite", "--check-finite"):
+        assert flag in section
+    listed = re.search(r"--executor (\w+(?:\|\w+)+)", section).group(1).split("|")  # the choices, a|b|c
+    assert sorted(listed) == sorted(EXECUTORS)
 
 
 def test_generate_json_token_ids_deterministic(capsys):
@@ -140,3 +190,119 @@ def test_distinct_experts_counts_moe_layers():
     assert len(counts) == sum(cfg.moe_layers)
     assert all(cfg.top_k <= c <= min(cfg.num_experts, 4 * cfg.top_k) for c in counts)
     assert eng.lengths == [3] * 4  # the counting step does not advance the sequences
+
+
+# ---- careless input: one line naming what the user gave, exit code 2 -----------------------------------------
+
+def poison(ckpt: Path, name: str, index: tuple, value: float) -> None:
+    wm = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    f = ckpt / wm[name]
+    tensors = load_file(str(f))
+    tensors[name][index] = value
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name, index, value", [
+    ("model.layers.1.mlp.down_proj.weight", (3, 5), math.nan),  # a NaN anywhere in the trunk
+    ("lm_head.weight", (40, 7), math.inf),  # an inf in one lm_head row: that token's logit
+    ("lm_head.weight", (40, 7), -math.inf),
+])
+def test_non_finite_weights_end_generate_with_an_error(capsys, tiny_ckpt, name, index, value):
+    """Without --check-finite such a checkpoint used to generate token 0 (or the poisoned token) with NaN
+    logprobs, exit 0, and print a bare NaN with --json."""
+    ckpt = tiny_ckpt("tiny-qwen3-moe")
+    poison(ckpt, name, index, value)
+    err = fails(capsys, ["generate", "--model", str(ckpt), "--greedy", "--json", "--max-new-tokens", "4"])
+    assert f"{ckpt}: sequence 0: the logits for generated token 0 (the prefill" in err
+    assert "NaN or inf" in err and "--check-finite" in err
+    err = fails(capsys, ["generate", "--model", str(ckpt), "--max-new-tokens", "4", "--check-finite"])
+    assert repr(name) in err
+
+
+def test_json_output_is_strict(capsys, monkeypatch):
+    """Whatever reaches the JSON writer, stdout never holds NaN (json.dumps writes it by default)."""
+    from megadecode.engine import Engine, GenerationResult
+
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, *a, **k: GenerationResult([[1]], [[math.nan]]))
+    assert main(GEN) == 2
+    out, err = capsys.readouterr()
+    assert "NaN" not in out and err.startswith("megadecode: error: tiny-qwen3-moe: the result holds NaN or inf")
+
+
+def test_make_checkpoint_onto_a_file_or_another_model(capsys, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    err = fails(capsys, ["make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(f)])
+    assert str(f) in err and "not a directory" in err
+    ckpt = tmp_path / "ckpt"
+    assert main(["make-checkpoint", "--preset", "tiny-deepseek-v3", "--out", str(ckpt)]) == 0
+    capsys.readouterr()
+    config = (ckpt / "config.json").read_text()
+    err = fails(capsys, ["make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(ckpt)])
+    assert f"{ckpt} is not empty" in err and "--overwrite" in err
+    assert (ckpt / "config.json").read_text() == config
+    assert main(["make-checkpoint", "--preset", "tiny-qwen3-moe", "--out", str(ckpt), "--overwrite"]) == 0
+    assert '"qwen3_moe"' in (ckpt / "config.json").read_text()
+
+
+def test_unknown_checkpoint_tensors(capsys, tiny_ckpt):
+    ckpt = tiny_ckpt("tiny-qwen3-moe")
+    wm_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(wm_file.read_text())
+    save_file({"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}, str(ckpt / "extra.safetensors"))
+    index["weight_map"]["model.layers.0.mlp.extra_proj.weight"] = "extra.safetensors"
+    wm_file.write_text(json.dumps(index))
+    argv = ["generate", "--model", str(ckpt), "--json", "--max-new-tokens", "2"]
+    err = fails(capsys, argv)
+    assert "'model.layers.0.mlp.extra_proj.weight'" in err and "--ignore-unknown-tensors" in err
+    assert main(argv + ["--ignore-unknown-tensors"]) == 0
+    out, err = capsys.readouterr()
+    assert strict_json(out)["token_ids"]
+    assert err.startswith("megadecode: warning: ") and "'model.layers.0.mlp.extra_proj.weight'" in err
+
+
+def test_model_larger_than_memory(capsys, monkeypatch):
+    from megadecode import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
+    err = fails(capsys, GEN)
+    assert re.search(r"tiny-qwen3-moe needs [0-9.]+ GB on cpu .* but only 0.00 GB is available", err), err
+
+
+def test_prompt_longer_than_the_model_names_the_flag(capsys):
+    err = fails(capsys, GEN[:-1] + ["32", "--prompt", "x" * 500])
+    assert "prompt 0 has 501 tokens; with --max-new-tokens 32 it needs 533 positions" in err
+    assert "max_position_embeddings" in err and "512" in err and "max_seq_len" not in err
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--seed", str(2**70)], "argument --seed: must be an integer in [0, 4294967295]"),
+    (["--seed", "-1"], "argument --seed"),
+    (["--temperature", "0"], "--temperature must be finite and > 0, got 0.0 (for argmax decoding, pass --greedy)"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice"),
+])
+def test_bad_flags_name_the_flag(capsys, argv, text):
+    err = fails(capsys, ["generate", "--max-new-tokens", "2"] + argv)
+    assert text in err
+
+
+def test_config_errors_name_the_config_field(capsys, tiny_ckpt):
+    ckpt = tiny_ckpt("tiny-qwen3-moe")
+    d = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**d, "num_experts_per_tok": 0}))
+    assert "config field 'num_experts_per_tok' must be a positive integer" in fails(capsys, ["generate", "--model",
+                                                                                             str(ckpt)])
+
+
+NO_TRITON = "import sys; sys.modules['triton'] = None; from megadecode.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize("argv", [["validate", "--list"], ["validate", "triton-router", "--quick"],
+                                  ["generate", "--executor", "fused", "--max-new-tokens", "2"]])
+def test_commands_that_need_triton_say_so_without_it(argv):
+    """A fresh virtualenv without triton (pip install -e . without the test extra)."""
+    p = subprocess.run([sys.executable, "-c", NO_TRITON, *argv], capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("megadecode: error: ") and "pip install triton==3.6.0" in p.stderr

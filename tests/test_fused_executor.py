@@ -96,6 +96,32 @@ def test_generate_samples_inside_the_step():
     assert eng.executor.sampling is None and len(c.token_ids[0]) == 3
 
 
+@needs_triton
+def test_non_finite_logits_are_flagged_when_the_step_samples():
+    """With sampling inside the step (lm_head_sample), the step's own logits are checked: a NaN in lm_head row 7
+    makes every row's logits NaN from the prefill on (here the first sequence is named), and an inf in the
+    embedding row of a token fed only by sequence 1's second decode step is found at that step."""
+    from megadecode.engine import NonFiniteError
+    from megadecode.sampling import SamplingParams
+
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, DEVICE, torch.float32, seed=0)
+    prompts = [[1, 2, 3], [4, 5]]
+    eng = Engine(cfg, w, executor="fused", max_batch=2, max_seq_len=16)
+    greedy = SamplingParams(greedy=True)
+    clean = eng.generate(prompts, 4, greedy, stop_at_eos=False).token_ids
+    assert eng.executor.sampling == greedy  # the decode steps sampled in the step
+    t = clean[1][1]
+    assert t not in prompts[0] + prompts[1] + clean[0] + clean[1][:1]
+    w["model.embed_tokens.weight"][t, 3] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"^sequence 1: the logits for generated token 2 \(decode step 2 of 3"):
+        eng.generate(prompts, 4, greedy, stop_at_eos=False)
+    w["model.embed_tokens.weight"][t, 3] = 0.0
+    w["lm_head.weight"][7, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"^sequence 0: the logits for generated token 0 \(the prefill.*1 more"):
+        eng.generate(prompts, 4, SamplingParams(temperature=0.7), stop_at_eos=False)
+
+
 
 @needs_triton
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from megadecode.engine import Engine, RequestError
+from megadecode.engine import Engine, NonFiniteError, RequestError
 from megadecode.presets import preset_config
 from megadecode.sampling import SamplingParams
 from megadecode.weights import random_weights
@@ -218,7 +218,7 @@ def test_router_bias_and_groups_change_the_output():
 
 
 def test_engine_request_shape_errors():
-    from megadecode.engine import Engine, RequestError
+    from megadecode.engine import Engine, NonFiniteError, RequestError
 
     eng = Engine.from_pretrained("tiny-qwen3-moe", max_batch=2, max_seq_len=32)
     with pytest.raises(RequestError, match="flat list"):
@@ -227,7 +227,7 @@ def test_engine_request_shape_errors():
         eng.generate([[1, 2.5]], 2)
     with pytest.raises(RequestError, match="max_new_tokens"):
         eng.generate([[1, 2]], 2.5)
-    with pytest.raises(RequestError, match="max_seq_len"):
+    with pytest.raises(RequestError, match=r"max_seq_len 100000 is outside \[1, 512\].*max_position_embeddings"):
         Engine.from_pretrained("tiny-qwen3-moe", max_seq_len=100000)
     # numpy / torch integers are valid ids
     import numpy as np
@@ -235,7 +235,7 @@ def test_engine_request_shape_errors():
 
 
 def test_engine_checks_weights_against_the_table():
-    from megadecode.engine import Engine, RequestError
+    from megadecode.engine import Engine, NonFiniteError, RequestError
     from megadecode.presets import preset_config
     from megadecode.weights import random_weights
 
@@ -255,3 +255,44 @@ def test_compiled_executor_refuses_unvalidated_families():
 
     with pytest.raises(ValueError, match="not validated for 'deepseek_v3'"):
         Engine.from_pretrained("tiny-deepseek-v3", executor="compiled")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**70, 1.5, True])
+def test_seed_out_of_range_is_a_request_error(seed):
+    """Not torch's `Overflow when unpacking long long` (a seed past 64 bits) or a silently wrapped int64."""
+    with pytest.raises(RequestError, match=r"seed must be an integer in \[0, 4294967295\]"):
+        Engine.from_pretrained(QWEN, seed=seed, max_batch=1, max_seq_len=8)
+    eng = Engine.from_pretrained(QWEN, max_batch=1, max_seq_len=8)
+    with pytest.raises(RequestError, match="seed must be"):
+        eng.generate([[1, 2]], 2, seed=seed)
+    assert len(eng.generate([[1, 2]], 2, seed=2**32 - 1, stop_at_eos=False).token_ids[0]) == 2
+
+
+@pytest.mark.parametrize("executor", ["torch", "graph", "pyvm"])
+def test_non_finite_logits_end_generate_naming_the_sequence_and_step(executor):
+    """A NaN in the embedding row of a token that only sequence 1 feeds, at its second decode step: generate
+    raises naming that sequence and step (the flag is kept on the device by each step, read once at the end),
+    and the next clean run passes (the flag is reset per generate)."""
+    cfg = preset_config(QWEN)
+    w = random_weights(cfg, seed=0)
+    prompts = [[1, 2, 3], [4, 5]]
+    eng = Engine(cfg, w, executor=executor, max_batch=2, max_seq_len=16)
+    clean = eng.generate(prompts, 4, GREEDY, stop_at_eos=False).token_ids
+    t = clean[1][1]  # fed by sequence 1's decode step 2 (position 3), by no step of sequence 0
+    assert t not in prompts[0] + prompts[1] + clean[0] + clean[1][:1]
+    emb = w["model.embed_tokens.weight"]
+    saved, saved_4 = emb[t, 0].item(), emb[4, 0].item()
+    emb[t, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"^sequence 1: the logits for generated token 2 \(decode step 2 of 3, "
+                                             r"position 3\) hold NaN or inf"):
+        eng.generate(prompts, 4, GREEDY, stop_at_eos=False)
+    emb[t, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"^sequence 1: the logits for generated token 2 \(decode step 2"):
+        eng.generate(prompts, 4, GREEDY, stop_at_eos=False)
+    emb[t, 0] = saved
+    emb[4, 0] = float("nan")  # sequence 1's first prompt token: its prefill logits
+    with pytest.raises(NonFiniteError, match=r"^sequence 1: the logits for generated token 0 \(the prefill, "
+                                             r"position 1\)"):
+        eng.generate(prompts, 4, SamplingParams(temperature=0.8), stop_at_eos=False)
+    emb[4, 0] = saved_4
+    assert eng.generate(prompts, 4, GREEDY, stop_at_eos=False).token_ids == clean

@@ -21,6 +21,14 @@ def hf_field(d: dict, key: str, default: Any = ..., *, type_=None) -> Any:
     return v
 
 
+def hf_num_layers(d: dict) -> int:
+    """`num_hidden_layers`, checked before the per-layer lists that are read against it."""
+    L = hf_field(d, "num_hidden_layers", type_=int)
+    if L < 1:
+        raise ConfigError(f"config field 'num_hidden_layers' must be a positive integer, got {L}")
+    return L
+
+
 def hf_rope(d: dict, head_dim: int) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; older files have `rope_theta` + `rope_scaling`.
     for key in ("rope_parameters", "rope_scaling"):

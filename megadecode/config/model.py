@@ -42,6 +42,11 @@ class RopeConfig:
     truncate: bool = True
 
 
+# ModelConfig fields whose config.json name differs (for every family; num_experts: ModelConfig.hf_name).
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "top_k": "num_experts_per_tok",
+             "num_kv_heads": "num_key_value_heads"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -100,7 +105,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k",
                      "moe_intermediate_size", "max_position_embeddings"):
             v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name} must be a positive integer, got {v!r}")
+            need(isinstance(v, int) and v > 0, f"config field {self.hf_name(name)!r} must be a positive integer, "
+                                               f"got {v!r}")
         need(self.top_k <= self.num_experts,
              f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
         need(len(self.moe_layers) == self.num_layers, "moe_layers must have one entry per layer")
@@ -150,6 +156,12 @@ class ModelConfig:
             t = self.bos_token_id
             need(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size,
                  f"bos_token_id {t!r} outside the vocabulary [0, {self.vocab_size})")
+
+    def hf_name(self, name: str) -> str:
+        """The config.json field a ModelConfig field is read from (error messages name what the user wrote)."""
+        if name == "num_experts":
+            return "n_routed_experts" if self.family == "deepseek_v3" else "num_experts"
+        return _HF_NAMES.get(name, name)
 
     # ---- derived sizes ------------------------------------------------------------------------
     @property

@@ -57,6 +57,9 @@ VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-gro
 def _variants(device: torch.device) -> list:
     """The shipped variants of VARIANTS (megadecode.kernels.catalog). On the CPU only under the Triton
     interpreter (the kernels must have been decorated with TRITON_INTERPRET=1)."""
+    from ..kernels import require_triton
+
+    require_triton("the fused executor")
     if device.type == "cpu" and "megadecode.kernels.fused_experts" not in sys.modules \
             and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the fused executor runs Triton kernels: on the CPU set TRITON_INTERPRET=1 before "

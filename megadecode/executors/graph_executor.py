@@ -39,6 +39,13 @@ class GraphExecutor(TorchExecutor):
     def _step_fn(self, step: Step) -> torch.Tensor:
         return self.run_ops(step).buf["logits"]
 
+    def _flagged_step(self, step: Step) -> torch.Tensor:
+        """The decode step as captured: the logits, with the non-finite flag updated inside the graph (the
+        compiled executor compiles `_step_fn` alone)."""
+        logits = self._step_fn(step)
+        self.flag_nonfinite(logits, step)
+        return logits
+
     def _bucket(self, kv_len: int) -> int:
         return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.max_len)
 
@@ -52,7 +59,7 @@ class GraphExecutor(TorchExecutor):
     @torch.inference_mode()
     def decode(self, step: Step) -> torch.Tensor:
         if not self.use_graphs:
-            return self._step_fn(step)
+            return self._flagged_step(step)
         B, L = step.num_tokens, self._bucket(step.kv_len)
         key = (B, L, step.contiguous_slots)
         entry = self._graphs.get(key)
@@ -80,13 +87,13 @@ class GraphExecutor(TorchExecutor):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step_fn(static)
+                self._flagged_step(static)
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip((t for n in sorted(self.cache.state_layers) for t in self.cache[n]), saved):
             t.copy_(s)  # RESTORE_KDA_STATE
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step_fn(static)
+            logits = self._flagged_step(static)
         self._pool = graph.pool()
         return graph, static, logits, self._capture_extras()
 

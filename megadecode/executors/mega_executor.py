@@ -90,12 +90,14 @@ class MegaExecutor(TorchExecutor):
                           logit_rows=step.logit_rows, kv_len=step.kv_len)
             self._stage(rt, static)
             rt.launch()  # compiles on first use; the same step's cache writes, repeated by the replay
+            self.flag_nonfinite(rt.view("logits").view(B, -1), static)
             torch.cuda.synchronize(self.device)
             rt.check()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._stage(rt, static)
                 rt.launch()
+                self.flag_nonfinite(rt.view("logits").view(B, -1), static)  # on the device, in the graph
             self._pool = graph.pool()
             entry = self.graphs[key] = (graph, static)
         graph, static = entry

@@ -51,7 +51,9 @@ class PyVMExecutor(TorchExecutor):
             found = vm.races()
             if found:
                 raise RuntimeError("pyvm found unordered accesses:\n" + "\n".join(found))
-        return read_logits(vm, step.num_tokens)
+        logits = read_logits(vm, step.num_tokens)
+        self.flag_nonfinite(logits, step)
+        return logits
 
 
 def load_step(vm, step: Step) -> None:

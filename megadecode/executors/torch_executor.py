@@ -16,6 +16,18 @@ class TorchExecutor:
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
         self.plan, self.cfg, self.weights, self.cache = plan, plan.config, weights, cache
+        # Per logits row (= cache slot): the cache position whose logits first held NaN or inf, -1 while none
+        # has. Written on the device by every prefill and decode step (flag_nonfinite); the caller resets it
+        # (fill_(-1)) and reads it once at the end (Engine.generate).
+        dev = next(iter(weights.values())).device
+        self.first_nonfinite = torch.full((cache.num_slots,), -1, dtype=torch.int64, device=dev)
+
+    def flag_nonfinite(self, logits: torch.Tensor, step: Step) -> None:
+        """Record, for each row of `logits` whose values are not all finite, the position of its token unless an
+        earlier one is recorded. Device ops only (no host sync), so it runs inside a captured decode step."""
+        seen = self.first_nonfinite[:logits.shape[0]]
+        bad = ~torch.isfinite(logits).all(-1)
+        seen.copy_(torch.where(bad & (seen < 0), step.positions[step.logit_rows], seen))
 
     def run_ops(self, step: Step, hook=None) -> StepContext:
         """Run the plan; `hook(op, ctx)` is called after each op (the harness diffs buffers there)."""
@@ -28,8 +40,12 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def prefill(self, step: Step) -> torch.Tensor:
-        return self.run_ops(step).buf["logits"]
+        logits = self.run_ops(step).buf["logits"]
+        self.flag_nonfinite(logits, step)
+        return logits
 
     @torch.inference_mode()
     def decode(self, step: Step) -> torch.Tensor:
-        return self.run_ops(step).buf["logits"]
+        logits = self.run_ops(step).buf["logits"]
+        self.flag_nonfinite(logits, step)
+        return logits

@@ -22,13 +22,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="validate an op variant against the torch reference",
                        description="Run a variant's validation matrix (ops x presets x batches x dtypes x "
                                    "routing distributions x seeds) and print PASS/FAIL/SKIP.")
-    p.add_argument("variant", nargs="?", help="variant name (see --list)")
+    p.add_argument("variant", nargs="?", help="variant name (see --list; without one, --list)")
     p.add_argument("--list", action="store_true", help="list the variants with their scopes")
     p.add_argument("--quick", action="store_true", help="batches 1,3,8,67, fp32+fp16, one seed")
     p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: 1 quick, 3 full)")
     p.add_argument("--e2e", action="store_true", help="also run 128 greedy steps against the torch executor")
-    p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON")
-    p.add_argument("--report", metavar="DIR", help="write DIR/<variant>.html (evidence report) and DIR/<variant>.md")
+    p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON to OUT (default: not written)")
+    p.add_argument("--report", metavar="DIR", help="write DIR/<variant>.html (evidence report) and DIR/<variant>.md "
+                   "(default: not written)")
     p.add_argument("--ordering", action="store_true",
                    help="audit the persistent handoff kernel and its planted ordering bugs: static sm_90 "
                         "audit (CPU), plus random-delay and repeat runs on a GPU")
@@ -41,6 +42,9 @@ def _device() -> str:
 
 
 def cmd_validate(args, argv) -> int:
+    from ..kernels import require_triton
+
+    require_triton("megadecode validate")  # every variant but the torch ones, and the ordering audit
     if _device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are decorated
     from .catalog import all_variants, get

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ..fields import common_fields, hf_field, hf_rope, reject_quantized, require_silu
+from ..fields import common_fields, hf_field, hf_num_layers, hf_rope, reject_quantized, require_silu
 from ..model import ConfigError, ModelConfig
 
 
 def parse(d: dict) -> ModelConfig:
     reject_quantized(d, d.get("model_type"))
     require_silu(d)
-    L = hf_field(d, "num_hidden_layers", type_=int)
+    L = hf_num_layers(d)
     c = common_fields(d, L)
     if d.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported for deepseek_v3")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..fields import hf_field
+from ..fields import hf_field, hf_num_layers
 from ..model import ConfigError, ModelConfig
 from . import kimi_linear
 
@@ -64,9 +64,7 @@ def parse(d: dict) -> ModelConfig:
     if not isinstance(lin, dict):
         raise ConfigError(f"config field 'linear_attn_config' must be a JSON object, got {lin!r}")
     merged["linear_attn_config"] = {**LINEAR_DEFAULTS, **lin}
-    L = hf_field(d, "num_hidden_layers", type_=int)
-    if L < 1:
-        raise ConfigError(f"num_hidden_layers must be a positive integer, got {L}")
+    L = hf_num_layers(d)
     if merged.get("layer_types") is None and not ("full_attn_layers" in lin and "kda_layers" in lin):
         merged["layer_types"] = default_layer_types(L)
     base = kimi_linear.build(merged, L)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ..fields import hf_alias, hf_eos, hf_field, reject_quantized, require_silu
+from ..fields import hf_alias, hf_eos, hf_field, hf_num_layers, reject_quantized, require_silu
 from ..model import ConfigError, ModelConfig, RopeConfig
 
 
 def parse(d: dict) -> ModelConfig:
     reject_quantized(d, d.get("model_type"))
     require_silu(d)
-    L = hf_field(d, "num_hidden_layers", type_=int)
+    L = hf_num_layers(d)
     return build(d, L)
 
 

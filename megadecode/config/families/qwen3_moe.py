@@ -6,6 +6,7 @@ from ..fields import (
     common_fields,
     hf_field,
     hf_layer_list,
+    hf_num_layers,
     hf_rope,
     reject_quantized,
     require_silu,
@@ -16,7 +17,7 @@ from ..model import ConfigError, ModelConfig
 def parse(d: dict) -> ModelConfig:
     reject_quantized(d, d.get("model_type"))
     require_silu(d)
-    L = hf_field(d, "num_hidden_layers", type_=int)
+    L = hf_num_layers(d)
     c = common_fields(d, L)
     if d.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported for qwen3_moe")
