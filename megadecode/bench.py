@@ -25,7 +25,14 @@ import torch
 
 from .config import ModelConfig
 from .engine import Engine, resolve_dtype
-from .measure import HBM_READ_BPS, default_out, environment, int_list, seed_arg, write_result
+from .measure import (
+    HBM_READ_BPS,
+    default_out,
+    environment,
+    int_list,
+    seed_arg,
+    write_result,
+)
 from .plan import ROUTER
 from .presets import PRESETS, preset_config
 from .step import Step

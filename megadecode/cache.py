@@ -18,7 +18,6 @@ import torch
 from .config import ModelConfig
 from .plan import ATTN_KDA
 
-
 # Which parts of a layer's cache keep fp32 whatever the model dtype, by the layer's attention kind (the plan's
 # op kinds): KDA's recurrent state (part 1). Used here and by the validation harness when it casts cases.
 FP32_PARTS: dict[str, tuple[int, ...]] = {ATTN_KDA: (1,)}

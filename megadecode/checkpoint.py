@@ -11,9 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig, load_config
+from .config import ModelConfig, config_from_hf, load_config
 from .presets import preset_hf_config
-from .config import config_from_hf
 from .weights import param_specs, random_tensor
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 from .config import ConfigError, ModelConfig, config_from_hf
-from .tokenizer import BYTE_VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID
+from .tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
 
 # Kimi K3's public dims (SPEC.md); bos/eos ids are Kimi K2's tokenizer's (K3's are not public).
 _K3 = {

@@ -29,7 +29,14 @@ from pathlib import Path
 import torch
 
 from .kernels import tuning
-from .measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms, int_list, seed_arg
+from .measure import (
+    HBM_READ_BPS,
+    SHAPES,
+    expert_weights,
+    graph_replay_ms,
+    int_list,
+    seed_arg,
+)
 
 KERNELS = ("fused-experts", "grouped-experts")
 # The sweeps: every combination (fused-experts: 3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; grouped-experts: 3 * 2

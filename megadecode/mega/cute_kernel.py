@@ -854,6 +854,17 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
 
 
 # ---- the persistent loop ------------------------------------------------------------------------------------
+PLANT = ""  # a deliberate ordering mistake, compiled only by compile_for(plant=...) for the audit's own tests
+PLANTS = ("relaxed_signal", "weak_wait")
+
+
+@cute.jit
+def wait_load(p) -> Int32:
+    if cutlass.const_expr(PLANT == "weak_wait"):
+        return cute.arch.load(p, Int32, sem="relaxed", scope="gpu")
+    return cute.arch.load(p, Int32, sem="acquire", scope="gpu")
+
+
 @cute.jit
 def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
                  max_spin: Int32, instr: Int32):
@@ -862,11 +873,11 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
     if c_idx >= 0:
         target = (epoch - 1) * per + need
         p = (ctr.iterator + c_idx).llvm_ptr
-        v = cute.arch.load(p, Int32, sem="acquire", scope="gpu")
+        v = wait_load(p)
         spins = Int32(0)
         aborted = Int32(0)
         while (v - target) < 0 and spins < max_spin and aborted == 0:
-            v = cute.arch.load(p, Int32, sem="acquire", scope="gpu")
+            v = wait_load(p)
             aborted = cute.arch.load(err.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
             spins += 1
         if (v - target) < 0:
@@ -892,7 +903,8 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     pb = prog.iterator.toint()
     fb = f32.iterator.toint()
     ib = i32.iterator.toint()
-    epoch = ctr[0]
+    # the launch number (written before the launch): read with acquire like every other read of the counters
+    epoch = cute.arch.load(ctr.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
@@ -939,8 +951,11 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             cute.arch.sync_threads()
             sig = prog[idx, 2]
             if tid == 0 and sig >= 0:
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
+                if cutlass.const_expr(PLANT != "relaxed_signal"):
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
+                else:
+                    cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
         cute.arch.sync_threads()
 
 
@@ -959,14 +974,31 @@ def current_stream_arg():
     return cuda_drv.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-@functools.lru_cache(maxsize=1)
-def compile_for():
+@functools.lru_cache(maxsize=4)
+def compile_for(plant: str = ""):
     """cute.compile the launcher with fake tensors: no GPU needed. The PTX is in `.__ptx__` (what the static audit
-    and the occupancy calculation read; the dump goes to a temporary directory)."""
+    and the occupancy calculation read; the dump goes to a temporary directory). `plant`: one of PLANTS, a
+    deliberate ordering mistake the audit must catch (never launched)."""
+    global PLANT
     from cutlass.cute.runtime import make_fake_compact_tensor as fk
 
+    if plant not in ("",) + PLANTS:
+        raise ValueError(f"unknown plant {plant!r}; plants: {PLANTS}")
     args = (fk(Int32, (64, ROW)), fk(Int32, (9,)), fk(Int32, (64,)), fk(Int32, (64,)),
             fk(Float32, (4096,), assumed_align=16), fk(Int32, (1024,), assumed_align=16), fk(Int64, (16,)),
             fk(Int32, (8,)), Int32(1 << 20), Int32(8), cuda_drv.CUstream(0))
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-    return cute.compile(launch, *args, options=f"--keep-ptx --dump-dir={dump}")
+    PLANT = plant
+    try:
+        return cute.compile(launch, *args, options=f"--keep-ptx --dump-dir={dump}", no_cache=True)
+    finally:
+        PLANT = ""
+
+
+# The launcher's kernel parameters in PTX order, and their roles for the static audit (validate/audit.py):
+# the instruction stream, its queues and the tensor table are static; the counters are the flags; the arenas
+# (activations, routing) and the error buffer are produced during the launch. Weights and caches are reached
+# through the tensor table's addresses (their loads carry no parameter; all are plain coherent loads).
+AUDIT_PARAMS = ("prog", "qstart", "qorder", "ctr", "f32", "i32", "taddr", "err", "max_spin")
+AUDIT_ROLES = {"prog": "static", "qstart": "static", "qorder": "static", "taddr": "static", "ctr": "flag",
+               "f32": "produced", "i32": "produced", "err": "produced"}

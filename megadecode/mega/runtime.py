@@ -52,38 +52,54 @@ def _cute_args(rt: "MegaRuntime"):
             dyn(rt.err), Int32(rt.max_spin), Int32(rt.num_ctas))
 
 
-@functools.lru_cache(maxsize=None)
-def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
-    """Registers ptxas allocates per thread for the kernel's PTX (None when ptxas is not found)."""
+def _ptxas() -> tuple[str | None, bool]:
+    """(path of a ptxas, whether it is triton's CUDA 12.8 one, which reads PTX ISA up to 8.7)."""
     ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
-    if ptxas is None:  # triton's own ptxas (CUDA 12.8) reads PTX ISA 8.7; the kernel's 8.8 header is not needed
-        try:
-            import triton
+    if ptxas:
+        return ptxas, False
+    try:
+        import triton
 
-            cand = f"{triton.__path__[0]}/backends/nvidia/bin/ptxas"
-            ptxas = shutil.which(cand)
-            ptx = re.sub(r"^\.version 8\.8", ".version 8.7", ptx, flags=re.M)
-        except ImportError:
-            pass
+        return shutil.which(f"{triton.__path__[0]}/backends/nvidia/bin/ptxas"), True
+    except ImportError:
+        return None, False
+
+
+def assemble(ptx: str) -> tuple[bytes | None, str]:
+    """ptxas -v on the kernel's PTX: (cubin, ptxas's report), or (None, why). A PTX ISA newer than the ptxas
+    found (the DSL's bundled toolchain can be ahead of the machine's CUDA) is retried with the version that
+    ptxas names: the instructions the kernel uses are older than either."""
+    ptxas, old = _ptxas()
     if ptxas is None:
-        return None
+        return None, "no ptxas found (PATH, /usr/local/cuda/bin, triton's)"
+    if old:
+        ptx = re.sub(r"^\.version [\d.]+", ".version 8.7", ptx, flags=re.M)
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
-    for _ in range(2):  # a PTX ISA newer than this ptxas: retry with the version it names (registers only)
+    for _ in range(2):
         with tempfile.TemporaryDirectory() as d:
             src = f"{d}/k.ptx"
             with open(src, "w") as f:
                 f.write(ptx)
             r = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True,
                                text=True, timeout=300)
+            cubin = open(f"{d}/k.cubin", "rb").read() if r.returncode == 0 else None
         v = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", r.stderr)
         if v is None:
             break
         ptx = re.sub(r"^\.version [\d.]+", f".version {v.group(1)}", ptx, flags=re.M)
-    m = re.search(r"Used (\d+) registers", r.stderr + r.stdout)
+    report = r.stderr + r.stdout
+    return cubin, report if cubin is not None else f"ptxas ({ptxas}) exit {r.returncode}: {report[-300:]}"
+
+
+@functools.lru_cache(maxsize=None)
+def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
+    """Registers ptxas allocates per thread for the kernel's PTX (None when no ptxas can assemble it)."""
+    cubin, report = assemble(ptx)
+    m = re.search(r"Used (\d+) registers", report)
     if m is None:
         import warnings
 
-        warnings.warn(f"ptxas ({ptxas}) gave no register count (exit {r.returncode}): {(r.stderr + r.stdout)[-300:]}")
+        warnings.warn(f"no register count for the megakernel: {report[-300:]}")
     return int(m.group(1)) if m else None
 
 

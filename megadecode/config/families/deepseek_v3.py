@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ..fields import common_fields, hf_field, hf_num_layers, hf_rope, reject_quantized, require_silu
+from ..fields import (
+    common_fields,
+    hf_field,
+    hf_num_layers,
+    hf_rope,
+    reject_quantized,
+    require_silu,
+)
 from ..model import ConfigError, ModelConfig
 
 

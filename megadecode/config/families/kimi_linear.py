@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ..fields import hf_alias, hf_eos, hf_field, hf_num_layers, reject_quantized, require_silu
+from ..fields import (
+    hf_alias,
+    hf_eos,
+    hf_field,
+    hf_num_layers,
+    reject_quantized,
+    require_silu,
+)
 from ..model import ConfigError, ModelConfig, RopeConfig
 
 
