@@ -19,7 +19,8 @@ import functools
 import os
 import tempfile
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when cutlass is imported: the H200 (a CPU build too)
+ARCH = "sm_90a"  # the H200; every compile names it (--gpu-arch), whatever imported cutlass first
+os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
 
 import cuda.bindings.driver as cuda_drv  # noqa: E402
 import cutlass  # noqa: E402
@@ -990,7 +991,7 @@ def compile_for(plant: str = ""):
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
     PLANT = plant
     try:
-        return cute.compile(launch, *args, options=f"--keep-ptx --dump-dir={dump}", no_cache=True)
+        return cute.compile(launch, *args, options=f"--gpu-arch={ARCH} --keep-ptx --dump-dir={dump}", no_cache=True)
     finally:
         PLANT = ""
 

@@ -153,7 +153,8 @@ class MegaRuntime:
             import cutlass.cute as cute
 
             K = compiled_kernel()
-            _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg())
+            _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
+                                     options=f"--gpu-arch={K.ARCH}")
         if self._compiled is None:
             self._compiled = _COMPILED
             self.check_residency()
