@@ -41,7 +41,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a[fa] - b[fb]).abs().max() / b[fb].abs().max().clamp_min(1e-6)).item()
 
 
-def diff_program(preset: str, batch: int, ctas: int, seed: int) -> dict:
+def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int = 3) -> dict:
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, seed)
     cache = KVCache(cfg, batch, 256, "cuda", torch.bfloat16)
@@ -73,6 +73,19 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int) -> dict:
     torch.cuda.synchronize()
     rt.check()
     repeat_equal = torch.equal(rt.f32, mega_f32) and torch.equal(rt.i32, mega_i32)
+    # the debug build: random delays before every instruction's stores and after its signal; still bitwise equal
+    delayed = MegaRuntime(prog, "cuda", delay_ns=20000)
+    delays_equal = True
+    for _ in range(delay_runs):
+        for n, parts in cache.layers.items():
+            for t, b in zip(parts, before[n]):
+                t.copy_(b)
+        for name, t in (("tokens", tokens), ("positions", positions), ("slots", slots)):
+            delayed.view(name).copy_(t)
+        delayed.launch()
+        torch.cuda.synchronize()
+        delayed.check()
+        delays_equal &= torch.equal(delayed.f32, mega_f32) and torch.equal(delayed.i32, mega_i32)
     # pyvm on the same program, on the CPU (copies of the weights and of the caches before the launch)
     for n, parts in cache.layers.items():
         for t, b in zip(parts, before[n]):
@@ -94,6 +107,7 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int) -> dict:
     bad = [r for r in rows if r.get("rel", 0) > 2e-2 or r.get("equal") is False]
     return {"preset": preset, "batch": batch, "ctas": ctas, "instructions": len(prog.instrs),
             "first_launch_s": first_launch_s, "repeat_bitwise_equal": repeat_equal,
+            "delayed_runs": delay_runs, "delayed_bitwise_equal": bool(delays_equal),
             "buffers": rows, "mismatched": [r["buffer"] for r in bad]}
 
 
@@ -152,7 +166,7 @@ def main() -> None:
             worst = max((x.get("rel", 0.0) for x in r["buffers"]), default=0.0)
             print(f"diff {preset} b={b}: {r['instructions']} instrs, worst rel {worst:.2e}, mismatched "
                   f"{r['mismatched'][:6]}, repeat equal {r['repeat_bitwise_equal']}, first launch "
-                  f"{r['first_launch_s']:.1f}s", flush=True)
+                  f"{r['first_launch_s']:.1f}s, {r['delayed_runs']} delayed runs equal {r['delayed_bitwise_equal']}", flush=True)
         for b in ((1, 4) if args.tokens else ()):
             try:
                 r = end_to_end(preset, b, args.tokens, seed=10 + b)

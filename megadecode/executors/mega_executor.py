@@ -23,7 +23,9 @@ class MegaExecutor(TorchExecutor):
     name = "mega"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
-                 num_ctas: int | None = None):
+                 num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0):
+        """`timeline`: record each instruction's times (MegaRuntime.timeline_rows); `delay_ns`: the debug build's
+        random delays (0: off)."""
         from ..mega.lower import check_plan
 
         check_plan(plan, plan.config)
@@ -39,6 +41,7 @@ class MegaExecutor(TorchExecutor):
         if (major, minor) != (9, 0):
             raise ValueError(f"the mega executor is built for sm_90 (H100/H200), this GPU is sm_{major}{minor}")
         self.num_ctas = num_ctas or int(os.environ.get("MEGADECODE_MEGA_CTAS", 0)) or default_ctas(self.device)
+        self.timeline, self.delay_ns = timeline, delay_ns
         self.runtimes: dict[tuple, object] = {}
         self.graphs: dict[tuple, tuple] = {}
         self._pool = None
@@ -70,7 +73,8 @@ class MegaExecutor(TorchExecutor):
             for ins in prog.instrs:
                 if ins.op == "SAMPLE":
                     ins.args["inv_temp_bits"] = f32_bits(inv_t)
-            self.runtimes[key] = MegaRuntime(schedule(prog, self.num_ctas), self.device)
+            self.runtimes[key] = MegaRuntime(schedule(prog, self.num_ctas), self.device, timeline=self.timeline,
+                                             delay_ns=self.delay_ns)
         return key, self.runtimes[key]
 
     def _stage(self, rt, step: Step) -> None:

@@ -893,9 +893,19 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
     return ok
 
 
+@cute.jit
+def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
+    """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
+    ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
+
+
 @cute.kernel
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
-                i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32):
+                i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
+                timeline: Int32, delay_ns: Int32):
+    """`timeline` != 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM] in tl.
+    `delay_ns` > 0: thread 0 sleeps a random 0..delay_ns before the instruction's stores and after its signal."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     alloc = SmemAllocator()
@@ -916,13 +926,20 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                 prefetch_row(prog, taddr, idx, tid - 64, NT - 64)
             if qi + 1 < qstart[bid + 1]:
                 prefetch_row(prog, taddr, qorder[qi + 1], tid - 64, NT - 64)
+        t_wait = Int64(0)
         if tid == 0:
+            t_wait = cute.arch.globaltimer()
             ok = wait_counter(ctr, err, prog[idx, 4], prog[idx, 5], prog[idx, 6], epoch, max_spin, idx)
             if ok == 1:
                 ok = wait_counter(ctr, err, prog[idx, 7], prog[idx, 8], prog[idx, 9], epoch, max_spin, idx)
             smi[SMEM_I - 1] = ok
             cute.arch.fence_acq_rel_gpu()
+            if delay_ns > 0:
+                nap(delay_ns, idx, epoch, bid * 4 + 1)
         cute.arch.sync_threads()
+        t_start = Int64(0)
+        if tid == 0:
+            t_start = cute.arch.globaltimer()
         if smi[SMEM_I - 1] == 1:
             op = prog[idx, 0]
             if op == OPCODES["MATVEC"]:
@@ -957,14 +974,22 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
                 else:
                     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
+        if tid == 0:
+            if timeline != 0:
+                tl[4 * idx] = t_wait
+                tl[4 * idx + 1] = t_start
+                tl[4 * idx + 2] = cute.arch.globaltimer()
+                tl[4 * idx + 3] = Int64(cute.arch.smid())
+            if delay_ns > 0:
+                nap(delay_ns, idx, epoch, bid * 4 + 2)
         cute.arch.sync_threads()
 
 
 @cute.jit
 def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
-           i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, num_ctas: Int32,
-           stream: cuda_drv.CUstream):
-    mega_kernel(prog, qstart, qorder, ctr, f32, i32, taddr, err, max_spin).launch(
+           i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
+           timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream):
+    mega_kernel(prog, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, timeline, delay_ns).launch(
         grid=(num_ctas, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
@@ -987,7 +1012,7 @@ def compile_for(plant: str = ""):
         raise ValueError(f"unknown plant {plant!r}; plants: {PLANTS}")
     args = (fk(Int32, (64, ROW)), fk(Int32, (9,)), fk(Int32, (64,)), fk(Int32, (64,)),
             fk(Float32, (4096,), assumed_align=16), fk(Int32, (1024,), assumed_align=16), fk(Int64, (16,)),
-            fk(Int32, (8,)), Int32(1 << 20), Int32(8), cuda_drv.CUstream(0))
+            fk(Int32, (8,)), Int32(1 << 20), fk(Int64, (256,)), Int32(0), Int32(0), Int32(8), cuda_drv.CUstream(0))
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
     PLANT = plant
     try:
@@ -1000,6 +1025,7 @@ def compile_for(plant: str = ""):
 # the instruction stream, its queues and the tensor table are static; the counters are the flags; the arenas
 # (activations, routing) and the error buffer are produced during the launch. Weights and caches are reached
 # through the tensor table's addresses (their loads carry no parameter; all are plain coherent loads).
-AUDIT_PARAMS = ("prog", "qstart", "qorder", "ctr", "f32", "i32", "taddr", "err", "max_spin")
+AUDIT_PARAMS = ("prog", "qstart", "qorder", "ctr", "f32", "i32", "taddr", "err", "max_spin", "tl", "timeline",
+                "delay_ns")
 AUDIT_ROLES = {"prog": "static", "qstart": "static", "qorder": "static", "taddr": "static", "ctr": "flag",
-               "f32": "produced", "i32": "produced", "err": "produced"}
+               "f32": "produced", "i32": "produced", "err": "produced", "tl": "produced"}

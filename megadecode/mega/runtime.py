@@ -49,7 +49,7 @@ def _cute_args(rt: "MegaRuntime"):
         return from_dlpack(t, assumed_align=16).mark_layout_dynamic()
 
     return (dyn(rt.rows), dyn(rt.qstart), dyn(rt.qorder), dyn(rt.ctr), dyn(rt.f32), dyn(rt.i32), dyn(rt.taddr),
-            dyn(rt.err), Int32(rt.max_spin), Int32(rt.num_ctas))
+            dyn(rt.err), Int32(rt.max_spin), dyn(rt.tl), Int32(rt.timeline), Int32(rt.delay_ns), Int32(rt.num_ctas))
 
 
 def _ptxas() -> tuple[str | None, bool]:
@@ -116,7 +116,10 @@ def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
 
 
 class MegaRuntime:
-    def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN):
+    def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN, *, timeline: bool = False,
+                 delay_ns: int = 0):
+        """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
+        `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal."""
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")
         device = torch.device(device)
@@ -137,6 +140,8 @@ class MegaRuntime:
                 raise ValueError(f"tensor {t.name} is not 16-byte aligned (the kernel's vector loads need it)")
         self.taddr = torch.tensor([t.tensor.data_ptr() for t in prog.tensors], dtype=torch.int64, device=self.device)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
+        self.timeline, self.delay_ns = int(timeline), int(delay_ns)
+        self.tl = torch.zeros(4 * len(prog.instrs) if timeline else 4, dtype=torch.int64, device=self.device)
         self._compiled = None
 
     def view(self, name: str) -> torch.Tensor:
@@ -176,6 +181,16 @@ class MegaRuntime:
         fn = self.compile()
         self.ctr[0:1].add_(1)  # the launch number, on the device (captured with the launch)
         fn(*_cute_args(self), K.current_stream_arg())
+
+    def timeline_rows(self) -> list[dict]:
+        """The last launch's per-instruction times (ns, relative to the earliest wait start) and SMs."""
+        if not self.timeline:
+            raise ValueError("this runtime was made without timeline=True")
+        t = self.tl.view(-1, 4).cpu()
+        t0 = int(t[:, 0].min())
+        return [{"instr": i, "name": ins.name, "op": ins.op, "layer": ins.layer, "sm": int(t[i, 3]),
+                 "wait": int(t[i, 0]) - t0, "start": int(t[i, 1]) - t0, "end": int(t[i, 2]) - t0}
+                for i, ins in enumerate(self.prog.instrs)]
 
     def check(self) -> None:
         """Raise MegaError when a wait timed out (reads the error buffer: a device sync)."""
