@@ -19,6 +19,9 @@ from ..step import Step
 from .torch_executor import TorchExecutor
 
 
+KERNEL_FAMILIES = ("qwen3_moe", "deepseek_v3")  # the families whose every opcode the CuTe kernel implements
+
+
 class MegaExecutor(TorchExecutor):
     name = "mega"
 
@@ -29,6 +32,10 @@ class MegaExecutor(TorchExecutor):
         from ..mega.lower import check_plan
 
         check_plan(plan, plan.config)
+        if plan.config.family not in KERNEL_FAMILIES:
+            raise ValueError(f"the mega executor's kernel runs {', '.join(KERNEL_FAMILIES)}; {plan.config.family} "
+                             "lowers to instructions (KDA_STEP, ATTN_RES, MXFP4 experts) that only the `pyvm` "
+                             "executor runs so far")
         super().__init__(plan, weights, cache)
         any_w = next(iter(weights.values()))
         self.device = any_w.device

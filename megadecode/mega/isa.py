@@ -38,35 +38,41 @@ F_RENORM = 16  # ROUTE: renormalise the picked weights
 F_INTERLEAVED = 32  # rope pairs (2i, 2i+1) (DeepSeek); else (i, i + d/2) (Qwen)
 F_SHARED = 64  # EXPERT_DOWN: add the shared experts' output (`shared_off`)
 F_GREEDY = 128  # SAMPLE: argmax; else temperature sampling by a Gumbel race
+F_MXFP4 = 256  # EXPERT_UP / EXPERT_DOWN: MXFP4 experts (packed e2m1 tensor + e8m0 scale tensor)
+F_SITU = 512  # EXPERT_UP: SiTU-GLU (Kimi K3's routed experts); else SwiGLU
+F_STORE = 1024  # EXPERT_DOWN: write the weighted sum of the experts (K3's latent z); else add it to `out`
+F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's NoPE MLA)
 
 # opcodes, with their argument names (in row order)
 OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     "NOP": (0, ()),
     # hidden[t, c0:c1] = embed[tokens[t], c0:c1]
     "EMBED": (1, ("w", "tok_off", "out_off", "D", "B", "c0", "c1")),
-    # out[t, out_col + r] (+)= W[r, :K] . f(x[t, :K]) for r in [r0, r1), t < B; f = RMSNorm when F_NORM
+    # out[t, out_col + r] (+)= W[r, :K] . f(x[t, :K] (+ x2[t, :K])) (+ add0[t, r] + add1[t, r]) for r in [r0, r1),
+    # t < B; f = RMSNorm when F_NORM; x2 / add0 / add1 offsets -1: none (same strides as x / out)
     "MATVEC": (2, ("w", "K", "x_off", "x_stride", "out_off", "out_stride", "out_col", "r0", "r1", "B",
-                   "norm_w", "eps_bits", "normed_off")),
+                   "norm_w", "eps_bits", "normed_off", "x2_off", "add0_off", "add1_off")),
     # out[t, out_col + r] = silu(Wg[r] . f(x_t)) * (Wu[r] . f(x_t))
     "GLU": (3, ("wg", "wu", "K", "x_off", "x_stride", "out_off", "out_stride", "out_col", "r0", "r1", "B",
-                "norm_w", "eps_bits")),
+                "norm_w", "eps_bits", "x2_off")),
     # GQA for (sequence b, kv head h, split s of S): q/k RMSNorm + RoPE of this token, the last split writes k/v
     # to the cache, then attention of the G query heads over the split's share of positions [0, pos] ->
     # partials (m, l, acc) at part_off + ((b * H + head) * S + s) * (d + 2)
     "ATTN_GQA": (4, ("kc", "vc", "qkv_off", "qkv_stride", "qn_w", "kn_w", "pos_off", "slot_off", "b", "h", "s",
                      "S", "H", "KH", "d", "part_off", "scale_bits", "eps_bits", "rope_w", "att_bits", "Lmax")),
-    # o[b, head*dv:(head+1)*dv] = merge of the S partials of (b, head) [MLA: then W_UV of the head]
-    "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P")),
+    # o[b, head*dv:(head+1)*dv] = merge of the S partials of (b, head) [MLA: then W_UV of the head; K3: then
+    # times sigmoid(gate[b, head*dv + v]) (gate_off -1: no gate)]
+    "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P", "gate_off")),
     # routing for the whole batch: picks, weights, and the pairs grouped by expert (see mega/lower.py)
     "ROUTE": (6, ("logits_off", "E", "A", "B", "bias_w", "n_group", "topk_group", "scale_bits", "ids_off",
                   "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off")),
     # h[pair, i] = glu(gate_up[e] . x_t) for the work items [w * N / W, (w + 1) * N / W) of N = nuniq * tiles
     "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "rows", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
-                      "ptok_off")),
+                      "ptok_off", "gus")),
     # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
     # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r])
     "EXPERT_DOWN": (8, ("dn", "I", "D", "h_off", "y_off", "out_off", "r0", "r1", "B", "A", "nuniq_off",
-                        "uniq_off", "pstart_off", "wts_off", "pairof_off", "shared_off")),
+                        "uniq_off", "pstart_off", "wts_off", "pairof_off", "shared_off", "dns")),
     # next token of sequence b from logits [B, V] (greedy, or temperature with the step's seed)
     "SAMPLE": (9, ("logits_off", "V", "b", "tok_out_off", "lp_out_off", "seed_off", "inv_temp_bits")),
     # MLA: the token's latent (RMSNorm) and rope key (rotated) into the cache
@@ -78,6 +84,13 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # MLA attention for (b, head block [h0, h0 + HB), split s of S) over the latent cache -> partials
     "MLA_ATTN": (12, ("cache", "qlat_off", "qpe_off", "pos_off", "slot_off", "b", "h0", "HB", "s", "S", "H",
                       "C", "R", "part_off", "scale_bits", "Lmax")),
+    # Block Attention Residuals (kimi_k3) for token b, columns [c0, c1): the attention of query_w over the
+    # RMSNorm'd sources (nsrc consecutive [B, D] blocks at src_off) -> out[b, c0:c1] = sum_s alpha_s src_s
+    "ATTN_RES": (13, ("src_off", "nsrc", "B", "D", "query_w", "norm_w", "eps_bits", "out_off", "b", "c0", "c1")),
+    # KDA decode for (sequence b, head h): short conv step, l2norm, gates, the delta-rule recurrence on the
+    # slot's fp32 state (read and written once), gated RMSNorm -> out[b, h*K:(h+1)*K]
+    "KDA_STEP": (14, ("qkv_off", "f_off", "gate_off", "beta_off", "conv_w", "conv_state", "rec_state", "a_log",
+                      "dt_bias", "onorm_w", "out_off", "b", "h", "H", "K", "W", "slot_off", "eps_bits")),
 }
 OPCODES = {name: code for name, (code, _) in OPS.items()}
 OPNAMES = {code: name for name, (code, _) in OPS.items()}

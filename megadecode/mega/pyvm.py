@@ -21,14 +21,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..quant.mxfp4 import MXFP4Tensor
+from ..reference.activations import situ_glu
 from .isa import (
     F_GREEDY,
     F_INTERLEAVED,
+    F_MXFP4,
+    F_NOPE,
     F_NORM,
     F_RENORM,
     F_RESID,
     F_SHARED,
     F_SIGMOID,
+    F_SITU,
+    F_STORE,
     F_WRITE_NORMED,
     Instr,
     bits_f32,
@@ -236,7 +242,10 @@ class PyVM:
 
     def _rows_in(self, a) -> torch.Tensor:
         B, K = a["B"], a["K"]
-        return torch.stack([self.rf(a["x_off"] + t * a["x_stride"], K) for t in range(B)])
+        x = torch.stack([self.rf(a["x_off"] + t * a["x_stride"], K) for t in range(B)])
+        if a.get("x2_off", -1) >= 0:  # the input is the sum of two buffers (kimi_k3: layer_in + attn_out)
+            x = x + torch.stack([self.rf(a["x2_off"] + t * a["x_stride"], K) for t in range(B)])
+        return x
 
     def _normed(self, ins, a) -> torch.Tensor:
         x = self._rows_in(a)
@@ -245,13 +254,16 @@ class PyVM:
         return x
 
     def _write_rows(self, a, y: torch.Tensor, resid: bool) -> None:
+        n = y.shape[1]
         for t in range(a["B"]):
-            off = a["out_off"] + t * a["out_stride"] + a["out_col"] + a["r0"]
+            col = t * a["out_stride"] + a["out_col"] + a["r0"]
+            y_t = y[t]
+            for add in ("add0_off", "add1_off"):  # addends laid out like the output
+                if a.get(add, -1) >= 0:
+                    y_t = y_t + self.rf(a[add] + col, n)
             if resid:
-                y_t = self.rf(off, y.shape[1]) + y[t]
-            else:
-                y_t = y[t]
-            self.wf(off, y_t)
+                y_t = self.rf(a["out_off"] + col, n) + y_t
+            self.wf(a["out_off"] + col, y_t)
 
     def op_matvec(self, ins, a):
         x = self._normed(ins, a)
@@ -307,6 +319,8 @@ class PyVM:
             P, dv = a["P"], a["dv"]
             W = self.T[a["wuv"]][h * (P + dv) + P:h * (P + dv) + P + dv].float()  # [V, C]
             o = W @ o
+        if a["gate_off"] >= 0:  # kimi_k3's output gate, per (head, value) element
+            o = o * torch.sigmoid(self.rf(a["gate_off"] + b * a["out_stride"] + h * a["dv"], a["dv"]))
         self.wf(a["out_off"] + b * a["out_stride"] + h * a["dv"], o)
 
     def op_route(self, ins, a):
@@ -359,36 +373,41 @@ class PyVM:
         pstart = self.ri(a["pstart_off"], n + 1).tolist()
         return n, uniq, pstart
 
+    def _rows_of(self, ins, w: int, s: int, e: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of expert e's weight (table entry w; MXFP4: packed w + scales s, decoded exactly)."""
+        if ins.flags & F_MXFP4:
+            return MXFP4Tensor(self.T[w][e, r0:r1], self.T[s][e, r0:r1]).dequantize(torch.float32)
+        return self.T[w][e, r0:r1].float()
+
     def op_expert_up(self, ins, a):
         I, D, rows = a["I"], a["D"], a["rows"]
         n, uniq, pstart = self._groups(a)
         tiles = -(-I // rows)
         N = n * tiles
-        gu = self.T[a["gu"]]
         for item in range(a["w"] * N // a["W"], (a["w"] + 1) * N // a["W"]):
             u, tile = divmod(item, tiles)
             e, r0 = uniq[u], tile * rows
             r1 = min(I, r0 + rows)
             toks = self.ri(a["ptok_off"] + pstart[u], pstart[u + 1] - pstart[u]).tolist()
             x = torch.stack([self.rf(a["x_off"] + t * D, D) for t in toks])
-            g = x @ gu[e, r0:r1].float().T
-            up = x @ gu[e, I + r0:I + r1].float().T
-            hv = F.silu(g) * up
+            g = x @ self._rows_of(ins, a["gu"], a["gus"], e, r0, r1).T
+            up = x @ self._rows_of(ins, a["gu"], a["gus"], e, I + r0, I + r1).T
+            hv = situ_glu(g, up) if ins.flags & F_SITU else F.silu(g) * up
             for j, p in enumerate(range(pstart[u], pstart[u + 1])):
                 self.wf(a["h_off"] + p * I + r0, hv[j])
 
     def op_expert_down(self, ins, a):
         I, D, r0, r1, B, A = (a[k] for k in ("I", "D", "r0", "r1", "B", "A"))
         n, uniq, pstart = self._groups(a)
-        dn = self.T[a["dn"]]
         for u in range(n):
-            Wd = dn[uniq[u], r0:r1].float()  # [rows, I]
+            Wd = self._rows_of(ins, a["dn"], a["dns"], uniq[u], r0, r1)  # [rows, I]
             for p in range(pstart[u], pstart[u + 1]):
                 self.wf(a["y_off"] + p * D + r0, Wd @ self.rf(a["h_off"] + p * I, I))
         pairof = self.ri(a["pairof_off"], B * A).tolist()
         wts = self.rf(a["wts_off"], B * A)
         for t in range(B):
-            out = self.rf(a["out_off"] + t * D + r0, r1 - r0).clone()
+            out = torch.zeros(r1 - r0, device=wts.device) if ins.flags & F_STORE else \
+                self.rf(a["out_off"] + t * D + r0, r1 - r0).clone()
             for k in range(A):
                 out = out + wts[t * A + k] * self.rf(a["y_off"] + pairof[t * A + k] * D + r0, r1 - r0)
             if ins.flags & F_SHARED:
@@ -411,7 +430,8 @@ class PyVM:
         pos, slot = int(self.ri(a["pos_off"] + b, 1)), int(self.ri(a["slot_off"] + b, 1))
         kv = self.rf(a["kva_off"] + b * a["kva_stride"], C + R)
         lat = rms(kv[:C], self.T[a["norm_w"]], bits_f32(a["eps_bits"]))
-        pe = rope(kv[C:], pos, self.T[a["rope_w"]], bits_f32(a["att_bits"]), bool(ins.flags & F_INTERLEAVED))
+        pe = kv[C:] if ins.flags & F_NOPE else rope(kv[C:], pos, self.T[a["rope_w"]], bits_f32(a["att_bits"]),
+                                                      bool(ins.flags & F_INTERLEAVED))
         self.cache_row(a["cache"], (slot, pos), write=torch.cat((lat, pe)))
 
     def op_mla_q(self, ins, a):
@@ -420,8 +440,9 @@ class PyVM:
         q = self.rf(a["qb_off"] + b * a["qb_stride"] + h * (P + R), P + R)
         W = self.T[a["wkv"]][h * (P + V):h * (P + V) + P].float()  # [P, C]
         self.wf(a["qlat_off"] + (b * H + h) * C, q[:P] @ W)
-        self.wf(a["qpe_off"] + (b * H + h) * R,
-                rope(q[P:], pos, self.T[a["rope_w"]], bits_f32(a["att_bits"]), bool(ins.flags & F_INTERLEAVED)))
+        pe = q[P:] if ins.flags & F_NOPE else rope(q[P:], pos, self.T[a["rope_w"]], bits_f32(a["att_bits"]),
+                                                     bool(ins.flags & F_INTERLEAVED))
+        self.wf(a["qpe_off"] + (b * H + h) * R, pe)
 
     def op_mla_attn(self, ins, a):
         b, h0, HB, s, S, H, C, R = (a[k] for k in ("b", "h0", "HB", "s", "S", "H", "C", "R"))
@@ -441,3 +462,37 @@ class PyVM:
             lsum, acc = pr.sum(-1), pr @ rows[:, :C]
         for j, h in enumerate(range(h0, h0 + HB)):
             self.wf(a["part_off"] + ((b * H + h) * S + s) * (C + 2), torch.cat((m[j:j + 1], lsum[j:j + 1], acc[j])))
+
+    def op_attn_res(self, ins, a):
+        B, D, b, c0, c1 = a["B"], a["D"], a["b"], a["c0"], a["c1"]
+        src = torch.stack([self.rf(a["src_off"] + (s * B + b) * D, D) for s in range(a["nsrc"])])  # [S, D]
+        keys = rms(src, self.T[a["norm_w"]], bits_f32(a["eps_bits"]))
+        alpha = torch.softmax(keys @ self.T[a["query_w"]].float(), dim=0)
+        self.wf(a["out_off"] + b * D + c0, alpha @ src[:, c0:c1])
+
+    def op_kda_step(self, ins, a):
+        b, h, H, K = a["b"], a["h"], a["H"], a["K"]
+        HK = H * K
+        slot = int(self.ri(a["slot_off"] + b, 1))
+        conv_w = self.T[a["conv_w"]][:, 0, :].float()  # [3HK, W]
+        ch = torch.cat([torch.arange(j * HK + h * K, j * HK + (h + 1) * K) for j in range(3)])  # q, k, v channels
+        raw = torch.cat([self.rf(a["qkv_off"] + b * 3 * HK + j * HK + h * K, K) for j in range(3)])
+        hist = torch.stack([self.cache_row(a["conv_state"], (slot, int(c))) for c in ch]).float()  # [3K, W-1]
+        window = torch.cat((hist, raw[:, None]), -1)  # [3K, W], oldest first
+        for j, c in enumerate(ch.tolist()):
+            self.cache_row(a["conv_state"], (slot, c), write=window[j, 1:])
+        mixed = F.silu((window * conv_w[ch.to(conv_w.device)]).sum(-1))
+        q, k, v = mixed[:K], mixed[K:2 * K], mixed[2 * K:]
+        q = q / torch.sqrt((q * q).sum() + 1e-6) * K ** -0.5
+        k = k / torch.sqrt((k * k).sum() + 1e-6)
+        f = self.rf(a["f_off"] + b * HK + h * K, K) + self.T[a["dt_bias"]][h * K:(h + 1) * K].float()
+        g = -self.T[a["a_log"]].float().reshape(-1)[h].exp() * F.softplus(f, threshold=20.0)
+        beta = torch.sigmoid(self.rf(a["beta_off"] + b * H + h, 1))
+        S = self.cache_row(a["rec_state"], (slot, h)).float()  # [K, V]
+        S = S * g.exp()[:, None]
+        S = S + k[:, None] * ((v - k @ S) * beta)[None, :]
+        self.cache_row(a["rec_state"], (slot, h), write=S)
+        o = q @ S
+        o = o * torch.rsqrt(o.pow(2).mean() + bits_f32(a["eps_bits"])) * self.T[a["onorm_w"]].float()
+        o = o * torch.sigmoid(self.rf(a["gate_off"] + b * HK + h * K, K))
+        self.wf(a["out_off"] + b * HK + h * K, o)
