@@ -854,6 +854,24 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         stf(Float32, fa(fb, part_off + ((b * H + h0 + hh) * S + s) * (C + 2) + j), v)
 
 
+@cute.jit
+def op_matvec(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+              tid: Int32):
+    op_rows(pb, idx, fb, ib, taddr, sm, smi, tid, False)
+
+
+@cute.jit
+def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+           tid: Int32):
+    op_rows(pb, idx, fb, ib, taddr, sm, smi, tid, True)
+
+
+# Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
+BODIES = (("MATVEC", op_matvec), ("GLU", op_glu), ("EMBED", op_embed), ("ATTN_GQA", op_attn_gqa),
+          ("MERGE", op_merge), ("ROUTE", op_route), ("EXPERT_UP", op_expert_up), ("EXPERT_DOWN", op_expert_down),
+          ("SAMPLE", op_sample), ("MLA_KV", op_mla_kv), ("MLA_Q", op_mla_q), ("MLA_ATTN", op_mla_attn))
+
+
 # ---- the persistent loop ------------------------------------------------------------------------------------
 PLANT = ""  # a deliberate ordering mistake, compiled only by compile_for(plant=...) for the audit's own tests
 PLANTS = ("relaxed_signal", "weak_wait")
@@ -942,30 +960,9 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             t_start = cute.arch.globaltimer()
         if smi[SMEM_I - 1] == 1:
             op = prog[idx, 0]
-            if op == OPCODES["MATVEC"]:
-                op_rows(pb, idx, fb, ib, taddr, sm, smi, tid, False)
-            elif op == OPCODES["GLU"]:
-                op_rows(pb, idx, fb, ib, taddr, sm, smi, tid, True)
-            elif op == OPCODES["EMBED"]:
-                op_embed(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["ATTN_GQA"]:
-                op_attn_gqa(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["MERGE"]:
-                op_merge(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["ROUTE"]:
-                op_route(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["EXPERT_UP"]:
-                op_expert_up(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["EXPERT_DOWN"]:
-                op_expert_down(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["SAMPLE"]:
-                op_sample(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["MLA_KV"]:
-                op_mla_kv(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["MLA_Q"]:
-                op_mla_q(pb, idx, fb, ib, taddr, sm, smi, tid)
-            elif op == OPCODES["MLA_ATTN"]:
-                op_mla_attn(pb, idx, fb, ib, taddr, sm, smi, tid)
+            for k in cutlass.range_constexpr(len(BODIES)):
+                if op == OPCODES[BODIES[k][0]]:
+                    BODIES[k][1](pb, idx, fb, ib, taddr, sm, smi, tid)
             cute.arch.sync_threads()
             sig = prog[idx, 2]
             if tid == 0 and sig >= 0:
