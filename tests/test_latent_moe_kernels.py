@@ -147,7 +147,7 @@ def test_variant_scope():
 
 
 def test_static_audit_sm90():
-    rows = static_audits(("megadecode.kernels.latent_moe", [{"dtype": "bf16", "norm": False},
+    rows = static_audits(("megadecode.kernels.linear", [{"dtype": "bf16", "norm": False},
                                                             {"dtype": "bf16", "norm": True},
                                                             {"dtype": "fp32", "norm": True}]))
     assert len(rows) == 3

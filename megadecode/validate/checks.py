@@ -2,8 +2,10 @@
 
 One `check_op` call, for one (preset config, op kind, dtype, batch, seed, routing distribution):
   1. inputs untouched: the variant's inputs and weights are compared bitwise with copies afterwards;
-  2. outputs fully written: outputs are poisoned (NaN / int64 min) before the run, none may remain;
-  3. NaN/inf in an output never pass;
+  2. outputs fully written: outputs are poisoned (a NaN of a specific bit pattern / the integer minimum) before
+     the run, none may remain; guard regions around each output must stay poisoned (guards.py);
+  3. NaN/inf computed into an output never pass, reported apart from poison left;
+  4'. every Triton kernel launched is declared in the manifest at that specialization (launches.py);
   4. deterministic: a second run on the same inputs must give bitwise-identical outputs (and cache);
   5. close to the reference: the fp32 reference op on the same (dtype-rounded) inputs, per-dtype
      tolerances from tolerances.TOLERANCES; integer outputs exactly (topk_ids as per-token sets);
@@ -20,35 +22,64 @@ from ..config import ModelConfig
 from ..contract import (
     DTYPE_NAMES,
     Variant,
+    check_kernels,
     dtype_name,
+    nonfinite,
     output_specs,
-    poisoned,
     unwritten,
 )
+from .guards import guard_failures, guarded_outputs
+from .launches import record_launches, undeclared
 from .inputs import OpCase, build_case, reference_outputs
 from .tolerances import TOLERANCES, UNORDERED, Tolerance
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+def declared_kernels(variant: Variant) -> list:
+    """The variant's declared kernel specs (Manifest.kernels), built once per manifest."""
+    key = id(variant.manifest)
+    hit = _DECLARED.get(key)
+    if hit is None or hit[0] is not variant.manifest:
+        hit = _DECLARED[key] = (variant.manifest, check_kernels(variant))
+    return hit[1]
+
+
+_DECLARED: dict[int, tuple] = {}
+
+
+def _bitwise_same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs included, which torch.equal never calls equal)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.numel():
+        return True
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
 def run_variant(variant: Variant, case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | None, list[str]]:
-    """Run once on a private copy of the case. Returns (outputs, cache after, contract failures)."""
+    """Run once on a private copy of the case, its outputs inside guard regions (guards.py) and its Triton
+    launches recorded (launches.py). Returns (outputs, cache after, contract failures)."""
     c = case.clone()
     buf = dict(c.inputs)
     specs = output_specs(c.cfg, c.op, buf, c.weights)
-    outputs = {n: poisoned(shape, dt, next(iter(buf.values())).device) for n, (shape, dt) in specs.items()}
-    variant.run(c.op, c.inputs, c.weights, outputs, c.cfg, c.step, c.cache)
+    outputs, bufs = guarded_outputs(specs, next(iter(buf.values())).device)
+    with record_launches() as launched:
+        variant.run(c.op, c.inputs, c.weights, outputs, c.cfg, c.step, c.cache)
     failures = []
     for kind, mine, orig in (("input", c.inputs, case.inputs), ("weight", c.weights, case.weights)):
         for n, t in mine.items():
-            if not torch.equal(t, orig[n]):
+            if not _bitwise_same(t, orig[n]):
                 failures.append(f"{kind} {n} modified by the variant")
     for n, t in outputs.items():
-        left = unwritten(t)
+        left, bad = unwritten(t), nonfinite(t)
         if left:
             failures.append(f"output {n}: {left} of {t.numel()} elements not written (poison left)")
-        elif t.is_floating_point() and not torch.isfinite(t).all():
-            failures.append(f"output {n}: {int((~torch.isfinite(t)).sum())} non-finite elements")
+        if bad:
+            failures.append(f"output {n}: {bad} of {t.numel()} elements non-finite (NaN/inf computed by the "
+                            "variant, not the poison)")
+    failures += guard_failures(outputs, bufs)
+    failures += undeclared(launched, declared_kernels(variant))
     return outputs, c.cache, failures
 
 
