@@ -36,7 +36,7 @@ def audit_specs(dtype: str = "bf16", D: int = 7168, R: int = 3584, I: int = 3072
     """Every kernel the op can launch at K3's dims: the latent down (plain) and up (RMSNorm fused) projections,
     and the routed MXFP4 experts on each path routed_experts picks: the FMA kernels (<= 16 tokens, scales that
     rule out the fast decode, and the CPU), the tensor-core kernels per pair and grouped, exact and fast."""
-    return [*linear_specs(dtype, norm=False, K=D, N=R, x_dtype=dtype, out_dtype="fp32"),
+    return [*linear_specs(dtype, norm=False, K=D, N=R, x_dtype=dtype, partials=False, out_dtype="fp32"),
             *linear_specs(dtype, norm=True, K=R, N=D, x_dtype="fp32"),
             *fused_experts.audit_specs("fp32", True, "situ", D=R, I=I, A=A),
             *grouped_experts.all_paths("fp32", True, "situ", D=R, I=I, A=A)]

@@ -86,3 +86,9 @@ def concurrent_failures(variant, case: OpCase) -> list[str]:
         for k, (o, ref) in enumerate(zip(rep, alone)):
             fails += [f"concurrent run {k} differs from its lone run in {n}" for n in o if not torch.equal(o[n], ref[n])]
     return sorted(set(fails))
+
+
+def gpu_failures(variant, case: OpCase) -> list[str]:
+    """Every GPU-only check of a matrix cell."""
+    fails = graph_replay_failures(variant, case) if variant.manifest.graph_capturable else []
+    return fails + concurrent_failures(variant, case)
