@@ -30,7 +30,7 @@ from ..contract import (
 )
 from .guards import guard_failures, guarded_outputs
 from .launches import record_launches, undeclared
-from .inputs import OpCase, build_case, reference_outputs
+from .inputs import OpCase, build_case, reference_outputs, token_rows
 from .tolerances import UNORDERED, Bound, derive, row_errors
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -206,7 +206,7 @@ def check_case(variant: Variant, case: OpCase, dtype: torch.dtype) -> dict:
             alone, _, f = run_variant(variant, c.row(i))
             failures += [f"row {i} alone: {m}" for m in f]
             if not f:
-                failures += compare_all(alone, {n: t[i:i + 1] for n, t in out1.items()}, bounds,
+                failures += compare_all(alone, {n: token_rows(n, t, i) for n, t in out1.items()}, bounds,
                                         f"batch invariance, row {i} alone vs in batch {c.batch}: ")[0]
     return {"status": "FAIL" if failures else "PASS", "failures": failures, **figures}
 
