@@ -31,12 +31,16 @@ class Scope:
     batch: tuple[int, int] = (1, 4096)  # inclusive range of tokens per step
     arch: str | None = None  # e.g. "sm_90": the GPU architecture it needs on cuda; None = any
     dims: Callable[[ModelConfig], str | None] | None = None
+    # (ModelConfig field, lo, hi): inclusive ranges the kernels handle, declared as data so that the harness
+    # can test at the edges (validate/cases.py) as well as refuse beyond them
+    limits: tuple[tuple[str, int, int], ...] = ()
 
     def describe(self) -> str:
         parts = [f"families={','.join(self.families)}", f"dtypes={','.join(self.dtypes)}",
                  f"devices={','.join(self.devices)}", f"batch={self.batch[0]}..{self.batch[1]}"]
         if self.arch:
             parts.append(f"arch={self.arch}")
+        parts += [f"{f}={lo}..{hi}" for f, lo, hi in self.limits]
         if self.dims is not None:
             parts.append(f"dims={getattr(self.dims, '__doc__', None) or self.dims.__name__}")
         return " ".join(parts)
@@ -117,6 +121,9 @@ class Variant:
                     f"first imported (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now)")
         if dev == "cpu" and self.manifest.uses_triton and dtype_name(dtype) == "bfloat16":
             return "the Triton interpreter computes bf16 arithmetic wrongly: test bf16 on the GPU"
+        for f, lo, hi in s.limits:
+            if not lo <= getattr(cfg, f) <= hi:
+                return f"{f} {getattr(cfg, f)} outside {lo}..{hi}"
         if s.dims is not None:
             return s.dims(cfg)
         return None

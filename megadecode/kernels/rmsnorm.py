@@ -116,15 +116,13 @@ def _run(op, inputs, weights, outputs, cfg: ModelConfig, step, cache=None):
     rms_norm_triton(gather_rows(op, inputs), weights[op.weights[0]], cfg.rms_norm_eps, outputs[op.outputs[0]])
 
 
-def _dims(cfg: ModelConfig) -> str | None:
-    """hidden <= 16384"""
-    return None if cfg.hidden_size <= 16384 else f"hidden {cfg.hidden_size} > 16384 (one row per program)"
+LIMITS = (("hidden_size", 1, 16384),)  # one program holds a whole row
 
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
 RMSNORM_VARIANT = register(Variant(Manifest(
     name="triton-rmsnorm", description="RMSNorm, a block of rows per Triton program, fp32 statistics",
-    replaces=(RMSNORM,), scope=Scope(families=FAMILIES, dims=_dims), sources=("megadecode/kernels/rmsnorm.py",),
+    replaces=(RMSNORM,), scope=Scope(families=FAMILIES, limits=LIMITS), sources=("megadecode/kernels/rmsnorm.py",),
     uses_triton=True, kernels=lambda: audit_specs()[:1]),
     _run, kernel=rmsnorm_kernel))
 
@@ -139,6 +137,6 @@ ADD_RMSNORM_VARIANT = register(Variant(Manifest(
     name="triton-add-rmsnorm",
     description="the residual add fused with the RMSNorm after it (plan.fuse_add_rmsnorm's ADD_RMSNORM): "
                 "writes the sum and the normed sum from one read of the addends, fp32 statistics",
-    replaces=(ADD_RMSNORM,), scope=Scope(families=FAMILIES, dims=_dims), sources=("megadecode/kernels/rmsnorm.py",),
+    replaces=(ADD_RMSNORM,), scope=Scope(families=FAMILIES, limits=LIMITS), sources=("megadecode/kernels/rmsnorm.py",),
     uses_triton=True, graph_capturable=True, kernels=lambda: audit_specs()[1:]),
     _run_add, kernel=add_rmsnorm_kernel))

@@ -180,13 +180,8 @@ def audit_specs(dtype: str = "bf16", D: int = 7168, E: int = 256, A: int = 8, pr
     return specs + linear_specs(dtype, norm=False, K=D, N=E, x_dtype=dtype, partials=True)
 
 
-def _dims(cfg: ModelConfig) -> str | None:
-    """experts <= 1024, groups <= 16"""
-    if cfg.num_experts > 1024:
-        return f"{cfg.num_experts} experts: one program holds all scores, at most 1024"
-    if cfg.n_group > 16:
-        return f"{cfg.n_group} groups: the group loop is unrolled, at most 16"
-    return None
+# one program holds all E scores of a token; the group loop is unrolled
+LIMITS = (("num_experts", 1, 1024), ("n_group", 1, 16))
 
 
 ROUTER_VARIANT = register(Variant(Manifest(
@@ -194,7 +189,7 @@ ROUTER_VARIANT = register(Variant(Manifest(
     description="router in Triton: logits by a tensor-core projection over expert tiles, then one kernel (a "
                 "block of tokens per program) for scores, bias, groups, top-k (lowest index wins), renormalise, "
                 "scale; fp32 math",
-    replaces=(ROUTER,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), dims=_dims),
+    replaces=(ROUTER,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), limits=LIMITS),
     sources=("megadecode/kernels/router.py", "megadecode/kernels/linear.py", "megadecode/kernels/common.py"), uses_triton=True,
     kernels=audit_specs),
     _run, kernel=router_kernel))

@@ -212,16 +212,17 @@ def check_case(variant: Variant, case: OpCase, dtype: torch.dtype) -> dict:
 
 
 def check_op(variant: Variant, cfg: ModelConfig, kind: str, dtype, batch: int, seed: int = 0,
-             dist: str = "uniform", device="cpu") -> dict:
-    """One matrix cell. SKIP (with the manifest's reason) when the variant's scope excludes it."""
+             dist: str = "uniform", device="cpu", **build) -> dict:
+    """One matrix cell. SKIP (with the manifest's reason) when the variant's scope excludes it. `build`:
+    build_case options (cache_len, slots, magnitude)."""
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     row = {"variant": variant.name, "op": kind, "family": cfg.family, "dtype": dtype_name(dt), "batch": batch,
-           "seed": seed, "dist": dist, "device": str(device)}
+           "seed": seed, "dist": dist, "device": str(device), **{k: v for k, v in build.items() if v is not None}}
     reason = variant.supports(cfg, dt, batch, device)
     if reason is not None:
         return {**row, "status": "SKIP", "reason": reason}
     try:
-        res = check_case(variant, build_case(cfg, kind, batch, seed, dist, device), dt)
+        res = check_case(variant, build_case(cfg, kind, batch, seed, dist, device, **build), dt)
     except Exception as e:  # a crash is a failure of the variant, recorded with its message
         res = {"status": "FAIL", "failures": [f"raised {type(e).__name__}: {e}"]}
     return {**row, **res}
