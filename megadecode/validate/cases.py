@@ -115,9 +115,10 @@ def candidates(variant, cfg: ModelConfig, kind: str, device: str = "cpu", max_ba
     return [c for c in out if lo <= c.batch <= hi and variant.supports(c.cfg, dtype, c.batch, device) is None]
 
 
-def sample(cands: list[Case], k: int | None, seed: int) -> list[Case]:
-    """All candidates (k None), or a seeded sample of k, in candidate order."""
+def sample(cands: list[Case], k: int | None, seed: int, key: str = "") -> list[Case]:
+    """All candidates (k None), or a sample of k drawn with (seed, key), in candidate order. The key (preset and
+    op) makes each (preset, op) draw its own sample."""
     if k is None or k >= len(cands):
         return list(cands)
-    keep = set(random.Random(seed).sample(range(len(cands)), k))
+    keep = set(random.Random(f"{seed}:{key}").sample(range(len(cands)), k))
     return [c for i, c in enumerate(cands) if i in keep]

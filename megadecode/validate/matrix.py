@@ -54,7 +54,8 @@ def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DT
                             cell(preset, cfg, kind, dtype, batch, seed, dist)
             if extra == 0 or cfg.family not in variant.manifest.scope.families:
                 continue
-            picked = C.sample(C.candidates(variant, cfg, kind, device, extra_max_batch), extra, case_seed)
+            picked = C.sample(C.candidates(variant, cfg, kind, device, extra_max_batch), extra, case_seed,
+                              f"{preset}/{kind}")
             for case in picked:
                 for dtype in dtypes:
                     cell(preset, case.cfg, kind, dtype, case.batch, seeds[0], "uniform" if kind in ROUTED else "-",
@@ -72,7 +73,8 @@ def case_plan(variant: Variant, presets=None, extra: int | None = None, case_see
         cfg = preset_config(preset)
         for kind in variant.manifest.replaces:
             cands = C.candidates(variant, cfg, kind, device, extra_max_batch)
-            out[f"{preset}/{kind}"] = [c.name for c in C.sample(cands, extra, case_seed)] + [f"(of {len(cands)})"]
+            out[f"{preset}/{kind}"] = [c.name for c in C.sample(cands, extra, case_seed, f"{preset}/{kind}")] + [
+                f"(of {len(cands)})"]
     return out
 
 
