@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
                    help="extra cases (odd dims, tile edges, long caches, permuted slots, magnitudes) per (preset, op): "
                         "default all of them (--quick: 4, batches <= 65); 0: none")
     p.add_argument("--case-seed", type=int, default=0, help="seed of the extra cases' sample")
+    p.add_argument("--preset", action="append", default=None,
+                   help="run on this preset (repeatable; default: the tiny presets of the families in scope)")
     p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON")
     p.add_argument("--report", metavar="DIR", help="write DIR/<variant>.html (evidence report) and DIR/<variant>.md")
     p.add_argument("--ordering", action="store_true",
@@ -78,13 +80,13 @@ def cmd_validate(args, argv) -> int:
     device = _device()
     extra = args.extra if args.extra is not None else (QUICK_EXTRA if quick else None)
     extra_max = QUICK_EXTRA_MAX_BATCH if quick and device == "cpu" else None
-    rows = run_matrix(v, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
+    rows = run_matrix(v, presets=args.preset, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
                       dtypes=("float32", "float16") if quick else DTYPES, seeds=seeds, device=device,
                       extra=extra, case_seed=args.case_seed, extra_max_batch=extra_max)
     print(f"variant {v.name} on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'})")
     print(summary_table(rows))
-    plan = case_plan(v, extra=extra, case_seed=args.case_seed, device=device, extra_max_batch=extra_max) \
-        if extra != 0 else {}
+    plan = case_plan(v, presets=args.preset, extra=extra, case_seed=args.case_seed, device=device,
+                     extra_max_batch=extra_max) if extra != 0 else {}
     for where, names in plan.items():
         print(f"extra cases {where} (seed {args.case_seed}): {', '.join(names)}")
     audits = audit_variant(v)

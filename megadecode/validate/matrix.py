@@ -71,6 +71,8 @@ def case_plan(variant: Variant, presets=None, extra: int | None = None, case_see
     out = {}
     for preset in presets:
         cfg = preset_config(preset)
+        if cfg.family not in variant.manifest.scope.families:
+            continue
         for kind in variant.manifest.replaces:
             cands = C.candidates(variant, cfg, kind, device, extra_max_batch)
             out[f"{preset}/{kind}"] = [c.name for c in C.sample(cands, extra, case_seed, f"{preset}/{kind}")] + [
