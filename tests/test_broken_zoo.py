@@ -42,18 +42,18 @@ CAUGHT_BY = {
 def test_caught_by_the_case_that_closes_its_gap(name):
     preset, kind, dtype, case_name, base_batch, text = CAUGHT_BY[name]
     v, cfg = get(name), preset_config(preset)
-    case = {c.name: c for c in C.candidates(v, cfg, kind)}[case_name]
-    base = check_op(v, cfg, kind, dtype, base_batch, seed=0)
+    case = {c.name: c for c in C.candidates(v, cfg, kind, DEVICE)}[case_name]
+    base = check_op(v, cfg, kind, dtype, base_batch, seed=0, device=DEVICE)
     assert base["status"] == "PASS", base  # the easy corner let it through
     for seed in (0, 1):  # caught on every repetition, not by luck
-        row = check_op(v, case.cfg, kind, dtype, case.batch, seed, **case.build_kwargs())
+        row = check_op(v, case.cfg, kind, dtype, case.batch, seed, device=DEVICE, **case.build_kwargs())
         assert row["status"] == "FAIL" and any(text in f for f in row["failures"]), row
         assert not any("not written" in f for f in row["failures"]), row  # a NaN computed is not poison left
 
 
 def test_renamed_kernel_with_a_non_coherent_load_is_caught_by_its_audit():
     v = get("broken-rmsnorm-nc-load")
-    rows = run_matrix(v, presets=("tiny-qwen3-moe",), batches=(1, 3), dtypes=("float32",))
+    rows = run_matrix(v, presets=("tiny-qwen3-moe",), batches=(1, 3), dtypes=("float32",), device=DEVICE)
     assert {r["status"] for r in rows} == {"PASS"}  # the interpreter computes the right numbers
     (rep,) = audit_variant(v)
     assert not rep.passed and "nc-load-of-produced" in {f.rule for f in rep.errors}, rep.to_markdown()
@@ -61,16 +61,18 @@ def test_renamed_kernel_with_a_non_coherent_load_is_caught_by_its_audit():
 
 
 def test_undeclared_launch_path_is_caught():
-    row = check_op(get("broken-router-undeclared-path"), preset_config("tiny-qwen3-moe"), P.ROUTER, "float32", 3)
+    row = check_op(get("broken-router-undeclared-path"), preset_config("tiny-qwen3-moe"), P.ROUTER, "float32", 3,
+                   device=DEVICE)
     assert row["status"] == "FAIL" and "'PRESCORED': False}, a specialization its manifest does not declare" in \
         row["failures"][0], row
-    assert check_op(get("triton-router"), preset_config("tiny-qwen3-moe"), P.ROUTER, "float32", 3)["status"] == "PASS"
+    assert check_op(get("triton-router"), preset_config("tiny-qwen3-moe"), P.ROUTER, "float32", 3,
+                    device=DEVICE)["status"] == "PASS"
 
 
 def test_an_mlp_op_can_be_validated():
     cfg = preset_config("tiny-deepseek-v3")
-    assert check_op(get("torch-mlp"), cfg, P.MLP, "bfloat16", 3)["status"] == "PASS"
-    row = check_op(get("broken-mlp-gelu"), cfg, P.MLP, "bfloat16", 3)
+    assert check_op(get("torch-mlp"), cfg, P.MLP, "bfloat16", 3, device=DEVICE)["status"] == "PASS"
+    row = check_op(get("broken-mlp-gelu"), cfg, P.MLP, "bfloat16", 3, device=DEVICE)
     assert row["status"] == "FAIL" and "mlp_out: mean row-relative error" in " ".join(row["failures"])
 
 
@@ -81,8 +83,8 @@ def test_a_five_percent_scale_error_fails_in_every_dtype(preset, dtype):
     bf16 reference's own error (~0.4% mean) is ~1.6%: it fails now, as in fp32 (fp16: the interpreter, below)."""
     cfg = preset_config(preset)
     for batch in (1, 8, 67):
-        bad = check_op(get("broken-experts-scale"), cfg, P.EXPERTS, dtype, batch)
-        good = check_op(get("torch-grouped-experts"), cfg, P.EXPERTS, dtype, batch)
+        bad = check_op(get("broken-experts-scale"), cfg, P.EXPERTS, dtype, batch, device=DEVICE)
+        good = check_op(get("torch-grouped-experts"), cfg, P.EXPERTS, dtype, batch, device=DEVICE)
         assert bad["status"] == "FAIL" and "moe_out: mean row-relative error" in " ".join(bad["failures"]), bad
         assert good["status"] == "PASS", good
         assert good["tol_mean_rel"] < 0.05 / 2  # the bound sits well below the 5% error
@@ -100,7 +102,7 @@ def test_a_five_percent_scale_error_fails_in_fp16():
     v = Variant(Manifest("t-scaled", "t", (P.EXPERTS,), base.manifest.scope, uses_triton=True,
                          kernels=base.manifest.kernels), scaled)
     for batch in (1, 8):
-        row = check_op(v, preset_config("tiny-qwen3-moe"), P.EXPERTS, "float16", batch)
+        row = check_op(v, preset_config("tiny-qwen3-moe"), P.EXPERTS, "float16", batch, device=DEVICE)
         assert row["status"] == "FAIL" and "moe_out: mean row-relative error" in " ".join(row["failures"]), row
 
 

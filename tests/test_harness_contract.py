@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp import import_interpreted, interpreter_env  # noqa: F401 (autouse fixture)
+from interp import DEVICE, import_interpreted, interpreter_env  # noqa: F401 (autouse fixture)
 
 K_NORM = import_interpreted("megadecode.kernels.rmsnorm", "megadecode.validate.catalog")
 
@@ -82,7 +82,8 @@ def test_every_launch_is_recorded_and_checked_against_the_declaration():
     import triton.runtime.jit as jit
 
     before = jit.KernelInterface.__getitem__
-    x, w, out = torch.randn(3, 64), torch.randn(64), torch.empty(3, 64)
+    x, w, out = (torch.randn(3, 64, device=DEVICE), torch.randn(64, device=DEVICE),
+                 torch.empty(3, 64, device=DEVICE))
     with record_launches() as launched:
         K_NORM.rms_norm_triton(x, w, 1e-6, out)
         MUT.rms_norm_mutant(x, w, 1e-6, out, POW2_MEAN=True)

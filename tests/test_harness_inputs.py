@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp import import_interpreted, interpreter_env  # noqa: F401 (autouse fixture)
+from interp import DEVICE, import_interpreted, interpreter_env  # noqa: F401 (autouse fixture)
 
 import_interpreted("megadecode.validate.catalog")
 
@@ -51,13 +51,14 @@ def test_every_op_kind_has_a_builder_and_can_be_validated(kind):
     cfg = preset_config(_preset_with(kind))
     v = _reference_variant(kind)
     for dtype in ("float32", "float16", "bfloat16"):
-        row = check_op(v, cfg, kind, dtype, 3, seed=1)
+        row = check_op(v, cfg, kind, dtype, 3, seed=1, device=DEVICE)
         assert row["status"] == "PASS", row
 
 
 @pytest.mark.parametrize("name", ["torch-embed", "torch-add", "torch-mlp", "torch-attn-res"])
 def test_torch_restatements_of_the_new_kinds_pass_with_every_extra_case(name):
-    rows = run_matrix(get(name), batches=QUICK_BATCHES, dtypes=("float32", "float16", "bfloat16"), extra=None)
+    rows = run_matrix(get(name), batches=QUICK_BATCHES, dtypes=("float32", "float16", "bfloat16"), extra=None,
+                      device=DEVICE)
     assert rows and all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"][:3]
     assert {r["case"] for r in rows} > {"base"}
 
@@ -84,7 +85,7 @@ def test_long_cache_cases_make_the_split_merge_run():
             (P.ATTN_MLA, "tiny-deepseek-v3", 1, ("long-cache b1", "long-cache b2", "slots+long-cache b1"))):
         cfg = preset_config(preset)
         cands = {c.name: c for c in C.candidates(get("triton-mla-decode" if kind == P.ATTN_MLA else
-                                                     "triton-gqa-decode"), cfg, kind)}
+                                                     "triton-gqa-decode"), cfg, kind, DEVICE)}
         for name in names:
             c = cands[name]
             case = build_case(c.cfg, kind, c.batch, 0, **c.build_kwargs())
@@ -100,7 +101,7 @@ def test_permuted_slots_case_uses_slot_indirection():
     assert not torch.equal(case.step.slots, torch.arange(8)) and case.step.slots.unique().numel() == 8
     assert torch.equal(case.inputs["slots"], case.step.slots)
     row = check_op(get("torch-attn-gqa"), preset_config("tiny-qwen3-moe"), P.ATTN_GQA, "float32", 8, 0,
-                   slots="permuted")
+                   slots="permuted", device=DEVICE)
     assert row["status"] == "PASS" and row["slots"] == "permuted", row
 
 
@@ -118,24 +119,25 @@ def test_magnitude_cases_scale_every_third_row():
 
 def test_candidates_follow_the_scope():
     cfg = preset_config("tiny-deepseek-v3")
-    router = {c.name: c for c in C.candidates(get("triton-router"), cfg, P.ROUTER)}
+    router = {c.name: c for c in C.candidates(get("triton-router"), cfg, P.ROUTER, DEVICE)}
     edge = router["edge num_experts=1024,n_group=16 b2"].cfg
     assert (edge.num_experts, edge.n_group) == (1024, 16)  # Scope.limits' upper bounds, at once
-    norm = {c.name: c for c in C.candidates(get("triton-rmsnorm"), cfg, P.RMSNORM)}
+    norm = {c.name: c for c in C.candidates(get("triton-rmsnorm"), cfg, P.RMSNORM, DEVICE)}
     assert norm["edge hidden_size=16384 b2"].cfg.hidden_size == 16384 and "magnitude-large b7" in norm
-    fused = C.candidates(get("triton-fused-experts"), cfg, P.EXPERTS)  # scope batch 1..16
+    fused = C.candidates(get("triton-fused-experts"), cfg, P.EXPERTS, DEVICE)  # scope batch 1..16
     assert fused and max(c.batch for c in fused) <= 16
-    assert max(c.batch for c in C.candidates(get("triton-grouped-experts"), cfg, P.EXPERTS, max_batch=65)) == 65
+    assert max(c.batch for c in C.candidates(get("triton-grouped-experts"), cfg, P.EXPERTS, DEVICE, 65)) == 65
 
 
 def test_the_sample_is_seeded_reported_and_differs_per_op():
     v, cfg = get("triton-rmsnorm"), preset_config("tiny-qwen3-moe")
-    cands = C.candidates(v, cfg, P.RMSNORM)
+    cands = C.candidates(v, cfg, P.RMSNORM, DEVICE)
     a, b = C.sample(cands, 3, 0, "x"), C.sample(cands, 3, 0, "x")
     assert [c.name for c in a] == [c.name for c in b] and len(a) == 3
     assert any([c.name for c in C.sample(cands, 3, s, "x")] != [c.name for c in a] for s in range(1, 6))
-    plan = case_plan(v, presets=("tiny-qwen3-moe",), extra=3, case_seed=0)
+    plan = case_plan(v, presets=("tiny-qwen3-moe",), extra=3, case_seed=0, device=DEVICE)
     picked = [c.name for c in C.sample(cands, 3, 0, "tiny-qwen3-moe/rmsnorm")]
     assert plan == {"tiny-qwen3-moe/rmsnorm": picked + [f"(of {len(cands)})"]}
-    rows = run_matrix(v, presets=("tiny-qwen3-moe",), batches=(), dtypes=("float32",), extra=3, case_seed=0)
+    rows = run_matrix(v, presets=("tiny-qwen3-moe",), batches=(), dtypes=("float32",), extra=3, case_seed=0,
+                      device=DEVICE)
     assert [r["case"] for r in rows] == plan["tiny-qwen3-moe/rmsnorm"][:-1]
