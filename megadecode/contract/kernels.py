@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+ROLES = ("static", "produced", "flag")
+
+
 class Compiled(NamedTuple):
     ptx: str
     cubin: bytes | None
@@ -94,28 +97,40 @@ class KernelSpec:
 
         return triton_interpreted(self.fn)
 
+    def check(self) -> tuple[list[str], set[str]]:
+        """(runtime parameters in order, pointer parameters), or ValueError naming what does not fit the kernel:
+        checked before compiling, and in this process even when the compile happens in another."""
+        names = list(self.fn.arg_names)
+        unknown = set(self.signature) - set(names)
+        if unknown:
+            raise ValueError(f"signature names arguments {self.name} does not have: {sorted(unknown)}")
+        absent = [a for a in names if a not in self.signature]
+        if absent:
+            raise ValueError(f"signature misses arguments of {self.name}: {absent}")
+        need = [a for a, t in self.signature.items() if t == "constexpr" and a not in self.constexprs]
+        if need:
+            raise ValueError(f"constexpr arguments without a value: {need}")
+        bad = {p: r for p, r in self.roles.items() if r not in ROLES}
+        if bad:
+            raise ValueError(f"unknown roles {bad}; roles are {ROLES}")
+        params = [a for a in names if self.signature[a] != "constexpr"]
+        missing = set(self.roles) - set(params)
+        if missing:
+            raise ValueError(f"roles name parameters the kernel does not have: {sorted(missing)}")
+        pointers = {a for a in params if self.signature[a].startswith("*")}
+        notptr = [p for p in self.roles if p not in pointers]
+        if notptr:
+            raise ValueError(f"roles given for non-pointer parameters: {notptr}")
+        return params, pointers
+
     def compile(self, arch: int = 90) -> Compiled:
         """triton.compile for cuda:<arch> without a GPU."""
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        fn = self.fn
-        unknown = set(self.signature) - set(fn.arg_names)
-        if unknown:
-            raise ValueError(f"signature names arguments {self.name} does not have: {sorted(unknown)}")
-        absent = [a for a in fn.arg_names if a not in self.signature]
-        if absent:
-            raise ValueError(f"signature misses arguments of {self.name}: {absent}")
-        need = [a for a, t in self.signature.items() if t == "constexpr" and a not in self.constexprs]
-        if need:
-            raise ValueError(f"constexpr arguments without a value: {need}")
-        params = [a for a in fn.arg_names if self.signature[a] != "constexpr"]
-        pointers = {a for a in params if self.signature[a].startswith("*")}
-        notptr = [p for p in self.roles if p in params and p not in pointers]
-        if notptr:
-            raise ValueError(f"roles given for non-pointer parameters: {notptr}")
-        k = triton.compile(ASTSource(fn, dict(self.signature), dict(self.constexprs)),
+        params, pointers = self.check()
+        k = triton.compile(ASTSource(self.fn, dict(self.signature), dict(self.constexprs)),
                            target=GPUTarget("cuda", arch, 32))
         return Compiled(k.asm["ptx"], k.asm.get("cubin"), params, pointers)
 

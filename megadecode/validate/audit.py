@@ -29,9 +29,7 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from ..contract.kernels import KernelSpec
-
-ROLES = ("static", "produced", "flag")
+from ..contract.kernels import ROLES, KernelSpec
 R_NC, R_ACQ, R_REL, R_ORDER, R_SASS = ("nc-load-of-produced", "wait-without-acquire",
                                        "signal-without-release", "store-after-signal",
                                        "sass-nc-load-of-produced")
@@ -385,9 +383,8 @@ def audit_spec(spec, *, arch: int = 90, sass: bool = True) -> AuditReport:
     """Compile a declared kernel (any spec of contract/kernels.py: Triton's KernelSpec, or another framework's
     spec with the same interface) for sm_<arch> and audit its PTX, and its SASS when `sass` and nvdisasm exist.
     Must run where the spec can compile (not needs_fresh_process(): see validate/kernel_audit.py)."""
-    bad = {p: r for p, r in spec.roles.items() if r not in ROLES}
-    if bad:
-        raise ValueError(f"unknown roles {bad}; roles are {ROLES}")
+    if hasattr(spec, "check"):
+        spec.check()
     c = spec.compile(arch)
     text, why = (None, "SASS not requested")
     if sass:
@@ -399,8 +396,14 @@ def audit_spec(spec, *, arch: int = 90, sass: bool = True) -> AuditReport:
 def audit_kernel(fn, signature: dict[str, str], roles: dict[str, str], constexprs: dict | None = None,
                  *, arch: int = 90, sass: bool = True) -> AuditReport:
     """Compile the @triton.jit `fn` (`signature`: every argument -> Triton type or "constexpr") for sm_<arch>
-    and audit it with explicit pointer roles (the handoff kernel's parameters are not named ..._ptr)."""
-    return audit_spec(KernelSpec(fn, signature, roles, dict(constexprs or {})), arch=arch, sass=sass)
+    and audit it with explicit pointer roles (the handoff kernel's parameters are not named ..._ptr). ValueError
+    when the description does not fit the kernel; a kernel decorated for the interpreter is compiled in a fresh
+    process (validate/kernel_audit.py)."""
+    from .kernel_audit import audit_specs
+
+    spec = KernelSpec(fn, signature, roles, dict(constexprs or {}))
+    spec.check()
+    return audit_specs([spec], arch=arch, sass=sass)[0]
 
 
 def roles_from_plan(plan, param_buffers: dict[str, str], flags: tuple[str, ...] = ()) -> dict[str, str]:

@@ -32,9 +32,9 @@ def _failed(spec_name: str, why: str, path: dict | None = None) -> AuditReport:
     return AuditReport(spec_name, "cuda:sm_90", [], error=why, path=dict(path or {}))
 
 
-def _audit_here(spec) -> AuditReport:
+def _audit_here(spec, arch: int = 90, sass: bool = True) -> AuditReport:
     try:
-        rep = audit_spec(spec)
+        rep = audit_spec(spec, arch=arch, sass=sass)
     except Exception as e:  # noqa: BLE001  (a kernel that does not compile fails its audit, with the reason)
         return _failed(spec.name, f"{type(e).__name__}: {e}", _path(spec))
     rep.path = _path(spec)
@@ -45,11 +45,11 @@ def _path(spec) -> dict:
     return spec.path_values() if hasattr(spec, "path_values") else {}
 
 
-def _audit_elsewhere(specs: list) -> list[AuditReport]:
+def _audit_elsewhere(specs: list, arch: int, sass: bool) -> list[AuditReport]:
     """Audit specs in a fresh process without TRITON_INTERPRET (kernels decorated for the interpreter here)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
-    doc = json.dumps([s.portable() for s in specs])
+    doc = json.dumps({"arch": arch, "sass": sass, "specs": [s.portable() for s in specs]})
     try:
         p = subprocess.run([sys.executable, "-m", "megadecode.validate.kernel_audit"], input=doc, env=env,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -61,18 +61,19 @@ def _audit_elsewhere(specs: list) -> list[AuditReport]:
     return [AuditReport.from_dict(d) for d in json.loads(p.stdout.strip().splitlines()[-1])]
 
 
-def audit_specs(specs: list, *, unique: bool = False) -> list[AuditReport]:
+def audit_specs(specs: list, *, unique: bool = False, arch: int = 90, sass: bool = True) -> list[AuditReport]:
     """One report per spec (per distinct spec, by key, when `unique`), each spec audited once per process."""
-    distinct = list({s.key(): s for s in specs}.values())
-    todo = [s for s in distinct if s.key() not in _CACHE]
+    key = lambda s: (s.key(), arch, sass)  # noqa: E731
+    distinct = list({key(s): s for s in specs}.values())
+    todo = [s for s in distinct if key(s) not in _CACHE]
     here = [s for s in todo if not s.needs_fresh_process()]
     away = [s for s in todo if s.needs_fresh_process()]
     for s in here:
-        _CACHE[s.key()] = _audit_here(s)
+        _CACHE[key(s)] = _audit_here(s, arch, sass)
     if away:
-        for s, rep in zip(away, _audit_elsewhere(away)):
-            _CACHE[s.key()] = rep
-    return [_CACHE[s.key()] for s in (distinct if unique else specs)]
+        for s, rep in zip(away, _audit_elsewhere(away, arch, sass)):
+            _CACHE[key(s)] = rep
+    return [_CACHE[key(s)] for s in (distinct if unique else specs)]
 
 
 def audit_variant(variant) -> list[AuditReport]:
@@ -93,15 +94,16 @@ def audit_rows(variant, reports: list[AuditReport]) -> list[dict]:
 
 
 def _main() -> int:
+    doc = json.loads(sys.stdin.read())
     reports = []
-    for d in json.loads(sys.stdin.read()):
+    for d in doc["specs"]:
         try:
             spec = from_portable(d)
         except Exception as e:  # noqa: BLE001  (a kernel this process cannot import fails its audit)
             name = str(d.get("qualname") or d.get("name") or d.get("kind"))
             reports.append(_failed(name, f"cannot rebuild the kernel here: {type(e).__name__}: {e}").to_dict())
             continue
-        reports.append(_audit_here(spec).to_dict())
+        reports.append(_audit_here(spec, doc["arch"], doc["sass"]).to_dict())
     print(json.dumps(reports, default=str))
     return 0
 
