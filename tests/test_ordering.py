@@ -44,3 +44,13 @@ def test_kernel_audits_come_from_the_declaration_not_the_name():
     reports = kernel_audits("triton-router")
     assert [r.kernel for r in reports] == ["router_kernel"] * 6 + ["linear_kernel"]
     assert all(r.passed for r in reports), [r.to_markdown() for r in reports]
+
+
+def test_cli_exit_status_follows_the_verdicts(cpu_rows, capsys):
+    """The planted bugs' own checks fail by design; the command fails only when a subject is judged wrongly."""
+    from megadecode.cli import main
+
+    assert main(["validate", "--ordering"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["FAIL", "broken-handoff-hoist-nc", "static-audit"] in [ws[:3] for ws in lines]
+    assert ["PASS", "broken-handoff-hoist-nc", "verdict"] in [ws[:3] for ws in lines]

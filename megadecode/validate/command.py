@@ -168,7 +168,8 @@ def _cmd_ordering(args, argv) -> int:
                     "consumer handoff through flags) and its planted ordering mistakes",
                     "variants": list(HANDOFF_VARIANTS)}
         _write_report(args, argv, "ordering-audit", manifest, rows, reports, [])
-    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+    # the planted bugs' own checks fail by design: the verdict rows say whether each subject was judged right
+    return 1 if any(r["status"] == "FAIL" for r in rows if r["check"] == "verdict") else 0
 
 
 __all__ = ["add_parser", "cmd_validate"]

@@ -166,7 +166,9 @@ def build_report(name: str, manifest: dict, rows: list[dict], audits: list, perf
     audit_texts = [a.to_markdown() if hasattr(a, "to_markdown") else
                    (a if isinstance(a, str) else json.dumps(a, indent=1, default=str)) for a in audits]
     n_ok = sum(1 for a in audits if _audit_passed(a))
-    audit_counts = f"{n_ok} PASS, {sum(1 for a in audits if _audit_passed(a) is False)} FAIL of {len(audits)}"
+    judged_audits = [a for a in audits if _audit_passed(a) is not None]
+    audit_counts = (f"{n_ok} PASS, {len(judged_audits) - n_ok} FAIL of {len(judged_audits)}" if judged_audits
+                    else f"{len(audits)} recorded, judged in the rows")
     tol = tolerance_table(rows)
     tkeys, tvals = _table(tol, ["op", "dtype", "cells", *TOL_KEYS, "source"]) if tol else ([], [])
     mkeys, mvals = _table(rows)
