@@ -1,17 +1,19 @@
 """Per-op checks of a variant against the torch reference (fp32), on fresh random inputs.
 
-One `check_op` call, for one (preset config, op kind, dtype, batch, seed, routing distribution):
+One `check_op` call, for one (preset config, op kind, dtype, batch, seed, routing distribution, case options):
   1. inputs untouched: the variant's inputs and weights are compared bitwise with copies afterwards;
-  2. outputs fully written: outputs are poisoned (a NaN of a specific bit pattern / the integer minimum) before
-     the run, none may remain; guard regions around each output must stay poisoned (guards.py);
-  3. NaN/inf computed into an output never pass, reported apart from poison left;
-  4'. every Triton kernel launched is declared in the manifest at that specialization (launches.py);
-  4. deterministic: a second run on the same inputs must give bitwise-identical outputs (and cache);
-  5. close to the reference: the fp32 reference op on the same (dtype-rounded) inputs, per-dtype
-     tolerances from tolerances.TOLERANCES; integer outputs exactly (topk_ids as per-token sets);
-     attention caches are compared too (the new tokens' entries and everything else);
-  6. batch invariant: rows 0, T/2 and T-1 run alone match the same rows of the batch run (tolerance).
-Returns a row dict: status PASS/FAIL/SKIP, the failures, and the error figures.
+  2. outputs fully written: outputs are poisoned (a NaN of a specific bit pattern, the integer minimum) before
+     the run, none may remain (bitwise: a NaN the variant computes is reported as such, not as poison left);
+  3. nothing written outside an output: each sits between guard regions that must stay poisoned (guards.py);
+  4. NaN/inf computed into an output never pass;
+  5. every Triton kernel launched is declared in the manifest at that specialization (launches.py);
+  6. deterministic: a second run on the same inputs must give bitwise-identical outputs (and cache);
+  7. close to the reference: the fp32 reference op on the same (dtype-rounded) inputs, within bounds derived from
+     the error the reference itself makes in the dtype (tolerances.py); integer outputs exactly (topk_ids as
+     per-token sets); attention caches are compared too (the new tokens' entries and everything else);
+  8. on CUDA, the GPU-only checks (gpu_checks.py: graph replay, two streams, repeats under load, launch order);
+  9. batch invariant: rows 0, T/2 and T-1 run alone match the same rows of the batch run.
+Returns a row dict: status PASS/FAIL/SKIP, the failures, the error figures and the bounds they were held to.
 """
 
 from __future__ import annotations
