@@ -115,7 +115,7 @@ def test_router_split_matches_one_kernel(preset):
 def test_linear_partials_sum_to_the_projection():
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(5, 300, generator=g).to(DEVICE), torch.randn(24, 300, generator=g).to(DEVICE)
-    parts = LM.linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
+    parts = import_interpreted("megadecode.kernels.linear").linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
     assert parts.shape == (3, 5, 24)
     torch.testing.assert_close(parts.sum(0), x @ w.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(parts[2], x[:, 256:] @ w[:, 256:].T, rtol=1e-5, atol=1e-4)

@@ -393,19 +393,6 @@ def audit_spec(spec, *, arch: int = 90, sass: bool = True) -> AuditReport:
                      pointer_params=c.pointer_params, sass=text, sass_skip_reason=why)
 
 
-def audit_kernel(fn, signature: dict[str, str], roles: dict[str, str], constexprs: dict | None = None,
-                 *, arch: int = 90, sass: bool = True) -> AuditReport:
-    """Compile the @triton.jit `fn` (`signature`: every argument -> Triton type or "constexpr") for sm_<arch>
-    and audit it with explicit pointer roles (the handoff kernel's parameters are not named ..._ptr). ValueError
-    when the description does not fit the kernel; a kernel decorated for the interpreter is compiled in a fresh
-    process (validate/kernel_audit.py)."""
-    from .kernel_audit import audit_specs
-
-    spec = KernelSpec(fn, signature, roles, dict(constexprs or {}))
-    spec.check()
-    return audit_specs([spec], arch=arch, sass=sass)[0]
-
-
 def roles_from_plan(plan, param_buffers: dict[str, str], flags: tuple[str, ...] = ()) -> dict[str, str]:
     """Roles for kernel parameters bound to plan buffers: written during a step -> "produced",
     otherwise (weights, step inputs) -> "static"; parameters in `flags` -> "flag"."""

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from ..contract import check_kernels
-from ..contract.kernels import from_portable
+from ..contract.kernels import KernelSpec, from_portable
 from .audit import AuditReport, audit_spec
 
 _CACHE: dict[str, AuditReport] = {}
@@ -74,6 +74,16 @@ def audit_specs(specs: list, *, unique: bool = False, arch: int = 90, sass: bool
         for s, rep in zip(away, _audit_elsewhere(away, arch, sass)):
             _CACHE[key(s)] = rep
     return [_CACHE[key(s)] for s in (distinct if unique else specs)]
+
+
+def audit_kernel(fn, signature: dict[str, str], roles: dict[str, str], constexprs: dict | None = None,
+                 *, arch: int = 90, sass: bool = True) -> AuditReport:
+    """Compile the @triton.jit `fn` (`signature`: every argument -> Triton type or "constexpr") for sm_<arch>
+    and audit it with explicit pointer roles (the handoff kernel's parameters are not named ..._ptr). ValueError
+    when the description does not fit the kernel (checked here, before any compile)."""
+    spec = KernelSpec(fn, signature, roles, dict(constexprs or {}))
+    spec.check()
+    return audit_specs([spec], arch=arch, sass=sass)[0]
 
 
 def audit_variant(variant) -> list[AuditReport]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import audit as A
+from .kernel_audit import audit_kernel
 
 # name -> planted flags of megadecode.validate.handoff (one mistake each)
 HANDOFF_VARIANTS = {
@@ -30,7 +31,7 @@ JITTER = (None, "before_store", "after_signal")
 def static_audit(name: str) -> A.AuditReport:
     from . import handoff as H
 
-    return A.audit_kernel(H.handoff_kernel, H.handoff_signature(), H.PARAM_ROLES,
+    return audit_kernel(H.handoff_kernel, H.handoff_signature(), H.PARAM_ROLES,
                           H.handoff_constexprs(**HANDOFF_VARIANTS[name]))
 
 
