@@ -122,8 +122,8 @@ CORRECT_SHIPPED = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "tri
 
 @pytest.mark.parametrize("name", CORRECT_SHIPPED)
 def test_no_correct_variant_is_flagged_on_sampled_extra_cases(name):
-    """Two extra cases per (preset, op), batches <= 17, drawn with seed 12 (the full product: `megadecode validate`
-    without --quick, ~10 min on the CPU for all of them, run on every extra case with no false alarm)."""
-    rows = run_matrix(get(name), batches=(), dtypes=("float32", "float16"), extra=2, case_seed=12,
+    """One extra case per (preset, op), batches <= 17, drawn with seed 12 (CI's share; every extra case of every
+    shipped variant passed in fp32 and fp16 under the interpreter: ~10 min of CPU, 2026-11-30)."""
+    rows = run_matrix(get(name), batches=(), dtypes=("float32", "float16"), extra=1, case_seed=12,
                       extra_max_batch=17, device=DEVICE)
     assert rows and all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"][:2]

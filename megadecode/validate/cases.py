@@ -44,7 +44,6 @@ class Case:
     name: str
     cfg: ModelConfig
     batch: int
-    dist: str = "uniform"
     cache_len: int = CACHE_LEN
     slots: str = "arange"
     magnitude: str | None = None
