@@ -4,12 +4,13 @@
 # evidence/*-h200.md and .html to docs/evidence/, evidence/*.log for the record, results/*.json to bench/results/.
 # The device returns at most 8 files, so everything travels as one archive.
 #
-#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests            # the whole suite on the GPU
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests [pytest options]  # default: the whole suite
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
 #
-# tests: the whole pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end
-#   to end, the GPU-only catches of the harness), then its counts; exit status that of pytest.
+# tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
+#   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
+#   does not fit one call; exit status that of pytest.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants, default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
 #   written as <v>-h200.md/.html; the variants left when the budget ran out are printed (run again with them).
@@ -27,11 +28,9 @@ shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/evidence/device.log" 2>&1
 
 if [ "$MODE" = tests ]; then
-    timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs tests/ 2>&1 | tee "$OUT/evidence/pytest-gpu.log" | tail -25
+    timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" tests/ 2>&1 \
+        | tee "$OUT/evidence/pytest-gpu.log" | tail -45
     rc=${PIPESTATUS[0]}
-    python -m pytest -q -p no:cacheprovider -m gpu --collect-only tests/ 2>/dev/null | tail -1 \
-        > "$OUT/evidence/gpu-marked.log"
-    echo "gpu-marked tests: $(cat "$OUT/evidence/gpu-marked.log")"
     exit "$rc"
 fi
 
