@@ -38,6 +38,6 @@ from .variant import (
            triton_interpreted,
 )
 
-__all__ = ["DTYPE_NAMES", "Compiled", "KernelSpec", "check_kernels", "register_spec_kind", "Manifest", "ManifestViolation", "Scope", "Variant", "dtype_name",
-           "kernel_spec", "lookup", "nonfinite", "output_specs", "poison_mask", "poisoned", "register", "registered", "triton_interpreted",
-           "unwritten"]
+__all__ = ["DTYPE_NAMES", "Compiled", "KernelSpec", "Manifest", "ManifestViolation", "Scope", "Variant",
+           "check_kernels", "dtype_name", "kernel_spec", "lookup", "nonfinite", "output_specs", "poison_mask",
+           "poisoned", "register", "register_spec_kind", "registered", "triton_interpreted", "unwritten"]

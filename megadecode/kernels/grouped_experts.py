@@ -493,7 +493,8 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
     cb_c = {"D": D, "A": A, "BLOCK_C": BLOCK_C}
     specs = [kernel_spec(grouped_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr"),
                          path=("MXFP4", "GROUPED", "FAST", "ACT")),
-             kernel_spec(grouped_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr"), path=("MXFP4", "GROUPED", "FAST")),
+             kernel_spec(grouped_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr"),
+                         path=("MXFP4", "GROUPED", "FAST")),
              kernel_spec(combine_kernel, cb_sig, cb_c)]
     if mxfp4:
         pr_sig = {"x_ptr": f"*{dtype}", "xin_ptr": "*fp16" if fast else "*fp32", "xs_ptr": "*fp32",

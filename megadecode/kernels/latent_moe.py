@@ -58,6 +58,6 @@ LATENT_MOE_VARIANT = register(Variant(Manifest(
     scope=Scope(families=("kimi_k3",), dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"),
                 batch=(1, 256), arch="sm_90"),
     sources=("megadecode/kernels/latent_moe.py", "megadecode/kernels/linear.py", "megadecode/kernels/common.py",
-             "megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True, graph_capturable=True,
-    kernels=audit_specs),
+             "megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True,
+    graph_capturable=True, kernels=audit_specs),
     _run, kernel=linear_kernel))

@@ -127,8 +127,8 @@ def audit_specs(dtype: str = "bf16", norm: bool = True, K: int = 3584, N: int = 
     (0 or more); SPLIT (hi + lo parts for fp32 activations on 16-bit weights) is the dtypes' choice."""
     partials = (not norm) if partials is None else partials
     sig = {"x_ptr": f"*{x_dtype}", "w_ptr": f"*{dtype}", "g_ptr": f"*{dtype}",
-           "out_ptr": "*fp32" if partials else f"*{out_dtype or dtype}", "T": "i32", "stride_x": "i32", "stride_w": "i32",
-           "stride_out": "i32", "eps": "fp32"}
+           "out_ptr": "*fp32" if partials else f"*{out_dtype or dtype}", "T": "i32", "stride_x": "i32",
+           "stride_w": "i32", "stride_out": "i32", "eps": "fp32"}
     consts = {"N": N, "K": K, "NORM": norm, "SPLIT": dtype != "fp32" and x_dtype == "fp32",
               "BLOCK_N": DEFAULT_BLOCKS["BLOCK_N"], "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"],
               "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"], "KC": 512 if partials else 0}

@@ -29,7 +29,7 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from ..contract.kernels import ROLES, KernelSpec
+from ..contract.kernels import ROLES
 R_NC, R_ACQ, R_REL, R_ORDER, R_SASS = ("nc-load-of-produced", "wait-without-acquire",
                                        "signal-without-release", "store-after-signal",
                                        "sass-nc-load-of-produced")
