@@ -11,7 +11,8 @@
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
 #   does not fit one call; exit status that of pytest.
-# reports: `megadecode validate <v> --seeds 1 --report` for the named variants, default those whose report is stale
+# reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
+#   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
 #   written as <v>-h200.md/.html; the variants left when the budget ran out are printed (run again with them).
 set -uo pipefail
@@ -41,7 +42,11 @@ if [ "$MODE" = reports ]; then
         t=$(left)
         if [ "$t" -lt 30 ]; then break; fi
         echo "== $v (budget ${t}s)"
-        timeout "$t" $M validate "$v" --seeds 1 --report "$OUT/evidence" > "$OUT/evidence/$v.log" 2>&1
+        if [ "$v" = ordering-audit ]; then
+            timeout "$t" $M validate --ordering --report "$OUT/evidence" > "$OUT/evidence/$v.log" 2>&1
+        else
+            timeout "$t" $M validate "$v" --seeds 1 --report "$OUT/evidence" > "$OUT/evidence/$v.log" 2>&1
+        fi
         rc=$?
         tail -4 "$OUT/evidence/$v.log"
         if [ -f "$OUT/evidence/$v.md" ]; then

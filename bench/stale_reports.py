@@ -1,4 +1,4 @@
-"""The shipped variants whose H200 evidence report (docs/evidence/<variant>-h200.md) is stale: made before a change
+"""The shipped variants (and the ordering audit) whose H200 evidence report (docs/evidence/<variant>-h200.md) is stale: made before a change
 of the variant's sources, the harness's checks or tolerances, or the reference ops (validate/staleness.py: the
 report records a hash of those files; a report without one is stale). Prints one variant name per line (what
 bench/gpu_evidence.sh regenerates), the reasons on stderr.
@@ -23,13 +23,14 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     from megadecode.kernels.catalog import shipped
-    from megadecode.validate.staleness import stale_reason
+    from megadecode.validate.staleness import ORDERING_SOURCES, stale_reason
 
-    for v in shipped():
-        why = stale_reason(v.manifest.sources, ROOT / "docs" / "evidence" / f"{v.name}-h200.md")
+    subjects = [(v.name, v.manifest.sources) for v in shipped()] + [("ordering-audit", ORDERING_SOURCES)]
+    for name, sources in subjects:
+        why = stale_reason(sources, ROOT / "docs" / "evidence" / f"{name}-h200.md")
         if why is not None or "--all" in argv:
-            print(v.name)
-            print(f"{v.name}: {why or 'current'}", file=sys.stderr)
+            print(name)
+            print(f"{name}: {why or 'current'}", file=sys.stderr)
     return 0
 
 

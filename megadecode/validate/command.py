@@ -167,7 +167,10 @@ def _cmd_ordering(args, argv) -> int:
         manifest = {"name": "ordering-audit", "subject": "megadecode/validate/handoff.py (persistent producer/"
                     "consumer handoff through flags) and its planted ordering mistakes",
                     "variants": list(HANDOFF_VARIANTS)}
-        _write_report(args, argv, "ordering-audit", manifest, rows, reports, [])
+        from .staleness import ORDERING_SOURCES, inputs_hash
+
+        _write_report(args, argv, "ordering-audit", manifest, rows, reports, [],
+                      {"inputs hash": inputs_hash(ORDERING_SOURCES)})
     # the planted bugs' own checks fail by design: the verdict rows say whether each subject was judged right
     return 1 if any(r["status"] == "FAIL" for r in rows if r["check"] == "verdict") else 0
 
