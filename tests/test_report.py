@@ -97,3 +97,21 @@ def test_tolerance_table_and_per_dtype_plots():
     assert "| experts | bfloat16 | 2 | 0.03..0.03 |" in md and "| torch reference in bfloat16 |" in md
     plots = re.findall(r'<img src="data:image/png;base64,[^"]+" alt="errors and tolerances, (\w+)">', page)
     assert plots == ["bfloat16", "float32"]
+
+
+def test_a_report_is_stale_when_what_it_depends_on_changed(tmp_path):
+    from megadecode.validate import staleness as S
+
+    src = "megadecode/kernels/rmsnorm.py"
+    h = S.inputs_hash((src,))
+    assert len(h) == 16 and h == S.inputs_hash((src,)) and h != S.inputs_hash(("megadecode/kernels/kda.py",))
+    _, md = build_report("v", manifest={}, rows=[_cell("float32")], audits=[], perf_rows=[], env={}, command="c",
+                         coverage={"inputs hash": h})
+    report = tmp_path / "v-h200.md"
+    report.write_text(md)
+    assert S.recorded_hash(md) == h and S.stale_reason((src,), report) is None
+    report.write_text(md.replace(h, "0" * 16))
+    assert "inputs changed" in S.stale_reason((src,), report)
+    report.write_text("# an old report")
+    assert "no inputs hash" in S.stale_reason((src,), report)
+    assert S.stale_reason((src,), tmp_path / "absent.md") == "no report"
