@@ -25,8 +25,8 @@ def check_kernels(variant: Variant) -> list:
     specs = list(m.kernels())
     if not specs:
         raise ValueError(f"variant {m.name!r}: Manifest.kernels returned no spec (None means no compiled kernel)")
-    bad = [type(s).__name__ for s in specs if not all(hasattr(s, a) for a in ("name", "kernel_id", "roles", "path",
-                                                                           "key", "compile", "portable"))]
+    need = ("name", "kernel_id", "roles", "path", "key", "compile", "portable", "needs_fresh_process")
+    bad = [type(s).__name__ for s in specs if not all(hasattr(s, a) for a in need)]
     if bad:
         raise ValueError(f"variant {m.name!r}: Manifest.kernels returned objects without the kernel spec interface "
                          f"(contract/kernels.py): {bad}")
