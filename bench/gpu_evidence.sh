@@ -1,29 +1,80 @@
 #!/usr/bin/env bash
-# One GPU session's evidence for the Triton variants and the fused executor, in one call (device time is
-# scarce: run this, then unpack $OUT/evidence.tar.gz: evidence/*.md to docs/evidence/, results/*.json to
-# bench/results/). The device returns at most 8 files, so reports and results travel as one archive.
-#   OUT=/path bash bench/gpu_evidence.sh [quick] [variant ...]
-# quick: the GPU tests and the harness reports only (no benchmarks). Variants: default all of them.
+# The GPU evidence, in calls that each fit the device's 10-minute limit (BUDGET seconds, default 560: every step
+# runs under `timeout` with what is left, so the archive is always written). Unpack $OUT/evidence.tar.gz:
+# evidence/*-h200.md and .html to docs/evidence/, evidence/*.log for the record, results/*.json to bench/results/.
+# The device returns at most 8 files, so everything travels as one archive.
+#
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests [pytest options]  # default: the whole suite
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
+#   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
+#
+# tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
+#   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
+#   does not fit one call; exit status that of pytest.
+# reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
+#   default those whose report is stale
+#   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
+#   written as <v>-h200.md/.html; the variants left when the budget ran out are printed (run again with them).
 set -uo pipefail
 FINAL=${OUT:-out}
 OUT=$(mktemp -d)
+START=$(date +%s)
+BUDGET=${BUDGET:-560}
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 trap 'tar -czf "$FINAL/evidence.tar.gz" -C "$OUT" evidence results' EXIT
 mkdir -p "$OUT/evidence" "$OUT/results" "$FINAL"
 M="python -m megadecode.cli"
-python -m pytest -q -p no:cacheprovider tests/test_grouped_experts.py tests/test_fused_experts.py \
-    tests/test_latent_moe_kernels.py tests/test_kda_kernel.py tests/test_mla_kernel.py tests/test_k3_graph.py \
-    tests/test_fused_executor.py tests/test_lm_head_kernel.py 2>&1 | tee "$OUT/evidence/pytest-gpu.log" | tail -5
-MODE=${1:-full}
+MODE=${1:-tests}
 shift || true
-VARIANTS=${*:-triton-grouped-experts triton-add-rmsnorm triton-router triton-latent-moe triton-kda-decode \
-    triton-mla-decode triton-gqa-decode triton-lm-head}
-for v in $VARIANTS; do
-    $M validate "$v" --seeds 1 --report "$OUT/evidence" 2>&1 | tail -2
-done
-[ "$MODE" = quick ] && exit 0
-$M bench --preset k3-moe --executor torch,graph,fused --batch 1,8,64,256 --out "$OUT/results/k3-moe.json" 2>&1 | tail -20
-$M bench --preset k3-mini --executor torch,graph,fused --batch 1,8,64 --steps 10 --warmup 2 \
-    --out "$OUT/results/k3-mini.json" 2>&1 | tail -11
-$M bench --preset k3-layer --executor torch,graph,fused --batch 1,8,64 --out "$OUT/results/k3-layer.json" 2>&1 | tail -11
-$M bench --preset qwen3-30b-a3b --executor graph,compiled,fused --batch 1,8,64 \
-    --out "$OUT/results/qwen3-30b-a3b.json" 2>&1 | tail -11
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/evidence/device.log" 2>&1
+
+if [ "$MODE" = tests ]; then
+    timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" tests/ 2>&1 \
+        | tee "$OUT/evidence/pytest-gpu.log" | tail -45
+    rc=${PIPESTATUS[0]}
+    exit "$rc"
+fi
+
+if [ "$MODE" = reports ]; then
+    VARIANTS=${*:-$(python bench/stale_reports.py)}
+    DONE=""
+    for v in $VARIANTS; do
+        t=$(left)
+        if [ "$t" -lt 30 ]; then break; fi
+        echo "== $v (budget ${t}s)"
+        if [ "$v" = ordering-audit ]; then
+            timeout "$t" $M validate --ordering --report "$OUT/evidence" > "$OUT/evidence/$v.log" 2>&1
+        else
+            timeout "$t" $M validate "$v" --seeds 1 --report "$OUT/evidence" > "$OUT/evidence/$v.log" 2>&1
+        fi
+        rc=$?
+        tail -4 "$OUT/evidence/$v.log"
+        if [ -f "$OUT/evidence/$v.md" ]; then
+            mv "$OUT/evidence/$v.md" "$OUT/evidence/$v-h200.md"
+            mv "$OUT/evidence/$v.html" "$OUT/evidence/$v-h200.html"
+            DONE="$DONE $v"
+        else
+            echo "$v: no report (exit $rc$( [ $rc = 124 ] && echo ': out of time'))"
+        fi
+    done
+    REST=""
+    for v in $VARIANTS; do case " $DONE " in *" $v "*) ;; *) REST="$REST $v" ;; esac; done
+    echo "reports written:${DONE:- none}"
+    echo "still to run:${REST:- none}"
+    [ -z "$REST" ]
+    exit $?
+fi
+
+if [ "$MODE" = bench ]; then
+    timeout "$(left)" $M bench --preset k3-moe --executor torch,graph,fused --batch 1,8,64,256 \
+        --out "$OUT/results/k3-moe.json" 2>&1 | tail -20
+    timeout "$(left)" $M bench --preset k3-mini --executor torch,graph,fused --batch 1,8,64 --steps 10 --warmup 2 \
+        --out "$OUT/results/k3-mini.json" 2>&1 | tail -11
+    timeout "$(left)" $M bench --preset k3-layer --executor torch,graph,fused --batch 1,8,64 \
+        --out "$OUT/results/k3-layer.json" 2>&1 | tail -11
+    timeout "$(left)" $M bench --preset qwen3-30b-a3b --executor graph,compiled,fused --batch 1,8,64 \
+        --out "$OUT/results/qwen3-30b-a3b.json" 2>&1 | tail -11
+    exit 0
+fi
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench" >&2
+exit 2

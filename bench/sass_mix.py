@@ -58,11 +58,13 @@ def inner_loops(fn, sig, consts):
 def main():
     num_warps = 4  # compile_kernel's default
     cases = []
-    for fn, sig, _, consts in fe.audit_specs("fp32", True, "situ", D=3584, I=3072, A=16)[:1]:
+    for spec in fe.audit_specs("fp32", True, "situ", D=3584, I=3072, A=16)[:1]:
+        fn, sig, consts = spec.fn, spec.signature, spec.constexprs
         cases.append(("fused FMA (kernels/fused_experts.py)", fn, sig, consts,
                       consts["BLOCK_I"] * consts["BLOCK_D"]))
     for fast in (False, True):
-        fn, sig, _, consts = ge.audit_specs("fp32", True, "situ", grouped=True, fast=fast)[0]
+        spec = ge.audit_specs("fp32", True, "situ", grouped=True, fast=fast)[0]
+        fn, sig, consts = spec.fn, spec.signature, spec.constexprs
         per_iter = consts["BLOCK_I"] * (consts["BLOCK_D"] if fast else 32)
         cases.append((f"tensor cores, {'fast inline-PTX' if fast else 'exact per-32-block'} decode", fn, sig, consts,
                       per_iter))

@@ -49,35 +49,16 @@ def import_interpreted(*modules: str):
     return mods[0]
 
 
-_AUDIT_SCRIPT = """
-import importlib, json, sys
-from megadecode.validate.audit import audit_kernel
-rows = []
-for module, calls in json.loads(sys.argv[1]):
-    specs = importlib.import_module(module).audit_specs
-    for kw in calls:
-        for fn, sig, roles, consts in specs(**kw):
-            r = audit_kernel(fn, sig, roles, consts)
-            rows.append([fn.__name__, r.passed, r.rules_checked, r.to_markdown()])
-print(json.dumps(rows))
-"""
-
-
 def static_audits(*groups) -> list:
-    """Static sm_90 audits of kernels described by modules' `audit_specs(**kw)`: groups are
-    (module name, [kw, ...]). Runs in a fresh process without TRITON_INTERPRET (interpreted kernels cannot
-    be compiled); asserts each passed with the coherent-load rule checked; returns rows [kernel name, passed,
-    rules checked, markdown report]."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """Static sm_90 audits of kernels described by modules' `audit_specs(**kw)`: groups are (module name,
+    [kw, ...]). Through the harness's own audit (megadecode.validate.kernel_audit: interpreted kernels are
+    compiled in a fresh process without TRITON_INTERPRET); asserts each passed with the coherent-load rule
+    checked; returns rows [kernel name, passed, rules checked, markdown report]."""
+    from megadecode.validate.kernel_audit import audit_specs
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _AUDIT_SCRIPT, json.dumps([list(g) for g in groups])], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    specs = [s for module, calls in groups for kw in calls for s in importlib.import_module(module).audit_specs(**kw)]
+    reports = audit_specs(specs)
+    rows = [[r.kernel, r.passed, r.rules_checked, r.to_markdown()] for r in reports]
     for name, passed, rules, md in rows:  # every kernel passes, and the coherence rule was among the checks
         assert passed, md
         assert "nc-load-of-produced" in rules, (name, rules)

@@ -114,18 +114,29 @@ def test_fp16_activations():
 
 @needs_triton
 def test_routed_experts_picks_the_path_by_weights_and_batch(monkeypatch):
-    """Float weights: the tensor-core kernels at every batch; MXFP4: the FMA kernels up to 16 tokens."""
+    """Float weights: the tensor-core kernels at every batch. MXFP4 above 16 tokens: the tensor-core kernels. MXFP4
+    at <= 16 tokens: the tensor-core kernels on the GPU when every scale byte allows the fast decode (fast_scales),
+    else (scales out of that range, or the CPU) the FMA kernels. (The test used to expect the FMA kernels on the GPU
+    too: the H200 took the tensor-core path, as routed_experts says it must, since the random weights' scale bytes
+    all lie in FAST_SCALES.)"""
     calls = []
     for mod, name in ((FE, "fused_experts"), (GE, "grouped_experts")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    on_gpu = DEVICE == "cuda"
+    expected = []
     for T in (16, 17):
         x, ids, w, gu, dn = _problem(T, seed=T)
         _close(GE.routed_experts(x, ids, w, gu, dn), experts_reference(x, ids, w, gu, dn), 1e-5)
-        gq, dq = _mx(gu), _mx(dn)
-        ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="silu")
-        _close(GE.routed_experts(x, ids, w, gq, dq), ref, 1e-5)
-    assert calls == ["grouped_experts", "fused_experts", "grouped_experts", "grouped_experts"]
+        expected.append("grouped_experts")
+        for scale in (1.0, 2.0 ** 8):  # 2**8: the down weights' scale bytes above FAST_SCALES' range
+            gq, dq = _mx(gu), _mx(dn * scale)
+            fast = bool(GE.fast_scales(gq.scales, dq.scales))
+            assert fast == (scale == 1.0)
+            ref = latent_experts(x, ids, w, gq.dequantize(), dq.dequantize(), act="silu")
+            _close(GE.routed_experts(x, ids, w, gq, dq), ref, 1e-5)
+            expected.append("grouped_experts" if T > 16 or (on_gpu and fast) else "fused_experts")
+    assert calls == expected
 
 
 def test_launcher_rejects_bad_arguments():

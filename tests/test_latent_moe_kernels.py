@@ -115,9 +115,7 @@ def test_router_split_matches_one_kernel(preset):
 def test_linear_partials_sum_to_the_projection():
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(5, 300, generator=g).to(DEVICE), torch.randn(24, 300, generator=g).to(DEVICE)
-    from megadecode.kernels.linear import linear_partials
-
-    parts = linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
+    parts = import_interpreted("megadecode.kernels.linear").linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
     assert parts.shape == (3, 5, 24)
     torch.testing.assert_close(parts.sum(0), x @ w.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(parts[2], x[:, 256:] @ w[:, 256:].T, rtol=1e-5, atol=1e-4)
@@ -149,7 +147,7 @@ def test_variant_scope():
 
 
 def test_static_audit_sm90():
-    rows = static_audits(("megadecode.kernels.latent_moe", [{"dtype": "bf16", "norm": False},
+    rows = static_audits(("megadecode.kernels.linear", [{"dtype": "bf16", "norm": False},
                                                             {"dtype": "bf16", "norm": True},
                                                             {"dtype": "fp32", "norm": True}]))
     assert len(rows) == 3

@@ -11,21 +11,23 @@ PREALLOCATED tensors that the variant must write completely, in place: their sha
 op's, given per op kind by `outputs.output_specs`. `cache` is the op's cache tuple (attention only), which the
 variant reads and writes. A variant must not modify anything else: inputs, weights, other buffers.
 
-A Triton kernel also declares, for the static memory-ordering audit, each compiled kernel with the role of each
-pointer (`kernels.KernelSpec`): data produced during the step is never read through the non-coherent path.
+A variant that runs compiled kernels declares each of them, at every launch specialization it can run, with the
+role of each pointer (`Manifest.kernels`, specs of `kernels.py`): the harness audits every declared kernel (data
+produced during the step is never read through the non-coherent path) and checks that every kernel a variant
+launches is declared. Registration refuses a Triton variant that declares none.
 
     variant.py   Variant, Manifest, Scope, ManifestViolation
     registry.py  register / lookup / registered
-    outputs.py   output_specs per op kind; poisoned / unwritten (the harness's fill and check)
-    kernels.py   KernelSpec and kernel_spec, the kernels' side of the static audit
+    outputs.py   output_specs per op kind; poisoned / unwritten / nonfinite (the harness's fill and checks)
+    kernels.py   KernelSpec and kernel_spec (the kernels' side of the static audit), Compiled, spec kinds
 
 The contract sits between the plan and the kernels: kernels import it, executors pick variants through it, and
 the validation harness (`megadecode.validate`, on top) checks that every variant keeps it.
 """
 
-from .kernels import KernelSpec, kernel_spec
-from .outputs import output_specs, poisoned, unwritten
-from .registry import lookup, register, registered
+from .kernels import Compiled, KernelSpec, kernel_spec, register_spec_kind
+from .outputs import nonfinite, output_specs, poison_mask, poisoned, unwritten
+from .registry import check_kernels, lookup, register, registered
 from .variant import (
            DTYPE_NAMES,
            Manifest,
@@ -36,6 +38,6 @@ from .variant import (
            triton_interpreted,
 )
 
-__all__ = ["DTYPE_NAMES", "KernelSpec", "Manifest", "ManifestViolation", "Scope", "Variant", "dtype_name",
-           "kernel_spec", "lookup", "output_specs", "poisoned", "register", "registered", "triton_interpreted",
-           "unwritten"]
+__all__ = ["DTYPE_NAMES", "Compiled", "KernelSpec", "Manifest", "ManifestViolation", "Scope", "Variant",
+           "check_kernels", "dtype_name", "kernel_spec", "lookup", "nonfinite", "output_specs", "poison_mask",
+           "poisoned", "register", "register_spec_kind", "registered", "triton_interpreted", "unwritten"]

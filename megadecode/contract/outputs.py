@@ -8,7 +8,13 @@ import torch
 from .. import plan as P
 from ..config import ModelConfig
 
-# Poison written into outputs before a variant runs: a value left there means "not written".
+# Poison written into outputs before a variant runs: a value left there means "not written". Floats are poisoned
+# with a quiet NaN of a specific payload (bit pattern), not the canonical NaN, so that an element still holding the
+# poison ("not written") is told apart from a NaN the variant computed ("produced a non-finite value"): arithmetic
+# on the CPU and on NVIDIA GPUs yields the canonical NaN (0x7FC00000 / 0x7FFFFFFF for fp32) or propagates the
+# payload of a NaN input, and the harness's inputs hold no NaN. The comparison is bitwise. Integers: their minimum.
+POISON_BITS = {torch.float32: (torch.int32, 0x7FDADADA), torch.float16: (torch.int16, 0x7E5A),
+               torch.bfloat16: (torch.int16, 0x7FDA), torch.float64: (torch.int64, 0x7FFDADADADADADAD)}
 POISON_INT = torch.iinfo(torch.int64).min
 
 
@@ -41,11 +47,34 @@ def output_specs(cfg: ModelConfig, op: P.Op, buf: dict[str, torch.Tensor],
     raise ValueError(f"no output spec for op kind {op.kind!r}")
 
 
+def _poison_value(dtype: torch.dtype):
+    """(dtype the poison is written as, the value in that dtype)."""
+    if dtype in POISON_BITS:
+        return POISON_BITS[dtype]
+    if dtype.is_floating_point:
+        raise ValueError(f"no poison bit pattern for {dtype}")
+    return dtype, (torch.iinfo(dtype).min if dtype != torch.bool else True)
+
+
 def poisoned(shape, dtype, device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device)
-    return t.fill_(float("nan") if dtype.is_floating_point else POISON_INT)
+    """A tensor of `shape` and `dtype` holding the poison in every element."""
+    as_dtype, value = _poison_value(dtype)
+    return torch.full(shape, value, dtype=as_dtype, device=device).view(dtype)
+
+
+def poison_mask(t: torch.Tensor) -> torch.Tensor:
+    """True where an element holds the poison, bit for bit."""
+    as_dtype, value = _poison_value(t.dtype)
+    return (t.view(as_dtype) if as_dtype != t.dtype else t) == value
 
 
 def unwritten(t: torch.Tensor) -> int:
-    """How many elements still hold the poison."""
-    return int((t.isnan() if t.dtype.is_floating_point else t == POISON_INT).sum())
+    """How many elements still hold the poison (bitwise: a NaN the variant computed does not count)."""
+    return int(poison_mask(t).sum())
+
+
+def nonfinite(t: torch.Tensor) -> int:
+    """How many elements are NaN or infinite without being the poison: values the variant produced."""
+    if not t.is_floating_point():
+        return 0
+    return int((~torch.isfinite(t) & ~poison_mask(t)).sum())

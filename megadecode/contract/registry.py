@@ -12,9 +12,33 @@ from .variant import Variant
 _REGISTRY: dict[str, Variant] = {}
 
 
+def check_kernels(variant: Variant) -> list:
+    """The variant's declared kernel specs (Manifest.kernels), or ValueError: a variant that uses Triton must
+    declare the kernels it runs (the static audit and the launch check key on them, never on its name), and a
+    declaration must list at least one spec, each with the audit's interface (contract/kernels.py)."""
+    m = variant.manifest
+    if m.kernels is None:
+        if m.uses_triton or variant.kernel is not None:
+            raise ValueError(f"variant {m.name!r} runs Triton kernels but declares none: set Manifest.kernels to a "
+                             "function returning a KernelSpec per kernel and launch specialization it runs")
+        return []
+    specs = list(m.kernels())
+    if not specs:
+        raise ValueError(f"variant {m.name!r}: Manifest.kernels returned no spec (None means no compiled kernel)")
+    need = ("name", "kernel_id", "roles", "path", "key", "compile", "portable", "needs_fresh_process")
+    bad = [type(s).__name__ for s in specs if not all(hasattr(s, a) for a in need)]
+    if bad:
+        raise ValueError(f"variant {m.name!r}: Manifest.kernels returned objects without the kernel spec interface "
+                         f"(contract/kernels.py): {bad}")
+    return specs
+
+
 def register(variant: Variant) -> Variant:
+    """Make a variant visible to executors and the harness. ValueError when its name is taken or its kernel
+    declaration is missing or empty (check_kernels)."""
     if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
         raise ValueError(f"variant {variant.name!r} is already registered")
+    check_kernels(variant)
     _REGISTRY[variant.name] = variant
     return variant
 

@@ -31,12 +31,16 @@ class Scope:
     batch: tuple[int, int] = (1, 4096)  # inclusive range of tokens per step
     arch: str | None = None  # e.g. "sm_90": the GPU architecture it needs on cuda; None = any
     dims: Callable[[ModelConfig], str | None] | None = None
+    # (ModelConfig field, lo, hi): inclusive ranges the kernels handle, declared as data so that the harness
+    # can test at the edges (validate/cases.py) as well as refuse beyond them
+    limits: tuple[tuple[str, int, int], ...] = ()
 
     def describe(self) -> str:
         parts = [f"families={','.join(self.families)}", f"dtypes={','.join(self.dtypes)}",
                  f"devices={','.join(self.devices)}", f"batch={self.batch[0]}..{self.batch[1]}"]
         if self.arch:
             parts.append(f"arch={self.arch}")
+        parts += [f"{f}={lo}..{hi}" for f, lo, hi in self.limits]
         if self.dims is not None:
             parts.append(f"dims={getattr(self.dims, '__doc__', None) or self.dims.__name__}")
         return " ".join(parts)
@@ -52,11 +56,17 @@ class Manifest:
     baseline: str = "torch"  # the executor it is validated against
     uses_triton: bool = False  # on cpu it then needs the Triton interpreter
     graph_capturable: bool = True  # claims CUDA-graph capture (checked on the GPU by graph replay)
+    # The compiled kernels it runs: a function returning one spec (contract.kernels) per kernel and launch
+    # specialization, every code path included. None: it runs no compiled kernel (plain torch); registration
+    # refuses None for a variant that uses Triton, and an empty list for any.
+    kernels: Callable[[], list] | None = None
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "replaces": list(self.replaces),
                 "scope": self.scope.describe(), "sources": list(self.sources), "baseline": self.baseline,
-                "graph_capturable": self.graph_capturable}
+                "graph_capturable": self.graph_capturable,
+                "kernels": None if self.kernels is None else [
+                    f"{k.name} {k.path_values() if hasattr(k, 'path_values') else ''}".strip() for k in self.kernels()]}
 
 
 def triton_interpreted(fn) -> bool:
@@ -77,6 +87,13 @@ class Variant:
     @property
     def name(self) -> str:
         return self.manifest.name
+
+    def triton_kernel(self):
+        """The kernel whose decoration tells whether Triton runs interpreted here: `kernel`, else the first
+        declared one."""
+        if self.kernel is not None or self.manifest.kernels is None:
+            return self.kernel
+        return next((k.fn for k in self.manifest.kernels() if hasattr(k, "fn")), None)
 
     def run(self, op, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
             outputs: dict[str, torch.Tensor], cfg: ModelConfig, step, cache=None) -> None:
@@ -99,11 +116,14 @@ class Variant:
             major, minor = torch.cuda.get_device_capability()
             if f"sm_{major}{minor}" != s.arch:
                 return f"needs {s.arch}, this GPU is sm_{major}{minor}"
-        if dev == "cpu" and self.manifest.uses_triton and not triton_interpreted(self.kernel):
+        if dev == "cpu" and self.manifest.uses_triton and not triton_interpreted(self.triton_kernel()):
             return ("Triton on cpu needs TRITON_INTERPRET=1 set before triton and megadecode.kernels are "
                     f"first imported (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now)")
         if dev == "cpu" and self.manifest.uses_triton and dtype_name(dtype) == "bfloat16":
             return "the Triton interpreter computes bf16 arithmetic wrongly: test bf16 on the GPU"
+        for f, lo, hi in s.limits:
+            if not lo <= getattr(cfg, f) <= hi:
+                return f"{f} {getattr(cfg, f)} outside {lo}..{hi}"
         if s.dims is not None:
             return s.dims(cfg)
         return None

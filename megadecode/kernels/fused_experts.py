@@ -307,7 +307,7 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 7168, I: int = 2048,
-                A: int = 8) -> list[tuple]:
+                A: int = 8) -> list:
     """(kernel, signature, roles, constexprs) for both stages, for megadecode.validate.audit.audit_kernel:
     activations (x, ids, router weights, h, out) are "produced", expert weights "static"."""
     w = "*u8" if mxfp4 else f"*{dtype}"
@@ -321,7 +321,7 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
               "out_ptr": f"*{dtype}", "stride_out": "i32", "stride_dn_e": "i32", "stride_dn_r": "i32",
               "stride_dns_e": "i32", "stride_dns_r": "i32"}
     dn_c = {"D": D, "I": I, "A": A, "MXFP4": mxfp4, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": b["BLOCK_K"]}
-    return [kernel_spec(experts_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
+    return [kernel_spec(experts_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr"), path=("MXFP4", "ACT")),
             kernel_spec(experts_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr"))]
 
 
@@ -340,5 +340,6 @@ FUSED_EXPERTS_VARIANT = register(Variant(Manifest(
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, MAX_TOKENS), arch="sm_90"),
-    sources=("megadecode/kernels/fused_experts.py",), uses_triton=True, graph_capturable=True),
+    sources=("megadecode/kernels/fused_experts.py",), uses_triton=True, graph_capturable=True,
+    kernels=lambda: audit_specs(act="silu", D=2048, I=768)),
     _run, kernel=experts_up_kernel))

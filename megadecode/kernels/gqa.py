@@ -173,7 +173,7 @@ def gqa_decode_attention(cfg, w: dict, prefix: str, x: torch.Tensor, step, k_cac
     return torch.mm(o, w[f"{prefix}.o_proj.weight"].t(), out=out)
 
 
-def audit_specs(dtype: str = "bf16", KH: int = 4, G: int = 8, d: int = 128) -> list[tuple]:
+def audit_specs(dtype: str = "bf16", KH: int = 4, G: int = 8, d: int = 128) -> list:
     sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "rows_ptr": "*i64", "pos_ptr": "*i64",
            "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "stride_cs": "i64", "stride_cl": "i32",
            "stride_ch": "i32", "scale": "fp32", "S": "i32", "CHUNK": "i32"}
@@ -183,7 +183,7 @@ def audit_specs(dtype: str = "bf16", KH: int = 4, G: int = 8, d: int = 128) -> l
            "kc_ptr": f"*{dtype}", "vc_ptr": f"*{dtype}", "stride_cs": "i64", "stride_cl": "i32", "stride_ch": "i32",
            "eps": "fp32", "att": "fp32"}
     pconsts = {"H": KH * G, "KH": KH, "d": d, "BLOCK_HALF": triton.next_power_of_2(d // 2)}
-    return [kernel_spec(gqa_split_kernel, sig, consts),
+    return [kernel_spec(gqa_split_kernel, sig, consts, free=("IEEE",)),
             kernel_spec(qk_norm_rope_kernel, pro, pconsts, static=("qw_ptr", "kw_ptr", "inv_ptr")),
             *splitk_specs(dtype)]
 
@@ -203,5 +203,5 @@ GQA_VARIANT = register(Variant(Manifest(
     scope=Scope(families=("qwen3_moe",), dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"),
                 batch=(1, 256), arch="sm_90"),
     sources=("megadecode/kernels/gqa.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py"),
-    uses_triton=True, graph_capturable=True),
+    uses_triton=True, graph_capturable=True, kernels=audit_specs),
     _run, kernel=gqa_split_kernel))

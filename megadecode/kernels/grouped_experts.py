@@ -471,9 +471,10 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: int = 3584, I: int = 3072,
-                A: int = 16, grouped: bool = True, fast: bool = False) -> list[tuple]:
-    """(kernel, signature, roles, constexprs) for the three kernels (and the MXFP4 activation prep), for
-    validate.audit.audit_kernel (`fast`: the MXFP4 inline-PTX decode path)."""
+                A: int = 16, grouped: bool = True, fast: bool = False) -> list:
+    """KernelSpecs of the three kernels (and the MXFP4 activation prep) at one path: `grouped` (sorted by expert)
+    or per pair, float or `mxfp4` weights, `fast` (the MXFP4 inline-PTX decode) or exact. Path constexprs:
+    MXFP4, GROUPED, FAST, ACT; SPLIT and USE_ASM are the dtype's and the device's choice."""
     w = s = "*u8" if mxfp4 else f"*{dtype}"
     b = DEFAULT_BLOCKS
     split = dtype == "fp32" and mxfp4
@@ -490,8 +491,10 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
             "BLOCK_K": b["BLOCK_K"], "FAST": fast, "USE_ASM": True}
     cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
     cb_c = {"D": D, "A": A, "BLOCK_C": BLOCK_C}
-    specs = [kernel_spec(grouped_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
-             kernel_spec(grouped_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
+    specs = [kernel_spec(grouped_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr"),
+                         path=("MXFP4", "GROUPED", "FAST", "ACT")),
+             kernel_spec(grouped_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr"),
+                         path=("MXFP4", "GROUPED", "FAST")),
              kernel_spec(combine_kernel, cb_sig, cb_c)]
     if mxfp4:
         pr_sig = {"x_ptr": f"*{dtype}", "xin_ptr": "*fp16" if fast else "*fp32", "xs_ptr": "*fp32",
@@ -499,6 +502,14 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
         pr_c = {"D": D, "FAST": fast, "BLOCK": 1024}
         specs.append(kernel_spec(mx_prep_kernel, pr_sig, pr_c))
     return specs
+
+
+def all_paths(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", **dims) -> list:
+    """Every path grouped_experts can take for these weights: per pair (<= 16 tokens) and grouped by expert, and
+    for MXFP4 the exact and the fast decode (the fast one needs SiTU-GLU and in-range scales)."""
+    fasts = (False, True) if mxfp4 and act == "situ" else (False,)
+    return [s for grouped in (False, True) for fast in fasts
+            for s in audit_specs(dtype, mxfp4, act, grouped=grouped, fast=fast, **dims)]
 
 
 # ---- the harness variant ----------------------------------------------------------------------------
@@ -518,5 +529,5 @@ GROUPED_EXPERTS_VARIANT = register(Variant(Manifest(
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
     sources=("megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True,
-    graph_capturable=True),
+    graph_capturable=True, kernels=lambda: all_paths("bf16", False, "silu", D=2048, I=768, A=8)),
     _run, kernel=grouped_up_kernel))

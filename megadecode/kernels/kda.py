@@ -77,7 +77,7 @@ def kda_decode_recurrence(q, k, v, g, beta, rec_state: torch.Tensor, rows, block
     return o
 
 
-def audit_specs(H: int = 96, K: int = 128, V: int = 128) -> list[tuple]:
+def audit_specs(H: int = 96, K: int = 128, V: int = 128) -> list:
     sig = {n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "s_ptr", "o_ptr")}
     sig["rows_ptr"] = "*i64"
     consts = {"H": H, "K": K, "V": V, "BLOCK_K": triton.next_power_of_2(K), "BLOCK_V": 32}
@@ -99,5 +99,6 @@ KDA_VARIANT = register(Variant(Manifest(
     replaces=(ATTN_KDA,),
     scope=Scope(families=("kimi_linear", "kimi_k3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
-    sources=("megadecode/kernels/kda.py", "megadecode/reference/kda.py"), uses_triton=True, graph_capturable=True),
+    sources=("megadecode/kernels/kda.py", "megadecode/reference/kda.py"), uses_triton=True, graph_capturable=True,
+    kernels=audit_specs),
     _run, kernel=kda_step_kernel))

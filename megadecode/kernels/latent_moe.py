@@ -18,8 +18,10 @@ import torch
 from ..contract import Manifest, Scope, Variant, register
 from ..plan import LATENT_MOE
 from ..quant.mxfp4 import MXFP4Tensor
+from . import fused_experts, grouped_experts
 from .grouped_experts import routed_experts
-from .linear import audit_specs, linear, linear_kernel  # noqa: F401  (audit_specs: the projections' kernel)
+from .linear import audit_specs as linear_specs
+from .linear import linear, linear_kernel
 
 
 def latent_moe(x, ids, wts, down_w, gate_up: MXFP4Tensor, down: MXFP4Tensor, norm_w, up_w, *, act: str,
@@ -28,6 +30,16 @@ def latent_moe(x, ids, wts, down_w, gate_up: MXFP4Tensor, down: MXFP4Tensor, nor
     h = linear(x.contiguous(), down_w)
     z = routed_experts(h, ids.contiguous(), wts.float().contiguous(), gate_up, down, act=act)
     return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out)
+
+
+def audit_specs(dtype: str = "bf16", D: int = 7168, R: int = 3584, I: int = 3072, A: int = 16) -> list:
+    """Every kernel the op can launch at K3's dims: the latent down (plain) and up (RMSNorm fused) projections,
+    and the routed MXFP4 experts on each path routed_experts picks: the FMA kernels (<= 16 tokens, scales that
+    rule out the fast decode, and the CPU), the tensor-core kernels per pair and grouped, exact and fast."""
+    return [*linear_specs(dtype, norm=False, K=D, N=R, x_dtype=dtype, partials=False, out_dtype="fp32"),
+            *linear_specs(dtype, norm=True, K=R, N=D, x_dtype="fp32"),
+            *fused_experts.audit_specs("fp32", True, "situ", D=R, I=I, A=A),
+            *grouped_experts.all_paths("fp32", True, "situ", D=R, I=I, A=A)]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
@@ -46,5 +58,6 @@ LATENT_MOE_VARIANT = register(Variant(Manifest(
     scope=Scope(families=("kimi_k3",), dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"),
                 batch=(1, 256), arch="sm_90"),
     sources=("megadecode/kernels/latent_moe.py", "megadecode/kernels/linear.py", "megadecode/kernels/common.py",
-             "megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True, graph_capturable=True),
+             "megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True,
+    graph_capturable=True, kernels=audit_specs),
     _run, kernel=linear_kernel))

@@ -120,10 +120,16 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, k_splits: int) -> torch.Te
     return out
 
 
-def audit_specs(dtype: str = "bf16", norm: bool = True, K: int = 3584, N: int = 7168) -> list[tuple]:
-    sig = {"x_ptr": "*fp32", "w_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "T": "i32",
-           "stride_x": "i32", "stride_w": "i32", "stride_out": "i32", "eps": "fp32"}
-    consts = {"N": N, "K": K, "NORM": norm, "SPLIT": dtype != "fp32", "BLOCK_N": DEFAULT_BLOCKS["BLOCK_N"],
-              "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"], "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"],
-              "KC": 0 if norm else 512}  # the K-chunk partials form (the router's logits) when not normed
-    return [kernel_spec(linear_kernel, sig, consts, static=("w_ptr", "g_ptr"))]
+def audit_specs(dtype: str = "bf16", norm: bool = True, K: int = 3584, N: int = 7168, x_dtype: str = "fp32",
+                partials: bool | None = None, out_dtype: str | None = None) -> list:
+    """linear_kernel at weights of `dtype`, activations of `x_dtype`: the normed projection (NORM), the plain one,
+    or the K-chunk partials (KC > 0: the router's logits; default: when not normed). Path constexprs: NORM and KC
+    (0 or more); SPLIT (hi + lo parts for fp32 activations on 16-bit weights) is the dtypes' choice."""
+    partials = (not norm) if partials is None else partials
+    sig = {"x_ptr": f"*{x_dtype}", "w_ptr": f"*{dtype}", "g_ptr": f"*{dtype}",
+           "out_ptr": "*fp32" if partials else f"*{out_dtype or dtype}", "T": "i32", "stride_x": "i32",
+           "stride_w": "i32", "stride_out": "i32", "eps": "fp32"}
+    consts = {"N": N, "K": K, "NORM": norm, "SPLIT": dtype != "fp32" and x_dtype == "fp32",
+              "BLOCK_N": DEFAULT_BLOCKS["BLOCK_N"], "BLOCK_M": DEFAULT_BLOCKS["BLOCK_M"],
+              "BLOCK_K": DEFAULT_BLOCKS["BLOCK_K"], "KC": 512 if partials else 0}
+    return [kernel_spec(linear_kernel, sig, consts, static=("w_ptr", "g_ptr"), path=("NORM", "KC"))]

@@ -240,7 +240,7 @@ def lm_head_sample(x: torch.Tensor, w: torch.Tensor, params: SamplingParams, see
     return tokens, logprobs, logits
 
 
-def audit_specs(dtype: str = "bf16", D: int = 7168, V: int = 163840) -> list[tuple]:
+def audit_specs(dtype: str = "bf16", D: int = 7168, V: int = 163840) -> list:
     """Both kernels, greedy and sampling forms. Roles: w static; x, the seed (a step input a graph or an
     earlier kernel may write), logits, partials and outputs produced (plain loads only)."""
     specs = []
@@ -276,5 +276,5 @@ LM_HEAD_VARIANT = register(Variant(Manifest(
     replaces=(LM_HEAD,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"),
                 dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
-    sources=("megadecode/kernels/lm_head.py",), uses_triton=True, graph_capturable=True),
+    sources=("megadecode/kernels/lm_head.py",), uses_triton=True, graph_capturable=True, kernels=audit_specs),
     _run, kernel=lm_head_kernel))

@@ -100,13 +100,13 @@ def mla_decode_core(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch
     return combine(m, l, acc, o)
 
 
-def audit_specs(dtype: str = "bf16", H: int = 96, C: int = 512, R: int = 64) -> list[tuple]:
+def audit_specs(dtype: str = "bf16", H: int = 96, C: int = 512, R: int = 64) -> list:
     sig = {"ql_ptr": f"*{dtype}", "qp_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "rows_ptr": "*i64",
            "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "stride_cs": "i64",
            "stride_cl": "i32", "scale": "fp32", "S": "i32", "CHUNK": "i32"}
     consts = {"H": H, "C": C, "R": R, "BLOCK_H": 16, "BLOCK_L": 32, "BLOCK_C": C, "BLOCK_R": R,
               "IEEE": dtype == "fp32"}
-    return [kernel_spec(mla_split_kernel, sig, consts), *splitk_specs("fp32")]
+    return [kernel_spec(mla_split_kernel, sig, consts, free=("IEEE",)), *splitk_specs("fp32")]
 
 
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
@@ -129,5 +129,5 @@ MLA_VARIANT = register(Variant(Manifest(
     scope=Scope(families=("deepseek_v3", "kimi_linear", "kimi_k3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
     sources=("megadecode/kernels/mla.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py"), uses_triton=True,
-    graph_capturable=True),
+    graph_capturable=True, kernels=audit_specs),
     _run, kernel=mla_split_kernel))

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..config import ModelConfig
-from ..contract import Manifest, Scope, Variant, register
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import ADD_RMSNORM, RMSNORM
 
 
@@ -93,6 +93,19 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
                                                    D=x.shape[1], BLOCK_T=block_t, BLOCK_D=block_d)
 
 
+def audit_specs(dtype: str = "bf16", D: int = 7168) -> list:
+    """Both kernels at bf16 and K3's hidden size (one specialization each: no code-path constexprs)."""
+    block_d = triton.next_power_of_2(D)
+    consts = {"D": D, "BLOCK_T": max(1, 4096 // block_d), "BLOCK_D": block_d}
+    norm = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "T": "i32", "stride_x": "i32",
+            "stride_out": "i32", "eps": "fp32"}
+    add = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "sum_ptr": f"*{dtype}",
+           "out_ptr": f"*{dtype}", "T": "i32", "stride_a": "i32", "stride_b": "i32", "stride_s": "i32",
+           "stride_out": "i32", "eps": "fp32"}
+    return [kernel_spec(rmsnorm_kernel, norm, consts, static=("w_ptr",)),
+            kernel_spec(add_rmsnorm_kernel, add, consts, static=("w_ptr",))]
+
+
 def gather_rows(op, inputs) -> torch.Tensor:
     """The final norm reads only the rows whose logits are wanted (op.inputs[1])."""
     x = inputs[op.inputs[0]]
@@ -103,16 +116,14 @@ def _run(op, inputs, weights, outputs, cfg: ModelConfig, step, cache=None):
     rms_norm_triton(gather_rows(op, inputs), weights[op.weights[0]], cfg.rms_norm_eps, outputs[op.outputs[0]])
 
 
-def _dims(cfg: ModelConfig) -> str | None:
-    """hidden <= 16384"""
-    return None if cfg.hidden_size <= 16384 else f"hidden {cfg.hidden_size} > 16384 (one row per program)"
+LIMITS = (("hidden_size", 1, 16384),)  # one program holds a whole row
 
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
 RMSNORM_VARIANT = register(Variant(Manifest(
     name="triton-rmsnorm", description="RMSNorm, a block of rows per Triton program, fp32 statistics",
-    replaces=(RMSNORM,), scope=Scope(families=FAMILIES, dims=_dims), sources=("megadecode/kernels/rmsnorm.py",),
-    uses_triton=True),
+    replaces=(RMSNORM,), scope=Scope(families=FAMILIES, limits=LIMITS), sources=("megadecode/kernels/rmsnorm.py",),
+    uses_triton=True, kernels=lambda: audit_specs()[:1]),
     _run, kernel=rmsnorm_kernel))
 
 
@@ -126,6 +137,6 @@ ADD_RMSNORM_VARIANT = register(Variant(Manifest(
     name="triton-add-rmsnorm",
     description="the residual add fused with the RMSNorm after it (plan.fuse_add_rmsnorm's ADD_RMSNORM): "
                 "writes the sum and the normed sum from one read of the addends, fp32 statistics",
-    replaces=(ADD_RMSNORM,), scope=Scope(families=FAMILIES, dims=_dims), sources=("megadecode/kernels/rmsnorm.py",),
-    uses_triton=True, graph_capturable=True),
+    replaces=(ADD_RMSNORM,), scope=Scope(families=FAMILIES, limits=LIMITS), sources=("megadecode/kernels/rmsnorm.py",),
+    uses_triton=True, graph_capturable=True, kernels=lambda: audit_specs()[1:]),
     _run_add, kernel=add_rmsnorm_kernel))

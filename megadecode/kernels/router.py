@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from ..config import ModelConfig
-from ..contract import Manifest, Scope, Variant, register
+from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import ROUTER
+from .linear import audit_specs as linear_specs
 from .linear import linear_partials
 from .splitk import num_sms
 
@@ -159,13 +160,28 @@ def _run(op, inputs, weights, outputs, cfg, step, cache=None):
                  outputs["topk_weights"])
 
 
-def _dims(cfg: ModelConfig) -> str | None:
-    """experts <= 1024, groups <= 16"""
-    if cfg.num_experts > 1024:
-        return f"{cfg.num_experts} experts: one program holds all scores, at most 1024"
-    if cfg.n_group > 16:
-        return f"{cfg.n_group} groups: the group loop is unrolled, at most 16"
-    return None
+def audit_specs(dtype: str = "bf16", D: int = 7168, E: int = 256, A: int = 8, prescored: tuple = (True,)) -> list:
+    """The selection kernel at every routing form the configs select (softmax; sigmoid with a selection bias,
+    without and with expert groups) x renormalisation on/off, after the K-chunk logits (PRESCORED, the
+    launcher's default `split=True`; `prescored=(False, True)` adds the one-kernel form), and the logits'
+    linear_kernel. Path constexprs: the booleans and G (1 or more groups)."""
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32",
+           "s_ptr": "*fp32", "T": "i32", "stride_x": "i32", "stride_w": "i32", "scale": "fp32"}
+    specs = []
+    for sigmoid, groups in ((False, 1), (True, 1), (True, 8)):
+        for norm in (True, False):
+            for pre in prescored:
+                consts = {"D": D, "E": E, "SIGMOID": sigmoid, "HAS_BIAS": sigmoid, "NORM": norm, "G": groups,
+                          "TOPK_GROUP": min(groups, 4), "A": A, "BLOCK_T": 16, "BLOCK_E": triton.next_power_of_2(E),
+                          "BLOCK_D": 1 if pre else 64, "BLOCK_A": triton.next_power_of_2(A),
+                          "BLOCK_G": triton.next_power_of_2(groups), "PRESCORED": pre, "KS": 8 if pre else 1}
+                specs.append(kernel_spec(router_kernel, sig, consts, static=("w_ptr", "bias_ptr"),
+                                         path=("SIGMOID", "HAS_BIAS", "NORM", "G", "PRESCORED")))
+    return specs + linear_specs(dtype, norm=False, K=D, N=E, x_dtype=dtype, partials=True)
+
+
+# one program holds all E scores of a token; the group loop is unrolled
+LIMITS = (("num_experts", 1, 1024), ("n_group", 1, 16))
 
 
 ROUTER_VARIANT = register(Variant(Manifest(
@@ -173,6 +189,7 @@ ROUTER_VARIANT = register(Variant(Manifest(
     description="router in Triton: logits by a tensor-core projection over expert tiles, then one kernel (a "
                 "block of tokens per program) for scores, bias, groups, top-k (lowest index wins), renormalise, "
                 "scale; fp32 math",
-    replaces=(ROUTER,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), dims=_dims),
-    sources=("megadecode/kernels/router.py", "megadecode/kernels/linear.py", "megadecode/kernels/common.py"), uses_triton=True),
+    replaces=(ROUTER,), scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"), limits=LIMITS),
+    sources=("megadecode/kernels/router.py", "megadecode/kernels/linear.py", "megadecode/kernels/common.py"), uses_triton=True,
+    kernels=audit_specs),
     _run, kernel=router_kernel))

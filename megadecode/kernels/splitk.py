@@ -92,6 +92,6 @@ def combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, out: torch.Tens
     return out
 
 
-def audit_specs(dtype: str = "bf16") -> list[tuple]:
+def audit_specs(dtype: str = "bf16") -> list:
     sig = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": f"*{dtype}", "W": "i32", "S": "i32"}
     return [kernel_spec(combine_kernel, sig, {"BLOCK_S": 64, "BLOCK_W": 128})]

@@ -11,6 +11,9 @@ Compiles for sm_90 on a machine without a GPU, then checks the rules of SPEC.md:
 - sass-nc-load-of-produced: a SASS `LDG...CONSTANT` (read-only path) whose source line only has
   PTX loads of produced buffers among its candidates (catches ptxas promoting a coherent load).
 
+`audit_spec` compiles any declared kernel spec (contract/kernels.py) and audits it; validate/kernel_audit.py runs
+the audits of a variant's declared kernels (cached, in a fresh process when Triton runs interpreted here).
+
 Pointer parameters are named by role: "static" (never written during the launch: weights, step
 inputs), "produced" (written during the launch) or "flag" (a produced synchronisation word).
 Loads are mapped to parameters by tracing `ld.param` registers through address arithmetic.
@@ -26,9 +29,7 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from ..contract.kernels import KernelSpec, kernel_spec  # noqa: F401  (the kernels' side of the audit)
-
-ROLES = ("static", "produced", "flag")
+from ..contract.kernels import ROLES
 R_NC, R_ACQ, R_REL, R_ORDER, R_SASS = ("nc-load-of-produced", "wait-without-acquire",
                                        "signal-without-release", "store-after-signal",
                                        "sass-nc-load-of-produced")
@@ -59,6 +60,8 @@ class AuditReport:
     skipped: dict[str, str] = field(default_factory=dict)  # rule -> reason
     nc_loads: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (where, params), PTX
     sass_nc_loads: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (src, params)
+    error: str | None = None  # the kernel could not be compiled or audited: a failure, never a pass
+    path: dict = field(default_factory=dict)  # the spec's launch specialization (its path constexprs)
 
     @property
     def errors(self) -> list[Finding]:
@@ -66,7 +69,14 @@ class AuditReport:
 
     @property
     def passed(self) -> bool:
-        return not self.errors
+        return not self.errors and self.error is None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AuditReport":
+        return cls(d["kernel"], d["target"], list(d["rules_checked"]),
+                   [Finding(**{**f, "params": tuple(f["params"])}) for f in d["findings"]], dict(d["skipped"]),
+                   [(w, tuple(p)) for w, p in d["nc_loads"]], [(w, tuple(p)) for w, p in d["sass_nc_loads"]],
+                   d.get("error"), dict(d.get("path") or {}))
 
     def by_rule(self, rule: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == rule]
@@ -77,8 +87,11 @@ class AuditReport:
         return d
 
     def to_markdown(self) -> str:
-        out = [f"### Audit `{self.kernel}` ({self.target}): {'PASS' if self.passed else 'FAIL'}", "",
+        path = f" {self.path}" if self.path else ""
+        out = [f"### Audit `{self.kernel}`{path} ({self.target}): {'PASS' if self.passed else 'FAIL'}", "",
                f"Rules checked: {', '.join(self.rules_checked) or 'none'}."]
+        if self.error:
+            out.append(f"- ERROR: {self.error}")
         for rule, why in self.skipped.items():
             out.append(f"- SKIP {rule}: {why}")
         if self.findings:
@@ -366,79 +379,18 @@ def disassemble(cubin: bytes) -> tuple[str | None, str]:
     return r.stdout, ""
 
 
-_COMPILE_SCRIPT = """
-import base64, importlib, json, sys
-from megadecode.validate.audit import compile_kernel
-module, name, signature, constexprs, arch = json.loads(sys.argv[1])
-k = compile_kernel(getattr(importlib.import_module(module), name), signature, constexprs, arch)
-print(json.dumps({"ptx": k.asm["ptx"], "cubin": base64.b64encode(k.asm["cubin"]).decode()}))
-"""
-
-
-def _compile_elsewhere(fn, signature: dict[str, str], constexprs: dict, arch: int):
-    """Compile a kernel that this process decorated for the Triton interpreter (which cannot be compiled): the
-    same module imported afresh in a child process without TRITON_INTERPRET. Returns an object with `asm`."""
-    import base64
-    import json
-    import sys
-    from types import SimpleNamespace
-
-    module, name = fn.fn.__module__, fn.fn.__qualname__
-    try:
-        arg = json.dumps([module, name, signature, constexprs, arch])
-    except TypeError as e:
-        raise ValueError(f"cannot compile interpreted kernel {name} in a child process: its constexprs are not "
-                         f"JSON values ({e})") from None
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, arg], env=env, capture_output=True, text=True,
-                       timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"compiling {module}.{name} for sm_{arch} in a child process failed: {r.stderr[-2000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    return SimpleNamespace(asm={"ptx": out["ptx"], "cubin": base64.b64decode(out["cubin"])})
-
-
-def compile_kernel(fn, signature: dict[str, str], constexprs: dict | None = None, arch: int = 90,
-                   warp_size: int = 32):
-    """triton.compile for cuda:<arch> without a GPU. `signature` maps every argument of `fn` to a
-    Triton type ("*fp32", "i32", ...) or "constexpr"; returns the CompiledKernel (asm["ptx"], ["cubin"]).
-    A kernel decorated for the interpreter (TRITON_INTERPRET=1 at its import: CPU tests, `validate` on the CPU)
-    is compiled from its module in a child process."""
-    unknown = set(signature) - set(fn.arg_names)
-    if unknown:
-        raise ValueError(f"signature names arguments {fn.__name__} does not have: {sorted(unknown)}")
-    absent = [a for a in fn.arg_names if a not in signature]
-    if absent:
-        raise ValueError(f"signature misses arguments of {fn.__name__}: {absent}")
-    consts = dict(constexprs or {})
-    need = [a for a, t in signature.items() if t == "constexpr" and a not in consts]
-    if need:
-        raise ValueError(f"constexpr arguments without a value: {need}")
-    if type(fn).__name__ == "InterpretedFunction":
-        if warp_size != 32:
-            raise ValueError("interpreted kernels compile in a child process with warp size 32 only")
-        return _compile_elsewhere(fn, dict(signature), consts, arch)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    src = ASTSource(fn, dict(signature), consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
-
-
-def audit_kernel(fn, signature: dict[str, str], roles: dict[str, str], constexprs: dict | None = None,
-                 *, arch: int = 90, sass: bool = True) -> AuditReport:
-    """Compile `fn` for sm_<arch> and audit its PTX (and SASS when `sass` and nvdisasm exist)."""
-    compiled = compile_kernel(fn, signature, constexprs, arch)
-    params = [a for a in fn.arg_names if signature[a] != "constexpr"]
-    pointers = {a for a in params if signature[a].startswith("*")}
-    notptr = [p for p in roles if p in params and p not in pointers]
-    if notptr:
-        raise ValueError(f"roles given for non-pointer parameters: {notptr}")
+def audit_spec(spec, *, arch: int = 90, sass: bool = True) -> AuditReport:
+    """Compile a declared kernel (any spec of contract/kernels.py: Triton's KernelSpec, or another framework's
+    spec with the same interface) for sm_<arch> and audit its PTX, and its SASS when `sass` and nvdisasm exist.
+    Must run where the spec can compile (not needs_fresh_process(): see validate/kernel_audit.py)."""
+    if hasattr(spec, "check"):
+        spec.check()
+    c = spec.compile(arch)
     text, why = (None, "SASS not requested")
     if sass:
-        text, why = disassemble(compiled.asm["cubin"])
-    return audit_ptx(compiled.asm["ptx"], params, roles, kernel=fn.__name__, target=f"cuda:sm_{arch}",
-                     pointer_params=pointers, sass=text, sass_skip_reason=why)
+        text, why = disassemble(c.cubin) if c.cubin else (None, "the compiler gave no cubin")
+    return audit_ptx(c.ptx, c.params, spec.roles, kernel=spec.name, target=f"cuda:sm_{arch}",
+                     pointer_params=c.pointer_params, sass=text, sass_skip_reason=why)
 
 
 def roles_from_plan(plan, param_buffers: dict[str, str], flags: tuple[str, ...] = ()) -> dict[str, str]:

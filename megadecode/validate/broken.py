@@ -13,6 +13,24 @@ classic bug. The harness must flag every one of them (tests/test_validate.py), a
                                 through the next expert)
   broken-attn-stale-cache       attention that leaves the last token's old cache entry in place
                                 (this step's output is right; the cache is stale for the next step)
+One per gap the harness used to have (issue 12), each caught by what closed it:
+  broken-rmsnorm-mask-overrun   store mask d <= D: one element past each row at non-power-of-two hidden
+                                (odd-dims cases; the guard regions)
+  broken-rmsnorm-pow2-mean      mean over BLOCK_D, not D: wrong only at non-power-of-two hidden (odd-dims)
+  broken-rmsnorm-sumsq16        16-bit sum of squares: fp16 overflows on large rows (magnitude-large)
+  broken-rmsnorm-eps-outside    x / (sqrt(mean) + eps): wrong only on rows of tiny norm (magnitude-tiny)
+  broken-rmsnorm-eps-sign       rsqrt(mean - eps): NaN on tiny rows, reported as computed, not as poison left
+  broken-rmsnorm-nc-load        renamed RMSNorm reading x through ld.global.nc: right numbers, caught by the
+                                static audit, which keys on the declared kernels in every mode, not on names
+  broken-router-undeclared-path the router's one-kernel form (split=False): a specialization its manifest does
+                                not declare, so never audited (the launch check)
+  broken-mla-merge              MLA whose split-over-cache merge forgets to rescale the chunks by exp(m_s - M):
+                                wrong only when the cache spans several chunks (long-cache cases)
+  broken-attn-arange-slots      GQA attention assuming slot n for token n: wrong only with permuted slots
+  broken-experts-scale          experts output scaled by 1.05: caught in bf16 as in fp32 (derived tolerances)
+  broken-mlp-gelu               dense MLP with GELU instead of SiLU: an MLP op can be validated at all (builders)
+  broken-experts-atomic         experts combined by a scatter-add (index_add_: atomics on the GPU, in whatever
+                                order they land): deterministic on the CPU, caught by the GPU's repeat checks
 """
 
 from __future__ import annotations
@@ -20,17 +38,24 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import triton
 
 from ..contract import Variant, register
+from ..kernels import mla as K_MLA
 from ..kernels import rmsnorm as K_NORM
 from ..kernels import router as K_ROUTER
+from ..reference.attention import mla_attention
+from . import broken_kernels as K_MUT
 from . import torch_variants as K_TORCH
 
 
-def _broken(base: Variant, name: str, description: str, impl) -> Variant:
+def _broken(base: Variant, name: str, description: str, impl, kernels=None) -> Variant:
+    """A copy of `base` running `impl`; `kernels`: its own kernel declaration (else the base's)."""
     m = base.manifest
+    extra = {} if kernels is None else {"kernels": kernels, "uses_triton": True}
+    kernel = base.kernel if kernels is None else None
     return register(Variant(replace(m, name=name, description=description,
-                                    sources=m.sources + ("megadecode/validate/broken.py",)), impl, base.kernel))
+                                    sources=m.sources + ("megadecode/validate/broken.py",), **extra), impl, kernel))
 
 
 def _route(cfg, op, inputs, weights, outputs):
@@ -103,6 +128,83 @@ def _stale_cache(op, inputs, weights, outputs, cfg, step, cache):
         c[slot, pos] = o
 
 
+def _mutant(**planted):
+    def run(op, inputs, weights, outputs, cfg, step, cache=None):
+        x, w, eps, out = _norm_args(op, inputs, weights, outputs, cfg)
+        K_MUT.rms_norm_mutant(x, w, eps, out, **planted)
+    return run
+
+
+def _router_one_kernel(op, inputs, weights, outputs, cfg, step, cache=None):
+    bias = weights[op.weights[1]] if len(op.weights) > 1 else None
+    K_ROUTER.route_triton(cfg, inputs[op.inputs[0]], weights[op.weights[0]], bias, outputs["topk_ids"],
+                          outputs["topk_weights"], split=False)
+
+
+def _mla_core_no_rescale(q_lat, q_pe, latent_cache, step, scale, block_h: int = 16, block_l: int = 32):
+    """kernels/mla.py mla_decode_core with a merge that adds the chunks' partial sums as they are: right when
+    one chunk holds the whole cache, wrong when several do (their running maxima differ)."""
+    N, H, C = q_lat.shape
+    R = q_pe.shape[-1]
+    rows = torch.arange(N, device=q_lat.device) if step.contiguous_slots else step.slots
+    dt = latent_cache.dtype
+    hb = -(-H // block_h)
+    S, chunk = K_MLA.split_plan(N * hb, step.kv_len, block_l, q_lat.device)
+    m, l, acc = K_MLA.partials(N * H, S, C, q_lat.device)
+    K_MLA.mla_split_kernel[(N, hb, S)](
+        q_lat.to(dt).contiguous(), q_pe.to(dt).contiguous(), latent_cache, rows.contiguous(),
+        step.positions.contiguous(), m, l, acc, latent_cache.stride(0), latent_cache.stride(1), float(scale), S, chunk,
+        H=H, C=C, R=R, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_C=max(16, triton.next_power_of_2(C)),
+        BLOCK_R=max(16, triton.next_power_of_2(R)), IEEE=dt == torch.float32)
+    return (acc.sum(1) / l.sum(1)[:, None]).view(N, H, C)
+
+
+def _mla_merge(op, inputs, weights, outputs, cfg, step, cache=None):
+    from ..reference.rope import rope_cos_sin
+
+    x = inputs[op.inputs[0]]
+    rope = rope_cos_sin(cfg, step.positions, x.dtype) if cfg.mla_rope else None
+    outputs[op.outputs[0]].copy_(mla_attention(cfg, weights, f"model.layers.{op.layer}.self_attn", x, step, rope,
+                                               cache[0], core=_mla_core_no_rescale))
+
+
+def _arange_slots(op, inputs, weights, outputs, cfg, step, cache):
+    n = step.num_tokens
+    K_TORCH.attn_gqa(op, inputs, weights, outputs, cfg,
+                     replace(step, slots=torch.arange(n, device=step.slots.device), contiguous_slots=True), cache)
+
+
+def _scaled_experts(op, inputs, weights, outputs, cfg, step, cache=None):
+    K_TORCH.GROUPED_EXPERTS.run(op, inputs, weights, outputs, cfg, step)
+    outputs[op.outputs[0]].mul_(1.05)
+
+
+def _mlp_gelu(op, inputs, weights, outputs, cfg, step, cache=None):
+    x = inputs[op.inputs[0]].float()
+    gate, up, down = (weights[n].float() for n in op.weights)
+    outputs[op.outputs[0]].copy_((torch.nn.functional.gelu(x @ gate.T) * (x @ up.T)) @ down.T)
+
+
+def _atomic_combine(op, inputs, weights, outputs, cfg, step, cache=None):
+    """Each (token, pick) pair's expert output scatter-added into the token's row in the output dtype: on the
+    GPU index_add_ uses atomic adds, whose order (and so the rounding) changes from run to run."""
+    x, ids, wts = (inputs[n] for n in op.inputs)
+    T, A = ids.shape
+    order, offs = K_TORCH.expert_offsets(ids, cfg.num_experts)
+    y = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)
+    ends = offs.tolist()
+    gate_up, down = weights[op.weights[0]], weights[op.weights[1]]
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        if end > start:
+            pairs = order[start:end]
+            g, u = torch.nn.functional.linear(x[pairs // A], gate_up[e]).chunk(2, dim=-1)
+            y[pairs] = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, down[e]).float()
+    out = outputs[op.outputs[0]]
+    out.zero_()
+    tokens = torch.arange(T, device=x.device).repeat_interleave(A)
+    out.index_add_(0, tokens, (y * wts.reshape(-1, 1).float()).to(out.dtype))
+
+
 BROKEN: list[Variant] = [
     _broken(K_ROUTER.ROUTER_VARIANT, "broken-router-tie-high", "router whose top-k ties go to the higher index",
             _tie_high),
@@ -120,4 +222,29 @@ BROKEN: list[Variant] = [
             _shifted_offsets),
     _broken(K_TORCH.ATTN_GQA_TORCH, "broken-attn-stale-cache",
             "GQA attention that keeps the last token's stale cache entry", _stale_cache),
+    _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-mask-overrun",
+            "RMSNorm whose store mask writes one element past each row (d <= D)", _mutant(MASK_OVERRUN=True),
+            lambda: K_MUT.mutant_specs(MASK_OVERRUN=True)),
+    _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-pow2-mean", "RMSNorm dividing the sum of squares by BLOCK_D",
+            _mutant(POW2_MEAN=True), lambda: K_MUT.mutant_specs(POW2_MEAN=True)),
+    _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-sumsq16", "RMSNorm summing squares in the 16-bit input dtype",
+            _mutant(SUMSQ_16BIT=True), lambda: K_MUT.mutant_specs(SUMSQ_16BIT=True)),
+    _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-eps-outside", "RMSNorm computing x / (sqrt(mean) + eps)",
+            _mutant(EPS_OUTSIDE=True), lambda: K_MUT.mutant_specs(EPS_OUTSIDE=True)),
+    _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-eps-sign", "RMSNorm computing rsqrt(mean - eps)",
+            _mutant(EPS_SIGN=True), lambda: K_MUT.mutant_specs(EPS_SIGN=True)),
+    _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-nc-load",
+            "RMSNorm (renamed copy) reading its input through the non-coherent load path", _mutant(NC_LOAD=True),
+            lambda: K_MUT.mutant_specs(NC_LOAD=True)),
+    _broken(K_ROUTER.ROUTER_VARIANT, "broken-router-undeclared-path",
+            "router launching its one-kernel form, which its manifest does not declare", _router_one_kernel),
+    _broken(K_MLA.MLA_VARIANT, "broken-mla-merge", "MLA decode whose split merge skips the exp(m_s - M) rescale",
+            _mla_merge),
+    _broken(K_TORCH.ATTN_GQA_TORCH, "broken-attn-arange-slots", "GQA attention assuming slot n for token n",
+            _arange_slots),
+    _broken(K_TORCH.GROUPED_EXPERTS, "broken-experts-scale", "grouped experts with the output scaled by 1.05",
+            _scaled_experts),
+    _broken(K_TORCH.MLP_TORCH, "broken-mlp-gelu", "dense MLP with GELU instead of SiLU", _mlp_gelu),
+    _broken(K_TORCH.LOOP_EXPERTS, "broken-experts-atomic",
+            "loop experts combined by a scatter-add (atomics on the GPU, order-dependent)", _atomic_combine),
 ]

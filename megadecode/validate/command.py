@@ -5,8 +5,10 @@
     megadecode validate triton-router --e2e
 
 Without a GPU, Triton variants run under the Triton interpreter (TRITON_INTERPRET=1 is set before the
-kernels are imported) in fp32/fp16; bf16 and sm_90-only variants SKIP with the reason. Exit code 1 when
-any cell FAILs.
+kernels are imported) in fp32/fp16; bf16 and sm_90-only variants SKIP with the reason. Every mode also audits
+every kernel the variant declares (static sm_90 PTX/SASS audit, validate/kernel_audit.py) and runs the extra
+cases of validate/cases.py (all of them; --quick: a seeded sample, printed). Exit code 1 when any cell or audit
+FAILs, and when no cell ran (NOT RUN: every cell skipped proves nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="batches 1,3,8,67, fp32+fp16, one seed")
     p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default: 1 quick, 3 full)")
     p.add_argument("--e2e", action="store_true", help="also run 128 greedy steps against the torch executor")
+    p.add_argument("--extra", type=int, default=None, metavar="K",
+                   help="extra cases (odd dims, tile edges, long caches, permuted slots, magnitudes) per (preset, op) "
+                        "(default: all of them; with --quick: 4, batches <= 65); 0: none")
+    p.add_argument("--case-seed", type=int, default=0, help="seed of the extra cases' sample (default: 0)")
+    p.add_argument("--preset", action="append", default=None,
+                   help="run on this preset (repeatable; default: the tiny presets of the families in scope)")
     p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON to OUT (default: not written)")
     p.add_argument("--report", metavar="DIR", help="write DIR/<variant>.html (evidence report) and DIR/<variant>.md "
                    "(default: not written)")
@@ -48,14 +56,18 @@ def cmd_validate(args, argv) -> int:
     if _device() == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are decorated
     from .catalog import all_variants, get
+    from .kernel_audit import audit_rows, audit_variant
     from .matrix import (
         BATCH_SWEEP,
         DTYPES,
         QUICK_BATCHES,
-        counts,
+        QUICK_EXTRA,
+        QUICK_EXTRA_MAX_BATCH,
+        case_plan,
         run_matrix,
         save_json,
         summary_table,
+        verdict,
     )
 
     if args.ordering:
@@ -70,11 +82,27 @@ def cmd_validate(args, argv) -> int:
     quick = args.quick
     seeds = tuple(range(args.seeds if args.seeds is not None else (1 if quick else 3)))
     device = _device()
-    rows = run_matrix(v, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
-                      dtypes=("float32", "float16") if quick else DTYPES, seeds=seeds, device=device)
+    extra = args.extra if args.extra is not None else (QUICK_EXTRA if quick else None)
+    extra_max = QUICK_EXTRA_MAX_BATCH if quick and device == "cpu" else None
+    rows = run_matrix(v, presets=args.preset, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
+                      dtypes=("float32", "float16") if quick else DTYPES, seeds=seeds, device=device,
+                      extra=extra, case_seed=args.case_seed, extra_max_batch=extra_max)
     print(f"variant {v.name} on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'})")
     print(summary_table(rows))
-    failed = counts(rows)["FAIL"] > 0
+    plan = case_plan(v, presets=args.preset, extra=extra, case_seed=args.case_seed, device=device,
+                     extra_max_batch=extra_max) if extra != 0 else {}
+    for where, names in plan.items():
+        print(f"extra cases {where} (seed {args.case_seed}): {', '.join(names)}")
+    audits = audit_variant(v)
+    for a in audits:
+        print(f"audit {'PASS' if a.passed else 'FAIL'} {a.kernel} {a.path or ''}"
+              f"{'' if a.passed else ': ' + (a.error or ', '.join(sorted({f.rule for f in a.errors})))}")
+    if not audits:
+        print("audit: no compiled kernel declared (Manifest.kernels is None: plain torch)")
+    status = verdict(rows)
+    failed = status != "PASS" or any(not a.passed for a in audits)
+    if status == "NOT RUN":
+        print("NOT RUN: no cell ran on this machine (every one skipped): nothing was validated", file=sys.stderr)
     if args.e2e:
         from ..presets import preset_config
         from .e2e import compare_generation
@@ -87,14 +115,15 @@ def cmd_validate(args, argv) -> int:
                 rows.append({"e2e": True, **res})
                 failed |= res["status"] == "FAIL"
     if args.json:
-        path = save_json(rows, args.json, v, command="megadecode " + shlex.join(argv))
+        path = save_json(rows + audit_rows(v, audits), args.json, v, command="megadecode " + shlex.join(argv))
         print(f"wrote {path}", file=sys.stderr)
     if args.report:
-        from .ordering import kernel_audits
+        from .staleness import inputs_hash
 
-        audits = kernel_audits(v.name)
-        failed |= any(not a.passed for a in audits)
-        _write_report(args, argv, v.name, _manifest_dict(v.manifest), rows, audits, _time_variant(v, device))
+        coverage = {"extra cases run (sampled)": "; ".join(f"{k}: {', '.join(n)}" for k, n in plan.items()) or "none",
+                    "inputs hash": inputs_hash(v.manifest.sources)}
+        _write_report(args, argv, v.name, _manifest_dict(v.manifest), rows, audits, _time_variant(v, device),
+                      coverage)
     return 1 if failed else 0
 
 
@@ -103,6 +132,7 @@ def _manifest_dict(m) -> dict:
 
     d = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
     d["scope"] = m.scope.describe()
+    d["kernels"] = m.to_dict()["kernels"]
     return d
 
 
@@ -116,11 +146,11 @@ def _time_variant(v, device: str) -> list[dict]:
     return time_against_reference(v)
 
 
-def _write_report(args, argv, name, manifest, rows, audits, perf_rows) -> None:
+def _write_report(args, argv, name, manifest, rows, audits, perf_rows, coverage=None) -> None:
     from .report import environment, write_report
 
     h, m = write_report(args.report, name, manifest=manifest, rows=rows, audits=audits, perf_rows=perf_rows,
-                        env=environment(), command="megadecode " + shlex.join(argv))
+                        env=environment(), command="megadecode " + shlex.join(argv), coverage=coverage)
     print(f"wrote {h} and {m}", file=sys.stderr)
 
 
@@ -141,8 +171,12 @@ def _cmd_ordering(args, argv) -> int:
         manifest = {"name": "ordering-audit", "subject": "megadecode/validate/handoff.py (persistent producer/"
                     "consumer handoff through flags) and its planted ordering mistakes",
                     "variants": list(HANDOFF_VARIANTS)}
-        _write_report(args, argv, "ordering-audit", manifest, rows, reports, [])
-    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+        from .staleness import ORDERING_SOURCES, inputs_hash
+
+        _write_report(args, argv, "ordering-audit", manifest, rows, reports, [],
+                      {"inputs hash": inputs_hash(ORDERING_SOURCES)})
+    # the planted bugs' own checks fail by design: the verdict rows say whether each subject was judged right
+    return 1 if any(r["status"] == "FAIL" for r in rows if r["check"] == "verdict") else 0
 
 
 __all__ = ["add_parser", "cmd_validate"]

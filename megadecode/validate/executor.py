@@ -1,7 +1,7 @@
 """The torch executor with some plan ops replaced by variants, their manifests enforced.
 
 For each plan op whose kind a variant replaces and whose scope admits (config, dtype, tokens, device),
-the variant runs on preallocated outputs poisoned with NaN (int64 min for integer outputs); every other
+the variant runs on preallocated outputs poisoned (contract/outputs.py: a NaN bit pattern, the integer minimum); every other
 op runs the reference (the fallback reason is logged once). Around each variant op the executor keeps
 references and position-weighted byte checksums of every step buffer, the op's weights and the other
 layers' caches: if any of them changed, or an output was left partly unwritten, it raises

@@ -5,7 +5,14 @@
   pointer, a shape or a host value at capture time fails this);
 - concurrent stress: two copies of the case with different inputs run at once on two streams, each
   must match its own eager result bitwise (a kernel that shares scratch memory or counters between
-  launches fails this).
+  launches fails this);
+- repeats under load: the case run LOAD_REPEATS times while another stream keeps the SMs busy with matmuls of
+  changing sizes, each bitwise equal to a lone run. Programs then start, stall and finish in other orders, so a
+  combine whose result depends on the order of its float additions across programs (atomics, a scatter-add, a
+  "last program finishes the sum" counter) shows in the bits. The sequential CPU interpreter can never show it;
+- launch order: three independent copies of the op (fresh inputs) launched back to back in two different orders
+  without a sync between them, each equal to its lone run (state carried from one launch into the next, or a
+  scratch buffer reused before the previous launch is done reading it, shows).
 """
 
 from __future__ import annotations
@@ -86,3 +93,70 @@ def concurrent_failures(variant, case: OpCase) -> list[str]:
         for k, (o, ref) in enumerate(zip(rep, alone)):
             fails += [f"concurrent run {k} differs from its lone run in {n}" for n in o if not torch.equal(o[n], ref[n])]
     return sorted(set(fails))
+
+
+LOAD_REPEATS = 6
+
+
+def _load(stream: torch.cuda.Stream, gen: torch.Generator, dtype) -> None:
+    """Queue a few matmuls of random size (1024..4096) on `stream`: tens of microseconds to milliseconds of SM
+    load that overlaps what the current stream runs next."""
+    with torch.cuda.stream(stream):
+        n = int(torch.randint(1024, 4097, (1,), generator=gen))
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            a = a @ a
+            a = a / a.abs().amax().clamp_min(1.0)
+
+
+def load_repeat_failures(variant, case: OpCase, repeats: int = LOAD_REPEATS, seed: int = 0) -> list[str]:
+    """The case `repeats` times under a concurrent load (module doc), each bitwise equal to a lone run."""
+    ref = _outputs(case)
+    _run(variant, case.clone(), ref)
+    torch.cuda.synchronize()
+    gen = torch.Generator().manual_seed(seed)
+    side = torch.cuda.Stream()
+    fails = set()
+    for _ in range(repeats):
+        c, outs = case.clone(), _outputs(case)
+        torch.cuda.synchronize()
+        _load(side, gen, torch.bfloat16)
+        _run(variant, c, outs)  # on the current stream, while the side stream computes
+        torch.cuda.synchronize()
+        fails |= {f"a run under concurrent load differs bitwise from a lone run in {n}" for n in outs
+                  if not _bitwise(outs[n], ref[n])}
+    return sorted(fails)
+
+
+def launch_order_failures(variant, case: OpCase) -> list[str]:
+    """Three independent copies launched back to back in two orders, each equal to its lone run."""
+    cases = [case.clone(), _fresh_like(case, seed=7), _fresh_like(case, seed=8)]
+    alone = []
+    for c in cases:
+        o = _outputs(c)
+        _run(variant, c.clone(), o)
+        torch.cuda.synchronize()
+        alone.append(o)
+    fails = set()
+    for order in ((0, 1, 2), (2, 0, 1)):
+        runs = {k: (cases[k].clone(), _outputs(cases[k])) for k in order}
+        torch.cuda.synchronize()
+        for k in order:
+            _run(variant, *runs[k])
+        torch.cuda.synchronize()
+        for k in order:
+            fails |= {f"copy {k} launched in order {order} differs from its lone run in {n}"
+                      for n, t in runs[k][1].items() if not _bitwise(t, alone[k][n])}
+    return sorted(fails)
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)) if a.numel() else True
+
+
+def gpu_failures(variant, case: OpCase) -> list[str]:
+    """Every GPU-only check of a matrix cell."""
+    fails = graph_replay_failures(variant, case) if variant.manifest.graph_capturable else []
+    fails += concurrent_failures(variant, case)
+    fails += load_repeat_failures(variant, case)
+    return fails + launch_order_failures(variant, case)

@@ -11,12 +11,22 @@ Routing distributions (router and experts ops; the experts op gets the reference
   empty_experts  the upper half of the experts point away from every token: they get none (at batch 1
                  most experts are empty anyway)
 Hidden states are never zeros; caches are filled with random values (a stale entry is then visible).
+
+Every plan op kind has a builder (BUILDERS), so any op can have a validated variant. Options that take a case out
+of the easy corner (validate/cases.py picks them per variant):
+  cache_len  cache positions per slot (attention): above the kernels' 32-position block, the cache is read in
+             several chunks and the split-over-cache merge runs
+  slots      "arange" (slot n for token n) or "permuted" (a random permutation of batch + 3 slots: the cache has
+             slots no token uses, and slot indirection is exercised; Step.contiguous_slots False)
+  magnitude  None, "tiny" (every third row of the main activation scaled by 1e-3: eps placement and precision
+             at small norms) or "large" (every third row, offset by one, scaled by 4096: squares overflow fp16,
+             a 16-bit sum of squares shows); for the norm and residual ops (MAGNITUDE_KINDS)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,8 +40,18 @@ from ..weights import param_specs, random_tensor
 
 DISTRIBUTIONS = ("uniform", "hot_expert", "same_experts", "exact_ties", "empty_experts")
 ROUTED = (P.ROUTER, P.EXPERTS, P.LATENT_MOE)  # op kinds the routing distribution applies to
-CACHE_LEN = 16  # cache positions per slot in attention cases
+ATTENTION = (P.ATTN_GQA, P.ATTN_MLA, P.ATTN_KDA)  # op kinds with a cache (slots apply)
+MAGNITUDE_KINDS = (P.RMSNORM, P.ADD, P.ADD_RMSNORM, P.ATTN_RES)  # op kinds the magnitude cases apply to
+MAGNITUDES = {"tiny": 1e-3, "large": 4096.0}
+CACHE_LEN = 16  # cache positions per slot in attention cases (the default: below one 32-position block)
+EXTRA_SLOTS = 3  # slots no token of a permuted-slots case uses
 FP32_BUFFERS = ("topk_weights",)  # activations in fp32 whatever the model dtype
+TOKEN_DIM = {"blocks": 1}  # buffers whose token index is not the first: AttnRes's closed blocks [n, T, D]
+
+
+def token_rows(name: str, t: torch.Tensor, i: int) -> torch.Tensor:
+    """Token i's part of buffer `name` (a view keeping the token dimension)."""
+    return t.narrow(TOKEN_DIM.get(name, 0), i, 1)
 
 
 @dataclass
@@ -65,7 +85,8 @@ class OpCase:
     def row(self, i: int) -> "OpCase":
         """Token i alone (batch invariance). Attention keeps the whole cache and reads slot i."""
         T = self.batch
-        inputs = {k: v[i:i + 1].clone() if v.dim() and v.shape[0] == T else v.clone() for k, v in self.inputs.items()}
+        inputs = {k: token_rows(k, v, i).clone() if v.dim() > TOKEN_DIM.get(k, 0)
+                  and v.shape[TOKEN_DIM.get(k, 0)] == T else v.clone() for k, v in self.inputs.items()}
         s = self.step
         step = Step(tokens=s.tokens[i:i + 1], positions=s.positions[i:i + 1], slots=s.slots[i:i + 1],
                     logit_rows=torch.zeros(1, dtype=torch.int64), kv_len=int(s.positions[i]) + 1)
@@ -76,13 +97,17 @@ class OpCase:
 
 
 def first_op(cfg: ModelConfig, kind: str) -> P.Op:
+    """The op of `kind` a case runs: the plan's first; for ATTN_RES the one with the most buffers (it reads the
+    closed blocks and closes one more: every output the kind has)."""
     plan = P.build_plan(cfg)
     if kind == P.ADD_RMSNORM:  # a composite: it exists in the rewritten plan only
         plan = P.fuse_add_rmsnorm(plan)
-    for op in plan.ops:
-        if op.kind == kind:
-            return op
-    raise ValueError(f"the {cfg.family} plan has no {kind!r} op")
+    ops = [op for op in plan.ops if op.kind == kind]
+    if not ops:
+        raise ValueError(f"the {cfg.family} plan has no {kind!r} op")
+    if kind == P.ATTN_RES:
+        return max(ops, key=lambda op: len(op.inputs) + len(op.outputs))
+    return ops[0]
 
 
 def _router_rows(cfg: ModelConfig, dist: str, x: torch.Tensor, gen: torch.Generator):
@@ -117,53 +142,123 @@ def _router_rows(cfg: ModelConfig, dist: str, x: torch.Tensor, gen: torch.Genera
     return x, W, bias
 
 
-def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "uniform",
-               device="cpu") -> OpCase:
-    """An fp32 case; `OpCase.clone(dtype)` rounds it to the dtype under test."""
+def _scale_rows(x: torch.Tensor, magnitude: str | None) -> torch.Tensor:
+    """Every third row scaled by MAGNITUDES[magnitude] (rows 0, 3, ... tiny; rows 1, 4, ... large)."""
+    if magnitude is None:
+        return x
+    x = x.clone()
+    start = 0 if magnitude == "tiny" else 1
+    x[start::3] *= MAGNITUDES[magnitude]
+    return x
+
+
+def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "uniform", device="cpu", *,
+               cache_len: int = CACHE_LEN, slots: str = "arange", magnitude: str | None = None) -> OpCase:
+    """An fp32 case; `OpCase.clone(dtype)` rounds it to the dtype under test. Options: module doc."""
+    if kind not in BUILDERS:
+        raise ValueError(f"no input builder for op kind {kind!r}")
+    if slots not in ("arange", "permuted"):
+        raise ValueError(f"slots must be 'arange' or 'permuted', got {slots!r}")
+    if magnitude is not None and magnitude not in MAGNITUDES:
+        raise ValueError(f"magnitude must be None or one of {sorted(MAGNITUDES)}, got {magnitude!r}")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
     op = first_op(cfg, kind)
     specs = param_specs(cfg)
     weights = {n: random_tensor(specs[n], gen, "cpu", torch.float32) for n in op.weights}
-    T, D = batch, cfg.hidden_size
-    x = torch.randn(T, D, generator=gen) * 1.5 + 0.1
-    step = Step(tokens=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T, dtype=torch.int64),
-                slots=torch.arange(T), logit_rows=torch.arange(T), kv_len=1, contiguous_slots=True)
-    inputs: dict[str, torch.Tensor] = {}
-    cache = None
-    if kind in ROUTED:
-        x, W, bias = _router_rows(cfg, dist, x, gen)
-        if kind == P.ROUTER:
-            weights[op.weights[0]] = W
-            if len(op.weights) > 1:
-                weights[op.weights[1]] = bias
-            inputs["normed"] = x
-        else:
-            ids, wts = route(cfg, x, W, bias if cfg.score_func == "sigmoid" else None)
-            inputs.update(normed=x, topk_ids=ids, topk_weights=wts)
-    elif kind == P.RMSNORM:
-        inputs[op.inputs[0]] = x  # "hidden"; K3 (AttnRes) normalizes "layer_in"
-    elif kind == P.LM_HEAD:
-        inputs[op.inputs[0]] = x  # "final": the normed rows whose logits are wanted
-    elif kind == P.ADD_RMSNORM:  # the residual stream and an op's output, of different sizes
-        inputs[op.inputs[0]] = x
-        inputs[op.inputs[1]] = torch.randn(T, D, generator=gen) * 0.5
-    elif kind in (P.ATTN_GQA, P.ATTN_MLA):
-        positions = torch.randint(0, CACHE_LEN, (T,), generator=gen)
-        positions[0] = CACHE_LEN - 1  # one sequence at the end of its cache
-        step = replace(step, positions=positions, kv_len=int(positions.max()) + 1)
-        inputs.update(normed=x, positions=positions, slots=step.slots)
-        cache = tuple(torch.randn((T, CACHE_LEN) + c.shape[2:], generator=gen)
-                      for c in _cache_like(cfg))
-    elif kind == P.ATTN_KDA:
-        # a decode step of T sequences in slots 0..T-1 with some history: random conv windows and states
-        H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.conv_kernel
-        inputs.update(normed=x, slots=step.slots)
-        cache = (torch.randn(T, 3 * H * K, W - 1, generator=gen),
-                 torch.randn(T, H, K, K, generator=gen) * K ** -0.5)
+    T = batch
+    x = torch.randn(T, cfg.hidden_size, generator=gen) * 1.5 + 0.1
+    if slots == "permuted":
+        order = torch.randperm(T + EXTRA_SLOTS, generator=gen)[:T]
+        step = Step(tokens=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T, dtype=torch.int64),
+                    slots=order, logit_rows=torch.arange(T), kv_len=1, contiguous_slots=False)
     else:
-        raise ValueError(f"no input builder for op kind {kind!r}")
-    case = OpCase(cfg, op, inputs, weights, step, cache)
+        step = Step(tokens=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T, dtype=torch.int64),
+                    slots=torch.arange(T), logit_rows=torch.arange(T), kv_len=1, contiguous_slots=True)
+    b = _Build(cfg, op, kind, weights, x, step, gen, dist, cache_len, magnitude,
+               T + (EXTRA_SLOTS if slots == "permuted" else 0))
+    BUILDERS[kind](b)
+    case = OpCase(cfg, op, b.inputs, b.weights, b.step, b.cache)
     return case if torch.device(device).type == "cpu" else _to(case, device)
+
+
+@dataclass
+class _Build:
+    """What a builder reads (the op, its random weights, a random activation x, the step, the generator, the
+    options) and fills (inputs, possibly weights, step and cache)."""
+
+    cfg: ModelConfig
+    op: P.Op
+    kind: str
+    weights: dict
+    x: torch.Tensor
+    step: Step
+    gen: torch.Generator
+    dist: str
+    cache_len: int
+    magnitude: str | None
+    num_slots: int
+    inputs: dict = field(default_factory=dict)
+    cache: tuple | None = None
+
+
+def _routed(b: _Build) -> None:
+    x, W, bias = _router_rows(b.cfg, b.dist, b.x, b.gen)
+    if b.kind == P.ROUTER:
+        b.weights[b.op.weights[0]] = W
+        if len(b.op.weights) > 1:
+            b.weights[b.op.weights[1]] = bias
+        b.inputs["normed"] = x
+    else:
+        ids, wts = route(b.cfg, x, W, bias if b.cfg.score_func == "sigmoid" else None)
+        b.inputs.update(normed=x, topk_ids=ids, topk_weights=wts)
+
+
+def _one_input(b: _Build) -> None:  # RMSNORM ("hidden"; K3 normalizes "layer_in"), LM_HEAD ("final"), MLP
+    b.inputs[b.op.inputs[0]] = _scale_rows(b.x, b.magnitude)
+    if len(b.op.inputs) == 2:  # the final norm: the rows whose logits are wanted
+        b.inputs[b.op.inputs[1]] = b.step.logit_rows
+
+
+def _two_inputs(b: _Build) -> None:  # ADD, ADD_RMSNORM: the residual stream and an op's output
+    b.inputs[b.op.inputs[0]] = _scale_rows(b.x, b.magnitude)
+    b.inputs[b.op.inputs[1]] = torch.randn(b.x.shape, generator=b.gen) * 0.5
+
+
+def _embed(b: _Build) -> None:
+    tokens = torch.randint(0, b.cfg.vocab_size, (b.x.shape[0],), generator=b.gen)
+    b.step = replace(b.step, tokens=tokens)
+    b.inputs[b.op.inputs[0]] = tokens
+
+
+def _attn_res(b: _Build) -> None:
+    """The layer's partial sum `hidden` and, where the op reads them, the closed blocks' sums."""
+    b.inputs["hidden"] = _scale_rows(b.x, b.magnitude)
+    if "blocks" in b.op.inputs:
+        n = max(1, b.op.layer // b.cfg.attn_res_block_size - ("blocks" in b.op.outputs))
+        b.inputs["blocks"] = torch.randn((n,) + tuple(b.x.shape), generator=b.gen) * 1.5
+
+
+def _attention(b: _Build) -> None:
+    T, L = b.x.shape[0], b.cache_len
+    positions = torch.randint(0, L, (T,), generator=b.gen)
+    positions[0] = L - 1  # one sequence at the end of its cache
+    b.step = replace(b.step, positions=positions, kv_len=int(positions.max()) + 1)
+    b.inputs.update(normed=b.x, positions=positions, slots=b.step.slots)
+    b.cache = tuple(torch.randn((b.num_slots, L) + c.shape[2:], generator=b.gen) for c in _cache_like(b.cfg))
+
+
+def _kda(b: _Build) -> None:
+    """A decode step of T sequences with some history: random conv windows and states in every slot."""
+    H, K, W = b.cfg.linear_num_heads, b.cfg.linear_head_dim, b.cfg.conv_kernel
+    b.inputs.update(normed=b.x, slots=b.step.slots)
+    b.cache = (torch.randn(b.num_slots, 3 * H * K, W - 1, generator=b.gen),
+               torch.randn(b.num_slots, H, K, K, generator=b.gen) * K ** -0.5)
+
+
+BUILDERS = {P.ROUTER: _routed, P.EXPERTS: _routed, P.LATENT_MOE: _routed, P.RMSNORM: _one_input,
+            P.LM_HEAD: _one_input, P.MLP: _one_input, P.ADD: _two_inputs, P.ADD_RMSNORM: _two_inputs,
+            P.EMBED: _embed, P.ATTN_RES: _attn_res, P.ATTN_GQA: _attention, P.ATTN_MLA: _attention,
+            P.ATTN_KDA: _kda}
 
 
 def _cache_like(cfg: ModelConfig):
@@ -181,14 +276,13 @@ def _to(case: OpCase, device) -> OpCase:
                    cache=None if case.cache is None else tuple(c.to(device) for c in case.cache))
 
 
-def reference_outputs(case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | None]:
-    """The torch reference op (executors/torch_ops.py) on the case, in fp32. Returns (outputs, cache after)."""
+def reference_outputs(case: OpCase, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], tuple | None]:
+    """The torch reference op (executors/torch_ops.py) on the case, computed in `dtype`: fp32 (the target the
+    harness compares with) or the dtype under test (what the same computation errs by in it: tolerances.py).
+    Buffers the model keeps in fp32 whatever its dtype stay fp32. Returns (outputs, cache after)."""
     from ..executors.torch_ops import OP_IMPLS
 
-    c = case.clone(torch.float32)
-    c = replace(c, inputs={k: v.float() if v.is_floating_point() else v for k, v in c.inputs.items()},
-                weights={k: v.float() if v.is_floating_point() else v for k, v in c.weights.items()},  # MXFP4 bytes stay
-                cache=None if c.cache is None else tuple(t.float() for t in c.cache))
+    c = case.clone(dtype)
     step = replace(c.step, positions=c.inputs.get("positions", c.step.positions),
                    slots=c.inputs.get("slots", c.step.slots))
     ctx = StepContext(c.cfg, c.weights, {c.op.cache: c.cache} if c.op.cache else {}, step)

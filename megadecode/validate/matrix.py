@@ -1,6 +1,9 @@
 """The validation matrix: one variant over ops x presets x batches x dtypes x routing distributions x
-seeds, each cell PASS / FAIL / SKIP (out of scope, with the manifest's reason). Rows are dicts (the
-evidence report reads them); `save_json` writes them with the conditions that produced them."""
+seeds (the base cases), plus the cases of validate/cases.py that leave the easy corner (odd dims, tile edges,
+scope edges, long caches, permuted slots, magnitudes: all of them, or a seeded sample per (preset, op)), each
+cell PASS / FAIL / SKIP (out of scope, with the manifest's reason). Rows are dicts (the evidence report reads
+them; `case` names the extra case, "base" otherwise); `save_json` writes them with the conditions that produced
+them. `verdict` is PASS only when something ran and nothing failed."""
 
 from __future__ import annotations
 
@@ -13,22 +16,34 @@ import torch
 
 from ..contract import Variant
 from ..presets import preset_config
+from . import cases as C
 from .checks import check_op
 from .inputs import DISTRIBUTIONS, ROUTED
 
 BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
 QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep
+QUICK_EXTRA, QUICK_EXTRA_MAX_BATCH = 4, 65  # --quick: 4 extra cases per (preset, op), seeded, batches <= 65
 CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DTYPES,
-               dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None) -> list[dict]:
+               dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None, extra: int | None = 0,
+               case_seed: int = 0, extra_max_batch: int | None = None) -> list[dict]:
     """presets None: the CPU_PRESETS of the families in the variant's scope (named presets run as given, a
-    family out of scope then gives SKIP rows)."""
+    family out of scope then gives SKIP rows). extra: the extra cases per (preset, op kind): 0 none, None all
+    candidates, k a sample of k drawn with `case_seed` (each run at every dtype, the first seed, uniform routing)."""
     if presets is None:
         presets = [p for p in CPU_PRESETS if preset_config(p).family in variant.manifest.scope.families]
     rows = []
+
+    def cell(preset, cfg, kind, dtype, batch, seed, dist, case="base", **build):
+        t0 = time.perf_counter()
+        row = check_op(variant, cfg, kind, dtype, batch, seed, "uniform" if dist == "-" else dist, device, **build)
+        rows.append({"preset": preset, "case": case, **row, "dist": dist, "seconds": round(time.perf_counter() - t0, 4)})
+        if progress is not None:
+            progress(rows[-1])
+
     for preset in presets:
         cfg = preset_config(preset)
         for kind in variant.manifest.replaces:
@@ -36,14 +51,33 @@ def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DT
                 for dtype in dtypes:
                     for batch in batches:
                         for seed in seeds:
-                            t0 = time.perf_counter()
-                            row = check_op(variant, cfg, kind, dtype, batch, seed,
-                                           "uniform" if dist == "-" else dist, device)
-                            rows.append({"preset": preset, **row, "dist": dist,
-                                         "seconds": round(time.perf_counter() - t0, 4)})
-                            if progress is not None:
-                                progress(rows[-1])
+                            cell(preset, cfg, kind, dtype, batch, seed, dist)
+            if extra == 0 or cfg.family not in variant.manifest.scope.families:
+                continue
+            picked = C.sample(C.candidates(variant, cfg, kind, device, extra_max_batch), extra, case_seed,
+                              f"{preset}/{kind}")
+            for case in picked:
+                for dtype in dtypes:
+                    cell(preset, case.cfg, kind, dtype, case.batch, seeds[0], "uniform" if kind in ROUTED else "-",
+                         case=case.name, **case.build_kwargs())
     return rows
+
+
+def case_plan(variant: Variant, presets=None, extra: int | None = None, case_seed: int = 0,
+              device: str = "cpu", extra_max_batch: int | None = None) -> dict[str, list[str]]:
+    """The extra cases run_matrix runs, by "preset/op": what the command prints and the report lists."""
+    if presets is None:
+        presets = [p for p in CPU_PRESETS if preset_config(p).family in variant.manifest.scope.families]
+    out = {}
+    for preset in presets:
+        cfg = preset_config(preset)
+        if cfg.family not in variant.manifest.scope.families:
+            continue
+        for kind in variant.manifest.replaces:
+            cands = C.candidates(variant, cfg, kind, device, extra_max_batch)
+            out[f"{preset}/{kind}"] = [c.name for c in C.sample(cands, extra, case_seed, f"{preset}/{kind}")] + [
+                f"(of {len(cands)})"]
+    return out
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
@@ -51,12 +85,20 @@ def counts(rows: list[dict]) -> dict[str, int]:
     return {k: c.get(k, 0) for k in ("PASS", "FAIL", "SKIP")}
 
 
+def verdict(rows: list[dict]) -> str:
+    """FAIL when any row failed, NOT RUN when none passed (every cell skipped, or no cell): a matrix that ran
+    nothing proves nothing and must not read as a pass; PASS otherwise."""
+    c = counts(rows)
+    return "FAIL" if c["FAIL"] else ("PASS" if c["PASS"] else "NOT RUN")
+
+
 def summary_table(rows: list[dict]) -> str:
     """One line per (preset, op, dtype, dist): PASS/FAIL/SKIP counts over batches and seeds, the first
     failure or skip reason, and the worst error."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["preset"], r["op"], r["dtype"], r["dist"]), []).append(r)
+        groups.setdefault((r["preset"], r["op"], r["dtype"], r["dist"] if r.get("case", "base") == "base"
+                           else "extra cases"), []).append(r)
     head = f"{'preset':<18} {'op':<9} {'dtype':<9} {'dist':<14} {'pass':>4} {'fail':>4} {'skip':>4} " \
            f"{'max_rel_err':>11}  note"
     lines = [head, "-" * len(head)]
@@ -65,12 +107,12 @@ def summary_table(rows: list[dict]) -> str:
         errs = [r["max_rel_err"] for r in rs if isinstance(r.get("max_rel_err"), float)]
         fail = next((r for r in rs if r["status"] == "FAIL"), None)
         skip = next((r for r in rs if r["status"] == "SKIP"), None)
-        note = (f"batch {fail['batch']} seed {fail['seed']}: {fail['failures'][0]}" if fail else
+        note = (f"{fail.get('case', 'base')} batch {fail['batch']} seed {fail['seed']}: {fail['failures'][0]}" if fail else
                 f"skip: {skip['reason']}" if skip else "")
         lines.append(f"{preset:<18} {op:<9} {dtype:<9} {dist:<14} {c['PASS']:>4} {c['FAIL']:>4} {c['SKIP']:>4} "
                      f"{(f'{max(errs):.2e}' if errs else '-'):>11}  {note}")
     c = counts(rows)
-    lines.append(f"total: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP")
+    lines.append(f"total: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP: {verdict(rows)}")
     return "\n".join(lines)
 
 

@@ -11,15 +11,10 @@ static or dynamic, fails; a correct one must pass every check.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from dataclasses import dataclass
-
 import torch
 
 from . import audit as A
+from .kernel_audit import audit_kernel
 
 # name -> planted flags of megadecode.validate.handoff (one mistake each)
 HANDOFF_VARIANTS = {
@@ -36,85 +31,17 @@ JITTER = (None, "before_store", "after_signal")
 def static_audit(name: str) -> A.AuditReport:
     from . import handoff as H
 
-    return A.audit_kernel(H.handoff_kernel, H.handoff_signature(), H.PARAM_ROLES,
+    return audit_kernel(H.handoff_kernel, H.handoff_signature(), H.PARAM_ROLES,
                           H.handoff_constexprs(**HANDOFF_VARIANTS[name]))
 
 
-@dataclass
-class AuditSummary:
-    """An audit run in another process: its verdict and its markdown."""
-
-    passed: bool
-    markdown: str
-
-    def to_markdown(self) -> str:
-        return self.markdown
-
-
-def kernel_audits(variant: str) -> list:
-    """Static audits of the Triton kernels a plan-op variant launches, at sm_90, in bf16: activations
-    (produced during a step) must be read through coherent loads.
-
-    Kernels decorated under the Triton interpreter cannot be compiled: then the audit runs in a fresh
-    process without TRITON_INTERPRET and comes back as AuditSummary objects."""
-    from triton.runtime.jit import JITFunction
-
-    from ..kernels import rmsnorm, router
-
-    if not all(isinstance(k, JITFunction) for k in (rmsnorm.rmsnorm_kernel, router.router_kernel)):
-        code = ("import json, sys; from megadecode.validate.ordering import kernel_audits; "
-                "print(json.dumps([[r.passed, r.to_markdown()] for r in kernel_audits(sys.argv[1])]))")
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        out = subprocess.run([sys.executable, "-c", code, variant], env=env, capture_output=True, text=True,
-                             check=True, timeout=600).stdout
-        return [AuditSummary(p, md) for p, md in json.loads(out.strip().splitlines()[-1])]
-    return _kernel_audits(variant)
-
-
-def _kernel_audits(variant: str) -> list[A.AuditReport]:
-    if variant == "triton-rmsnorm":
-        from ..kernels.rmsnorm import rmsnorm_kernel
-
-        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "stride_x": "i32",
-               "stride_out": "i32", "eps": "fp32", "D": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr"}
-        return [A.audit_kernel(rmsnorm_kernel, sig, {"x_ptr": "produced", "w_ptr": "static", "out_ptr": "produced"},
-                               {"D": 2048, "BLOCK_T": 4, "BLOCK_D": 2048})]
-    if variant == "triton-router":
-        from ..kernels.linear import audit_specs as linear_specs
-        from ..kernels.router import router_kernel
-
-        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32",
-               "s_ptr": "*fp32", "T": "i32", "stride_x": "i32", "stride_w": "i32", "scale": "fp32"}
-        roles = {"x_ptr": "produced", "w_ptr": "static", "bias_ptr": "static", "ids_ptr": "produced",
-                 "wts_ptr": "produced", "s_ptr": "produced"}
-        reports = []
-        for pre in (False, True):  # the one-kernel form and the selection kernel after the projection
-            consts = {"D": 2048, "E": 128, "SIGMOID": False, "HAS_BIAS": False, "NORM": True, "G": 1,
-                      "TOPK_GROUP": 1, "A": 8, "BLOCK_T": 16, "BLOCK_E": 128, "BLOCK_D": 64, "BLOCK_A": 8,
-                      "BLOCK_G": 1, "PRESCORED": pre, "KS": 8 if pre else 1}
-            reports.append(A.audit_kernel(router_kernel, {**sig, **{k: "constexpr" for k in consts}}, roles, consts))
-        fn, lsig, lroles, lconsts = linear_specs("bf16", norm=False, K=2048, N=128)[0]
-        lsig = {**lsig, "x_ptr": "*bf16", "out_ptr": "*fp32"}
-        return reports + [A.audit_kernel(fn, lsig, lroles, lconsts)]
-    if variant == "triton-add-rmsnorm":
-        from ..kernels.rmsnorm import add_rmsnorm_kernel
-
-        sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16",
-               "T": "i32", "stride_a": "i32", "stride_b": "i32", "stride_s": "i32", "stride_out": "i32",
-               "eps": "fp32", "D": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr"}
-        roles = {"a_ptr": "produced", "b_ptr": "produced", "w_ptr": "static", "sum_ptr": "produced",
-                 "out_ptr": "produced"}
-        return [A.audit_kernel(add_rmsnorm_kernel, sig, roles, {"D": 2048, "BLOCK_T": 2, "BLOCK_D": 2048})]
-    # the other variants: their kernel module's audit_specs() (the kernels it launches, default shapes)
-    import importlib
-
+def kernel_audits(variant: str) -> list[A.AuditReport]:
+    """Static audits of every kernel the registered variant `variant` declares (Manifest.kernels), at sm_90:
+    activations (produced during a step) must be read through coherent loads. validate/kernel_audit.py."""
     from .catalog import get
+    from .kernel_audit import audit_variant
 
-    v = get(variant)
-    mod = importlib.import_module(v.kernel.__module__) if getattr(v, "kernel", None) is not None else None
-    if mod is None or not hasattr(mod, "audit_specs"):
-        return []
-    return [A.audit_kernel(fn, sig, roles, consts) for fn, sig, roles, consts in mod.audit_specs()]
+    return audit_variant(get(variant))
 
 
 def _launch_inputs(M, K, N, S, gen):

@@ -1,17 +1,20 @@
 """Evidence reports: what a reviewer reads instead of the kernel code.
 
-One self-contained HTML file (plots embedded as PNG data URIs, no external assets) and a short
-markdown summary, built from a variant's manifest, its validation matrix rows, its audit results,
-its performance rows (bench JSON) and the environment. Plots use matplotlib when it is installed
-(the `report` extra); without it the report says so and keeps the tables.
+One self-contained HTML file (plots embedded as PNG data URIs, no external assets) and a short markdown
+summary, built from a variant's manifest, its validation matrix rows, its audit results, its performance rows
+(bench JSON), the environment and what the run covered. The page says first what was covered (device, compiled
+or interpreted, dtypes run and not run, GPU-only checks run or not, extra cases, audits), so a reviewer tells at a
+glance whether bf16 on the GPU was proven; then the verdict, which counts audits and SKIPs: FAIL when any cell or
+audit failed, NOT RUN when no cell passed (a run that proved nothing never reads as a pass); then the tolerance
+table with its derivation (validate/tolerances.py) and per-dtype error plots with the tolerance drawn
+(report_plots.py; matplotlib, the `report` extra: without it the report says so and keeps the tables).
+`inputs_hash` (what the evidence depends on: the variant's sources and the harness) lets
+`bench/stale_reports.py` find reports to regenerate.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import math
 import platform
 from collections import Counter
 from pathlib import Path
@@ -19,7 +22,11 @@ from pathlib import Path
 import jinja2
 import torch
 
-ERROR_KEYS = ("max_rel_err", "max_abs_err", "mean_abs_err")
+from .report_plots import error_plots
+from .tolerances import derivation_text
+
+ERROR_KEYS = ("max_rel_err", "mean_rel_err", "margin")
+TOL_KEYS = ("tol_max_rel", "tol_mean_rel", "ref_dt_max_rel", "ref_dt_mean_rel", "max_rel_err", "mean_rel_err", "margin")
 
 
 def environment() -> dict:
@@ -43,31 +50,69 @@ def _status_counts(rows: list[dict]) -> dict[str, int]:
                                                                 if k not in ("PASS", "FAIL", "SKIP")}
 
 
-def _error_plot(rows: list[dict]) -> str | None:
-    """PNG data URI: histogram of log10(error) per error kind over the rows that ran."""
-    try:
-        import matplotlib
+def _audit_passed(a) -> bool | None:
+    return a.passed if hasattr(a, "passed") else None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    series = {k: [r[k] for r in rows if isinstance(r.get(k), (int, float)) and r.get("status") != "SKIP"]
-              for k in ERROR_KEYS}
-    series = {k: v for k, v in series.items() if v}
-    if not series:
-        return None
-    fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.0), squeeze=False)
-    for ax, (k, vals) in zip(axes[0], series.items()):
-        logs = [math.log10(v) if v > 0 else -12.0 for v in vals]
-        ax.hist(logs, bins=30, color="#3b6ea5")
-        ax.set_title(f"{k} ({len(vals)} runs)")
-        ax.set_xlabel("log10(error); exact = -12")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+def verdict_of(rows: list[dict], audits: list) -> tuple[str, str]:
+    """(verdict, why). Suites of expected failures (the ordering audit's planted bugs) carry one "verdict" row per
+    subject: the verdict is theirs (caught as expected). Otherwise FAIL on any failing cell or audit, NOT RUN when
+    no cell passed, PASS."""
+    judged = [r for r in rows if r.get("check") == "verdict"]
+    failed_audits = [a for a in audits if _audit_passed(a) is False]
+    if judged:
+        c = _status_counts(judged)
+        v = "FAIL" if c["FAIL"] else ("PASS" if c["PASS"] else "NOT RUN")
+        return v, f"{c['PASS']} subjects judged as expected, {c['FAIL']} not, {c['SKIP']} undecided here"
+    c = _status_counts(rows)
+    if c["FAIL"] or failed_audits:
+        return "FAIL", f"{c['FAIL']} failing cells, {len(failed_audits)} failing audits"
+    if not c["PASS"]:
+        return "NOT RUN", f"no cell ran ({c['SKIP']} skipped): nothing was proven"
+    return "PASS", f"{c['PASS']} cells passed, {c['SKIP']} skipped, {len(audits)} audits passed"
+
+
+def coverage_of(rows: list[dict], audits: list, env: dict, extra: dict | None = None) -> dict:
+    """What the run covered, from its rows (module doc)."""
+    ran = [r for r in rows if r.get("status") in ("PASS", "FAIL") and r.get("dtype")]
+    skipped = [r for r in rows if r.get("status") == "SKIP" and r.get("dtype")]
+    dtypes_run = sorted({r["dtype"] for r in ran})
+    not_run = {r["dtype"]: r.get("reason", "") for r in skipped if r["dtype"] not in dtypes_run}
+    on_gpu = any(str(r.get("device", "")).startswith("cuda") for r in ran)
+    cov = {"device": env.get("gpu", "?"),
+           "execution": "compiled, on the GPU" if on_gpu else ("CPU (Triton kernels under the interpreter)"
+                                                              if ran else "nothing ran"),
+           "dtypes run": ", ".join(dtypes_run) or "none",
+           "dtypes not run": "; ".join(f"{k}: {v}" for k, v in sorted(not_run.items())) or "none",
+           "GPU-only checks (graph replay, concurrent streams, repeats under load, launch order)":
+               "run on every GPU cell" if on_gpu else "NOT run (no GPU)",
+           "extra cases": ", ".join(sorted({r.get("case") for r in ran if r.get("case") not in (None, "base")}))
+                          or "none",
+           "static audits": f"{sum(1 for a in audits if _audit_passed(a))} of {len(audits)} kernels pass"
+                            if audits else "no kernel declared (plain torch) or none run",
+           "bf16 on a GPU": ("proven: " + f"{sum(1 for r in ran if r['dtype'] == 'bfloat16' and r['status'] == 'PASS')}"
+                             " cells pass") if on_gpu and "bfloat16" in dtypes_run else "NOT proven by this run"}
+    cov.update(extra or {})
+    return cov
+
+
+def tolerance_table(rows: list[dict]) -> list[dict]:
+    """Per (op, dtype): the derived bounds (min..max over cells), the dtype reference's own errors, the variant's
+    worst errors and its worst margin (error / bound), and the bounds' source."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("status") in ("PASS", "FAIL") and isinstance(r.get("tol_max_rel"), float):
+            groups.setdefault((r.get("op"), r.get("dtype")), []).append(r)
+    out = []
+    for (op, dtype), rs in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        row = {"op": op, "dtype": dtype, "cells": len(rs)}
+        for k in TOL_KEYS:
+            vals = [r[k] for r in rs if isinstance(r.get(k), (int, float))]
+            if vals:
+                row[k] = f"{min(vals):.2g}..{max(vals):.2g}" if k.startswith(("tol", "ref")) else f"{max(vals):.2g}"
+        row["source"] = "; ".join(sorted({r.get("tol_source", "?").split(" (")[0] for r in rs}))
+        out.append(row)
+    return out
 
 
 def _table(rows: list[dict], keys: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
@@ -86,11 +131,17 @@ td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}
 pre{background:#f6f6f6;padding:.6em;overflow-x:auto}
 </style></head><body>
 <h1>Evidence report: {{ name }}</h1>
-<p><b>Verdict:</b> {{ verdict }} &mdash; {{ counts }}</p>
+<h2>Coverage</h2>
+<table>{% for k, v in coverage %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}</table>
+<p><b>Verdict:</b> {{ verdict }} &mdash; {{ why }} ({{ counts }}; audits: {{ audit_counts }})</p>
 <h2>Manifest</h2><pre>{{ manifest }}</pre>
+<h2>Tolerances</h2><p>{{ derivation }}</p>
+{% if tkeys %}<table><tr>{% for k in tkeys %}<th>{{ k }}</th>{% endfor %}</tr>
+{% for r in trows %}<tr>{% for v in r %}<td>{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>
+{% else %}<p>no cell with a floating output ran</p>{% endif %}
 <h2>Validation matrix</h2>
-{% if plot %}<img src="{{ plot }}" alt="error distributions">{% else %}<p>(no error plot: matplotlib
-missing or no numeric error columns)</p>{% endif %}
+{% for dtype, plot in plots %}<img src="{{ plot }}" alt="errors and tolerances, {{ dtype }}">{% else %}<p>(no error
+plot: matplotlib missing or no numeric error columns)</p>{% endfor %}
 <table><tr>{% for k in mkeys %}<th>{{ k }}</th>{% endfor %}</tr>
 {% for r, st in mrows %}<tr class="{{ st }}">{% for v in r %}<td>{{ v }}</td>{% endfor %}</tr>{% endfor %}
 </table>
@@ -106,34 +157,45 @@ missing or no numeric error columns)</p>{% endif %}
 
 
 def build_report(name: str, manifest: dict, rows: list[dict], audits: list, perf_rows: list[dict],
-                 env: dict, command: str) -> tuple[str, str]:
-    """Returns (html, markdown)."""
+                 env: dict, command: str, coverage: dict | None = None) -> tuple[str, str]:
+    """Returns (html, markdown). `coverage`: extra coverage lines (the sampled cases, the inputs hash)."""
     counts = _status_counts(rows)
-    # Suites of expected failures (deliberately broken variants) carry one "verdict" row per subject:
-    # the verdict is theirs (caught as expected), not the raw count of failing checks.
-    judged = [r for r in rows if r.get("check") == "verdict"] or rows
-    jc = _status_counts(judged)
-    verdict = "FAIL" if jc.get("FAIL") else ("PASS" if jc.get("PASS") else "NOT RUN")
+    verdict, why = verdict_of(rows, audits)
+    cov = coverage_of(rows, audits, env, coverage)
+    judged = [r for r in rows if r.get("check") == "verdict"]
     audit_texts = [a.to_markdown() if hasattr(a, "to_markdown") else
                    (a if isinstance(a, str) else json.dumps(a, indent=1, default=str)) for a in audits]
+    n_ok = sum(1 for a in audits if _audit_passed(a))
+    judged_audits = [a for a in audits if _audit_passed(a) is not None]
+    audit_counts = (f"{n_ok} PASS, {len(judged_audits) - n_ok} FAIL of {len(judged_audits)}" if judged_audits
+                    else f"{len(audits)} recorded, judged in the rows")
+    tol = tolerance_table(rows)
+    tkeys, tvals = _table(tol, ["op", "dtype", "cells", *TOL_KEYS, "source"]) if tol else ([], [])
     mkeys, mvals = _table(rows)
     pkeys, pvals = _table(perf_rows) if perf_rows else ([], [])
+    count_text = ", ".join(f"{k} {v}" for k, v in counts.items())
     page = _HTML.render(
-        name=name, verdict=verdict, counts=", ".join(f"{k} {v}" for k, v in counts.items()),
-        manifest=json.dumps(manifest, indent=1, default=str), plot=_error_plot(rows),
+        name=name, verdict=verdict, why=why, counts=count_text, audit_counts=audit_counts,
+        coverage=list(cov.items()), manifest=json.dumps(manifest, indent=1, default=str),
+        derivation=derivation_text(), tkeys=tkeys, trows=tvals, plots=list(error_plots(rows).items()),
         mkeys=mkeys, mrows=list(zip(mvals, [r.get("status", "") for r in rows])),
         audits=audit_texts, pkeys=pkeys, prows=pvals, env=json.dumps(env, indent=1), command=command)
-    md = [f"# Evidence summary: {name}", "", f"**Verdict: {verdict}** ({', '.join(f'{k} {v}' for k, v in counts.items())})",
-          "", f"Reproduce: `{command}`", "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
-    if judged is not rows:
+    md = [f"# Evidence summary: {name}", "", f"**Verdict: {verdict}** ({why}; cells: {count_text}; audits: "
+          f"{audit_counts})", "", "## Coverage", "", "| what | covered |", "|---|---|"]
+    md += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in cov.items()]
+    md += ["", f"Reproduce: `{command}`", "", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    if judged:
         md += ["## Verdicts", "", "| subject | expected | status | caught by / reason |", "|---|---|---|---|"]
         md += [f"| {r.get('variant')} | {r.get('expected')} | {r.get('status')} | "
                f"{r.get('caught_by') or r.get('reason') or ''} |" for r in judged] + [""]
     fails = [r for r in rows if r.get("status") == "FAIL"]
     if fails:
-        md += ["## Failing checks" + (" (expected ones included)" if judged is not rows else ""), ""]
+        md += ["## Failing checks" + (" (expected ones included)" if judged else ""), ""]
         md += ["- " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "status" and v is not None)
                for r in fails[:40]] + [""]
+    if tol:
+        md += ["## Tolerances", "", derivation_text(), "", "| " + " | ".join(tkeys) + " |", "|" + "---|" * len(tkeys)]
+        md += ["| " + " | ".join(r) + " |" for r in tvals] + [""]
     numeric = {k: [r[k] for r in rows if isinstance(r.get(k), (int, float))] for k in ERROR_KEYS}
     numeric = {k: v for k, v in numeric.items() if v}
     if numeric:

@@ -1,41 +1,86 @@
-"""How close a variant must come to the fp32 torch reference: ONE table, keyed by the variant's dtype.
+"""How close a variant must come to the fp32 torch reference: tolerances DERIVED per check from the error the
+same computation makes in the dtype under test.
 
-Inputs are rounded to the dtype first and the reference runs on those rounded values in fp32, so the
-error measured is the variant's own (accumulation order, intermediate and output rounding).
-An element passes when |out - ref| <= atol + rtol * |ref|; a tensor passes when the share of passing
-elements is >= pass_rate, the largest error <= max_abs * scale and the mean error <= mean_abs * scale,
-with scale = max(1, max |ref|). NaN/inf never pass. Integer outputs (topk_ids) must match exactly.
+Every check rounds its inputs to the dtype under test (bf16, fp16, fp32) and computes
+  ref     the torch reference op in fp32 on those rounded inputs (the target), and
+  ref_dt  the same torch reference op computed in the dtype itself (inputs, weights and arithmetic in it),
+and measures, per output tensor, two errors against `ref` (row r = the tensor's first index):
+  max_rel   max over rows of  max_i |x[r, i] - ref[r, i]| / max_i |ref[r, i]|
+  mean_rel  mean over rows of sum_i |x[r, i] - ref[r, i]| / sum_i |ref[r, i]|
+Row-relative, so that rows of tiny norm or huge magnitude each count at their own scale. The variant passes when
+  max_rel(variant)  <= max(FACTOR * max_rel(ref_dt),  FLOOR[dtype].max_rel)
+  mean_rel(variant) <= max(FACTOR * mean_rel(ref_dt), FLOOR[dtype].mean_rel)
+for every floating output (and for the attention caches). FACTOR = 4: a kernel may round differently than the torch
+ops (more or less often, at other points) but not make several times their error. The floors cover outputs whose
+dtype reference is exact (fp32 itself; fp32 outputs such as the router's weights) and are set from the dtype's unit
+roundoff u (fp32 2^-24, fp16 2^-11, bf16 2^-8): max_rel 8 u and mean_rel 2 u for 16-bit; max_rel 1024 u (6.1e-5)
+and mean_rel 128 u (7.6e-6) for fp32, whose kernels reorder long fp32 sums (the shipped ones stayed below 1e-6 on
+the tiny presets under the interpreter). A 5% scale error (mean_rel 0.05) is above every bound: the bf16 reference's
+own mean_rel was 0.0013-0.0051 for the experts, GQA attention, MLP and add ops (CPU, torch 2.13, tiny presets,
+batches 1 and 8, 2026-11-30), so 4x stays at or under 0.02; the report's table gives every cell's.
+Where the op cannot run in the dtype on this device (ValueError/RuntimeError of torch), ref_dt is the fp32
+reference rounded to the dtype, and the row says so (`tol_source`).
+
+NaN/inf never pass; integer outputs (topk_ids) must match exactly, as sets per token (UNORDERED).
+End to end (e2e.py), a divergence counts as a near tie below E2E_LOGPROB_GAP[dtype] nats.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
+FACTOR = 4.0
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
 
 @dataclass(frozen=True)
-class Tolerance:
-    atol: float
-    rtol: float
-    max_abs: float
-    mean_abs: float
-    pass_rate: float
-    e2e_logprob_gap: float  # end to end: a divergence counts as a near tie below this gap (nats)
+class Bound:
+    max_rel: float
+    mean_rel: float
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(atol=1e-5, rtol=1e-4, max_abs=1e-4, mean_abs=1e-5, pass_rate=1.0, e2e_logprob_gap=1e-3),
-    # fp16: the fp16 reference itself (fp16 GEMM intermediates, tiny presets, CPU) reaches max abs 9.4e-3,
-    # mean abs 1.0e-3 and 93.75% of elements within 1e-3 + 5e-3*|ref| on the experts op (2026-11-29).
-    "float16": Tolerance(atol=1e-2, rtol=1e-2, max_abs=3e-2, mean_abs=3e-3, pass_rate=0.99, e2e_logprob_gap=5e-2),
-    # bf16: 8x the fp16 figures (3 fewer mantissa bits). Measured on the H200 (2026-11-29, full batch
-    # sweep, 2 seeds): torch-grouped-experts max abs 0.104, mean abs 0.0108, pass rate 1.0.
-    "bfloat16": Tolerance(atol=8e-2, rtol=8e-2, max_abs=2.4e-1, mean_abs=2.4e-2, pass_rate=0.99,
-                          e2e_logprob_gap=2e-1),
+FLOORS: dict[str, Bound] = {
+    "float32": Bound(max_rel=1024 * UNIT_ROUNDOFF["float32"], mean_rel=128 * UNIT_ROUNDOFF["float32"]),
+    "float16": Bound(max_rel=8 * UNIT_ROUNDOFF["float16"], mean_rel=2 * UNIT_ROUNDOFF["float16"]),
+    "bfloat16": Bound(max_rel=8 * UNIT_ROUNDOFF["bfloat16"], mean_rel=2 * UNIT_ROUNDOFF["bfloat16"]),
 }
+
+E2E_LOGPROB_GAP = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2e-1}
 
 # Outputs whose rows are sets: topk_ids order is unspecified (a variant may emit the A picks in any
 # order); rows are compared after sorting ids, and topk_weights follows the same permutation.
 UNORDERED = {"topk_ids": "topk_weights"}
+
+
+def row_errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """max_rel and mean_rel of `got` against `ref` (module doc), in float64; both finite tensors."""
+    if not ref.numel():
+        return {"max_rel": 0.0, "mean_rel": 0.0}
+    g = got.double().reshape(ref.shape[0] if ref.dim() else 1, -1)
+    r = ref.double().reshape(g.shape)
+    err = (g - r).abs()
+    tiny = torch.finfo(torch.float64).tiny
+    max_rel = err.amax(1) / r.abs().amax(1).clamp_min(tiny)
+    mean_rel = err.sum(1) / r.abs().sum(1).clamp_min(tiny)
+    max_rel = torch.where(err.amax(1) == 0, 0.0, max_rel)
+    mean_rel = torch.where(err.sum(1) == 0, 0.0, mean_rel)
+    return {"max_rel": float(max_rel.max()), "mean_rel": float(mean_rel.mean())}
+
+
+def derive(dtype: str, ref_dt_errors: dict[str, float]) -> Bound:
+    """The bound for an output whose dtype reference makes `ref_dt_errors` (row_errors of ref_dt vs ref)."""
+    f = FLOORS[dtype]
+    return Bound(max(FACTOR * ref_dt_errors["max_rel"], f.max_rel), max(FACTOR * ref_dt_errors["mean_rel"], f.mean_rel))
+
+
+def derivation_text() -> str:
+    """The rule as the report states it."""
+    floors = ", ".join(f"{k}: max_rel {v.max_rel:.2g}, mean_rel {v.mean_rel:.2g}" for k, v in FLOORS.items())
+    return (f"bound = max({FACTOR:g} x the error of the torch reference computed in the dtype (against the fp32 "
+            f"reference on the same rounded inputs), floor); floors: {floors}. max_rel = max over rows of max|err| / "
+            "max|ref| of the row; mean_rel = mean over rows of sum|err| / sum|ref| of the row.")

@@ -1,5 +1,7 @@
-"""Plain-torch variants: the sync-free grouped experts and the reference GQA attention, in the variant
-contract (write preallocated outputs in place). They are the baselines the broken variants modify."""
+"""Plain-torch variants: the sync-free grouped experts, the reference GQA attention, and restatements of the ops
+no kernel replaces yet (embedding lookup, residual add, dense SwiGLU MLP, Block AttnRes), in the variant contract
+(write preallocated outputs in place). They are the baselines the broken variants modify, and they show that
+every op kind of the plan can carry a validated variant (tests/test_validate.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..contract import Manifest, Scope, Variant, register
-from ..plan import ATTN_GQA, EXPERTS
+from ..plan import ADD, ATTN_GQA, ATTN_RES, EMBED, EXPERTS, MLP
 from ..reference.attention import gqa_attention
 from ..reference.moe import experts_grouped
 from ..reference.rope import rope_cos_sin
@@ -75,3 +77,55 @@ ATTN_GQA_TORCH = register(Variant(Manifest(
     name="torch-attn-gqa", description="GQA attention of reference/attention.py in the variant contract",
     replaces=(ATTN_GQA,), scope=Scope(families=("qwen3_moe",)),
     sources=("megadecode/reference/attention.py", "megadecode/validate/torch_variants.py")), attn_gqa))
+
+
+def _embed(op, inputs, weights, outputs, cfg, step, cache=None):
+    outputs[op.outputs[0]].copy_(weights[op.weights[0]].index_select(0, inputs[op.inputs[0]]))
+
+
+def _add(op, inputs, weights, outputs, cfg, step, cache=None):
+    torch.add(inputs[op.inputs[0]], inputs[op.inputs[1]], out=outputs[op.outputs[0]])
+
+
+def _mlp(op, inputs, weights, outputs, cfg, step, cache=None):
+    """SwiGLU with fp32 products, rounded once at the end (the reference rounds after each product)."""
+    x = inputs[op.inputs[0]].float()
+    gate, up, down = (weights[n].float() for n in op.weights)
+    outputs[op.outputs[0]].copy_((F.silu(x @ gate.T) * (x @ up.T)) @ down.T)
+
+
+def _attn_res(op, inputs, weights, outputs, cfg, step, cache=None):
+    """Block AttnRes over explicit sources: a softmax over each source's score, fp32 (reference/attn_res.py)."""
+    hidden = inputs["hidden"]
+    blocks = list(inputs["blocks"].unbind(0)) if "blocks" in op.inputs else []
+    if "blocks" in op.outputs:  # the block ends: its partial sum is frozen, the next one starts at zero
+        blocks.append(hidden)
+        outputs["blocks"].copy_(torch.stack(blocks))
+        outputs["hidden"].zero_()
+        sources = blocks
+    else:
+        sources = blocks + [hidden]
+    query, norm_w = (weights[n].float() for n in op.weights)
+    scores, values = [], []
+    for src in sources:
+        v = src.float()
+        key = v / torch.sqrt(v.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * norm_w
+        scores.append(key @ query)
+        values.append(v)
+    alpha = torch.softmax(torch.stack(scores), dim=0)  # [S, N]
+    outputs["layer_in"].copy_(sum(a[:, None] * v for a, v in zip(alpha, values)))
+
+
+_K = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
+EMBED_TORCH = register(Variant(Manifest(
+    name="torch-embed", description="embedding lookup as index_select", replaces=(EMBED,), scope=Scope(families=_K),
+    sources=("megadecode/validate/torch_variants.py",)), _embed))
+ADD_TORCH = register(Variant(Manifest(
+    name="torch-add", description="residual add as torch.add into the output", replaces=(ADD,),
+    scope=Scope(families=_K), sources=("megadecode/validate/torch_variants.py",)), _add))
+MLP_TORCH = register(Variant(Manifest(
+    name="torch-mlp", description="dense SwiGLU MLP with fp32 products, rounded once", replaces=(MLP,),
+    scope=Scope(families=_K), sources=("megadecode/validate/torch_variants.py",)), _mlp))
+ATTN_RES_TORCH = register(Variant(Manifest(
+    name="torch-attn-res", description="Block AttnRes over explicit sources, fp32 softmax", replaces=(ATTN_RES,),
+    scope=Scope(families=("kimi_k3",)), sources=("megadecode/validate/torch_variants.py",)), _attn_res))
