@@ -197,3 +197,14 @@ def test_sample_instructions_pick_greedy_tokens():
     assert toks.tolist() == logits.argmax(-1).tolist()
     lp = vm.f32[prog.f32["sampled_lp"][0]:][:2]
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, toks.long()[:, None])[:, 0])
+
+
+def test_validate_executor_pyvm_passes_and_mega_is_not_run_on_the_cpu(capsys):
+    from megadecode.cli import main
+
+    assert main(["validate", "--executor", "pyvm", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "e2e tiny-qwen3-moe float32: PASS" in out
+    if not torch.cuda.is_available():
+        assert main(["validate", "--executor", "mega", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 1
+        assert "SKIP generation" in capsys.readouterr().out

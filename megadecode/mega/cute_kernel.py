@@ -1016,13 +1016,3 @@ def compile_for(plant: str = ""):
         return cute.compile(launch, *args, options=f"--gpu-arch={ARCH} --keep-ptx --dump-dir={dump}", no_cache=True)
     finally:
         PLANT = ""
-
-
-# The launcher's kernel parameters in PTX order, and their roles for the static audit (validate/audit.py):
-# the instruction stream, its queues and the tensor table are static; the counters are the flags; the arenas
-# (activations, routing) and the error buffer are produced during the launch. Weights and caches are reached
-# through the tensor table's addresses (their loads carry no parameter; all are plain coherent loads).
-AUDIT_PARAMS = ("prog", "qstart", "qorder", "ctr", "f32", "i32", "taddr", "err", "max_spin", "tl", "timeline",
-                "delay_ns")
-AUDIT_ROLES = {"prog": "static", "qstart": "static", "qorder": "static", "taddr": "static", "ctr": "flag",
-               "f32": "produced", "i32": "produced", "err": "produced", "tl": "produced"}

@@ -38,6 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON to OUT (default: not written)")
     p.add_argument("--report", metavar="DIR", help="write DIR/<variant>.html (evidence report) and DIR/<variant>.md "
                    "(default: not written)")
+    p.add_argument("--executor", choices=("pyvm", "mega"), default=None,
+                   help="validate a whole-step executor instead of a variant: the megakernel's static audit, then "
+                        "greedy generation in lockstep with the torch executor on the tiny presets (pyvm: fp32 with "
+                        "the race check; mega: bf16 on the GPU) (default: not run)")
+    p.add_argument("--steps", type=int, default=64, help="greedy steps per sequence with --executor (default: 64)")
     p.add_argument("--ordering", action="store_true",
                    help="audit the persistent handoff kernel and its planted ordering bugs: static sm_90 "
                         "audit (CPU), plus random-delay and repeat runs on a GPU")
@@ -72,6 +77,8 @@ def cmd_validate(args, argv) -> int:
 
     if args.ordering:
         return _cmd_ordering(args, argv)
+    if args.executor:
+        return _cmd_executor(args, argv)
     if args.list or not args.variant:
         for v in all_variants():
             m = v.manifest
@@ -152,6 +159,52 @@ def _write_report(args, argv, name, manifest, rows, audits, perf_rows, coverage=
     h, m = write_report(args.report, name, manifest=manifest, rows=rows, audits=audits, perf_rows=perf_rows,
                         env=environment(), command="megadecode " + shlex.join(argv), coverage=coverage)
     print(f"wrote {h} and {m}", file=sys.stderr)
+
+
+def _cmd_executor(args, argv) -> int:
+    """A whole-step executor (the megakernel, or pyvm, its golden model): the kernel's static audit and lockstep
+    greedy generation against the torch executor. Exit 1 on any FAIL, and when nothing ran."""
+    import json
+
+    from .e2e import compare_generation
+
+    device = _device()
+    rows, failed, ran = [], False, 0
+    try:
+        from .mega_audit import audit_megakernel
+
+        rep = audit_megakernel()
+        print(f"audit {'PASS' if rep.passed else 'FAIL'} {rep.kernel}: rules {', '.join(rep.rules_checked)}"
+              + "".join(f"; SKIP {r}: {why}" for r, why in rep.skipped.items()))
+        rows.append({"audit": rep.kernel, "status": "PASS" if rep.passed else "FAIL", "report": rep.to_dict()})
+        failed |= not rep.passed
+    except ImportError as e:
+        print(f"audit SKIP mega_kernel: CuTe DSL is not installed ({e}); pip install -e '.[cute]'")
+        rows.append({"audit": "mega_kernel", "status": "SKIP", "why": str(e)})
+    if args.executor == "mega" and device != "cuda":
+        print("mega: SKIP generation: the megakernel runs on a CUDA GPU (validate --executor pyvm on the CPU)")
+    else:
+        presets = args.preset or (["tiny-qwen3-moe", "tiny-deepseek-v3"] + (["tiny-k3"] if args.executor == "pyvm"
+                                                                             else []))
+        dtype = torch.bfloat16 if args.executor == "mega" else torch.float32
+        attrs = {"check_races": True} if args.executor == "pyvm" else {}
+        for preset in presets:
+            res = compare_generation(None, preset, steps=args.steps, dtype=dtype, device=device,
+                                     executor=args.executor, **attrs)
+            ran += 1
+            failed |= res["status"] == "FAIL"
+            print(f"e2e {preset} {res['dtype']}: {res['status']} ({res['steps']} steps x {res['sequences']} "
+                  f"sequences, max logit diff {res['max_logit_diff_before_divergence']:.2e}) {res['divergences'] or ''}")
+            rows.append({"e2e": True, **res})
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"command": "megadecode " + shlex.join(argv), "executor": args.executor,
+                                               "rows": rows}, indent=1, default=str))
+    if ran == 0:
+        print("NOT RUN: no generation ran on this machine", file=sys.stderr)
+    return 1 if failed or ran == 0 else 0
 
 
 def _cmd_ordering(args, argv) -> int:

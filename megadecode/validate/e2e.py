@@ -18,20 +18,27 @@ from .tolerances import E2E_LOGPROB_GAP
 DEFAULT_PROMPTS = ([256, 72, 101, 108, 108, 111], [256, 1, 2, 3], [256, 77, 111, 69], [256, 40])
 
 
-def _engine(cfg, weights, prompts, steps, variants=None) -> Engine:
-    eng = Engine(cfg, weights, max_batch=len(prompts), max_seq_len=max(map(len, prompts)) + steps + 1)
+def _engine(cfg, weights, prompts, steps, variants=None, executor: str = "torch", **executor_attrs) -> Engine:
+    eng = Engine(cfg, weights, executor=executor, max_batch=len(prompts),
+                 max_seq_len=max(map(len, prompts)) + steps + 1)
     if variants is not None:
         eng.executor = VariantExecutor(eng.plan, weights, eng.cache, variants)
+    for k, v in executor_attrs.items():  # e.g. pyvm's check_races
+        setattr(eng.executor, k, v)
     return eng
 
 
 @torch.inference_mode()
-def compare_generation(variants: list[Variant], preset: str = "tiny-qwen3-moe", *, prompts=DEFAULT_PROMPTS,
-                       steps: int = 128, dtype=torch.float32, seed: int = 0, device="cpu") -> dict:
+def compare_generation(variants: list[Variant] | None, preset: str = "tiny-qwen3-moe", *, prompts=DEFAULT_PROMPTS,
+                       steps: int = 128, dtype=torch.float32, seed: int = 0, device="cpu", executor: str = "torch",
+                       **executor_attrs) -> dict:
+    """`variants` replace plan ops in the torch executor; or, with variants None, a whole-step `executor` (pyvm,
+    mega) runs every step, `executor_attrs` set on it."""
     cfg = preset_config(preset)
     prompts = [list(p) for p in prompts]
     weights = random_weights(cfg, device, dtype, seed)
-    ref, var = _engine(cfg, weights, prompts, steps), _engine(cfg, weights, prompts, steps, variants)
+    ref = _engine(cfg, weights, prompts, steps)
+    var = _engine(cfg, weights, prompts, steps, variants, executor, **executor_attrs)
     gap_tol = E2E_LOGPROB_GAP[dtype_name(dtype)]
     lr, lv = ref.prefill(prompts, steps), var.prefill(prompts, steps)
     first: dict[int, dict] = {}
@@ -54,8 +61,12 @@ def compare_generation(variants: list[Variant], preset: str = "tiny-qwen3-moe", 
                         "near_tie": gap <= gap_tol and b in top5_r[:2] and a in top5_v[:2]}
         if step + 1 < steps:
             lr, lv = ref.decode(tr), var.decode(tv)
-    ran = dict(var.executor.ran)
+    ran = dict(getattr(var.executor, "ran", {}))
+    check = getattr(var.executor, "check_errors", None)
+    if check is not None:  # the mega executor: a wait that timed out in a launch fails the comparison
+        check()
     status = "PASS" if all(d["near_tie"] for d in first.values()) else "FAIL"
     return {"status": status, "preset": preset, "dtype": dtype_name(dtype), "device": str(device), "steps": steps,
-            "sequences": len(prompts), "variants": [v.name for v in variants], "variant_ops_run": ran,
+            "sequences": len(prompts), "variants": [v.name for v in variants] if variants else [executor],
+            "variant_ops_run": ran,
             "max_logit_diff_before_divergence": max_diff, "divergences": [first[i] for i in sorted(first)]}
