@@ -51,7 +51,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "megadecode", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    assert set(subcommands()) == {"generate", "make-checkpoint", "bench", "validate", "tune"}
+    assert set(subcommands()) == {"generate", "serve", "make-checkpoint", "bench", "validate", "tune"}
     for cmd in subcommands():
         assert cmd in out
 
