@@ -116,7 +116,10 @@ def cmd_serve(args, argv) -> int:
     config = uvicorn.Config(build_app(server), log_level=args.log_level, timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again
+        pass
     finally:
         server.stop()
+    print("megadecode: server stopped", file=sys.stderr)
     return 0
 

@@ -95,6 +95,8 @@ def _bool(doc: dict, key: str, default: bool) -> bool:
 
 
 def _token_ids(v, key: str, vocab: int) -> list[int]:
+    if not isinstance(v, list):
+        raise APIError(f"{key} must be a list of token ids, got {type(v).__name__}", key)
     if not v:
         raise APIError(f"{key} is empty", key)
     for t in v:
