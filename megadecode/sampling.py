@@ -79,17 +79,26 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     if drawn:
         dev = logits.device
         sub = logits[drawn] if len(drawn) < B else logits
-        temperature = torch.tensor([[params[i].temperature] for i in drawn], dtype=torch.float32, device=dev)
+        temperature = _to_device([[params[i].temperature] for i in drawn], torch.float32, dev)
         top_p = None
         if any(params[i].top_p < 1 for i in drawn):  # inf: the row keeps every token, as `sample` with top_p 1
-            top_p = torch.tensor([[params[i].top_p if params[i].top_p < 1 else math.inf] for i in drawn],
-                                 dtype=torch.float32, device=dev)
+            top_p = _to_device([[params[i].top_p if params[i].top_p < 1 else math.inf] for i in drawn],
+                               torch.float32, dev)
         noise = torch.empty_like(sub)
         for r, i in enumerate(drawn):
             noise[r].exponential_(1.0, generator=generators[i])
         picked = _select(sub, temperature, top_p, noise)
         if len(drawn) < B:
-            tokens[torch.tensor(drawn, device=dev)] = picked
+            tokens[_to_device(drawn, torch.int64, dev)] = picked
         else:
             tokens = picked
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the GPU (a blocking copy to CUDA synchronizes the stream:
+    the server queues the next step before it reads this one's tokens)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -54,10 +54,10 @@ class Collector:
                 self.finish[seq.id] = (d.finish_reason, d.error)
 
 
-def make_loop(engine, **kw):
+def make_loop(engine, overlap: bool = True, **kw):
     runner = ModelRunner(engine, kw.pop("batch_sizes", None), kw.pop("pad", None))
     out = Collector()
-    return EngineLoop(runner, Scheduler(runner.max_batch, 100), out), out
+    return EngineLoop(runner, Scheduler(runner.max_batch, 100), out, overlap=overlap), out
 
 
 def orderings(n: int):
@@ -76,9 +76,10 @@ ORDERS = sorted(set(orderings(3)))
 def test_joins_and_leaves_in_every_order(engine, order, mode):
     """Event k of `order` happens at iteration k. A sequence that joins at iteration j has 2 tokens after it
     (its prefill's and the decode step's), one more per iteration; it leaves at iteration l either by
-    max_tokens (its last token comes at l) or by an abort before iteration l."""
+    max_tokens (its last token comes at l) or by an abort before iteration l. Steps are collected in the iteration
+    that launched them (no overlap), so that the timeline is exact; the next test overlaps them."""
     padded = mode.startswith("length")
-    loop, out = make_loop(engine, pad=padded, batch_sizes=[1, 4] if padded else None)
+    loop, out = make_loop(engine, overlap=False, pad=padded, batch_sizes=[1, 4] if padded else None)
     when = {(k, i): t for t, (k, i) in enumerate(order)}
     seqs = []
     for i, p in enumerate(PROMPTS):
@@ -102,6 +103,36 @@ def test_joins_and_leaves_in_every_order(engine, order, mode):
         assert len(got) == want, (i, got)
         assert got == alone(QWEN, tuple(s.prompt), want), f"sequence {i}"
         assert s.finish_reason == (LENGTH if padded else ABORT)
+
+
+@pytest.mark.parametrize("order", ORDERS[::3], ids=lambda o: "".join(f"{k}{i}" for k, i in o))
+def test_overlapped_steps_in_many_orders(engine, order):
+    """As above with the next decode step launched before the last one is collected (the server's way): a
+    sequence that finished in the collected step has a row in the step in flight, dropped; every sequence gets
+    exactly its tokens alone, and finishes by max_tokens, or by abort with a prefix of them."""
+    loop, out = make_loop(engine, overlap=True, pad=True, batch_sizes=[1, 4])
+    when = {(k, i): t for t, (k, i) in enumerate(order)}
+    seqs = [Sequence(prompt=p, max_tokens=when[("L", i)] - when[("J", i)] + 2) for i, p in enumerate(PROMPTS)]
+    aborted = seqs[1]  # leaves by abort at its L, the others by max_tokens
+    aborted.max_tokens = MAX_SEQ - len(aborted.prompt)
+    for t in range(len(order)):
+        for i, s in enumerate(seqs):
+            if when[("J", i)] == t:
+                loop.submit(s)
+            if when[("L", i)] == t and s is aborted:
+                loop.abort(s.id)
+        loop.iteration()
+        slots = [s.slot for s in loop.scheduler.running]
+        assert len(set(slots)) == len(slots)
+    run_all(loop)
+    assert loop._pending is None and loop.scheduler.idle()
+    for i, s in enumerate(seqs):
+        got = out.tokens[s.id]
+        assert got == alone(QWEN, tuple(s.prompt), len(got)), f"sequence {i}"
+        if s is aborted:
+            assert s.finish_reason == ABORT and len(got) >= when[("L", i)] - when[("J", i)]
+        else:
+            assert s.finish_reason == LENGTH and len(got) == s.max_tokens
 
 
 def test_seeded_sampling_is_per_request(engine):
@@ -216,16 +247,40 @@ def test_a_decode_step_that_raises_fails_its_step_only(engine, monkeypatch):
     loop, out = make_loop(engine)
     first = Sequence(prompt=PROMPTS[0], max_tokens=4)
     loop.submit(first)
-    real = loop.runner.decode
-    monkeypatch.setattr(loop.runner, "decode", lambda seqs: (_ for _ in ()).throw(RuntimeError("step broke")))
+    real = loop.runner.launch_decode
+    monkeypatch.setattr(loop.runner, "launch_decode", lambda *a: (_ for _ in ()).throw(RuntimeError("step broke")))
     loop.iteration()
     assert first.finish_reason == ERROR and "step broke" in out.finish[first.id][1]
-    monkeypatch.setattr(loop.runner, "decode", real)
+    monkeypatch.setattr(loop.runner, "launch_decode", real)
     later = Sequence(prompt=PROMPTS[1], max_tokens=4)
     loop.submit(later)
     run_all(loop)
     assert out.tokens[later.id] == alone(QWEN, tuple(later.prompt), 4)
     assert loop.scheduler.free_slots == 4
+
+
+def test_a_step_that_fails_when_collected_fails_its_sequences_only(engine, monkeypatch):
+    """A CUDA error surfaces at the wait for a step's results: that step's sequences fail; the step launched
+    after it (overlap) is collected and dropped; the next request is served."""
+    loop, out = make_loop(engine)
+    real, calls = loop.runner.collect, []
+
+    def collect(step):
+        calls.append(step)
+        if len(calls) == 2:  # the first decode step (the first call is the prefill's)
+            raise RuntimeError("device error")
+        return real(step)
+
+    monkeypatch.setattr(loop.runner, "collect", collect)
+    first = Sequence(prompt=PROMPTS[0], max_tokens=6)
+    loop.submit(first)
+    run_all(loop)
+    assert first.finish_reason == ERROR and "device error" in out.finish[first.id][1]
+    assert len(out.tokens[first.id]) == 1  # the prefill's token
+    later = Sequence(prompt=PROMPTS[1], max_tokens=4)
+    loop.submit(later)
+    run_all(loop)
+    assert out.tokens[later.id] == alone(QWEN, tuple(later.prompt), 4) and loop.scheduler.free_slots == 4
 
 
 def test_the_loop_thread_survives_its_own_errors(engine, monkeypatch):

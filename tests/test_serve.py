@@ -317,13 +317,13 @@ def small():
     r = Running(Server.build(QWEN, max_batch=1, max_seq_len=MAX_SEQ, max_queue=2))
     r.gate = threading.Event()
     r.gate.set()
-    real = r.server.runner.decode
+    real = r.server.runner.launch_decode
 
-    def decode(seqs):
+    def launch_decode(*a):
         r.gate.wait(30)
-        return real(seqs)
+        return real(*a)
 
-    r.server.runner.decode = decode
+    r.server.runner.launch_decode = launch_decode
     yield r
     r.gate.set()
     r.close()
@@ -358,8 +358,8 @@ def test_full_queue_is_a_429(small):
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(small):
     aborted = small.metric("megadecode_requests_total", 'outcome="abort"')
-    real = small.server.runner.decode
-    small.server.runner.decode = lambda seqs: (time.sleep(0.02), real(seqs))[1]  # 60 tokens take > 1 s
+    real = small.server.runner.launch_decode
+    small.server.runner.launch_decode = lambda *a: (time.sleep(0.02), real(*a))[1]  # 60 tokens take > 1 s
     with httpx.stream("POST", small.url + "/v1/completions", timeout=30,
                       json={"model": QWEN, "prompt": "Hi", "max_tokens": 60, "stream": True, "ignore_eos": True}) as r:
         for line in r.iter_lines():

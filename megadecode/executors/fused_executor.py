@@ -85,6 +85,7 @@ class FusedExecutor(GraphExecutor):
         self.sampling = None  # SamplingParams when the step samples (set_sampling)
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the step's noise seed, in place
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, logprobs) of the last step
+        self._length_free: dict[int, bool] = {}
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
@@ -117,8 +118,10 @@ class FusedExecutor(GraphExecutor):
         there, so the host's kv_len only sizes the split (kernels/splitk.py), and one graph captured at the
         cache's length serves every length (chunks past a sequence's position exit at once). KDA layers have
         no length. An attention op that falls back to the reference slices the cache on the host: buckets."""
-        kinds = {op.kind for op in self.plan.ops if op.kind in LENGTH_OPS}
-        return all(self._pick(kind, batch) is not None for kind in kinds)
+        if batch not in self._length_free:  # asked at every decode step: decided once per batch size
+            kinds = {op.kind for op in self.plan.ops if op.kind in LENGTH_OPS}
+            self._length_free[batch] = all(self._pick(kind, batch) is not None for kind in kinds)
+        return self._length_free[batch]
 
     def _pick(self, kind: str, batch: int):
         why = []

@@ -3,7 +3,7 @@
 `abort` and the `emit` callback, which it calls once per step with every new token of that step.
 
 An iteration: apply the aborts, admit newcomers into free slots and prefill them (their first token), then one
-decode step of every running sequence. A failure stays with its request: a prefill that raises is retried per
+decode step of every running sequence (queued before the previous one's tokens are read: `iteration`). A failure stays with its request: a prefill that raises is retried per
 sequence so only the culprit fails; a row whose logits are NaN or inf fails that sequence alone (its slot is
 zeroed before reuse); a decode step that raises fails the sequences of that step, and the loop goes on.
 """
@@ -47,8 +47,10 @@ class NullMetrics:
 
 class EngineLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler,
-                 emit: Callable[[list[tuple[Sequence, Delta]]], None], metrics=None):
-        self.runner, self.scheduler, self.emit = runner, scheduler, emit
+                 emit: Callable[[list[tuple[Sequence, Delta]]], None], metrics=None, overlap: bool = True):
+        self.runner, self.scheduler, self.emit, self.overlap = runner, scheduler, emit, overlap
+        self._pending = None  # a launched decode step (runner.Launched) not collected yet
+        self._last_collect = 0.0
         self.metrics = metrics or NullMetrics()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -97,10 +99,18 @@ class EngineLoop:
                 except Exception:  # a bug of the loop itself: fail what is in flight, keep serving
                     self.last_error = traceback.format_exc()
                     log.error("engine loop error:\n%s", self.last_error)
+                    self._pending = None
                     self._fail(list(self.scheduler.running), "internal error in the engine loop")
 
     def iteration(self) -> bool:
-        """One scheduling round: aborts, admissions with their prefill, one decode step. False when idle."""
+        """One scheduling round: aborts, admissions with their prefill, one decode step. False when idle.
+
+        With `overlap`, while the running sequences stay the same the next decode step is launched, fed on the
+        device with the tokens of the step in flight, before that step's results are collected: the GPU has the
+        next step queued while the host handles the last one's tokens. A sequence that finished in the collected
+        step has a row in the step launched meanwhile: its result is dropped (its cache slot is written at one
+        position more, which its next owner's prefill overwrites or masks). A change of the running set (an
+        admission, an abort, a finish) collects the step in flight first and launches from the host's tokens."""
         with self._lock:
             aborts, self._aborts = self._aborts, []
             for seq_id in aborts:
@@ -108,29 +118,65 @@ class EngineLoop:
                 if seq is not None:
                     self.metrics.finished(seq)
             admitted = self.scheduler.schedule()
-            running = list(self.scheduler.running)
-            self.metrics.state(len(self.scheduler.waiting), len(running))
-        if not running:
-            return False
+            self.metrics.state(len(self.scheduler.waiting), len(self.scheduler.running))
         out: list[tuple[Sequence, Delta]] = []
+        if not self.scheduler.running and self._pending is None:
+            return False
         if admitted:
+            self._flush(out)
             self._prefill(admitted, out)
         decoding = list(self.scheduler.running)  # the admitted ones too, unless done at their first token
+        after = self._pending if self._pending is not None and self._pending.seqs == decoding else None
+        if after is None:
+            self._flush(out)
         if decoding:
-            t = time.perf_counter()
-            try:
-                results = self.runner.decode(decoding)
-            except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
-                self.last_error = traceback.format_exc()
-                log.error("decode step failed:\n%s", self.last_error)
-                self._fail(decoding, f"the decode step failed: {type(e).__name__}: {e}", out)
-            else:
-                self.metrics.step("decode", time.perf_counter() - t, len(decoding), self.runner.padded(len(decoding)))
-                self._record(decoding, results, out)
+            launched = self._launch(decoding, after, out)
+            if after is not None:
+                self._collect(after, out)
+            self._pending = launched
+            if not self.overlap:
+                self._flush(out)
         self.steps += 1
         if out:
             self.emit(out)
         return True
+
+    def _launch(self, seqs: list[Sequence], after, out: list):
+        try:
+            step = self.runner.launch_decode(seqs, after)
+        except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
+            self.last_error = traceback.format_exc()
+            log.error("decode step failed:\n%s", self.last_error)
+            if after is not None:
+                self._collect(after, out)
+            self._fail(seqs, f"the decode step failed: {type(e).__name__}: {e}", out)
+            return None
+        step.launched = time.perf_counter()
+        return step
+
+    def _flush(self, out: list) -> None:
+        """Collect the decode step in flight, if any."""
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._collect(step, out)
+
+    def _collect(self, step, out: list) -> None:
+        if step is self._pending:
+            self._pending = None
+        try:
+            results = self.runner.collect(step)
+        except Exception as e:  # noqa: BLE001 - e.g. a CUDA error surfacing at the wait
+            self.last_error = traceback.format_exc()
+            log.error("decode step failed:\n%s", self.last_error)
+            self._fail(step.seqs, f"the decode step failed: {type(e).__name__}: {e}", out)
+            return
+        now = time.perf_counter()
+        live = [s for s in step.seqs if not s.finished]
+        # the step's own time: from its launch, or from the previous result when it was queued behind a step
+        self.metrics.step("decode", now - max(step.launched, self._last_collect), len(live),
+                          self.runner.padded(len(step.seqs)))
+        self._last_collect = now
+        self._record(step.seqs, results, out)
 
     def _prefill(self, admitted: list[Sequence], out: list) -> None:
         t = time.perf_counter()
