@@ -147,7 +147,8 @@ class ModelRunner:
         out = torch.stack((tokens.double(), logprobs.double(), finite.double()))  # token ids < 2**53: exact
         if self.device.type != "cuda":
             return Launched(seqs, tokens, out, None)
-        host = out.to("cpu", non_blocking=True)  # pinned
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)  # pinned: the copy does not block
+        host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return Launched(seqs, tokens, host, done)
