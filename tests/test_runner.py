@@ -306,3 +306,17 @@ def test_the_loop_thread_survives_its_own_errors(engine, monkeypatch):
     finally:
         loop.stop()
     assert not loop.alive and not any(t.name == "megadecode-engine" and t.is_alive() for t in threading.enumerate())
+
+
+def test_stopping_the_loop_fails_what_is_in_flight(engine):
+    """No request waits forever on a loop that has stopped: each gets an error delta."""
+    loop, out = make_loop(engine)
+    seqs = [Sequence(prompt=p, max_tokens=MAX_SEQ - len(p)) for p in PROMPTS] + \
+           [Sequence(prompt=PROMPTS[0], max_tokens=4) for _ in range(3)]  # 4 slots: 2 wait
+    loop.start()
+    for s in seqs:
+        loop.submit(s)
+    loop.stop()
+    assert all(s.finished for s in seqs)
+    assert all(out.finish[s.id][0] in (ERROR, LENGTH) for s in seqs)
+    assert any(out.finish[s.id] == (ERROR, "the server is shutting down") for s in seqs)

@@ -175,11 +175,14 @@ class Output:
         text = []
         while self.finish_reason is None:
             try:
-                d = await asyncio.wait_for(self.chan.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)  # nobody reads it; the caller's `finally` aborts
-                continue
+                d = self.chan.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    d = await asyncio.wait_for(self.chan.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; the caller's `finally` aborts
+                    continue
             text.append(self.take(d)[0])
         if self.finish_reason == ERROR:
             return error_response(self.failure())

@@ -90,17 +90,23 @@ class EngineLoop:
 
     # ---- the loop thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode():
-            while not self._stop:
-                try:
-                    if not self.iteration():
-                        self._wake.wait(0.5)
-                        self._wake.clear()
-                except Exception:  # a bug of the loop itself: fail what is in flight, keep serving
-                    self.last_error = traceback.format_exc()
-                    log.error("engine loop error:\n%s", self.last_error)
-                    self._pending = None
-                    self._fail(list(self.scheduler.running), "internal error in the engine loop")
+        try:
+            with torch.inference_mode():
+                while not self._stop:
+                    try:
+                        if not self.iteration():
+                            self._wake.wait(0.5)
+                            self._wake.clear()
+                    except Exception:  # a bug of the loop itself: fail what is in flight, keep serving
+                        self.last_error = traceback.format_exc()
+                        log.error("engine loop error:\n%s", self.last_error)
+                        self._pending = None
+                        self._fail(list(self.scheduler.running), "internal error in the engine loop")
+        finally:  # stopped (or killed by a BaseException): no request waits for a loop that is gone
+            self._stop = True
+            with self._lock:
+                left = [*self.scheduler.waiting, *self.scheduler.running]
+            self._fail(left, "the server is shutting down")
 
     def iteration(self) -> bool:
         """One scheduling round: aborts, admissions with their prefill, one decode step. False when idle.
