@@ -118,8 +118,9 @@ async def level(url: str, model: str, concurrency: int, requests_per_stream: int
     return {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
             "error_examples": sorted({r["error"] for r in results if "error" in r})[:3],
             "max_tokens": max_tokens, "prompt_len": prompt_len, "output_tokens": tokens, "wall_s": rnd(wall),
-            "total_tokens_per_s": rnd(tokens / wall), "per_user_tokens_per_s": rnd(statistics.mean(per_user))
-            if per_user else None, "ttft_ms_p50": rnd(percentile(ttft, 0.5)), "ttft_ms_p99": rnd(percentile(ttft, 0.99)),
+            "total_tokens_per_s": rnd(tokens / wall),
+            "per_user_tokens_per_s": rnd(statistics.mean(per_user)) if per_user else None,
+            "ttft_ms_p50": rnd(percentile(ttft, 0.5)), "ttft_ms_p99": rnd(percentile(ttft, 0.99)),
             "itl_ms_p50": rnd(percentile(itl, 0.5)), "itl_ms_p99": rnd(percentile(itl, 0.99)),
             "itl_ms_mean": rnd(statistics.mean(itl)) if itl else None, "tpot_ms_p50": rnd(percentile(tpot, 0.5)),
             "tpot_ms_p99": rnd(percentile(tpot, 0.99)), "server_decode_step_ms_mean": rnd(step_ms),

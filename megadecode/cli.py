@@ -121,7 +121,8 @@ def _add_make_checkpoint(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.",
                     formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,make-checkpoint,bench,validate,tune}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{generate,serve,make-checkpoint,bench,validate,tune}")
     _add_generate(sub)
     serve_command.add_parser(sub)
     _add_make_checkpoint(sub)

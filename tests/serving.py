@@ -3,14 +3,25 @@ it over real HTTP with the openai client and httpx."""
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 import time
 
+import httpx
+import pytest
 import uvicorn
 
+from megadecode.engine import Engine
+from megadecode.sampling import SamplingParams
 from megadecode.serve.api import build_app
 from megadecode.serve.main import bind
 from megadecode.serve.server import Server
+from megadecode.tokenizer import ByteTokenizer
+
+QWEN = "tiny-qwen3-moe"
+MAX_SEQ = 64
+TOK = ByteTokenizer()
 
 
 class Running:
@@ -60,3 +71,42 @@ class Running:
         self.http.should_exit = True
         self.thread.join(10)
         self.server.stop()
+
+
+@functools.lru_cache(maxsize=None)
+def oracle() -> Engine:
+    return Engine.from_pretrained(QWEN, max_batch=1, max_seq_len=MAX_SEQ)
+
+
+@functools.lru_cache(maxsize=None)
+def alone(prompt: tuple, n: int, eos: bool = True, params=SamplingParams(greedy=True), seed: int = 0):
+    """Engine.generate of one prompt alone: the oracle of what the server returns."""
+    return oracle().generate([list(prompt)], n, params, seed=seed, stop_at_eos=eos)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    """tiny-qwen3-moe, torch executor, 8 slots, context 64, a queue that never fills."""
+    r = Running(Server.build(QWEN, max_batch=8, max_seq_len=MAX_SEQ, max_queue=1000))
+    yield r
+    r.close()
+
+
+def ids(text: str) -> tuple:
+    return tuple(TOK.encode(text))
+
+
+def complete(srv, **kw):
+    kw.setdefault("model", QWEN)
+    return srv.client().completions.create(**kw)
+
+
+def post(srv, body, path="/v1/completions", client=httpx):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return client.post(srv.url + path, content=data, headers={"content-type": "application/json"}, timeout=30)
+
+
+def check_greedy(srv) -> None:
+    """The server still answers a request with exactly its greedy tokens."""
+    r = complete(srv, prompt="Hello", max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == alone(ids("Hello"), 12).token_ids[0]

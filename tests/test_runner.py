@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from megadecode.engine import Engine
 from megadecode.runner import ModelRunner, check_batch_sizes, default_batch_sizes

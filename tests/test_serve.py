@@ -1,58 +1,26 @@
 """`megadecode serve` over real HTTP on localhost (tests/serving.py), tiny-qwen3-moe with the torch executor on the
 CPU: the openai client, streaming and not; concurrent requests get exactly the greedy tokens each gets alone
-(Engine.generate is the oracle); bad input is a 400 with an OpenAI-style body and never hurts the server; a full
-queue is a 429; a client that leaves frees its slot; a failing request fails alone; a bounded load test."""
+(Engine.generate is the oracle); seeded sampling, stop strings and ids, logprobs; a bounded load test; a checkpoint's
+chat template. Bad input: tests/test_serve_input.py; backpressure, disconnects, failures, the command:
+tests/test_serve_faults.py."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
-import os
 import random
-import threading
 import time
 
 import httpx
-import openai
-import pytest
 
 from megadecode.engine import Engine
 from megadecode.sampling import SamplingParams
 from megadecode.serve.chat import render_fallback
 from megadecode.serve.server import Server
-from megadecode.tokenizer import BOS_ID, ByteTokenizer
-from serving import Running
-
-QWEN = "tiny-qwen3-moe"
-MAX_SEQ = 64
-TOK = ByteTokenizer()
-
-
-@functools.lru_cache(maxsize=None)
-def oracle() -> Engine:
-    return Engine.from_pretrained(QWEN, max_batch=1, max_seq_len=MAX_SEQ)
-
-
-@functools.lru_cache(maxsize=None)
-def alone(prompt: tuple, n: int, eos: bool = True, params=SamplingParams(greedy=True), seed: int = 0):
-    return oracle().generate([list(prompt)], n, params, seed=seed, stop_at_eos=eos)
-
-
-@pytest.fixture(scope="module")
-def srv():
-    r = Running(Server.build(QWEN, max_batch=8, max_seq_len=MAX_SEQ, max_queue=1000))
-    yield r
-    r.close()
-
-
-def ids(text: str) -> tuple:
-    return tuple(TOK.encode(text))
-
-
-def complete(srv, **kw):
-    kw.setdefault("model", QWEN)
-    return srv.client().completions.create(**kw)
+from megadecode.tokenizer import BOS_ID
+from serving import (  # noqa: F401 (srv: a fixture)
+    MAX_SEQ, QWEN, TOK, Running, alone, check_greedy, complete, ids, post, srv,
+)
 
 
 # ---- the OpenAI API ---------------------------------------------------------------------------------------------
@@ -79,6 +47,7 @@ def test_completion_is_the_greedy_generation(srv):
     assert choice.finish_reason == ("stop" if len(want.token_ids[0]) < 12 else "length")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, len(want.token_ids[0]))
     assert r.object == "text_completion" and r.model == QWEN and r.id.startswith("cmpl-")
+    check_greedy(srv)
 
 
 def test_prompt_as_token_ids(srv):
@@ -186,244 +155,14 @@ def test_logprobs(srv):
     assert len(c.choices[0].logprobs.content) == 3 and all(t.logprob <= 0 for t in c.choices[0].logprobs.content)
 
 
-# ---- bad input ----------------------------------------------------------------------------------------------------
-
-def post(srv, body, path="/v1/completions", client=httpx):
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return client.post(srv.url + path, content=data, headers={"content-type": "application/json"}, timeout=30)
-
-
-OK = {"model": QWEN, "prompt": "Hi", "max_tokens": 2}
-BAD = [
-    (b"{not json", None, "not valid JSON"),
-    (b'{"model": "tiny-qwen3-moe", "prompt": "Hi", "temperature": NaN}', None, "NaN is not JSON"),
-    (b"[1, 2]", None, "must be a JSON object"),
-    (b"", None, "not valid JSON"),
-    ({**OK, "model": "gpt-4"}, "model", "'gpt-4' is not served here"),
-    ({"prompt": "Hi"}, "model", "None is not served here"),
-    ({**OK, "prompt": "x" * 60, "max_tokens": 10}, "max_tokens", "at most 3 new tokens fit"),
-    ({**OK, "prompt": "x" * 80}, "prompt", "context is 64"),
-    ({**OK, "max_tokens": 0}, "max_tokens", ">= 1, got 0"),
-    ({**OK, "max_tokens": -5}, "max_tokens", ">= 1"),
-    ({**OK, "max_tokens": 64}, "max_tokens", "at most 61 new tokens fit"),
-    ({**OK, "max_tokens": "3"}, "max_tokens", "must be an integer"),
-    ({**OK, "max_tokens": True}, "max_tokens", "must be an integer"),
-    ({**OK, "max_tokens": 2.5}, "max_tokens", "must be an integer"),
-    ({**OK, "temperature": -0.5}, "temperature", "in [0, 2.0]"),
-    ({**OK, "temperature": 7}, "temperature", "in [0, 2.0]"),
-    ({**OK, "temperature": "hot"}, "temperature", "must be a number"),
-    ({**OK, "top_p": 0}, "top_p", "(0, 1]"),
-    ({**OK, "top_p": 1.5}, "top_p", "(0, 1]"),
-    ({**OK, "seed": -1}, "seed", "in [0, 4294967295]"),
-    ({**OK, "seed": 2**70}, "seed", "in [0, 4294967295]"),
-    ({**OK, "prompt": [256, 259]}, "prompt", "token id 259, outside the vocabulary [0, 259)"),
-    ({**OK, "prompt": [-1]}, "prompt", "token id -1"),
-    ({**OK, "prompt": [1, 2.0]}, "prompt", "not a token id"),
-    ({**OK, "prompt": []}, "prompt", "empty"),
-    ({**OK, "prompt": ""}, "prompt", "empty"),
-    ({**OK, "prompt": None}, "prompt", "must be a string or a list of token ids"),
-    ({**OK, "prompt": {"a": 1}}, "prompt", "must be a string"),
-    ({**OK, "prompt": ["a", "b"]}, "prompt", "one per request"),
-    ({**OK, "n": 2}, "n", "not supported"),
-    ({**OK, "echo": True}, "echo", "not supported"),
-    ({**OK, "logprobs": 3}, "logprobs", "in [0, 0]"),
-    ({**OK, "stop": ""}, "stop", "non-empty string"),
-    ({**OK, "stop": [1]}, "stop", "non-empty string"),
-    ({**OK, "stop": ["a"] * 17}, "stop", "at most 16"),
-    ({**OK, "stop_token_ids": [300]}, "stop_token_ids", "outside the vocabulary"),
-    ({**OK, "stream": "yes"}, "stream", "true or false"),
-    ({**OK, "stream_options": [1]}, "stream_options", "must be an object"),
-]
-
-
-@pytest.mark.parametrize("body, param, text", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_requests_are_400s_naming_the_field(srv, body, param, text):
-    r = post(srv, body)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
-    assert err["param"] == param and text in err["message"], err
-
-
-CHAT_BAD = [
-    ({"model": QWEN}, "messages", "non-empty list"),
-    ({"model": QWEN, "messages": []}, "messages", "non-empty list"),
-    ({"model": QWEN, "messages": ["hi"]}, "messages[0]", "must be an object"),
-    ({"model": QWEN, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "must be one of"),
-    ({"model": QWEN, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
-    ({"model": QWEN, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
-     "only text parts"),
-    ({"model": QWEN, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-     "max_completion_tokens", ">= 1"),
-    ({"model": QWEN, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
-     "top_logprobs", "not supported"),
-]
-
-
-@pytest.mark.parametrize("body, param, text", CHAT_BAD, ids=[str(i) for i in range(len(CHAT_BAD))])
-def test_bad_chat_requests(srv, body, param, text):
-    r = post(srv, body, "/v1/chat/completions")
-    assert r.status_code == 400 and r.json()["error"]["param"] == param and text in r.json()["error"]["message"]
-
-
-def test_chat_content_parts_and_default_max_tokens(srv):
-    r = post(srv, {"model": QWEN, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-                   "temperature": 0, "ignore_eos": True}, "/v1/chat/completions")
-    usage = r.json()["usage"]
-    assert r.status_code == 200 and usage["total_tokens"] == MAX_SEQ  # no max_tokens: the rest of the context
-
-
-def test_routes_and_methods_answer_in_the_openai_shape(srv):
-    r = httpx.get(srv.url + "/v1/nothing-here")
-    assert r.status_code == 404 and "error" in r.json()
-    r = httpx.get(srv.url + "/v1/completions")
-    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
-
-
-def test_body_too_large(srv):
-    r = post(srv, b'{"prompt": "' + b"x" * (2 << 20) + b'"}')
-    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
-
-
-def test_fuzzed_bodies_never_crash_the_server(srv):
-    """Random JSON values in every field a request has (seeded): each answer is a 200 or a 400, never a 500,
-    and the server still answers a good request exactly afterwards."""
-    rng = random.Random(int(os.environ.get("MEGADECODE_FUZZ_SEED", 7)))
-    values = [None, True, False, 0, 1, -1, 2**63, 1e308, -1e-9, 0.5, "", "x", "\x00\ud7ff", [], [1], [[1]], [-3],
-              {}, {"a": []}, [None], ["a", 1], 3.0, 258, 259, [256] * 70, {"include_usage": 1},
-              [{"role": "user"}], [{"role": "assistant", "content": None}], [{"content": "x"}],
-              [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-              [{"role": "user", "content": "x" * 100}], [{"role": "tool", "content": ""}]]
-    keys = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-            "logprobs", "stop_token_ids", "ignore_eos", "stream_options", "max_completion_tokens", "echo"]
-    client = httpx.Client()
-    for i in range(int(os.environ.get("MEGADECODE_FUZZ_N", 1000))):
-        body = {"model": QWEN, "prompt": "Hi", "max_tokens": 2} if i % 3 else {}
-        for k in rng.sample(keys, rng.randrange(1, 5)):
-            body[k] = rng.choice(values)
-        path = "/v1/chat/completions" if i % 2 else "/v1/completions"
-        r = post(srv, body, path, client)
-        assert r.status_code in (200, 400), (body, r.status_code, r.text)
-        if r.status_code == 400:
-            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(srv.url + "/health").status_code == 200
-    test_completion_is_the_greedy_generation(srv)
-
-
-# ---- backpressure, disconnects, failures ------------------------------------------------------------------------
-
-@pytest.fixture
-def small():
-    """One slot, two waiting places; decode steps wait at a gate the test opens."""
-    r = Running(Server.build(QWEN, max_batch=1, max_seq_len=MAX_SEQ, max_queue=2))
-    r.gate = threading.Event()
-    r.gate.set()
-    real = r.server.runner.launch_decode
-
-    def launch_decode(*a):
-        r.gate.wait(30)
-        return real(*a)
-
-    r.server.runner.launch_decode = launch_decode
-    yield r
-    r.gate.set()
-    r.close()
-
-
-def test_full_queue_is_a_429(small):
-    small.gate.clear()
-    results = {}
-
-    def send(i):
-        results[i] = post(small, {"model": QWEN, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
-    threads[0].start()
-    deadline = time.time() + 10
-    while not small.server.scheduler.running and time.time() < deadline:
-        time.sleep(0.01)
-    for t in threads[1:]:
-        t.start()
-    while len(small.server.scheduler.waiting) < 2 and time.time() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(openai.RateLimitError) as e:  # the openai client's name for a 429
-        small.client().completions.create(model=QWEN, prompt="Hi", max_tokens=2)
-    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
-    assert small.metric("megadecode_waiting_requests") == 2
-    small.gate.set()
-    for t in threads:
-        t.join(30)
-    assert [results[i].status_code for i in range(3)] == [200, 200, 200]
-    assert small.metric("megadecode_requests_total", 'outcome="rejected"') == 1
-
-
-def test_a_client_that_leaves_mid_stream_frees_its_slot(small):
-    aborted = small.metric("megadecode_requests_total", 'outcome="abort"')
-    real = small.server.runner.launch_decode
-    small.server.runner.launch_decode = lambda *a: (time.sleep(0.02), real(*a))[1]  # 60 tokens take > 1 s
-    with httpx.stream("POST", small.url + "/v1/completions", timeout=30,
-                      json={"model": QWEN, "prompt": "Hi", "max_tokens": 60, "stream": True, "ignore_eos": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                break  # one chunk read: leave
-    small.wait_idle(5)  # long before the 60 tokens would have been generated
-    assert small.metric("megadecode_requests_total", 'outcome="abort"') == aborted + 1
-    r = complete(small, prompt="Hi", max_tokens=2)  # the slot serves the next request
-    assert r.choices[0].finish_reason in ("stop", "length")
-
-
-def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(small):
-    aborted = small.metric("megadecode_requests_total", 'outcome="abort"')
-    small.gate.clear()  # the request sits in its slot
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(small.url + "/v1/completions", timeout=0.5,
-                   json={"model": QWEN, "prompt": "Hi", "max_tokens": 60, "ignore_eos": True})
-    deadline = time.time() + 10  # the handler sees the client gone (it looks every 0.5 s) and asks for the abort
-    while not small.server.loop._aborts and time.time() < deadline:
-        time.sleep(0.01)
-    small.gate.set()
-    small.wait_idle(10)
-    assert small.metric("megadecode_requests_total", 'outcome="abort"') == aborted + 1
-
-
-def test_a_failing_request_fails_alone(srv):
-    """NaN logits for one request (a NaN in the embedding row of a token only its prompt has), amid others: it
-    gets a 500 (an error event when streamed), the others their exact tokens, and the server goes on."""
-    emb = srv.server.engine.executor.weights["model.embed_tokens.weight"]
-    bad = 201
-    saved = emb[bad, 0].item()
-    emb[bad, 0] = float("nan")
-    try:
-        async def main():
-            client = srv.async_client()
-            good = [client.completions.create(model=QWEN, prompt=[BOS_ID, 5 + i, 9], max_tokens=6, temperature=0,
-                                              extra_body={"return_token_ids": True, "ignore_eos": True})
-                    for i in range(4)]
-            broken = client.completions.create(model=QWEN, prompt=[BOS_ID, bad], max_tokens=6)
-            return await asyncio.gather(*good, broken, return_exceptions=True)
-
-        *good, broken = asyncio.run(main())
-        assert isinstance(broken, openai.InternalServerError) and "NaN or inf" in str(broken)
-        for i, r in enumerate(good):
-            assert r.choices[0].token_ids == alone((BOS_ID, 5 + i, 9), 6, eos=False).token_ids[0]
-        with httpx.stream("POST", srv.url + "/v1/completions", json={"model": QWEN, "prompt": [BOS_ID, bad],
-                                                                     "max_tokens": 4, "stream": True}) as r:
-            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
-        assert events[-1]["error"]["code"] == "generation_failed"
-    finally:
-        emb[bad, 0] = saved
-    assert srv.metric("megadecode_requests_total", 'outcome="error"') >= 2
-    test_completion_is_the_greedy_generation(srv)
-
-
 # ---- a bounded load test ------------------------------------------------------------------------------------------
 
 def test_load_every_request_answered(srv):
     """300 requests, 32 at a time (the batch holds 8: the rest queue), streamed and not, of 1 to 8 tokens: every
     one is answered with all its tokens, none lost; a sample is checked token for token."""
     rng = random.Random(3)
-    reqs = [([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(1, 24))], rng.randrange(1, 9), rng.random() < .5)
-            for _ in range(300)]
+    reqs = [([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(1, 24))], rng.randrange(1, 9),
+             rng.random() < .5) for _ in range(300)]
     before = srv.metric("megadecode_requests_total", 'outcome="length"')
 
     async def one(client, sem, prompt, n, stream):
@@ -509,59 +248,3 @@ def test_chat_uses_the_checkpoint_template(tiny_ckpt):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     finally:
         r.close()
-
-
-# ---- the command -----------------------------------------------------------------------------------------------------
-
-def test_megadecode_serve_command():
-    """The real command in a process of its own: it prints where it serves and the cold start, answers, and
-    stops on SIGINT with exit code 0."""
-    import re
-    import signal
-    import subprocess
-    import sys
-
-    p = subprocess.Popen([sys.executable, "-m", "megadecode", "serve", "--port", "0", "--max-batch", "2",
-                          "--max-seq-len", "64"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = p.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"at http://127\.0\.0\.1:(\d+)/v1;", line)
-            if m:
-                break
-        assert m, "".join(lines)
-        assert re.search(r"cold start \(process start to first token\) \d+\.\d s", line), line
-        url = f"http://127.0.0.1:{m.group(1)}"
-        r = httpx.post(url + "/v1/completions", json={"model": QWEN, "prompt": "Hi", "max_tokens": 3}, timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
-    finally:
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
-    assert p.returncode == 0, err
-
-
-@pytest.mark.parametrize("argv, text", [
-    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
-    (["--batch-sizes", "4,16", "--max-batch", "8"], "--batch-sizes must be in [1, --max-batch = 8], got [4, 16]"),
-    (["--port", "70000"], "--port must be in [0, 65535]"),
-    (["--max-seq-len", "100000"], "max_seq_len 100000 is outside [1, 512]"),
-    (["--model", "no-such-model"], "'no-such-model' is neither a preset"),
-])
-def test_serve_flags_errors(capsys, argv, text):
-    from megadecode.cli import main
-
-    assert main(["serve", "--port", "0", *argv]) == 2
-    out, err = capsys.readouterr()
-    assert err.startswith("megadecode: error: ") and text in err and err.count("\n") == 1, err
-
-
-def test_serve_on_a_taken_port(capsys, srv):
-    from megadecode.cli import main
-
-    assert main(["serve", "--port", str(srv.port)]) == 2
-    assert f"cannot listen on 127.0.0.1:{srv.port}" in capsys.readouterr().err

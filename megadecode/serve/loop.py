@@ -3,9 +3,10 @@
 `abort` and the `emit` callback, which it calls once per step with every new token of that step.
 
 An iteration: apply the aborts, admit newcomers into free slots and prefill them (their first token), then one
-decode step of every running sequence (queued before the previous one's tokens are read: `iteration`). A failure stays with its request: a prefill that raises is retried per
-sequence so only the culprit fails; a row whose logits are NaN or inf fails that sequence alone (its slot is
-zeroed before reuse); a decode step that raises fails the sequences of that step, and the loop goes on.
+decode step of every running sequence (queued before the previous one's tokens are read: `iteration`). A failure
+stays with its request: a prefill that raises is retried per sequence so only the culprit fails; a row whose
+logits are NaN or inf fails that sequence alone (its slot is zeroed before reuse); a decode step that raises fails
+the sequences of that step, and the loop goes on.
 """
 
 from __future__ import annotations
