@@ -72,6 +72,14 @@ class KVCache:
             for t in ts:
                 t.zero_()
 
+    def clear_slot(self, slot: int, state_only: bool = False) -> None:
+        """Zero one slot (`clear` says why a slot a failed request used must be); `state_only`: its KDA state
+        only (the server's scratch slot, whose padding rows race on it, before each padded step)."""
+        for name, ts in self.layers.items():
+            if not state_only or name in self.state_layers:
+                for t in ts:
+                    t[slot].zero_()
+
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies (and one attending query reads), summed over the per-token layers."""
         return sum(t[0, 0].numel() * t.element_size() for n, ts in self.layers.items()

@@ -5,6 +5,7 @@
     megadecode bench --preset qwen3-30b-a3b --batch 1,8,64 --executor torch,graph   (GPU only)
     megadecode validate --list; megadecode validate triton-router --quick
     megadecode tune --kernel fused-experts --shape k3 --batch 1,2,4,8,16   (GPU only)
+    megadecode serve --model tiny-qwen3-moe --port 8000   (the serve extra: fastapi, uvicorn, prometheus-client)
 
 Errors the user can fix (bad config, checkpoint, request or argument) print one line,
 `megadecode: error: <message>`, and exit with code 2.
@@ -30,6 +31,7 @@ from .measure import seed_arg
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
+from .serve import main as serve_command
 from .validate import command as validate_command
 
 DEFAULT_PROMPT = "Hello, megadecode!"
@@ -119,8 +121,10 @@ def _add_make_checkpoint(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.",
                     formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,make-checkpoint,bench,validate,tune}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{generate,serve,make-checkpoint,bench,validate,tune}")
     _add_generate(sub)
+    serve_command.add_parser(sub)
     _add_make_checkpoint(sub)
     bench.add_parser(sub)
     validate_command.add_parser(sub)
@@ -178,7 +182,8 @@ def cmd_generate(args, argv) -> int:
     if args.json:
         doc = {"model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
                "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
-               "prefill_s": res.prefill_s, "decode_s": res.decode_s, "decode_tokens_per_s": res.decode_tokens_per_s}
+               "warmup_s": res.warmup_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
+               "decode_tokens_per_s": res.decode_tokens_per_s}
         try:
             text = json.dumps(doc, allow_nan=False)  # strict JSON: never a bare NaN or Infinity
         except ValueError:
@@ -187,6 +192,9 @@ def cmd_generate(args, argv) -> int:
         return 0
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         print(f"[{i}] {tok.decode(prompt)!r} -> {text!r}")
+    if res.warmup_steps:
+        print(f"warm-up {res.warmup_s * 1e3:.1f} ms: compiled and captured {res.warmup_steps} decode graphs before "
+              "the timed steps")
     print(f"prefill {res.prefill_s * 1e3:.1f} ms, decode {res.decode_steps} steps x {len(prompts)} sequences "
           f"in {res.decode_s * 1e3:.1f} ms: {res.decode_tokens_per_s:.1f} tokens/s "
           f"({args.executor}, {args.device}, {args.dtype})")
@@ -214,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megadecode: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:  # an optional dependency this command needs
+        if (e.name or "").split(".")[0] in serve_command.DEPS:  # `megadecode serve` without the serve extra
+            print(f"megadecode: error: {e}", file=sys.stderr)
+            return 2
         if (e.name or "").split(".")[0] != "triton":
             raise
         print(f"megadecode: error: {e}" if "install" in str(e) else

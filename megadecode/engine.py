@@ -40,6 +40,9 @@ class GenerationResult:
     decode_s: float = 0.0
     decode_steps: int = 0
     extra: dict = field(default_factory=dict)
+    # before prefill_s: compiles and graph captures (Engine.warmup), so that decode_s is the steady rate
+    warmup_s: float = 0.0
+    warmup_steps: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -166,16 +169,25 @@ class Engine:
     def prefill(self, prompts: list[list[int]], max_new_tokens: int = 0) -> torch.Tensor:
         """Start a new batch (slot i = prompt i). Returns next-token logits [B, V] (fp32)."""
         self.check_request(prompts, max_new_tokens)
+        logits = self.prefill_into(prompts, list(range(len(prompts))))
+        self.lengths = [len(p) for p in prompts]
+        return logits
+
+    def prefill_into(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Prefill prompts[i] into cache slot slots[i] (distinct slots; positions from 0), writing no other slot:
+        the server's newcomers join while the other slots' sequences keep their cache. The prompts are checked
+        by the caller (check_request). Returns next-token logits [len(prompts), V] (fp32)."""
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.cache.num_slots for s in slots):
+            raise RequestError(f"slots {slots} must be distinct and in [0, {self.cache.num_slots})")
         dev = self.device
         lens = [len(p) for p in prompts]
         starts = [sum(lens[:i]) for i in range(len(lens))]
         step = Step(
             tokens=torch.tensor([operator.index(t) for p in prompts for t in p], device=dev),
             positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
-            slots=torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]).to(dev),
+            slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(dev),
             logit_rows=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], device=dev),
-            kv_len=max(lens), segments=[(s, s + n, i) for i, (s, n) in enumerate(zip(starts, lens))])
-        self.lengths = lens
+            kv_len=max(lens), segments=[(s, s + n, slot) for s, n, slot in zip(starts, lens, slots)])
         return self.executor.prefill(step)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -191,19 +203,57 @@ class Engine:
         self.lengths = [n + 1 for n in self.lengths]
         return self.executor.decode(step)
 
+    def decode_into(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int
+                    ) -> torch.Tensor:
+        """One decode step of the sequences in cache slots `slots` (any order, not contiguous), token n at
+        positions[n] (all [B] int64 on the device); kv_len > max(positions). Returns logits [B, V]."""
+        return self.executor.decode(Step(tokens=tokens, positions=positions, slots=slots,
+                                         logit_rows=self._slots[:tokens.shape[0]], kv_len=kv_len))
+
+    def warmup(self, batch_sizes: list[int], kv_lo: int, kv_hi: int, *, slot: int | None = None,
+               progress=None) -> int:
+        """Compile and capture, before any timed or served step, every decode graph that steps of these batch
+        sizes with kv_len in [kv_lo, kv_hi] will replay (executor.graph_lengths: one per batch size where the
+        step reads the lengths from the device, one per cache-length bucket otherwise; none when it runs
+        eagerly). `slot`: the rows of the warm-up steps all use this cache slot (the server's scratch slot);
+        None: rows 0..B-1 (generate: its prefill then overwrites them). Positions are 0, so a warm-up step
+        writes position 0 of those slots only. Returns the number of steps run; `progress.update(1)` after each."""
+        todo = [(B, L) for B in batch_sizes for L in self.executor.graph_lengths(B, kv_lo, kv_hi)]
+        if progress is not None and hasattr(progress, "total"):
+            progress.total = len(todo)
+            progress.refresh()
+        for B, L in todo:
+            zeros = torch.zeros(B, dtype=torch.int64, device=self.device)
+            slots = self._slots[:B] if slot is None else torch.full((B,), slot, device=self.device)
+            self.executor.decode(Step(tokens=zeros, positions=zeros, slots=slots, logit_rows=self._slots[:B],
+                                      kv_len=L, contiguous_slots=slot is None))
+            if progress is not None:
+                progress.update(1)
+        if todo and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(todo)
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  *, seed: int = 0, stop_at_eos: bool = True, progress=None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt. Tokens stay on the device during the loop; the
-        host reads them once at the end (sequences are cut after their first EOS)."""
+        host reads them once at the end (sequences are cut after their first EOS). Every graph the decode steps
+        replay is compiled and captured first (`warmup_s`), so `decode_s` times steady steps only."""
         check_seed(seed)
+        self.check_request(prompts, max_new_tokens)
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        self.executor.first_nonfinite.fill_(-1)  # written by every step on the device, read once at the end
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
+        tw = time.perf_counter()
         # executors that sample inside the captured decode step (fused: kernels/lm_head.py) take greedy and
         # temperature sampling; the first token (prefill) and top-p use sampling.sample
         in_step = getattr(self.executor, "set_sampling", None)
         in_step = in_step is not None and in_step(sampling, len(prompts))
+        # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay
+        lens = [len(p) for p in prompts]
+        warm_steps = self.warmup([len(prompts)], max(lens) + 1, max(lens) + max_new_tokens - 1) \
+            if max_new_tokens > 1 else 0
+        sync()
+        self.executor.first_nonfinite.fill_(-1)  # written by every step on the device, read once at the end
+        t0 = time.perf_counter()
         logits = self.prefill(prompts, max_new_tokens)
         toks, lps = [], []
         if max_new_tokens:
@@ -235,7 +285,7 @@ class Engine:
                 cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
                 ids[i], lp_host[i] = row[:cut], lp_host[i][:cut]
         return GenerationResult(ids, lp_host, prefill_s=t1 - t0, decode_s=t2 - t1,
-                                decode_steps=max(max_new_tokens - 1, 0))
+                                decode_steps=max(max_new_tokens - 1, 0), warmup_s=t0 - tw, warmup_steps=warm_steps)
 
     def _check_finite(self, prompt_lens: list[int], max_new_tokens: int) -> None:
         """Raise NonFiniteError naming the first sequence whose logits held NaN or inf, and the step."""

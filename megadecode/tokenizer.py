@@ -37,6 +37,16 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (tokenizer_config.json or chat_template.jinja), None without one."""
+        return getattr(self._tok, "chat_template", None) or None
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The conversation as the template writes it, ending with the assistant's turn (encode with
+        add_bos=False: the template writes its own special tokens)."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
 
 def load_tokenizer(checkpoint_dir: str | Path | None):
     """Byte tokenizer for presets (None) or a checkpoint without tokenizer files."""

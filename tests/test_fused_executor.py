@@ -167,3 +167,17 @@ def test_add_rmsnorm_variant_passes_check_op(preset, dtype):
         row = check_op(get("triton-add-rmsnorm"), preset_config(preset), "add_rmsnorm", dtype, batch, seed=batch,
                        device=DEVICE)
         assert row["status"] == "PASS", row
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_fused_decode_serves_every_length_with_one_graph(preset):
+    """Both attention kernels read each sequence's position from device memory, so with them in scope a decode
+    step runs at kv_len = the cache's length (one graph per batch size, issue 16); a batch past their scope falls
+    back to the reference attention, which slices the cache on the host: one graph per length bucket."""
+    cfg = preset_config(preset)
+    e = Engine(cfg, random_weights(cfg, DEVICE, torch.float32, seed=3), executor="fused", max_batch=2, max_seq_len=40)
+    assert e.executor.length_free(2)
+    e.executor.use_graphs = True  # what graph_lengths answers on a GPU
+    assert e.executor.graph_lengths(2, 1, 40) == [40]
+    assert not e.executor.length_free(300)

@@ -22,9 +22,9 @@ LAYERS = [
     ("contract", ("megadecode.contract",)),
     ("kernels", ("megadecode.kernels", "megadecode.mega")),
     ("executors", ("megadecode.executors",)),
-    ("engine", ("megadecode.engine",)),
+    ("engine", ("megadecode.engine", "megadecode.sequence", "megadecode.scheduler", "megadecode.runner")),
     ("top", ("megadecode.measure", "megadecode.bench", "megadecode.bench_moe", "megadecode.tune",
-             "megadecode.validate", "megadecode.cli", "megadecode.__main__")),
+             "megadecode.validate", "megadecode.serve", "megadecode.cli", "megadecode.__main__")),
 ]
 
 

@@ -218,7 +218,7 @@ def test_router_bias_and_groups_change_the_output():
 
 
 def test_engine_request_shape_errors():
-    from megadecode.engine import Engine, NonFiniteError, RequestError
+    from megadecode.engine import Engine, RequestError
 
     eng = Engine.from_pretrained("tiny-qwen3-moe", max_batch=2, max_seq_len=32)
     with pytest.raises(RequestError, match="flat list"):
@@ -235,7 +235,7 @@ def test_engine_request_shape_errors():
 
 
 def test_engine_checks_weights_against_the_table():
-    from megadecode.engine import Engine, NonFiniteError, RequestError
+    from megadecode.engine import Engine, RequestError
     from megadecode.presets import preset_config
     from megadecode.weights import random_weights
 

@@ -187,3 +187,42 @@ def test_valid_edge_params():
 def test_logits_must_be_2d(shape):
     with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\]"):
         sample(torch.zeros(shape), SamplingParams(greedy=True))
+
+
+# ---- sample_rows: each row its own params and generator (the server) ---------------------------------------------
+
+def test_sample_rows_equals_sample_row_by_row():
+    """A row drawn with its own generator gets what `sample` of that row alone gives with that generator, over
+    successive steps, whatever the other rows are (greedy rows draw nothing)."""
+    from megadecode.sampling import sample_rows
+
+    logits = torch.randn(4, 50, generator=gen(0)) * 3
+    params = [SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(greedy=True), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.7, top_p=0.8)]
+    gens = [gen(1), None, gen(2), gen(3)]
+    alone = [gen(1), None, gen(2), gen(3)]
+    for _ in range(5):
+        tokens, lps = sample_rows(logits, params, gens)
+        for i, (p, g) in enumerate(zip(params, alone)):
+            t, lp = sample(logits[i:i + 1], p, g)
+            assert tokens[i].item() == t.item() and torch.equal(lps[i:i + 1], lp), i
+    assert tokens[1].item() == logits[1].argmax().item()
+
+
+def test_sample_rows_top_p_one_keeps_every_token():
+    """A row without top_p next to a row with one is not cut: its threshold is inf, not 1.0, since the mass above
+    a tiny last token can round to 1.0 (here: 0.5 + 0.5), which `before >= 1.0` would drop."""
+    from megadecode.sampling import _select
+
+    logits = torch.tensor([[0.0, 0.0, -30.0]] * 2)
+    noise = torch.tensor([[1.0, 1.0, 1e-30]] * 2)  # the tiny token wins the race unless it is cut
+    temperature = torch.ones(2, 1)
+    assert _select(logits, temperature, torch.tensor([[0.5], [math.inf]]), noise).tolist() == [0, 2]
+    assert _select(logits, temperature, torch.tensor([[0.5], [1.0]]), noise).tolist() == [0, 0]  # why inf
+
+
+def test_sample_rows_checks_its_arguments():
+    from megadecode.sampling import sample_rows
+
+    with pytest.raises(ValueError, match="2 rows of logits need 2 params"):
+        sample_rows(torch.zeros(2, 3), [SamplingParams()], [None])

@@ -23,7 +23,9 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
                                       the split attention and its merge; q/k/v/o projections stay torch)
 H200 harness reports for each: docs/evidence/<variant>-h200.md. Variants run on outputs allocated with torch.empty: the manifest
 checks (poisoning, write watch) are the harness's job (megadecode.validate.executor.VariantExecutor), not serving's.
-Scope decisions are made once per captured (batch, cache bucket); `chosen` records them per op kind.
+Scope decisions are made once per captured batch; `chosen` records them per op kind. When both attention kernels
+are in scope (`length_free`) one graph per batch size serves every cache length: the kernels read the positions
+from device memory, and the host's kv_len is the cache's length, which only sizes the split.
 
 Sampling in the step (`set_sampling`): for greedy or temperature sampling (top_p == 1) the LM_HEAD op runs
 kernels/lm_head.py's lm_head_sample instead of F.linear, so the captured step also returns the next tokens and
@@ -40,7 +42,7 @@ import torch
 
 from ..cache import KVCache
 from ..contract import output_specs
-from ..plan import LM_HEAD, DecodePlan, fuse_add_rmsnorm
+from ..plan import ATTN_GQA, ATTN_MLA, LM_HEAD, DecodePlan, fuse_add_rmsnorm
 from ..step import Step
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
@@ -49,6 +51,9 @@ from .torch_ops import OP_IMPLS, StepContext
 # measured there; bench/lm_head_paths.py on the H200, batch 64 in tiles of 16 tokens = 4 reads: 2.15 ms for
 # K3's lm_head against 0.72 ms for cuBLAS + sampling.sample): larger batches keep sampling.sample
 SAMPLE_IN_STEP_MAX_BATCH = 64
+
+# attention ops whose reference reads the cache up to the host's kv_len (FusedExecutor.length_free)
+LENGTH_OPS = (ATTN_GQA, ATTN_MLA)
 
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
             "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
@@ -80,6 +85,7 @@ class FusedExecutor(GraphExecutor):
         self.sampling = None  # SamplingParams when the step samples (set_sampling)
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the step's noise seed, in place
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, logprobs) of the last step
+        self._length_free: dict[int, bool] = {}
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
@@ -105,6 +111,17 @@ class FusedExecutor(GraphExecutor):
 
     def _after_replay(self, extras: tuple) -> None:
         self.sampled = extras[0]
+
+    def length_free(self, batch: int) -> bool:
+        """Yes when every attention op of the plan runs a Triton variant at this batch: the split attention
+        kernels (kernels/gqa.py, kernels/mla.py) read each sequence's position from device memory and stop
+        there, so the host's kv_len only sizes the split (kernels/splitk.py), and one graph captured at the
+        cache's length serves every length (chunks past a sequence's position exit at once). KDA layers have
+        no length. An attention op that falls back to the reference slices the cache on the host: buckets."""
+        if batch not in self._length_free:  # asked at every decode step: decided once per batch size
+            kinds = {op.kind for op in self.plan.ops if op.kind in LENGTH_OPS}
+            self._length_free[batch] = all(self._pick(kind, batch) is not None for kind in kinds)
+        return self._length_free[batch]
 
     def _pick(self, kind: str, batch: int):
         why = []

@@ -15,6 +15,8 @@ H200 (bench/k3_gpu_smoke.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..cache import KVCache
@@ -49,6 +51,21 @@ class GraphExecutor(TorchExecutor):
     def _bucket(self, kv_len: int) -> int:
         return min(-(-kv_len // KV_BUCKET) * KV_BUCKET, self.cache.max_len)
 
+    def length_free(self, batch: int) -> bool:
+        """Whether the decode step of `batch` sequences reads the sequences' lengths from device memory only,
+        so that one graph, captured at kv_len = the cache's length, serves every length. Here no: the
+        reference attention slices the cache to kv_len on the host (reading about the live context, not the
+        whole allocation), so there is one graph per KV_BUCKET of lengths."""
+        return False
+
+    def graph_lengths(self, batch: int, kv_lo: int, kv_hi: int) -> list[int]:
+        if not self.use_graphs:
+            return []
+        if self.length_free(batch):
+            return [self.cache.max_len]
+        first, last = -(-max(kv_lo, 1) // KV_BUCKET), -(-max(kv_hi, kv_lo, 1) // KV_BUCKET)
+        return sorted({min(k * KV_BUCKET, self.cache.max_len) for k in range(first, last + 1)})
+
     def _capture_extras(self) -> tuple:
         """Outputs besides the logits that a subclass's _step_fn leaves behind, kept with the graph."""
         return ()
@@ -58,6 +75,8 @@ class GraphExecutor(TorchExecutor):
 
     @torch.inference_mode()
     def decode(self, step: Step) -> torch.Tensor:
+        if self.length_free(step.num_tokens) and step.kv_len != self.cache.max_len:
+            step = dataclasses.replace(step, kv_len=self.cache.max_len)  # eager too: what the graph runs
         if not self.use_graphs:
             return self._flagged_step(step)
         B, L = step.num_tokens, self._bucket(step.kv_len)

@@ -62,6 +62,10 @@ class MegaExecutor(TorchExecutor):
         self.sampling = params if ok else None
         return ok
 
+    def graph_lengths(self, batch: int, kv_lo: int, kv_hi: int) -> list[int]:
+        """One graph per batch size serves every length (the launch reads the positions): capture it once."""
+        return [self.cache.max_len]
+
     def _mode(self):
         if self.sampling is None:
             return None, 1.0

@@ -29,6 +29,11 @@ class TorchExecutor:
         bad = ~torch.isfinite(logits).all(-1)
         seen.copy_(torch.where(bad & (seen < 0), step.positions[step.logit_rows], seen))
 
+    def graph_lengths(self, batch: int, kv_lo: int, kv_hi: int) -> list[int]:
+        """The kv_len values, one per captured graph, that decode steps of `batch` sequences with kv_len in
+        [kv_lo, kv_hi] replay (Engine.warmup captures them before serving): none, this executor runs eagerly."""
+        return []
+
     def run_ops(self, step: Step, hook=None) -> StepContext:
         """Run the plan; `hook(op, ctx)` is called after each op (the harness diffs buffers there)."""
         ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl)

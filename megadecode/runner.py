@@ -1,0 +1,159 @@
+"""The model runner of continuous batching: runs the engine for the sequences the scheduler picked and makes no
+policy (nano-vllm's ModelRunner).
+
+- prefill: newcomers' prompts into their own cache slots (Engine.prefill_into: no other slot is written, so the
+  running sequences keep their cache);
+- decode: one token for each running sequence, at its own slot and position (Engine.decode_into); when the
+  executor replays captured graphs, the batch is padded up to the next prepared size with rows in the scratch
+  slot (the cache's last slot, never given to a request: token 0 at position 0, results dropped), so a batch
+  whose size changes replays a graph captured at startup (`warmup`) and never captures mid-stream;
+- sampling: per sequence (its own params and generator: sampling.sample_rows), with the tokens, logprobs and a
+  finite flag per row brought to the host in one copy per step;
+- a step is launched, then collected: the loop can launch the next decode step (fed on the device with this one's
+  tokens) before it waits for this one's results, so the GPU does not wait for the host between steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine
+from .sampling import sample_rows
+from .sequence import Sequence
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step whose kernels are queued: its sequences, the tokens it samples (on the device), its results (tokens,
+    logprobs, finite flags: [3, B] float64, on the host once `done` has fired; None: already there)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    done: object = None  # a torch.cuda.Event
+    launched: float = 0.0  # perf_counter() when it was queued (the engine loop's step times)
+
+
+def default_batch_sizes(max_batch: int) -> list[int]:
+    """Powers of two below max_batch, and max_batch: 1, 2, 4, 8, 12 for 12 (vLLM pads to a similar ladder)."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def check_batch_sizes(sizes: list[int], max_batch: int) -> list[int]:
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch for b in sizes):
+        raise ValueError(f"batch sizes must be integers in [1, {max_batch}] (--max-batch), got {sizes}")
+    return sorted(set(sizes) | {max_batch})  # a full batch must have a size to run at
+
+
+class ModelRunner:
+    """`engine.cache` has one slot more than the sequences it serves: the last is the scratch slot of the
+    padding rows. `pad`: pad decode batches to `batch_sizes` (default: when the executor replays captured graphs,
+    since eager steps gain nothing by it)."""
+
+    def __init__(self, engine: Engine, batch_sizes: list[int] | None = None, pad: bool | None = None):
+        if engine.cache.num_slots < 2:
+            raise ValueError("the model runner needs a cache of >= 2 slots (the last is its scratch slot)")
+        self.engine = engine
+        self.max_batch = engine.cache.num_slots - 1
+        self.scratch = self.max_batch
+        self.batch_sizes = check_batch_sizes(batch_sizes or default_batch_sizes(self.max_batch), self.max_batch)
+        self.pad = bool(engine.executor.graph_lengths(1, 1, 1)) if pad is None else pad
+        self.device = engine.device
+        self._kda = bool(engine.cache.state_layers)
+        # step inputs (tokens, positions, slots) go to the device in one copy, from a pinned buffer on CUDA
+        self._host = [torch.zeros(3, self.max_batch, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                      for _ in range(2)]
+        self._turn = 0
+        self._dev = torch.zeros(3, self.max_batch, dtype=torch.int64, device=self.device)
+
+    def warmup(self, progress=None) -> int:
+        """Compile and capture every decode graph serving can replay: each prepared batch size, at every cache
+        length the executor distinguishes (Engine.warmup). Returns the number of graphs."""
+        sizes = self.batch_sizes if self.pad else list(range(1, self.max_batch + 1))
+        return self.engine.warmup(sizes, 1, self.engine.max_seq_len, slot=self.scratch, progress=progress)
+
+    def padded(self, batch: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)] if self.pad else batch
+
+    # ---- steps ---------------------------------------------------------------------------------------------------
+    # A step is launched (its kernels queued, the copy of its results to the host queued after them) and collected
+    # later (waiting for that copy only). Between the two the host can launch the next decode step, fed on the
+    # device with this one's tokens (`after`): the loop keeps the GPU busy while it handles the last step's tokens.
+
+    @torch.inference_mode()
+    def launch_prefill(self, seqs: list[Sequence]) -> Launched:
+        """Prefill each sequence's prompt into its slot; the step's results are its first new token."""
+        logits = self.engine.prefill_into([s.prompt for s in seqs], [s.slot for s in seqs])
+        return self._sample(logits, seqs)
+
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], after: Launched | None = None) -> Launched:
+        """One decode step of `seqs`: each feeds its last token at position num_tokens - 1, or, with `after` (a
+        step of the same sequences not collected yet), the token `after` sampled, read on the device, at position
+        num_tokens."""
+        B = len(seqs)
+        P = self.padded(B)
+        if P > self.max_batch:
+            raise ValueError(f"{B} sequences exceed the {self.max_batch} the cache holds")
+        if after is not None and after.seqs != seqs:
+            raise ValueError("a step can follow an uncollected step of the same sequences only")
+        if P > B and self._kda:  # padding rows race on the scratch slot's recurrent state: keep it at zero
+            self.engine.cache.clear_slot(self.scratch, state_only=True)
+        shift = 0 if after is None else 1
+        rows = [[s.last_token for s in seqs], [s.num_tokens - 1 + shift for s in seqs], [s.slot for s in seqs]]
+        # two staging buffers, used in turn: the copy from the other one may still be queued (its step was launched
+        # but not collected), this one's step was collected, so its copy is done
+        self._turn ^= 1
+        host = self._host[self._turn][:, :P]
+        host[:, :B] = torch.tensor(rows, dtype=torch.int64)
+        host[:, B:] = torch.tensor([[0], [0], [self.scratch]], dtype=torch.int64)
+        dev = self._dev[:, :P]
+        dev.copy_(host, non_blocking=True)
+        if after is not None:
+            dev[0, :B].copy_(after.tokens)
+        logits = self.engine.decode_into(dev[0], dev[1], dev[2], kv_len=max(rows[1]) + 1)
+        return self._sample(logits[:B], seqs)
+
+    def collect(self, step: Launched) -> list[tuple[int, float, bool]]:
+        """(token, logprob, finite) per sequence of a launched step, waiting for its copy to the host only (an
+        event wait that releases the GIL, so the server's HTTP thread runs meanwhile)."""
+        if step.done is not None:
+            step.done.synchronize()
+        t, lp, ok = step.host.tolist()
+        return [(int(a), b, c > 0) for a, b, c in zip(t, lp, ok)]
+
+    def prefill(self, seqs: list[Sequence]) -> list[tuple[int, float, bool]]:
+        return self.collect(self.launch_prefill(seqs))
+
+    def decode(self, seqs: list[Sequence]) -> list[tuple[int, float, bool]]:
+        return self.collect(self.launch_decode(seqs))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Launched:
+        for s in seqs:
+            if s.generator is None and not s.params.greedy:
+                g = torch.Generator(device=self.device)
+                s.generator = g.manual_seed(s.seed) if s.seed is not None else g
+                if s.seed is None:
+                    g.seed()  # a fresh random seed: OpenAI's requests without one are not reproducible
+        tokens, logprobs = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        finite = torch.isfinite(logits).all(-1)
+        out = torch.stack((tokens.double(), logprobs.double(), finite.double()))  # token ids < 2**53: exact
+        if self.device.type != "cuda":
+            return Launched(seqs, tokens, out, None)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)  # pinned: the copy does not block
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(seqs, tokens, host, done)
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot whose sequence failed (its cache may hold NaN or inf: KVCache.clear)."""
+        self.engine.cache.clear_slot(slot)
+

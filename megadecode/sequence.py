@@ -1,0 +1,72 @@
+"""One request while it is served: its prompt and the tokens generated so far, its sampling parameters and stop
+criteria, and the cache slot it holds. Plain Python, no tensors: the scheduler decides with it, the model runner
+fills it (nano-vllm's Sequence)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+GREEDY = SamplingParams(greedy=True)
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, no cache slot yet
+    RUNNING = "running"  # holds a slot: prefilled (or about to be) and decoding
+    FINISHED = "finished"
+
+
+# Why a sequence finished (OpenAI's finish_reason where one applies)
+STOP, LENGTH, ABORT, ERROR = "stop", "length", "abort", "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """`max_tokens` new tokens at most; a token in `stop_ids` ends the sequence (it is kept, as the EOS token the
+    model chose). `seed`: this request's sampling generator (None: a fresh random one); greedy draws nothing."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams = GREEDY
+    stop_ids: frozenset[int] = frozenset()
+    seed: int | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    slot: int | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: object = None  # the model runner's per-request generator; opaque here
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError("a sequence needs at least one prompt token")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int, logprob: float) -> str | None:
+        """Record a generated token; returns why the sequence is done with it (STOP, LENGTH), or None."""
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            return STOP
+        if len(self.output) >= self.max_tokens:
+            return LENGTH
+        return None

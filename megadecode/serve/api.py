@@ -1,0 +1,250 @@
+"""The HTTP layer (FastAPI on uvicorn): OpenAI's /v1/completions and /v1/chat/completions (server-sent events
+when `stream`), /v1/models, /health and /metrics.
+
+A handler checks the request (protocol.py: 400 with an OpenAI-style error body), queues it (429 when the queue
+is full), then turns the deltas the engine loop sends into text (text.py) and a response. A client that leaves
+(a closed stream, or a dropped connection while it waits for a whole response) aborts its sequence, which frees
+its slot before the next step. Nothing a client sends reaches the engine unchecked, and any exception in a
+handler becomes a 500 for that request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from ..scheduler import QueueFull
+from ..sequence import ERROR
+from .protocol import APIError, parse_json, parse_request
+from .server import Server
+from .text import TextStream
+
+log = logging.getLogger("megadecode.serve")
+LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is sent as (OpenAI's floor)
+DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole response checks that its client is still there
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _dump(doc: dict) -> str:
+    return json.dumps(doc, allow_nan=False, separators=(",", ":"))
+
+
+def build_app(server: Server, max_body_bytes: int | None = None) -> FastAPI:
+    app = FastAPI(title="megadecode", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = max_body_bytes or max(1 << 20, 64 * server.max_seq_len)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse({"error": {"message": msg, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        if not server.loop.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "megadecode", "max_model_len": server.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(server, request, chat=False, limit=limit)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(server, request, chat=True, limit=limit)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(f"the request body has {size} bytes, more than this server's {limit}", status=413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(f"the request body exceeds this server's {limit} bytes", status=413)
+    return bytes(body)
+
+
+async def _generate(server: Server, request: Request, *, chat: bool, limit: int):
+    arrived = time.perf_counter()
+    try:
+        doc = parse_json(await _read_body(request, limit))
+        req = parse_request(doc, chat=chat, model=server.model_name, tokenizer=server.tokenizer,
+                            vocab=server.vocab_size, max_seq_len=server.max_seq_len, eos_ids=server.eos_ids)
+        if not server.loop.alive:
+            raise APIError("the engine loop has stopped", status=503, type="server_error")
+        try:
+            seq, chan = server.submit(req, asyncio.get_running_loop())
+        except QueueFull as e:
+            server.metrics.refused("rejected")
+            raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+    except APIError as e:
+        if e.status != 429:
+            server.metrics.refused("invalid")
+        return error_response(e)
+    except Exception as e:  # noqa: BLE001 - a bug in the checks: this request fails, the server stays up
+        log.exception("request failed before it was queued")
+        return error_response(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error"))
+    out = Output(server, req, seq, chan, chat, arrived)
+    if req.stream:
+        return EventStream(out.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await out.whole(request)
+    finally:
+        server.close(seq)
+
+
+class EventStream(StreamingResponse):
+    """StreamingResponse that always closes its generator (running its `finally`) when the response ends, the
+    client's disconnect included, instead of leaving that to garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class Output:
+    """One request's response, built from the engine loop's deltas."""
+
+    def __init__(self, server: Server, req, seq, chan, chat: bool, arrived: float):
+        self.server, self.req, self.seq, self.chan, self.chat, self.arrived = server, req, seq, chan, chat, arrived
+        self.text = TextStream(server.tokenizer, req.stop)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def take(self, d) -> tuple[str, list[int], list[float]]:
+        """Apply one delta: returns (new text, new tokens kept, their logprobs) and sets finish_reason when the
+        sequence is done. A stop string ends it here (the tokens after the one that completed it are dropped, and
+        the engine is told to abort the sequence)."""
+        if d.token is not None and not self.tokens:
+            self.server.metrics.ttft.observe(time.perf_counter() - self.arrived)
+        ids = [] if d.token is None else [d.token]
+        text = self.text.add(ids) if ids else ""
+        if d.finish_reason is not None and d.finish_reason != ERROR and not self.text.stopped:
+            text += self.text.finish()
+        kept = self.text.tokens_used - len(self.tokens)
+        ids, lps = ids[:kept], ([d.logprob] if ids else [])[:kept]
+        self.tokens += ids
+        self.logprobs += lps
+        if self.text.stopped:
+            self.finish_reason = "stop"
+            self.server.close(self.seq)  # abort: a step the engine may still run for it is dropped
+        elif d.finish_reason == ERROR:
+            self.finish_reason, self.error = ERROR, d.error
+        elif d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+        return text, ids, lps
+
+    def failure(self) -> APIError:
+        return APIError(f"generation failed: {self.error}", status=500, type="server_error", code="generation_failed")
+
+    async def whole(self, request: Request):
+        text = []
+        while self.finish_reason is None:
+            try:
+                d = self.chan.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    d = await asyncio.wait_for(self.chan.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; the caller's `finally` aborts
+                    continue
+            text.append(self.take(d)[0])
+        if self.finish_reason == ERROR:
+            return error_response(self.failure())
+        text = "".join(text)
+        choice = {"index": 0, "finish_reason": self.finish_reason,
+                  "logprobs": self._logprobs(self.tokens, self.logprobs) if self.req.logprobs else None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.req.return_token_ids:
+            choice["token_ids"] = self.tokens
+        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                             "created": self.created, "model": self.server.model_name, "choices": [choice],
+                             "usage": self._usage()})
+
+    async def events(self):
+        """Server-sent events: a chunk per delta with text, the last with the finish reason, the usage chunk when
+        asked (stream_options.include_usage), then [DONE]. A failure is an `error` event."""
+        try:
+            if self.chat:
+                yield self._chunk({"role": "assistant", "content": ""}, None, [], [])
+            while self.finish_reason is None:
+                text, ids, lps = self.take(await self.chan.queue.get())
+                if self.finish_reason == ERROR:
+                    yield f"data: {_dump(self.failure().body())}\n\n"
+                    break
+                if text or self.finish_reason is not None or (ids and (self.req.logprobs or self.req.return_token_ids)):
+                    yield self._chunk({"content": text} if self.chat else text, self.finish_reason, ids, lps)
+            if self.finish_reason != ERROR and self.req.include_usage:
+                yield f"data: {_dump(self._envelope([], usage=self._usage()))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client left: the stream is closed here, and the slot freed
+            self.server.close(self.seq)
+
+    # ---- response pieces ----------------------------------------------------------------------------------------
+    def _envelope(self, choices: list, usage=None) -> dict:
+        doc = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.server.model_name, "choices": choices}
+        if usage is not None:
+            doc["usage"] = usage
+        return doc
+
+    def _chunk(self, delta, finish_reason, ids, lps) -> str:
+        choice = {"index": 0, "finish_reason": finish_reason,
+                  "logprobs": self._logprobs(ids, lps) if self.req.logprobs and ids else None}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        if self.req.return_token_ids:
+            choice["token_ids"] = ids
+        return f"data: {_dump(self._envelope([choice]))}\n\n"
+
+    def _usage(self) -> dict:
+        n, m = len(self.req.prompt), len(self.tokens)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> dict:
+        pieces = [self.server.tokenizer.decode([t]) for t in ids]
+        lps = [lp if math.isfinite(lp) else LOGPROB_FLOOR for lp in lps]  # JSON has no -inf
+        if self.chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+                                for p, lp in zip(pieces, lps)]}
+        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}

@@ -1,0 +1,217 @@
+"""The OpenAI request fields the server takes, checked one by one: anything wrong is an APIError (400 with an
+OpenAI-style body naming the field), never an exception that reaches the engine.
+
+Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
+(0: greedy), top_p, seed, stop, stream, stream_options.include_usage, n = 1; logprobs (the sampled token's:
+completions 0, chat true with top_logprobs 0); vLLM's extensions stop_token_ids, ignore_eos and return_token_ids
+(each choice, or chunk, also carries its `token_ids`). Fields
+the server does not implement are refused when they ask for something (n > 1, echo, best_of > 1, penalties,
+logit_bias, suffix, tools); unknown fields are ignored, as OpenAI's clients send some.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import dataclass
+
+from ..engine import MAX_SEED
+from ..sampling import SamplingParams
+from .chat import ROLES, ChatError, chat_prompt
+
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+GREEDY_BELOW = 1e-5  # temperatures below are argmax (vLLM's choice): logits / T would overflow fp32 near 0
+
+
+class APIError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """A checked request, ready to become a Sequence."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_ids: frozenset[int]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    return_token_ids: bool = False
+
+
+def parse_json(body: bytes) -> dict:
+    """The body as a JSON object: strict (no NaN or Infinity, which json.loads takes by default)."""
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+    try:
+        doc = json.loads(body, parse_constant=refuse)
+    except (ValueError, RecursionError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(doc).__name__}", code="invalid_json")
+    return doc
+
+
+def _int(doc: dict, key: str, default, lo: int, hi: int | None = None):
+    v = doc.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise APIError(f"{key} must be an integer, got {v!r}", key)
+    if v < lo or (hi is not None and v > hi):
+        allowed = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise APIError(f"{key} must be {allowed}, got {v}", key)
+    return v
+
+
+def _number(doc: dict, key: str, default: float) -> float:
+    v = doc.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise APIError(f"{key} must be a number, got {v!r}", key)
+    return float(v)
+
+
+def _bool(doc: dict, key: str, default: bool) -> bool:
+    v = doc.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+def _token_ids(v, key: str, vocab: int) -> list[int]:
+    if not isinstance(v, list):
+        raise APIError(f"{key} must be a list of token ids, got {type(v).__name__}", key)
+    if not v:
+        raise APIError(f"{key} is empty", key)
+    for t in v:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise APIError(f"{key} holds {t!r}, which is not a token id (an integer)", key)
+        if not 0 <= t < vocab:
+            raise APIError(f"{key} holds token id {t}, outside the vocabulary [0, {vocab})", key)
+    return [operator.index(t) for t in v]
+
+
+def _unsupported(doc: dict) -> None:
+    asks = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
+            "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
+            "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
+            "logit_bias": lambda v: v not in (None, {}), "tools": lambda v: v not in (None, []),
+            "functions": lambda v: v not in (None, []), "top_logprobs": lambda v: v not in (None, 0)}
+    for key, bad in asks.items():
+        if bad(doc.get(key)):
+            raise APIError(f"{key}={doc[key]!r} is not supported by this server", key, code="unsupported")
+
+
+def completion_prompt(doc: dict, tokenizer, vocab: int) -> list[int]:
+    """`prompt`: a string, a list of token ids, or a list of one of those (one prompt per request)."""
+    p = doc.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise APIError("prompt is empty", "prompt")
+        return tokenizer.encode(p)
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        raise APIError(f"prompt holds {len(p)} prompts; this server takes one per request", "prompt",
+                       code="unsupported")
+    if isinstance(p, list):
+        return _token_ids(p, "prompt", vocab)
+    raise APIError(f"prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+
+
+def chat_messages(doc: dict) -> list[dict]:
+    msgs = doc.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        key = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(f"{key} must be an object with a role and a content", key)
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise APIError(f"{key}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{key}.role")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise APIError(f"{key}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                               "supported", f"{key}.content")
+            content = "".join(c["text"] for c in content)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise APIError(f"{key}.content must be a string or a list of text parts", f"{key}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, max_seq_len: int,
+                  eos_ids: tuple[int, ...]) -> Request:
+    if doc.get("model") != model:
+        raise APIError(f"model {doc.get('model')!r} is not served here; this server serves {model!r}", "model",
+                       code="model_not_found")
+    _unsupported(doc)
+    if chat:
+        try:
+            prompt = chat_prompt(tokenizer, chat_messages(doc))
+        except ChatError as e:
+            raise APIError(str(e), "messages") from None
+    else:
+        prompt = completion_prompt(doc, tokenizer, vocab)
+    if not prompt:
+        raise APIError("the prompt has no tokens", "messages" if chat else "prompt")
+    room = max_seq_len - len(prompt)
+    if room < 1:
+        raise APIError(f"the prompt has {len(prompt)} tokens; this server's context is {max_seq_len} tokens, "
+                       "which leaves no room for a completion", "messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    key = "max_completion_tokens" if chat and doc.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(doc, key, room if chat else min(16, room), 1)
+    if max_tokens > room:
+        raise APIError(f"{key} is {max_tokens}, but the prompt has {len(prompt)} tokens and the context is "
+                       f"{max_seq_len}: at most {room} new tokens fit", key, code="context_length_exceeded")
+    temperature = _number(doc, "temperature", 1.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise APIError(f"temperature must be in [0, {MAX_TEMPERATURE}] (0: greedy), got {temperature}",
+                       "temperature")
+    top_p = _number(doc, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise APIError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    params = SamplingParams(greedy=True) if temperature < GREEDY_BELOW else \
+        SamplingParams(temperature=temperature, top_p=top_p)
+    seed = _int(doc, "seed", None, 0, MAX_SEED)
+    stop = doc.get("stop")
+    stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+    stop_ids = doc.get("stop_token_ids")
+    stop_ids = set(_token_ids(stop_ids, "stop_token_ids", vocab)) if stop_ids not in (None, []) else set()
+    if not _bool(doc, "ignore_eos", False):
+        stop_ids |= set(eos_ids)
+    stream = _bool(doc, "stream", False)
+    opts = doc.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise APIError("stream_options must be an object", "stream_options")
+    include_usage = _bool(opts or {}, "include_usage", False)
+    if chat:
+        logprobs = _bool(doc, "logprobs", False)
+    else:
+        logprobs = _int(doc, "logprobs", None, 0, 0) is not None  # 0: the sampled tokens', no alternatives
+    return Request(prompt, max_tokens, params, seed, tuple(stop), frozenset(stop_ids), stream, include_usage,
+                   logprobs, _bool(doc, "return_token_ids", False))

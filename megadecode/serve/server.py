@@ -1,0 +1,160 @@
+"""The serving core without HTTP: the engine loop (its thread), the queues between it and the request handlers,
+and startup (compiles and captures, then one request through the whole path, which times the cold start).
+
+Each request gets a channel; the loop's `emit` hands a step's deltas to the channels in one call per asyncio
+event loop (`call_soon_threadsafe`), so the loop thread never waits on a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from ..engine import Engine
+from ..runner import ModelRunner
+from ..scheduler import Scheduler
+from ..sequence import Sequence
+from .loop import Delta, EngineLoop
+from .metrics import Metrics
+from .protocol import Request
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where unknown."""
+    try:
+        import os
+
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Channel:
+    """Where a request's deltas arrive: an asyncio queue of the handler's event loop, or (aio None) a thread
+    queue."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop | None):
+        self.aio = aio
+        self.queue: asyncio.Queue | queue.Queue = asyncio.Queue() if aio else queue.Queue()
+
+
+class Server:
+    """`engine`'s cache must hold max_batch + 1 slots (the runner's scratch slot: `Server.build` sees to it)."""
+
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str, max_queue: int = 256,
+                 batch_sizes: list[int] | None = None, pad: bool | None = None, max_prefill_tokens: int | None = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.runner = ModelRunner(engine, batch_sizes, pad)
+        self.max_batch = self.runner.max_batch
+        self.scheduler = Scheduler(self.max_batch, max_queue, max_prefill_tokens)
+        self.metrics = Metrics(self.max_batch)
+        self.loop = EngineLoop(self.runner, self.scheduler, self._emit, self.metrics)
+        self._channels: dict[int, Channel] = {}
+        self.created = int(time.time())
+        self.warmup_s = self.cold_start_s = None
+        self.graphs = 0
+
+    @classmethod
+    def build(cls, model: str, *, max_batch: int, executor: str = "torch", device: str = "cpu",
+              dtype: str = "float32", max_seq_len: int | None = None, seed: int = 0, check_finite: bool = False,
+              ignore_unknown: bool = False, **kw) -> "Server":
+        from ..presets import PRESETS
+        from ..tokenizer import load_tokenizer
+
+        engine = Engine.from_pretrained(model, device=device, dtype=dtype, executor=executor, seed=seed,
+                                        check_finite=check_finite, ignore_unknown=ignore_unknown,
+                                        max_batch=max_batch + 1, max_seq_len=max_seq_len)
+        tok = load_tokenizer(None if model in PRESETS else model)
+        kw.setdefault("model_name", model)
+        return cls(engine, tok, **kw)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.cfg.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return tuple(self.engine.cfg.eos_token_id)
+
+    # ---- startup --------------------------------------------------------------------------------------------------
+    def start(self, progress=None, warmup: bool = True) -> None:
+        """Capture every decode graph serving can replay (`progress`: a tqdm bar), start the loop thread, and
+        serve one request end to end (prefill, two decode steps: what the first real request would run first
+        otherwise). Sets warmup_s and cold_start_s (process start to that request's first token)."""
+        t = time.perf_counter()
+        if warmup:
+            self.graphs = self.runner.warmup(progress)
+        self.loop.start()
+        if warmup:
+            seq = Sequence(prompt=[0], max_tokens=3, stop_ids=frozenset())
+            chan = self.submit_sequence(seq, aio=None)
+            first = chan.queue.get(timeout=600)
+            age = process_age()
+            self.cold_start_s = age
+            if age is not None:
+                self.metrics.cold_start.set(age)
+            while first.finish_reason is None:
+                first = chan.queue.get(timeout=600)
+            self.close(seq)
+            if first.finish_reason == "error":
+                raise RuntimeError(f"the startup request failed: {first.error}")
+        self.warmup_s = time.perf_counter() - t
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None) -> tuple[Sequence, Channel]:
+        """Queue a checked request; raises scheduler.QueueFull when the queue is full."""
+        seq = Sequence(prompt=req.prompt, max_tokens=req.max_tokens, params=req.params, stop_ids=req.stop_ids,
+                       seed=req.seed)
+        return seq, self.submit_sequence(seq, aio)
+
+    def submit_sequence(self, seq: Sequence, aio) -> Channel:
+        chan = self._channels[seq.id] = Channel(aio)
+        try:
+            self.loop.submit(seq)
+        except BaseException:
+            self._channels.pop(seq.id, None)
+            raise
+        self.metrics.admitted(len(seq.prompt))
+        return chan
+
+    def close(self, seq: Sequence) -> None:
+        """The handler is done with `seq` (finished, stopped by a stop string, or its client left): abort it if it
+        still runs, drop its channel."""
+        self._channels.pop(seq.id, None)
+        if not seq.finished:
+            self.loop.abort(seq.id)
+
+    def _emit(self, items: list[tuple[Sequence, Delta]]) -> None:
+        """Called by the loop thread once per step."""
+        by_loop = defaultdict(list)
+        for seq, delta in items:
+            chan = self._channels.get(seq.id)
+            if chan is None:
+                continue  # the handler is gone
+            if chan.aio is None:
+                chan.queue.put(delta)
+            else:
+                by_loop[chan.aio].append((chan.queue, delta))
+        for aio, batch in by_loop.items():
+            try:
+                aio.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the event loop closed (shutdown)
+                pass
+
+
+def _deliver(batch) -> None:
+    for q, delta in batch:
+        q.put_nowait(delta)

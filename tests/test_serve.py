@@ -1,0 +1,250 @@
+"""`megadecode serve` over real HTTP on localhost (tests/serving.py), tiny-qwen3-moe with the torch executor on the
+CPU: the openai client, streaming and not; concurrent requests get exactly the greedy tokens each gets alone
+(Engine.generate is the oracle); seeded sampling, stop strings and ids, logprobs; a bounded load test; a checkpoint's
+chat template. Bad input: tests/test_serve_input.py; backpressure, disconnects, failures, the command:
+tests/test_serve_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+
+from megadecode.engine import Engine
+from megadecode.sampling import SamplingParams
+from megadecode.serve.chat import render_fallback
+from megadecode.serve.server import Server
+from megadecode.tokenizer import BOS_ID
+from serving import (  # noqa: F401 (srv: a fixture)
+    MAX_SEQ, QWEN, TOK, Running, alone, check_greedy, complete, ids, post, srv,
+)
+
+
+# ---- the OpenAI API ---------------------------------------------------------------------------------------------
+
+def test_models_health_metrics(srv):
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == [QWEN]
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(srv.url + "/metrics").text
+    for name in ("megadecode_requests_total", "megadecode_prompt_tokens_total", "megadecode_generation_tokens_total",
+                 "megadecode_batch_occupancy", "megadecode_running_requests", "megadecode_waiting_requests",
+                 "megadecode_step_seconds_bucket", "megadecode_time_to_first_token_seconds_bucket",
+                 "megadecode_cold_start_seconds"):
+        assert name in text, name
+    assert srv.metric("megadecode_cold_start_seconds") > 0  # process start to the startup request's first token
+
+
+def test_completion_is_the_greedy_generation(srv):
+    r = complete(srv, prompt="Hello", max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+    want = alone(ids("Hello"), 12)
+    choice = r.choices[0]
+    assert choice.token_ids == want.token_ids[0]
+    assert choice.text == TOK.decode(want.token_ids[0])
+    assert choice.finish_reason == ("stop" if len(want.token_ids[0]) < 12 else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, len(want.token_ids[0]))
+    assert r.object == "text_completion" and r.model == QWEN and r.id.startswith("cmpl-")
+    check_greedy(srv)
+
+
+def test_prompt_as_token_ids(srv):
+    prompt = [BOS_ID, 3, 200, 17]
+    r = complete(srv, prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True,
+                                                                             "ignore_eos": True})
+    assert r.choices[0].token_ids == alone(tuple(prompt), 6, eos=False).token_ids[0]
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_streaming_matches_the_whole_response(srv):
+    kw = dict(prompt="Stream me", max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
+    whole = complete(srv, **kw).choices[0]
+    chunks = list(complete(srv, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(whole.token_ids)
+    body = [c.choices[0] for c in chunks[:-1]]
+    assert "".join(c.text for c in body) == whole.text
+    assert sum((c.token_ids for c in body), []) == whole.token_ids
+    assert [c.finish_reason for c in body][-1] == whole.finish_reason
+    assert all(c.finish_reason is None for c in body[:-1])
+
+
+def test_chat_with_the_fallback_template(srv):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = (BOS_ID, *TOK.encode(render_fallback(messages), add_bos=False))
+    want = alone(prompt, 8, eos=False).token_ids[0]
+    client = srv.client()
+    r = client.chat.completions.create(model=QWEN, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.usage.prompt_tokens == len(prompt) and r.choices[0].token_ids == want
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == TOK.decode(want)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    chunks = list(client.chat.completions.create(model=QWEN, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == TOK.decode(want)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_requests_get_the_tokens_each_gets_alone(srv):
+    """16 requests at once (twice the batch: some wait for a slot), different prompts and lengths, half of them
+    streamed: every one gets exactly its greedy tokens alone."""
+    rng = random.Random(0)
+    reqs = [(tuple([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(1, 20))]), rng.randrange(1, 16), i % 2)
+            for i in range(16)]
+
+    async def one(client, prompt, n, stream):
+        kw = dict(model=QWEN, prompt=list(prompt), max_tokens=n, temperature=0,
+                  extra_body={"return_token_ids": True, "ignore_eos": True})
+        if not stream:
+            return (await client.completions.create(**kw)).choices[0].token_ids
+        out = []
+        async for c in await client.completions.create(stream=True, **kw):
+            out += c.choices[0].token_ids or [] if c.choices else []
+        return out
+
+    async def main():
+        client = srv.async_client()
+        return await asyncio.gather(*(one(client, *r) for r in reqs))
+
+    got = asyncio.run(main())
+    for (prompt, n, _), tokens in zip(reqs, got):
+        assert tokens == alone(prompt, n, eos=False).token_ids[0], prompt
+
+
+def test_seeded_sampling(srv):
+    kw = dict(prompt="Roll", max_tokens=10, temperature=0.8, top_p=0.9, seed=1234,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    a, b = (complete(srv, **kw).choices[0].token_ids for _ in range(2))
+    c = complete(srv, **{**kw, "seed": 1235}).choices[0].token_ids
+    want = alone(ids("Roll"), 10, False, SamplingParams(temperature=0.8, top_p=0.9), 1234).token_ids[0]
+    assert a == b == want and c != a
+
+
+def test_stop_strings_and_stop_ids(srv):
+    full = complete(srv, prompt="Hello", max_tokens=16, temperature=0,
+                    extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    # a stop id: the sequence ends with that token (kept, as EOS is)
+    r = complete(srv, prompt="Hello", max_tokens=16, temperature=0,
+                 extra_body={"return_token_ids": True, "ignore_eos": True, "stop_token_ids": [full.token_ids[4]]})
+    cut = full.token_ids.index(full.token_ids[4]) + 1
+    assert r.choices[0].token_ids == full.token_ids[:cut] and r.choices[0].finish_reason == "stop"
+    # a stop string: the text ends before it, streamed or not
+    text = full.text
+    k = next(i for i in range(2, len(text) - 2) if text[i:i + 2].isprintable() and text.find(text[i:i + 2]) == i)
+    stop = text[k:k + 2]
+    r = complete(srv, prompt="Hello", max_tokens=16, temperature=0, stop=[stop, "never seen \x00"],
+                 extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text[:k] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+    streamed = list(complete(srv, prompt="Hello", max_tokens=16, temperature=0, stop=stop, stream=True,
+                             extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == text[:k]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(srv):
+    r = complete(srv, prompt="Hello", max_tokens=5, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+    want = alone(ids("Hello"), 5, eos=False)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs, want.logprobs[0]))
+    c = srv.client().chat.completions.create(model=QWEN, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                             logprobs=True, extra_body={"ignore_eos": True})
+    assert len(c.choices[0].logprobs.content) == 3 and all(t.logprob <= 0 for t in c.choices[0].logprobs.content)
+
+
+# ---- a bounded load test ------------------------------------------------------------------------------------------
+
+def test_load_every_request_answered(srv):
+    """300 requests, 32 at a time (the batch holds 8: the rest queue), streamed and not, of 1 to 8 tokens: every
+    one is answered with all its tokens, none lost; a sample is checked token for token."""
+    rng = random.Random(3)
+    reqs = [([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(1, 24))], rng.randrange(1, 9),
+             rng.random() < .5) for _ in range(300)]
+    before = srv.metric("megadecode_requests_total", 'outcome="length"')
+
+    async def one(client, sem, prompt, n, stream):
+        body = {"model": QWEN, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": stream,
+                "ignore_eos": True, "return_token_ids": True}
+        async with sem:
+            if not stream:
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            tokens, done = [], False
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+            assert done
+            return tokens
+
+    async def main():
+        sem = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(one(client, sem, *r) for r in reqs))
+
+    t = time.perf_counter()
+    got = asyncio.run(main())
+    elapsed = time.perf_counter() - t
+    assert [len(g) for g in got] == [n for _, n, _ in reqs]
+    for k in random.Random(4).sample(range(len(reqs)), 12):
+        assert got[k] == alone(tuple(reqs[k][0]), reqs[k][1], eos=False).token_ids[0]
+    assert srv.metric("megadecode_requests_total", 'outcome="length"') == before + 300
+    srv.wait_idle()
+    assert srv.metric("megadecode_running_requests") == 0 and srv.metric("megadecode_waiting_requests") == 0
+    print(f"300 requests in {elapsed:.1f} s")
+
+
+# ---- a checkpoint's own tokenizer and chat template --------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_hf_tokenizer(directory) -> None:
+    """A byte-level BPE tokenizer without merges: 256 byte tokens + 3 special ones = the tiny presets' 259 ids,
+    with a ChatML-like chat template, written as transformers writes tokenizers (tokenizer.json, its config and
+    chat_template.jinja)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|endoftext|>"]})
+    assert len(fast) == 259
+    fast.save_pretrained(str(directory))
+
+
+def test_chat_uses_the_checkpoint_template(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    ckpt = tiny_ckpt(QWEN)
+    write_hf_tokenizer(ckpt)
+    hf = AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo"}]
+    prompt = hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)
+    assert prompt[0] == hf.convert_tokens_to_ids("<|im_start|>")
+    r = Running(Server.build(str(ckpt), max_batch=2, max_seq_len=MAX_SEQ))
+    try:
+        out = r.client().chat.completions.create(model=str(ckpt), messages=messages, max_tokens=6, temperature=0,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True})
+        eng = Engine.from_pretrained(str(ckpt), max_batch=1, max_seq_len=MAX_SEQ)
+        want = eng.generate([prompt], 6, SamplingParams(greedy=True), stop_at_eos=False).token_ids[0]
+        assert out.usage.prompt_tokens == len(prompt) and out.choices[0].token_ids == want
+        assert out.choices[0].message.content == hf.decode(want, skip_special_tokens=True)
+        bad = post(r, {"model": str(ckpt), "messages": [{"role": "user", "content": "x"}], "max_tokens": 60},
+                   "/v1/chat/completions")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    finally:
+        r.close()
