@@ -8,8 +8,7 @@ import warnings
 
 import pytest
 
-from megadecode.config import ConfigError, config_from_hf
-from megadecode.config import ConfigWarning
+from megadecode.config import ConfigError, ConfigWarning, config_from_hf
 from megadecode.presets import preset_hf_config
 
 transformers = pytest.importorskip("transformers")

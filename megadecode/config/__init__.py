@@ -21,7 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .families import deepseek_v3, kimi_k3, kimi_linear, qwen3_moe
-from .model import FAMILIES, ConfigError, ConfigWarning, ModelConfig, RopeConfig, yarn_mscale
+from .model import (
+    FAMILIES,
+    ConfigError,
+    ConfigWarning,
+    ModelConfig,
+    RopeConfig,
+    yarn_mscale,
+)
 
 # HF `model_type` -> the parser of its family.
 PARSERS: dict[str, Callable[[dict], ModelConfig]] = {

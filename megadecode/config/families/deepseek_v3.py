@@ -3,7 +3,15 @@ where a field is left out; config/hf_class.py), then our checks."""
 
 from __future__ import annotations
 
-from ..fields import common_fields, hf_eos, hf_field, hf_num_layers, hf_quantization, hf_rope, require_silu
+from ..fields import (
+    common_fields,
+    hf_eos,
+    hf_field,
+    hf_num_layers,
+    hf_quantization,
+    hf_rope,
+    require_silu,
+)
 from ..hf_class import resolve
 from ..model import ConfigError, ModelConfig
 

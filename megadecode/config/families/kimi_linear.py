@@ -4,7 +4,15 @@ kimi_k3's parser shares (K3 has no transformers class: it fills in its own defau
 
 from __future__ import annotations
 
-from ..fields import hf_alias, hf_eos, hf_field, hf_num_layers, hf_quantization, hf_special_tokens, require_silu
+from ..fields import (
+    hf_alias,
+    hf_eos,
+    hf_field,
+    hf_num_layers,
+    hf_quantization,
+    hf_special_tokens,
+    require_silu,
+)
 from ..hf_class import resolve
 from ..model import ConfigError, ModelConfig, RopeConfig
 
