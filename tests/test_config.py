@@ -8,14 +8,7 @@ import math
 
 import pytest
 
-from megadecode.config import (
-    ConfigError,
-    ModelConfig,
-    RopeConfig,
-    config_from_hf,
-    load_config,
-    yarn_mscale,
-)
+from megadecode.config import ConfigError, ModelConfig, RopeConfig, config_from_hf, load_config, yarn_mscale
 from megadecode.presets import PRESETS, preset_config, preset_hf_config
 
 
