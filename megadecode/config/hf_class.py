@@ -96,7 +96,7 @@ def resolve(d: dict, class_name: str, required: tuple[str, ...] = ()) -> dict:
     try:
         with _quiet_transformers():
             c = cls(**kwargs)
-    except Exception as e:  # noqa: BLE001 -- transformers' own validation (strict dataclass fields, rope parameters, ...)
+    except Exception as e:  # noqa: BLE001 -- transformers' own checks (strict dataclass fields, rope, ...)
         msg = " ".join(str(e).split())
         raise ConfigError(f"config.json is rejected by transformers' {class_name}: {msg}") from None
     out = {**d, **c.to_dict()}

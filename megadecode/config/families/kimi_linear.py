@@ -54,7 +54,8 @@ def build(d: dict, L: int, raw: dict | None = None, **extra) -> ModelConfig:
     one) or absent (KimiLinearConfig's default). Layer kinds: `layer_types`, else `linear_attn_config`'s
     1-indexed `full_attn_layers` / `kda_layers`, else every 4th layer (not layer 0) is MLA. MLP kinds:
     `mlp_layer_types`, else the first `first_k_dense_replace` (default 1) layers dense. The MLA layers use
-    no rotary embedding at all, so rope fields are ignored. `raw`: the config.json as written (ModelConfig.hf); `extra`: more ModelConfig fields."""
+    no rotary embedding at all, so rope fields are ignored. `raw`: the config.json as written (ModelConfig.hf);
+    `extra`: more ModelConfig fields."""
     if d.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported for kimi_linear")
     lin = d.get("linear_attn_config") or {}
