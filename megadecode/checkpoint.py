@@ -210,6 +210,11 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         sources = map_names(cfg, [n for n in where if not _expected_extra(n, cfg)])
     except LayoutError as e:
         raise CheckpointError(f"checkpoint {ckpt}: {e}") from None
+    if cfg.expert_quant != "fp8":
+        scale = next((n for n in where if n.endswith(".weight_scale_inv")), None)
+        if scale is not None:
+            raise CheckpointError(f"checkpoint {ckpt} holds FP8 weights ({scale!r}), but config.json has no FP8 "
+                                  f"quantization_config (quant_method 'fp8' with weight_block_size)")
     specs = param_specs(cfg)
     missing = [n for n in specs if n not in sources]
     _check_unknown(ckpt, cfg, sources, specs, bool(missing), ignore_unknown)

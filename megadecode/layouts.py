@@ -104,7 +104,7 @@ _KDA_HUB = (
     *(Rule(f"{{layer}}.self_attn.{x}_conv1d.weight", "{layer}.self_attn.conv1d.weight", j, 3, "hub")
       for j, x in enumerate("qkv")),
     *(Rule(f"{{layer}}.self_attn.{x}", f"{{layer}}.self_attn.forget_gate.{x}", spelling="hub")
-      for x in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")),
+      for x in ("f_a_proj.{rest}", "f_b_proj.{rest}", "dt_bias", "A_log")),  # rest: weight (+ FP8 weight_scale_inv)
 )
 LAYOUTS: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _HF_EXPERTS,

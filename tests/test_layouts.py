@@ -17,41 +17,16 @@ from safetensors.torch import load_file, save_file
 from megadecode import Engine
 from megadecode.checkpoint import CheckpointError, load_weights
 from megadecode.config import config_from_hf
-from megadecode.presets import preset_config, preset_hf_config
+from megadecode.presets import preset_config
 from megadecode.weights import random_weights
 
 transformers = pytest.importorskip("transformers")
 
-from hf_oracle import hf_teacher_forced, load_oracle, rel_err  # noqa: E402
-
-CLASSES = {"tiny-qwen3-moe": "Qwen3Moe", "tiny-deepseek-v3": "DeepseekV3", "tiny-kimi-linear": "KimiLinear"}
+from hf_oracle import CLASSES, hf_teacher_forced, load_oracle, rel_err, relayout, save_with_transformers  # noqa: E402
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 7, 8]]
 CONT = [[40, 41, 42, 43], [50, 51, 52, 53]]  # fed to both sides, one token per decode step
 RTOL = 1e-4
 DATA = Path(__file__).parent / "data"
-
-
-def save_with_transformers(preset: str, out: Path, original: bool = True) -> Path:
-    """A tiny model of the family built by transformers, with our random weights (clear routing margins: no
-    near-ties), written by its save_pretrained."""
-    d = preset_hf_config(preset)
-    prefix = CLASSES[preset]
-    model = getattr(transformers, f"{prefix}ForCausalLM")(
-        getattr(transformers, f"{prefix}Config")(**{k: v for k, v in d.items() if k != "model_type"}))
-    model.load_state_dict(random_weights(preset_config(preset), seed=5), strict=True)
-    model.save_pretrained(out, save_original_format=original)
-    return out
-
-
-def relayout(src: Path, dst: Path, fn) -> Path:
-    """A single-file copy of checkpoint `src` with its tensors renamed / split by fn(dict) -> dict."""
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in fn(tensors).items()}, str(dst / "model.safetensors"))
-    return dst
 
 
 def dense_back_to_mlp(ts: dict) -> dict:

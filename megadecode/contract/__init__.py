@@ -33,9 +33,10 @@ from .variant import (
            Scope,
            Variant,
            dtype_name,
+           float_experts,
            triton_interpreted,
 )
 
 __all__ = ["DTYPE_NAMES", "KernelSpec", "Manifest", "ManifestViolation", "Scope", "Variant", "dtype_name",
-           "kernel_spec", "lookup", "output_specs", "poisoned", "register", "registered", "triton_interpreted",
-           "unwritten"]
+           "float_experts", "kernel_spec", "lookup", "output_specs", "poisoned", "register", "registered",
+           "triton_interpreted", "unwritten"]

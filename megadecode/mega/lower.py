@@ -62,6 +62,8 @@ def supports(cfg, batch: int) -> str | None:
         return f"batch {batch} outside 1..{MAX_BATCH}"
     if cfg.family == "deepseek_v3" and not cfg.mla_rope:
         return "MLA without rope"
+    if cfg.expert_quant == "fp8":
+        return "FP8 experts (the megakernel's expert instructions read 16-bit weights)"
     if 2 * cfg.num_experts + batch * cfg.top_k > 1900:
         return (f"{cfg.num_experts} experts x top-{cfg.top_k} at batch {batch} (ROUTE groups the pairs in 1900 words "
                 "of shared memory)")

@@ -49,8 +49,9 @@ class OpCase:
 
     def clone(self, dtype: torch.dtype | None = None) -> "OpCase":
         """A deep copy, floating tensors cast to `dtype`; buffers the model keeps in fp32 whatever its
-        dtype (the router's topk_weights, the selection bias) stay fp32."""
-        fp32_weights = {n for n, s in param_specs(self.cfg).items() if s.fp32}
+        dtype (the router's topk_weights, the selection bias) stay fp32, quantized weights (FP8 values and
+        scales, MXFP4 bytes) as they are."""
+        fp32_weights = {n for n, s in param_specs(self.cfg).items() if s.fp32 or s.quant}
 
         def cast(t, keep_fp32=False):
             if dtype is None or not t.is_floating_point() or keep_fp32:
@@ -185,9 +186,11 @@ def reference_outputs(case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | No
     """The torch reference op (executors/torch_ops.py) on the case, in fp32. Returns (outputs, cache after)."""
     from ..executors.torch_ops import OP_IMPLS
 
+    def up(v):  # quantized weights (FP8 values, MXFP4 bytes) stay as they are
+        return v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+
     c = case.clone(torch.float32)
-    c = replace(c, inputs={k: v.float() if v.is_floating_point() else v for k, v in c.inputs.items()},
-                weights={k: v.float() if v.is_floating_point() else v for k, v in c.weights.items()},  # MXFP4 bytes stay
+    c = replace(c, inputs={k: up(v) for k, v in c.inputs.items()}, weights={k: up(v) for k, v in c.weights.items()},
                 cache=None if c.cache is None else tuple(t.float() for t in c.cache))
     step = replace(c.step, positions=c.inputs.get("positions", c.step.positions),
                    slots=c.inputs.get("slots", c.step.slots))

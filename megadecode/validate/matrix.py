@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..contract import Variant
+from ..plan import EXPERTS
 from ..presets import preset_config
 from .checks import check_op
 from .inputs import DISTRIBUTIONS, ROUTED
@@ -19,15 +20,22 @@ from .inputs import DISTRIBUTIONS, ROUTED
 BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
 QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep
 CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3")
+# Presets that differ from a CPU preset only in their routed experts (FP8): run for the expert variants that take them.
+EXPERT_PRESETS = ("tiny-qwen3-moe-fp8", "tiny-deepseek-v3-fp8")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DTYPES,
                dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None) -> list[dict]:
-    """presets None: the CPU_PRESETS of the families in the variant's scope (named presets run as given, a
-    family out of scope then gives SKIP rows)."""
+    """presets None: the CPU_PRESETS of the families in the variant's scope, and for a variant of the routed
+    experts the EXPERT_PRESETS its scope's dims admit (named presets run as given, a family out of scope then
+    gives SKIP rows)."""
     if presets is None:
-        presets = [p for p in CPU_PRESETS if preset_config(p).family in variant.manifest.scope.families]
+        scope = variant.manifest.scope
+        presets = [p for p in CPU_PRESETS if preset_config(p).family in scope.families]
+        if EXPERTS in variant.manifest.replaces:
+            presets += [p for p in EXPERT_PRESETS if preset_config(p).family in scope.families
+                        and scope.dims is not None and scope.dims(preset_config(p)) is None]
     rows = []
     for preset in presets:
         cfg = preset_config(preset)
