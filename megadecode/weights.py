@@ -176,7 +176,7 @@ def random_tensor(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dt
     """Random weights with O(1) activations, so that logits and routing decisions have clear margins."""
     if spec.quant == "mxfp4":
         return _random_mxfp4(spec, gen, device)
-    if spec.quant in ("fp8", "fp8_scale"):
+    if spec.init in ("fp8", "fp8_scale"):
         return _random_fp8(spec, gen, device)
     dt = torch.float32 if spec.fp32 else dtype
     t = torch.empty(spec.shape, device=device, dtype=dt)

@@ -111,7 +111,7 @@ def fp8_pair(request, tmp_path_factory):
 
 
 def test_experts_stay_fp8_and_the_rest_is_dequantized(fp8_pair):
-    preset, fp8, ref, _ = fp8_pair
+    _, fp8, ref, _ = fp8_pair
     cfg, w = load_weights(fp8)
     _, want = load_weights(ref)
     assert cfg.expert_quant == "fp8" and cfg.weight_block == BLOCK

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import EXPERTS
-from ..quant.fp8 import FP8, FP8Tensor
+from ..quant.fp8 import FP8Tensor
 from .common import mma
 from .grouped_experts import BLOCK_C, MAX_BATCH, _run_of, combine_kernel, group_pairs
 
