@@ -61,6 +61,20 @@ def test_newest_transformers_key_style(name):
     assert cfg.num_experts == d.get("num_experts") and cfg.hf == new
 
 
+def test_kimi_linear_hub_config_keys():
+    """Kimi-Linear-48B-A3B's own config.json spells the MoE fields its way and carries fields only its modeling code
+    reads; the released values are accepted, others refused."""
+    d = preset_hf_config(KIMI)
+    hub = {k: v for k, v in d.items() if k not in NEW_STYLE[KIMI]["rename"]}
+    hub.update({new: d[old] for old, new in NEW_STYLE[KIMI]["rename"].items()})
+    hub.update(moe_router_activation_func="sigmoid", moe_layer_freq=1, mla_use_nope=True, rope_scaling=None,
+               auto_map={"AutoConfig": "configuration_kimi.KimiLinearConfig"})
+    assert quiet(config_from_hf, hub) == quiet(config_from_hf, d)
+    for key, bad in (("moe_router_activation_func", "softmax"), ("moe_layer_freq", 2), ("mla_use_nope", False)):
+        with pytest.raises(ConfigError, match=f"config field '{key}' = {bad!r} is not supported"):
+            config_from_hf({**hub, key: bad})
+
+
 def test_deepseek_rope_parameters_style():
     d = preset_hf_config(DS)
     new = dict(d)

@@ -20,8 +20,17 @@ from ..model import ConfigError, ModelConfig, RopeConfig
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
+# Fields of the hub's config.json (its own modeling code reads them; KimiLinearConfig ignores them): only the
+# released model's values are supported, anything else would build another model than the hub's code does.
+HUB_ONLY = {"moe_router_activation_func": "sigmoid", "moe_layer_freq": 1, "mla_use_nope": True}
+
+
 def parse(d: dict) -> ModelConfig:
     quant, block = hf_quantization(d, d.get("model_type"))
+    for key, want in HUB_ONLY.items():
+        if d.get(key, want) != want:
+            raise ConfigError(f"config field {key!r} = {d[key]!r} is not supported for kimi_linear (only {want!r}, "
+                              f"as the released model and transformers' KimiLinear)")
     L = hf_num_layers(d)
     _linear_attn_layers(d, L)  # KimiLinearConfig would index a layer 0 as the last layer: checked first
     hf_eos(d)
