@@ -136,8 +136,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight and cache dtype")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights, in [0, 2**32 - 1]")
     p.add_argument("--weights", type=lambda s: [x for x in s.split(",") if x], default=None,
-                   help="MoE-layer presets only: expert weight formats, comma-separated from mxfp4, bf16 "
-                        "(default: k3-moe both, qwen3-moe bf16)")
+                   help="MoE-layer presets only: expert weight formats, comma-separated (k3-moe: mxfp4, bf16, "
+                        "default both; qwen3-moe: bf16, fp8, default bf16)")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/<preset>-<gpu>.json)")
     p.set_defaults(func=run)
 
@@ -149,11 +149,12 @@ def run(args, argv: list[str]) -> int:
     from .executors import EXECUTORS
 
     if args.preset in bench_moe.MOE_PRESETS:
-        bad = [w for w in args.weights or () if w not in ("mxfp4", "bf16")]
+        formats = bench_moe.FORMATS[args.preset]
+        bad = [w for w in args.weights or () if w not in formats]
         bad += [e for e in args.executor if e not in ("torch", "graph", "fused")]
         if bad:
-            raise ValueError(f"{args.preset}: unknown weight format or executor {bad[0]!r} (weights: mxfp4, bf16; "
-                             "executors: torch, graph, fused)")
+            raise ValueError(f"{args.preset}: unknown weight format or executor {bad[0]!r} (weights: "
+                             f"{', '.join(formats)}; executors: torch, graph, fused)")
     elif args.weights:
         raise ValueError("--weights applies to the MoE-layer presets (k3-moe, qwen3-moe) only")
     if not args.batch or min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.context < 1:

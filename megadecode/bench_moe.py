@@ -9,9 +9,9 @@ Executors (the expert path each decode executor takes):
          in a CUDA graph. Float weights only: torch has no MXFP4 grouped GEMM, and the graph executor's own MXFP4 path is
          the Triton kernels (= `fused`), so an MXFP4 `graph` row says so instead of a time.
   fused  kernels/grouped_experts.py routed_experts (fused small-batch kernels at <= 16 tokens, grouped by
-         expert above), in a CUDA graph.
+         expert above), in a CUDA graph; FP8 weights: kernels/fp8_experts.py (same dispatch).
 Method: all E experts of the shape (measure.SHAPES) on the GPU, random (MXFP4: random bytes, e8m0 118..123;
-bf16: N(0, 1/in)); ROTATIONS input sets, each token drawing A distinct experts uniformly, so consecutive
+bf16: N(0, 1/in); FP8: weights.py's random FP8 codes and 128 x 128 block scales); ROTATIONS input sets, each token drawing A distinct experts uniformly, so consecutive
 calls read different experts (not L2 hits). Time: one CUDA graph of one call per set, replayed by
 triton.testing.do_bench (median, L2 flushed before each replay), / ROTATIONS; torch: eager calls over the
 sets, the median of CUDA-event timings. floor = mean distinct experts per set x bytes per expert / HBM_READ_BPS;
@@ -37,7 +37,8 @@ from .measure import (
     write_result,
 )
 
-MOE_PRESETS = {"k3-moe": ("k3", ("mxfp4", "bf16")), "qwen3-moe": ("qwen3-30b-a3b", ("bf16",))}
+MOE_PRESETS = {"k3-moe": ("k3", ("mxfp4", "bf16")), "qwen3-moe": ("qwen3-30b-a3b", ("bf16",))}  # default formats
+FORMATS = {"k3-moe": ("mxfp4", "bf16"), "qwen3-moe": ("bf16", "fp8")}  # --weights may pick from these
 ROTATIONS = 8
 CHECKED = 2  # sets whose output is compared with the torch path (the reference is slow at batch 256)
 
@@ -67,12 +68,15 @@ def _path(executor: str, shape: dict, wfmt: str):
             return lambda x, ids, w, gu, dn: latent_experts(x.float(), ids, w, gu, dn, act).to(x.dtype)
         return experts_reference
     if executor == "graph":
-        if wfmt == "mxfp4":
-            return ("no MXFP4 grouped GEMM in torch; the graph executor's MXFP4 experts are the Triton kernels "
-                    "(the fused row)")
+        if wfmt in ("mxfp4", "fp8"):
+            return (f"no {wfmt.upper()} grouped GEMM in torch; the graph executor's {wfmt.upper()} experts are the "
+                    f"Triton kernels (the fused row)")
         if act != "silu":  # K3 bf16: SiTU-GLU between the grouped GEMMs; fp32 activations -> bf16 for them
             return lambda x, ids, w, gu, dn: experts_grouped(x.to(gu.dtype), ids, w, gu, dn, act).float()
         return experts_grouped
+    if executor == "fused" and wfmt == "fp8":
+        from .kernels.fp8_experts import fp8_experts
+        return lambda x, ids, w, gu, dn: fp8_experts(x, ids, w, gu, dn)
     if executor == "fused":
         from .kernels.grouped_experts import routed_experts
         return lambda x, ids, w, gu, dn: routed_experts(x, ids, w, gu, dn, act=act)

@@ -12,7 +12,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig, config_from_hf, load_config
+from .layouts import (
+    LayoutError,
+    Source,
+    alternatives,
+    hub_pieces,
+    map_names,
+    sibling_name,
+)
 from .presets import preset_hf_config
+from .quant.fp8 import FP8, SCALE_DTYPES, dequantize_fp8, quantize_fp8
 from .weights import param_specs, random_tensor
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -78,22 +87,28 @@ def _expected_extra(name: str, cfg: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _check_unknown(ckpt: Path, cfg: ModelConfig, where: dict[str, Path], ignore_unknown: bool) -> None:
+def _scale_target(name: str, specs: dict, cfg: ModelConfig) -> bool:
+    """Whether our name `name` is the FP8 weight_scale_inv of a weight dequantized at load (any weight but the
+    routed experts, whose scales are weights of their own)."""
+    base = name[:-len("_scale_inv")] if name.endswith(".weight_scale_inv") else None
+    return cfg.expert_quant == "fp8" and base in specs and specs[base].quant is None
+
+
+def _check_unknown(ckpt: Path, cfg: ModelConfig, sources: dict[str, Source], specs: dict, missing: bool,
+                   ignore_unknown: bool) -> None:
     """A tensor that no weight of the model reads is an error, as in vLLM's loader ("no module or parameter
     named ..."): it usually means weights of another model or variant under this config.json, and loading the
     rest would run a different model than the file describes. `ignore_unknown` turns it into a warning. Left to
     the missing-tensor error when a tensor the model needs is missing too (a wrong config names that one)."""
-    specs = param_specs(cfg)
-    known = set(specs)
-    for spec in specs.values():
-        if spec.stacked:
-            known.update(spec.hf_names(cfg.num_experts))
-    unknown = sorted(n for n in where if n not in known and not _expected_extra(n, cfg))
-    missing = any(name not in where and (spec.stacked is None or any(n not in where for n in
-                                                                     spec.hf_names(cfg.num_experts)))
-                  for name, spec in specs.items())
+    unknown = []
+    for target, src in sources.items():
+        if target in specs:
+            unknown += [n for (e, _), n in src.pieces.items() if e is not None and e >= cfg.num_experts]
+        elif not _scale_target(target, specs, cfg):
+            unknown += src.pieces.values()
     if not unknown or missing:
         return
+    unknown.sort()
     msg = (f"checkpoint {ckpt} holds {len(unknown)} tensor{'s' if len(unknown) > 1 else ''} that a "
            f"{cfg.family} model with this config.json does not use: {', '.join(map(repr, unknown[:3]))}"
            f"{f' and {len(unknown) - 3} more' if len(unknown) > 3 else ''}")
@@ -103,67 +118,138 @@ def _check_unknown(ckpt: Path, cfg: ModelConfig, where: dict[str, Path], ignore_
     warnings.warn(f"{msg}; they are ignored", UnknownTensorsWarning, stacklevel=3)
 
 
+class _Reader:
+    """Reads checkpoint tensors by name, checking each one's dtype (and values, with check_finite)."""
+
+    def __init__(self, where: dict[str, Path], check_finite: bool):
+        self.where, self.check_finite, self.handles = where, check_finite, {}
+
+    def __call__(self, name: str, kind: str | None) -> torch.Tensor:
+        """kind: None (a float weight; FP8 values are returned as they are, for the caller to dequantize),
+        "mxfp4", "fp8", "fp8_scale" (ParamSpec.quant)."""
+        f = self.where[name]
+        if f not in self.handles:
+            self.handles[f] = _open(f)
+        try:
+            t = self.handles[f].get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (the index names that file): "
+                                  f"{e}") from None
+        if kind == "mxfp4":  # MXFP4 packed codes / e8m0 scales: bytes, kept as they are
+            if t.dtype != torch.uint8:
+                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected uint8 (MXFP4 "
+                                      f"{'e8m0 scales' if name.endswith('weight_scale') else 'packed e2m1 codes'})")
+            if self.check_finite and name.endswith("weight_scale") and bool((t == 255).any()):
+                raise CheckpointError(f"tensor {name!r} holds the e8m0 NaN scale byte 255")
+            return t
+        if kind == "fp8" and t.dtype != FP8:
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected float8_e4m3fn (config.json's "
+                                  f"quantization_config is FP8: the routed experts are kept in FP8)")
+        if kind == "fp8_scale":
+            if t.dtype not in SCALE_DTYPES:
+                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected a float FP8 block scale")
+            t = t.float()
+        if kind is None and t.dtype not in (*_FLOAT_DTYPES, FP8):
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected a floating dtype "
+                                  f"(float32, float16 or bfloat16, or float8_e4m3fn with FP8 quantization)")
+        if self.check_finite and not torch.isfinite(t.float() if t.dtype == FP8 else t).all():
+            raise CheckpointError(f"tensor {name!r} contains NaN or inf values")
+        return t
+
+
+def _missing(ckpt: Path, cfg: ModelConfig, name: str, spec) -> CheckpointError:
+    alt = [a for a in alternatives(cfg, name) if a != name]
+    also = f"; looked for it as {', '.join(map(repr, alt))} too" if alt else ""
+    return CheckpointError(f"checkpoint {ckpt} is missing tensor {name!r} (shape {list(spec.shape)}{also})")
+
+
+def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read) -> torch.Tensor:
+    """Our tensor `name` from its pieces: as stored, stacked over experts, and/or concatenated along dim 0."""
+    if spec.stacked and (None, 0) in src.pieces:
+        if len(src.pieces) > 1:
+            other = next(n for k, n in src.pieces.items() if k != (None, 0))
+            raise CheckpointError(f"checkpoint {ckpt} holds both the stacked {name!r} and per-expert tensors for "
+                                  f"it ({other!r}): one layout per tensor")
+        return read(src.pieces[(None, 0)])
+    E = cfg.num_experts if spec.stacked else None
+    keys = [(e, p) for e in (range(E) if spec.stacked else (None,)) for p in range(src.parts)]
+    gone = [k for k in keys if k not in src.pieces]
+    if gone:
+        first = sibling_name(cfg, src, gone[0]) or name
+        what = "expert tensors" if spec.stacked else "parts"
+        raise CheckpointError(f"checkpoint {ckpt} is missing {len(gone)} {what} for {name!r}, first {first!r}")
+    lead = 1 if spec.stacked else 0
+    want = (spec.shape[lead] // src.parts, *spec.shape[lead + 1:])
+    got = {}
+    for k in keys:
+        t = read(src.pieces[k])
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {src.pieces[k]!r} has shape {list(t.shape)}, expected {list(want)}")
+        got[k] = t
+    cat = [torch.cat([got[(e, p)] for p in range(src.parts)]) for e in (range(E) if spec.stacked else (None,))]
+    return torch.stack(cat) if spec.stacked else cat[0]
+
+
 def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cpu", dtype=torch.float32,
                  check_finite: bool = False, ignore_unknown: bool = False
                  ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load every tensor the weight table expects, checking names, shapes and dtypes.
 
-    Routed experts may be stored per expert (HF hub layout) or already stacked. A tensor the model does not
-    use is an error naming it (`_check_unknown`), a warning with `ignore_unknown`; those a checkpoint of the
-    family is expected to carry (DeepSeek's multi-token-prediction layers, `_expected_extra`) are skipped.
-    With `check_finite`, NaN/inf is an error naming the tensor.
+    Tensor names may follow any layout of the family that real checkpoints use (megadecode/layouts.py: the
+    hub's, transformers' save_pretrained's, transformers' own stacked one). A tensor the model does not use is
+    an error naming it (`_check_unknown`), a warning with `ignore_unknown`; those a checkpoint of the family is
+    expected to carry (DeepSeek's multi-token-prediction layers, `_expected_extra`) are skipped. FP8 checkpoints
+    (quantization_config fp8): the routed experts stay FP8 (values + fp32 block scales), every other FP8 weight
+    is dequantized here (quant/fp8.py) and cast to `dtype`. With `check_finite`, NaN/inf is an error naming the
+    tensor.
     """
     ckpt = Path(ckpt)
     cfg = cfg or load_config(ckpt)
     where = _index_files(ckpt)
-    _check_unknown(ckpt, cfg, where, ignore_unknown)
-    handles: dict[Path, object] = {}
+    try:
+        sources = map_names(cfg, [n for n in where if not _expected_extra(n, cfg)])
+    except LayoutError as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {e}") from None
+    if cfg.expert_quant != "fp8":
+        scale = next((n for n in where if n.endswith(".weight_scale_inv")), None)
+        if scale is not None:
+            raise CheckpointError(f"checkpoint {ckpt} holds FP8 weights ({scale!r}), but config.json has no FP8 "
+                                  f"quantization_config (quant_method 'fp8' with weight_block_size)")
+    specs = param_specs(cfg)
+    missing = [n for n in specs if n not in sources]
+    _check_unknown(ckpt, cfg, sources, specs, bool(missing), ignore_unknown)
+    if missing:
+        raise _missing(ckpt, cfg, missing[0], specs[missing[0]])
+    reader = _Reader(where, check_finite)
+    used_scales = set()
 
-    def read(name: str, quant: str | None = None) -> torch.Tensor:
-        f = where[name]
-        if f not in handles:
-            handles[f] = _open(f)
-        try:
-            t = handles[f].get_tensor(name)
-        except SafetensorError as e:
-            raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (the index names that file): "
-                                  f"{e}") from None
-        if quant:  # MXFP4 packed codes / e8m0 scales: bytes, kept as they are
-            if t.dtype != torch.uint8:
-                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected uint8 (MXFP4 "
-                                      f"{'e8m0 scales' if name.endswith('weight_scale') else 'packed e2m1 codes'})")
-            if check_finite and name.endswith("weight_scale") and bool((t == 255).any()):
-                raise CheckpointError(f"tensor {name!r} holds the e8m0 NaN scale byte 255")
-            return t
-        if t.dtype not in _FLOAT_DTYPES:
-            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected a floating dtype "
-                                  f"(float32, float16 or bfloat16)")
-        if check_finite and not torch.isfinite(t).all():
-            raise CheckpointError(f"tensor {name!r} contains NaN or inf values")
-        return t
+    def read_float(spec_name: str):
+        """Pieces of a weight held in the model dtype: FP8 ones dequantized with their weight_scale_inv."""
+        scales = sources.get(spec_name + "_scale_inv")
+
+        def read(piece: str) -> torch.Tensor:
+            t = reader(piece, None)
+            if t.dtype != FP8:
+                return t
+            key = next(k for k, n in sources[spec_name].pieces.items() if n == piece)
+            if cfg.expert_quant != "fp8":
+                raise CheckpointError(f"tensor {piece!r} is float8_e4m3fn, but config.json has no FP8 "
+                                      f"quantization_config (weight_block_size) to dequantize it with")
+            if scales is None or key not in scales.pieces:
+                raise CheckpointError(f"tensor {piece!r} is float8_e4m3fn, but the checkpoint has no "
+                                      f"{piece.removesuffix('weight') + 'weight_scale_inv'!r} for it")
+            s = reader(scales.pieces[key], "fp8_scale")
+            used_scales.add(scales.pieces[key])
+            try:
+                return dequantize_fp8(t, s, cfg.weight_block)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {piece!r}: {e}") from None
+        return read
 
     weights = {}
-    for name, spec in param_specs(cfg).items():
-        if name in where or spec.stacked is None:
-            if name not in where:
-                raise CheckpointError(f"checkpoint {ckpt} is missing tensor {name!r} (shape {list(spec.shape)})")
-            t = read(name, spec.quant)
-        else:
-            parts = spec.hf_names(cfg.num_experts)
-            missing = [n for n in parts if n not in where]
-            if missing:
-                raise CheckpointError(f"checkpoint {ckpt} is missing {len(missing)} expert tensors for "
-                                      f"{name!r}, first {missing[0]!r}")
-            step = 2 if spec.stacked == "experts_gate_up" else 1
-            experts = []
-            for j in range(cfg.num_experts):
-                ts = [read(n, spec.quant) for n in parts[j * step:(j + 1) * step]]
-                for n, t in zip(parts[j * step:(j + 1) * step], ts):
-                    want = (spec.shape[1] // step, spec.shape[2])
-                    if tuple(t.shape) != want:
-                        raise CheckpointError(f"tensor {n!r} has shape {list(t.shape)}, expected {list(want)}")
-                experts.append(torch.cat(ts, 0))
-            t = torch.stack(experts)
+    for name, spec in specs.items():
+        read = (lambda n, q=spec.quant: reader(n, q)) if spec.quant else read_float(name)
+        t = _assemble(ckpt, cfg, name, spec, sources[name], read)
         if tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
         if spec.quant:
@@ -173,6 +259,11 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         if check_finite and not torch.isfinite(t).all():  # finite in the file, not after the cast
             raise CheckpointError(f"tensor {name!r} overflows {t.dtype} (values beyond its range)")
         weights[name] = t
+    stray = sorted(n for t, src in sources.items() if _scale_target(t, specs, cfg) for n in src.pieces.values()
+                   if n not in used_scales)
+    if stray:
+        raise CheckpointError(f"checkpoint {ckpt} holds {stray[0]!r}, the FP8 scale of a weight that is not "
+                              f"stored in FP8")
     return cfg, weights
 
 
@@ -195,13 +286,33 @@ def _prepare_out_dir(out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"cannot create the checkpoint directory {out}: {e}") from None
 
 
+def _fp8_in_checkpoint(name: str, spec) -> bool:
+    """Which weights an FP8 checkpoint stores in FP8, as DeepSeek-V3's do: every linear of attention and MLP
+    (routed experts included), not the router, the norms, the embedding or lm_head."""
+    return (spec.quant == "fp8" or spec.init == "linear" and len(spec.shape) == 2
+            and (".self_attn." in name or ".mlp." in name) and not name.endswith(".mlp.gate.weight"))
+
+
+def _split(t: torch.Tensor):
+    """parts_by_piece for layouts.hub_pieces: our tensor cut into (expert or None, part) pieces."""
+    def cut(parts: int, stacked: bool) -> dict:
+        if not stacked:
+            return {(None, p): c for p, c in enumerate(t.chunk(parts, 0))}
+        return {(e, p): c for e in range(t.shape[0]) for p, c in enumerate(t[e].chunk(parts, 0))}
+    return cut
+
+
 def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int = 0, dtype=torch.bfloat16,
                     shard_bytes: int = 2 << 30, overwrite: bool = False) -> Path:
     """Write a random-weight HF-format checkpoint (config.json + sharded safetensors + index) into a new or empty
     directory (`overwrite`: replace the checkpoint files of a non-empty one).
 
-    Experts are written per expert, the layout of checkpoints on the hub (kimi_k3: MXFP4 experts as
-    compressed-tensors `weight_packed` / `weight_scale` uint8 pairs, `random_tensor`'s bytes).
+    Tensors are named as the family's hub checkpoints name them (layouts.py, spelling "hub": experts per
+    expert, Kimi-Linear's `block_sparse_moe` and separate q/k/v convs; kimi_k3: MXFP4 experts as
+    compressed-tensors `weight_packed` / `weight_scale` uint8 pairs, `random_tensor`'s bytes). An FP8 config
+    (quantization_config fp8) gets FP8 weights as DeepSeek-V3's checkpoints hold them (`_fp8_in_checkpoint`):
+    the routed experts as drawn (`random_tensor`), the other linears drawn in `dtype` and quantized
+    (quant/fp8.py), each with its `weight_scale_inv`.
     """
     hf = preset_hf_config(preset_or_hf) if isinstance(preset_or_hf, str) else dict(preset_or_hf)
     cfg = config_from_hf(hf)
@@ -216,18 +327,17 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
     size = 0
     for name, spec in param_specs(cfg).items():
         t = random_tensor(spec, gen, "cpu", dtype)
-        if spec.stacked is None:
-            pieces = {name: t}
-        else:
-            names = spec.hf_names(cfg.num_experts)
-            chunks = [c for e in t for c in (e.chunk(2, 0) if spec.stacked == "experts_gate_up" else (e,))]
-            pieces = {n: c.contiguous() for n, c in zip(names, chunks)}
-        for n, c in pieces.items():
-            if size and size + c.numel() * c.element_size() > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][n] = c
-            size += c.numel() * c.element_size()
+        tensors = {name: t}
+        if cfg.expert_quant == "fp8" and _fp8_in_checkpoint(name, spec) and spec.quant is None:
+            tensors = dict(zip((name, name + "_scale_inv"), quantize_fp8(t, cfg.weight_block)))
+        for our, tt in tensors.items():
+            for n, c in hub_pieces(cfg, our, _split(tt)).items():
+                c = c.contiguous()
+                if size and size + c.numel() * c.element_size() > shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][n] = c
+                size += c.numel() * c.element_size()
     weight_map = {}
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"

@@ -49,9 +49,13 @@ class GenerationResult:
         return self.decode_steps * len(self.token_ids) / self.decode_s if self.decode_s > 0 else 0.0
 
 
+QUANT_DTYPES = {"mxfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "fp8_scale": torch.float32}  # ParamSpec.quant
+
+
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Every tensor of the weight table present, with its shape, on one device; MXFP4 halves (kimi_k3's routed
-    experts) uint8, everything else floating point."""
+    """Every tensor of the weight table present, with its shape, on one device; quantized experts in their
+    storage dtype (QUANT_DTYPES: kimi_k3's MXFP4 halves uint8, FP8 values and their fp32 scales), everything else
+    floating point."""
     devices = set()
     for name, spec in param_specs(cfg).items():
         if name not in weights:
@@ -60,8 +64,10 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         if tuple(t.shape) != spec.shape:
             raise RequestError(f"weight {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
         if spec.quant:
-            if t.dtype != torch.uint8:
-                raise RequestError(f"weight {name!r} has dtype {t.dtype}; expected uint8 (MXFP4, kept packed)")
+            want = QUANT_DTYPES[spec.quant]
+            if t.dtype != want:
+                raise RequestError(f"weight {name!r} has dtype {t.dtype}; expected {want} ({spec.quant}, kept "
+                                   f"quantized)")
         elif not t.is_floating_point():
             raise RequestError(f"weight {name!r} has dtype {t.dtype}; expected a floating dtype")
         devices.add(t.device)

@@ -14,7 +14,9 @@ import torch
 
 from .engine import MAX_SEED
 from .hardware import HBM_READ_BPS  # noqa: F401  (re-exported: the benches' floor)
+from .quant.fp8 import FP8Tensor, scale_shape
 from .quant.mxfp4 import MXFP4Tensor
+from .weights import ParamSpec, random_tensor
 
 
 def graph_replay_ms(fn, calls: int = 1) -> float:
@@ -96,10 +98,17 @@ SHAPES = {
 
 def expert_weights(shape: dict, wfmt: str, gen: torch.Generator):
     """Random routed experts of a SHAPES entry on the GPU: (gate_up, down, bytes per expert). MXFP4: random
-    bytes, e8m0 scales 118..123; bf16: normal with std 1/sqrt(fan-in)."""
+    bytes, e8m0 scales 118..123; bf16: normal with std 1/sqrt(fan-in); FP8: the random codes and block scales of
+    weights.random_tensor (blocks of 128 x 128, dequantized std ~ 1/sqrt(fan-in))."""
     D, I, E = shape["D"], shape["I"], shape["E"]
 
     def one(out_dim, in_dim):
+        if wfmt == "fp8":
+            block = (128, 128)
+            v, s = (random_tensor(ParamSpec("w", shp, init, block=block), gen, "cuda", torch.bfloat16)
+                    for shp, init in (((E, out_dim, in_dim), "fp8"),
+                                      (scale_shape((E, out_dim, in_dim), block), "fp8_scale")))
+            return FP8Tensor(v, s, block)
         if wfmt == "mxfp4":
             return MXFP4Tensor(
                 torch.randint(0, 256, (E, out_dim, in_dim // 2), device="cuda", dtype=torch.uint8, generator=gen),
@@ -108,6 +117,6 @@ def expert_weights(shape: dict, wfmt: str, gen: torch.Generator):
         return w.normal_(0.0, in_dim ** -0.5, generator=gen)
 
     gu, dn = one(2 * I, D), one(D, I)
-    per_expert = sum(t.numel() * t.element_size() // E for w in (gu, dn)
-                     for t in ((w.packed, w.scales) if wfmt == "mxfp4" else (w,)))
+    parts = {"mxfp4": lambda w: (w.packed, w.scales), "fp8": lambda w: (w.data, w.scales)}.get(wfmt, lambda w: (w,))
+    per_expert = sum(t.numel() * t.element_size() // E for w in (gu, dn) for t in parts(w))
     return gu, dn, per_expert

@@ -115,9 +115,13 @@ def build_plan(cfg: ModelConfig) -> DecodePlan:
         elif cfg.moe_layers[i]:
             gate = (f"{p}.mlp.gate.weight",) + ((f"{p}.mlp.gate.e_score_correction_bias",)
                                                 if cfg.score_func == "sigmoid" else ())
+            e = f"{p}.mlp.experts"
+            # FP8 experts (cfg.expert_quant "fp8"): each stack's values, then its block scales
+            experts = (f"{e}.gate_up_proj", f"{e}.down_proj")
+            if cfg.expert_quant == "fp8":
+                experts = (experts[0], f"{e}.gate_up_proj_scale_inv", experts[1], f"{e}.down_proj_scale_inv")
             ops += [Op(ROUTER, i, ("normed",), ("topk_ids", "topk_weights"), gate),
-                    Op(EXPERTS, i, ("normed", "topk_ids", "topk_weights"), ("moe_out",),
-                       (f"{p}.mlp.experts.gate_up_proj", f"{p}.mlp.experts.down_proj"))]
+                    Op(EXPERTS, i, ("normed", "topk_ids", "topk_weights"), ("moe_out",), experts)]
             if cfg.n_shared_experts:
                 ops += [Op(MLP, i, ("normed",), ("shared_out",), under(f"{p}.mlp.shared_experts")),
                         Op(ADD, i, ("moe_out", "shared_out"), ("moe_out",))]

@@ -2,6 +2,9 @@
 
 `tiny-*` presets are CPU-sized (tests, CI, the README's first command); their vocabulary is the
 byte-level tokenizer's (256 bytes + BOS/EOS/PAD). `qwen3-30b-a3b` is the real Qwen3-30B-A3B shape.
+`*-fp8` presets hold their routed experts in FP8 as an FP8 checkpoint loads (quant/fp8.py): the
+quantization_config of Qwen3-30B-A3B-FP8 / DeepSeek-V3 (blocks of 128 x 128; the tiny ones 32 x 32, so that
+their 32-wide experts hold whole blocks and their 40-row MLA projection a partial one).
 """
 
 from __future__ import annotations
@@ -98,6 +101,17 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 151643, "eos_token_id": 151645,
     },
 }
+
+
+
+
+def _fp8(name: str, block: int) -> dict:
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    return {**PRESETS[name], "quantization_config": q}
+
+
+PRESETS.update({"tiny-qwen3-moe-fp8": _fp8("tiny-qwen3-moe", 32), "tiny-deepseek-v3-fp8": _fp8("tiny-deepseek-v3", 32),
+                "qwen3-30b-a3b-fp8": _fp8("qwen3-30b-a3b", 128)})
 
 
 def preset_hf_config(name: str) -> dict:

@@ -1,12 +1,15 @@
-"""The weight table: every static tensor a model needs, its shape, and where it comes from in an HF
-checkpoint. Internal names are the HF names, except routed experts, which are kept stacked per layer
-(`mlp.experts.gate_up_proj` [E, 2*I, D] with gate rows first, `mlp.experts.down_proj` [E, D, I]) the
-way transformers 5 holds them; HF checkpoints store them per expert (`mlp.experts.{j}.gate_proj.weight`;
-kimi_linear: `mlp.experts.{j}.w1.weight` gate, `w3` up, `w2` down). KDA layers: see `_kda`.
+"""The weight table: every static tensor a model needs and its shape. Names are transformers 5's own (the
+module paths of its model classes), so routed experts are stacked per layer (`mlp.experts.gate_up_proj`
+[E, 2*I, D] with gate rows first, `mlp.experts.down_proj` [E, D, I]) and kimi_linear's KDA layers hold one
+`conv1d` and a `forget_gate` module (`_kda`). How checkpoints spell them (per expert on the hub, Kimi's
+`block_sparse_moe`, ...) is megadecode/layouts.py's business.
 kimi_k3 (`_k3_layer_extras`, megadecode/k3.md): MXFP4 routed experts stay packed in memory as two uint8 stacks per
 projection, `mlp.experts.gate_up_proj.weight_packed` [E, 2*I, R/2] + `.weight_scale` [E, 2*I, R/32] (and
-`down_proj` [E, R, I/2] + [E, R, I/32]), from per-expert compressed-tensors tensors
-`mlp.experts.{j}.{gate_proj,up_proj,down_proj}.weight_packed` / `.weight_scale`.
+`down_proj` [E, R, I/2] + [E, R, I/32]).
+FP8 checkpoints (cfg.expert_quant "fp8", megadecode/quant/fp8.py): routed experts stay FP8 in memory,
+`mlp.experts.gate_up_proj` float8_e4m3fn [E, 2*I, D] + `mlp.experts.gate_up_proj_scale_inv` fp32
+[E, 2*I/bn, ceil(D/bk)] (transformers' FP8Experts names), likewise `down_proj`; every other weight is
+dequantized at load and held in the model dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .quant.fp8 import FP8, FP8_MAX, scale_shape
 
 
 @dataclass(frozen=True)
@@ -30,25 +34,13 @@ class ParamSpec:
     # random e2m1 code; dequantized std 0.8-1.2 / sqrt(fan_in) for tiny-k3 and K3's dims)
     init: str
     fp32: bool = False  # kept in fp32 whatever the model dtype (the router selection bias)
-    # How the tensor is assembled from HF per-expert tensors: None (stored as is) or "experts_gate_up" /
-    # "experts_down" (stack over experts).
+    # Routed experts stacked over experts: "experts_gate_up" / "experts_down" (None: any other tensor).
     stacked: str | None = None
-    # Per-expert checkpoint names of (gate, up, down): DeepSeek/Qwen style, or Kimi's ("w1", "w3", "w2"),
-    # the only per-expert spelling transformers converts for kimi_linear.
-    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    # "mxfp4": one half of an MXFP4 weight (name ends in .weight_packed or .weight_scale), uint8 whatever the
-    # model dtype, never cast.
+    # Kept quantized whatever the model dtype, never cast: "mxfp4" (one half of an MXFP4 weight, uint8: name ends
+    # in .weight_packed or .weight_scale), "fp8" (float8_e4m3fn values), "fp8_scale" (their fp32
+    # weight_scale_inv, one per `block` of weights).
     quant: str | None = None
-
-    def hf_names(self, num_experts: int) -> list[str]:
-        """Names of the checkpoint tensors that make up this parameter, in stacking order."""
-        if self.stacked is None:
-            return [self.name]
-        base, suffix = self.name.rsplit(".", 1) if self.quant else (self.name, "weight")
-        prefix = base.rsplit(".", 1)[0]  # ...mlp.experts
-        if self.stacked == "experts_gate_up":
-            return [f"{prefix}.{j}.{p}.{suffix}" for j in range(num_experts) for p in self.expert_names[:2]]
-        return [f"{prefix}.{j}.{self.expert_names[2]}.{suffix}" for j in range(num_experts)]
+    block: tuple[int, int] | None = None  # "fp8_scale": the (rows, cols) of weights each scale covers
 
 
 def _mlp(prefix: str, d: int, inter: int) -> list[ParamSpec]:
@@ -122,12 +114,9 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         if cfg.latent_size:
             specs += _latent_moe(m, cfg)
             continue
-        names = ("w1", "w3", "w2") if cfg.family == "kimi_linear" else ("gate_proj", "up_proj", "down_proj")
-        specs += [ParamSpec(f"{m}.gate.weight", (E, D), "linear"),
-                  ParamSpec(f"{m}.experts.gate_up_proj", (E, 2 * I, D), "linear", stacked="experts_gate_up",
-                            expert_names=names),
-                  ParamSpec(f"{m}.experts.down_proj", (E, D, I), "linear", stacked="experts_down",
-                            expert_names=names)]
+        specs.append(ParamSpec(f"{m}.gate.weight", (E, D), "linear"))
+        fp8_block = cfg.weight_block if cfg.expert_quant == "fp8" else None
+        specs += _experts(f"{m}.experts", (E, 2 * I, D), (E, D, I), fp8_block)
         if cfg.score_func == "sigmoid":
             specs.append(ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True))
         if cfg.n_shared_experts:
@@ -135,6 +124,19 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     if cfg.attn_res_block_size:
         specs += _attn_res("model.attn_res", D)
     return {s.name: s for s in specs}
+
+
+def _experts(prefix: str, gate_up: tuple, down: tuple, fp8_block: tuple[int, int] | None) -> list[ParamSpec]:
+    """Stacked routed experts: float, or FP8 values + their block scales (module doc)."""
+    out = []
+    for name, shape, stacked in (("gate_up_proj", gate_up, "experts_gate_up"), ("down_proj", down, "experts_down")):
+        if fp8_block is None:
+            out.append(ParamSpec(f"{prefix}.{name}", shape, "linear", stacked=stacked))
+        else:
+            out += [ParamSpec(f"{prefix}.{name}", shape, "fp8", stacked=stacked, quant="fp8"),
+                    ParamSpec(f"{prefix}.{name}_scale_inv", scale_shape(shape, fp8_block), "fp8_scale", fp32=True,
+                              stacked=stacked, quant="fp8_scale", block=fp8_block)]
+    return out
 
 
 def _attn_res(prefix: str, d: int) -> list[ParamSpec]:
@@ -174,6 +176,8 @@ def random_tensor(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dt
     """Random weights with O(1) activations, so that logits and routing decisions have clear margins."""
     if spec.quant == "mxfp4":
         return _random_mxfp4(spec, gen, device)
+    if spec.init in ("fp8", "fp8_scale"):
+        return _random_fp8(spec, gen, device)
     dt = torch.float32 if spec.fp32 else dtype
     t = torch.empty(spec.shape, device=device, dtype=dt)
     if spec.init == "linear":
@@ -205,6 +209,19 @@ def _random_mxfp4(spec: ParamSpec, gen: torch.Generator, device) -> torch.Tensor
     return torch.randint(b - 1, b + 1, spec.shape, generator=gen, device=device, dtype=torch.uint8)
 
 
+FP8_CODE_STD = 112.0  # random FP8 codes: N(0, 112^2), clipped at 4 sigma (448, e4m3's largest finite value)
+
+
+def _random_fp8(spec: ParamSpec, gen: torch.Generator, device) -> torch.Tensor:
+    t = torch.empty(spec.shape, device=device, dtype=torch.float32)
+    if spec.init == "fp8":
+        return t.normal_(0.0, FP8_CODE_STD, generator=gen).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    if spec.init != "fp8_scale":
+        raise ValueError(spec.init)
+    fan_in = spec.shape[-1] * spec.block[1]
+    return t.normal_(0.0, 0.1, generator=gen).exp_().mul_(1.0 / (FP8_CODE_STD * math.sqrt(fan_in)))
+
+
 def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -214,11 +231,12 @@ def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: in
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> dict[str, int]:
     """Bytes of weights by role: `trunk` (everything read every step except experts and lm_head),
     `expert` (one routed expert of one layer; MXFP4 experts count their packed bytes + scales, 4.25 bits per
-    weight), `lm_head`, and `total` (every weight held in memory, the embedding table included)."""
+    weight; FP8 experts 1 byte per weight + their fp32 block scales), `lm_head`, and `total` (every weight held in
+    memory, the embedding table included)."""
     trunk = lm = total = 0
     expert_by_layer: dict[str, int] = {}
     for s in param_specs(cfg).values():
-        n = math.prod(s.shape) * (1 if s.quant else 4 if s.fp32 else dtype_bytes)
+        n = math.prod(s.shape) * (1 if s.quant in ("mxfp4", "fp8") else 4 if s.fp32 else dtype_bytes)
         total += n
         if s.stacked:
             layer = s.name.split(".mlp.")[0]

@@ -263,7 +263,15 @@ BAD = [
     (QWEN, {"rope_scaling": "yarn"}, "'rope_scaling' must be a JSON object"),
     (QWEN, {"rope_theta": "1e4"}, "'rope_theta' must be a number"),
     (QWEN, {"rope_theta": 0.0}, "rope_theta must be > 0"),
-    (DS, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "'fp8'"),
+    (DS, {"quantization_config": {"quant_method": "fp8"}}, "'fp8' without weight_block_size"),
+    (DS, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "moe_intermediate_size (32) must be a multiple of quantization_config weight_block_size[0] (128)"),
+    (QWEN, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32]}}, "weight_block_size must be"),
+    (QWEN, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 0]}}, "weight_block_size must"),
+    (QWEN, {"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [32, 32]}},
+     "fmt 'e5m2'"),
+    (QWEN, {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static",
+                                    "weight_block_size": [32, 32]}}, "activation_scheme 'static'"),
     (QWEN, {"quantization_config": {"quant_method": "awq"}}, "'awq'"),
     (QWEN, {"quantization_config": "gptq"}, "quantization_config 'gptq'"),
     (QWEN, {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -278,10 +286,10 @@ BAD = [
     (QWEN, {"mlp_only_layers": 1}, "'mlp_only_layers' must be a list"),
     (QWEN, {"intermediate_size": ...}, "intermediate_size"),  # layer 1 is dense and needs it
     (DS, {"first_k_dense_replace": -1}, "first_k_dense_replace"),
-    (QWEN, {"eos_token_id": 259}, "eos_token_id 259"),
-    (QWEN, {"eos_token_id": [257, -1]}, "eos_token_id -1"),
     (QWEN, {"eos_token_id": "</s>"}, "'eos_token_id' must hold integers"),
-    (QWEN, {"bos_token_id": 300}, "bos_token_id 300"),
+    (QWEN, {"num_experts": ..., "num_local_experts": ...}, "'num_experts' (or 'num_local_experts')"),
+    (QWEN, {"norm_topk_prob": "yes"}, "rejected by transformers' Qwen3MoeConfig"),
+    (DS, {"rope_interleave": 3}, "rejected by transformers' DeepseekV3Config"),
 ]
 
 

@@ -18,7 +18,7 @@ LAYERS = [
     ("foundation", ("megadecode.config", "megadecode.quant", "megadecode.tokenizer", "megadecode.step",
                     "megadecode.hardware")),
     ("model", ("megadecode.weights", "megadecode.presets", "megadecode.plan", "megadecode.cache",
-               "megadecode.checkpoint", "megadecode.reference", "megadecode.sampling", "megadecode.memory")),
+               "megadecode.checkpoint", "megadecode.layouts", "megadecode.reference", "megadecode.sampling", "megadecode.memory")),
     ("contract", ("megadecode.contract",)),
     ("kernels", ("megadecode.kernels", "megadecode.mega")),
     ("executors", ("megadecode.executors",)),

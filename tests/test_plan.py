@@ -114,7 +114,11 @@ def test_moe_and_dense_layers_follow_the_config(cfg):
             assert kinds[P.ROUTER] == 1 and kinds[P.EXPERTS] == 1, f"layer {i}"
             experts = next(op for op in ops if op.kind == P.EXPERTS)
             assert set(experts.inputs) == {"normed", "topk_ids", "topk_weights"}
-            assert experts.weights == (f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj")
+            if cfg.expert_quant == "fp8":  # each FP8 stack's values, then its block scales
+                assert experts.weights == (f"{p}.experts.gate_up_proj", f"{p}.experts.gate_up_proj_scale_inv",
+                                           f"{p}.experts.down_proj", f"{p}.experts.down_proj_scale_inv")
+            else:
+                assert experts.weights == (f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj")
         if is_moe:
             router = next(op for op in ops if op.kind == P.ROUTER)
             assert router.outputs == ("topk_ids", "topk_weights")

@@ -1,12 +1,17 @@
 """Model configuration: read an HF config.json into a validated ModelConfig.
 
-    model.py      ModelConfig (and RopeConfig, ConfigError): the one dataclass the rest of megadecode reads
+    model.py      ModelConfig (and RopeConfig, ConfigError, ConfigWarning): the one dataclass the rest of
+                  megadecode reads
     fields.py     typed readers of HF fields, shared by the parsers
+    hf_class.py   config.json through transformers' own config class of the family (aliases, defaults)
     families/     one parser per family (qwen3_moe, deepseek_v3, kimi_linear, kimi_k3), registered below
 
-A field left out of config.json takes the default of transformers' config class for the family
-(Qwen3MoeConfig, DeepseekV3Config, KimiLinearConfig; kimi_k3: the public K3 values), so the model built is the
-one transformers would build; the fields that define the model's size have no default and are required.
+The families transformers knows are read through its config class (Qwen3MoeConfig, DeepseekV3Config,
+KimiLinearConfig): every spelling of a field it accepts is read (`num_local_experts` for `num_experts`,
+`rope_parameters` for `rope_theta` + `rope_scaling`, ...) and a field left out takes its default, so the model
+built is the one transformers would build; the fields that define the model's size have no default and are
+required. kimi_k3 has no transformers class: its parser fills in the public K3 values. Special-token ids outside
+the vocabulary are a ConfigWarning (and are ignored), not an error.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .families import deepseek_v3, kimi_k3, kimi_linear, qwen3_moe
-from .model import FAMILIES, ConfigError, ModelConfig, RopeConfig, yarn_mscale
+from .model import (
+    FAMILIES,
+    ConfigError,
+    ConfigWarning,
+    ModelConfig,
+    RopeConfig,
+    yarn_mscale,
+)
 
 # HF `model_type` -> the parser of its family.
 PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
@@ -25,8 +37,8 @@ PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
 MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
                "kimi_linear": "kimi_linear", "kimi_k3": "kimi_k3"}  # HF `model_type` -> our family
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "PARSERS", "ConfigError", "ModelConfig", "RopeConfig", "config_from_hf",
-           "load_config", "yarn_mscale"]
+__all__ = ["FAMILIES", "MODEL_TYPES", "PARSERS", "ConfigError", "ConfigWarning", "ModelConfig", "RopeConfig",
+           "config_from_hf", "load_config", "yarn_mscale"]
 
 
 def config_from_hf(d: dict) -> ModelConfig:

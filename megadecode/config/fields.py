@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
-from .model import ConfigError, RopeConfig
+from .model import ConfigError, ConfigWarning, RopeConfig
 
 
 def hf_field(d: dict, key: str, default: Any = ..., *, type_=None) -> Any:
@@ -98,8 +99,6 @@ def hf_layer_list(d: dict, key: str, num_layers: int) -> set[int]:
     return set(v)
 
 
-
-
 def hf_alias(d: dict, names: tuple[str, ...], default: Any = ..., *, type_=None) -> Any:
     """The first of several spellings of one field present in `d` (KimiLinearConfig's attribute_map)."""
     for n in names:
@@ -108,15 +107,50 @@ def hf_alias(d: dict, names: tuple[str, ...], default: Any = ..., *, type_=None)
     return hf_field(d, names[0], default, type_=type_)
 
 
-
-
-def reject_quantized(d: dict, model_type: str) -> None:
-    """Float families load float weights only."""
-    if d.get("quantization_config"):
-        q = d["quantization_config"]
-        method = q.get("quant_method", q) if isinstance(q, dict) else q
+def hf_quantization(d: dict, model_type: str) -> tuple[str | None, tuple[int, int] | None]:
+    """`quantization_config` -> (expert_quant, weight_block): (None, None) for float checkpoints, ("fp8",
+    (rows, cols)) for FP8 block-scaled ones as DeepSeek-V3, Kimi K2 and Qwen3-*-FP8 ship them
+    (`{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`:
+    float8_e4m3fn weights, one `weight_scale_inv` per block of rows x cols). Anything else is refused."""
+    q = d.get("quantization_config")
+    if not q:
+        return None, None
+    method = q.get("quant_method", q) if isinstance(q, dict) else q
+    if method != "fp8":
         raise ConfigError(f"quantized checkpoints (quantization_config {method!r}) are not supported for "
-                          f"{model_type}; convert the weights to bf16 first")
+                          f"{model_type}: only FP8 block-scaled ones (quant_method 'fp8' with weight_block_size); "
+                          f"convert the weights to bf16 first")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config fmt {fmt!r} is not supported (only 'e4m3': float8_e4m3fn weights)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"quantization_config activation_scheme {scheme!r} is not supported (only 'dynamic': "
+                          f"megadecode keeps activations unquantized and reads no activation scales)")
+    block = q.get("weight_block_size")
+    if block is None:
+        raise ConfigError("quantization_config 'fp8' without weight_block_size (per-tensor FP8) is not supported: "
+                          "only block-scaled FP8 (e.g. weight_block_size [128, 128])")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config weight_block_size must be two positive integers [rows, cols], "
+                          f"got {block!r}")
+    return "fp8", (block[0], block[1])
+
+
+def hf_special_tokens(d: dict, vocab_size: int) -> tuple[int | None, tuple[int, ...]]:
+    """(bos_token_id, eos_token_id) of config.json. An id outside [0, vocab_size) is a warning and is dropped
+    (a stop token the model can never produce stops nothing; nothing reads bos): a small model made with a
+    family's default special tokens (Kimi-Linear's eos 163586 with a vocabulary of 259) runs as it is."""
+    bos = hf_field(d, "bos_token_id", None, type_=int)
+    eos = hf_eos(d)
+    for key, ids in (("bos_token_id", () if bos is None else (bos,)), ("eos_token_id", eos)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            warnings.warn(f"config.json {key} {', '.join(map(str, bad))} outside the vocabulary [0, {vocab_size}): "
+                          f"ignored{' for stopping' if key == 'eos_token_id' else ''}", ConfigWarning, stacklevel=2)
+    keep = tuple(t for t in eos if 0 <= t < vocab_size)
+    return (bos if bos is not None and 0 <= bos < vocab_size else None), keep
 
 
 def require_silu(d: dict) -> None:
@@ -125,13 +159,15 @@ def require_silu(d: dict) -> None:
         raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
 
 
-def common_fields(d: dict, L: int) -> dict:
-    """The fields every GQA/MLA family reads the same way."""
+def common_fields(d: dict, L: int, raw: dict | None = None) -> dict:
+    """The fields every GQA/MLA family reads the same way (`d` resolved, `raw` the config.json as written)."""
+    vocab = hf_field(d, "vocab_size", type_=int)
+    bos, eos = hf_special_tokens(d, vocab) if isinstance(vocab, int) and vocab > 0 else (None, ())
     return dict(
-        vocab_size=hf_field(d, "vocab_size", type_=int), hidden_size=hf_field(d, "hidden_size", type_=int),
+        vocab_size=vocab, hidden_size=hf_field(d, "hidden_size", type_=int),
         num_layers=L, num_heads=hf_field(d, "num_attention_heads", type_=int),
         rms_norm_eps=float(hf_field(d, "rms_norm_eps", 1e-6, type_=float)),
         max_position_embeddings=hf_field(d, "max_position_embeddings", type_=int),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=hf_field(d, "bos_token_id", None, type_=int), eos_token_id=hf_eos(d), hf=dict(d),
+        bos_token_id=bos, eos_token_id=eos, hf=dict(d if raw is None else raw),
     )

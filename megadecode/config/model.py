@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A config.json that megadecode cannot run, with the reason."""
 
 
+class ConfigWarning(UserWarning):
+    """Something in a config.json that megadecode runs anyway, ignoring it (the CLI prints `megadecode: warning:`)."""
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
@@ -88,7 +92,10 @@ class ModelConfig:
     # kimi_k3 (see megadecode/k3.md): Stable LatentMoE, gated MLA, Block Attention Residuals.
     latent_size: int = 0  # > 0: MoE layers are LatentMoE (routed experts run in this width)
     expert_act: str = "silu"  # routed experts' GLU activation: "silu" | "situ" (SiTU-GLU)
-    expert_quant: str | None = None  # None (dense float experts) | "mxfp4" (packed uint8 in memory)
+    expert_quant: str | None = None  # None (float experts) | "mxfp4" (K3: packed uint8) | "fp8" (float8_e4m3fn)
+    # FP8 block-scaled checkpoints (quantization_config weight_block_size): one weight_scale_inv per block of
+    # (rows, cols) weights. Routed experts stay FP8 in memory; every other weight is dequantized at load.
+    weight_block: tuple[int, int] | None = None
     mla_output_gate: bool = False  # o = o_proj(attn * sigmoid(x W_gate^T))
     attn_res_block_size: int = 0  # > 0: Block Attention Residuals with blocks of this many layers
     tie_word_embeddings: bool = False
@@ -144,6 +151,17 @@ class ModelConfig:
             need(self.conv_kernel >= 2, f"short_conv_kernel_size must be >= 2, got {self.conv_kernel}")
         if self.family == "kimi_k3":
             _check_k3(self)
+        else:
+            need(self.expert_quant in (None, "fp8"), f"routed experts of {self.family} are float or FP8, got "
+                                                     f"expert_quant {self.expert_quant!r}")
+        if self.expert_quant == "fp8":
+            blk = self.weight_block
+            need(isinstance(blk, tuple) and len(blk) == 2 and all(isinstance(b, int) and b > 0 for b in blk),
+                 f"FP8 weights need a weight_block_size of two positive integers, got {blk!r}")
+            need(self.moe_intermediate_size % blk[0] == 0,
+                 f"FP8 experts keep the scale grids of gate and up stacked, so moe_intermediate_size "
+                 f"({self.moe_intermediate_size}) must be a multiple of quantization_config weight_block_size[0] "
+                 f"({blk[0]})")
         if self.family == "kimi_linear":
             need(self.n_shared_experts >= 1 or not any(self.moe_layers),
                  "kimi_linear MoE layers always run a shared expert: num_shared_experts must be >= 1")

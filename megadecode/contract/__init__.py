@@ -35,9 +35,10 @@ from .variant import (
            Scope,
            Variant,
            dtype_name,
+           float_experts,
            triton_interpreted,
 )
 
 __all__ = ["DTYPE_NAMES", "Compiled", "KernelSpec", "Manifest", "ManifestViolation", "Scope", "Variant",
-           "check_kernels", "dtype_name", "kernel_spec", "lookup", "nonfinite", "output_specs", "poison_mask",
-           "poisoned", "register", "register_spec_kind", "registered", "triton_interpreted", "unwritten"]
+           "check_kernels", "dtype_name", "float_experts", "kernel_spec", "lookup", "nonfinite", "output_specs",
+           "poison_mask", "poisoned", "register", "register_spec_kind", "registered", "triton_interpreted", "unwritten"]

@@ -143,13 +143,28 @@ class KernelSpec:
         except TypeError:
             src = None
         return {"kind": "triton", "module": py.__module__, "qualname": py.__qualname__, "file": src,
-                "signature": self.signature, "roles": self.roles, "constexprs": self.constexprs,
-                "path": list(self.path)}
+                "signature": self.signature, "roles": self.roles,
+                "constexprs": {k: _encode_constexpr(v) for k, v in self.constexprs.items()}, "path": list(self.path)}
 
     @classmethod
     def from_portable(cls, d: dict) -> "KernelSpec":
         return cls(_import_object(d["module"], d["qualname"], d.get("file")), d["signature"], d["roles"],
-                   d["constexprs"], tuple(d["path"]))
+                   {k: _decode_constexpr(v) for k, v in d["constexprs"].items()}, tuple(d["path"]))
+
+
+def _encode_constexpr(v):
+    """A constexpr as JSON: a Triton dtype (a kernel's compute dtype) travels by its name."""
+    if type(v).__name__ == "dtype" and type(v).__module__.startswith("triton"):
+        return {"triton_dtype": v.name}
+    return v
+
+
+def _decode_constexpr(v):
+    if isinstance(v, dict) and set(v) == {"triton_dtype"}:
+        import triton.language as tl
+
+        return tl.dtype(v["triton_dtype"])
+    return v
 
 
 def _import_object(module: str, qualname: str, file: str | None):

@@ -46,6 +46,12 @@ class Scope:
         return " ".join(parts)
 
 
+# A Scope.dims for the variants that read float (16/32-bit) expert stacks; FP8 experts have their own variant.
+def float_experts(cfg: ModelConfig) -> str | None:
+    """float routed experts, not FP8"""
+    return "FP8 experts (triton-fp8-experts runs them)" if cfg.expert_quant == "fp8" else None
+
+
 @dataclass(frozen=True)
 class Manifest:
     name: str

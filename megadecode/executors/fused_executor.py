@@ -12,6 +12,8 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
   experts  triton-grouped-experts    (batch <= 256, tensor cores: per pair at <= 16 tokens, no sort pass;
                                       grouped by expert on the device above)
            triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
+           triton-fp8-experts        (FP8 experts: values decoded in registers, tensor cores, batch <= 256; the
+                                      two above refuse FP8)
   latent_moe triton-latent-moe     (K3: latent down, routed MXFP4 experts, RMSNorm fused into latent up;
                                       batch <= 256; above, the graph op, whose experts are Triton too)
   attn_kda triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
@@ -55,8 +57,8 @@ SAMPLE_IN_STEP_MAX_BATCH = 64
 # attention ops whose reference reads the cache up to the host's kv_len (FusedExecutor.length_free)
 LENGTH_OPS = (ATTN_GQA, ATTN_MLA)
 
-VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts", "triton-latent-moe",
-            "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
+VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts",
+            "triton-fp8-experts", "triton-latent-moe", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
 
 
 def _variants(device: torch.device) -> list:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import plan as P
+from ..quant.fp8 import FP8Tensor
 from ..quant.mxfp4 import MXFP4Tensor
 from ..reference.attention import gqa_attention, mla_attention
 from ..reference.attn_res import attn_res
@@ -82,10 +83,27 @@ def _router(ctx, op):
     ctx.buf["topk_ids"], ctx.buf["topk_weights"] = ids, weights
 
 
+def expert_weights(cfg, weights: dict, op) -> tuple:
+    """(gate_up, down) of an EXPERTS op: float stacks, or FP8Tensors (values + block scales, plan.py)."""
+    w = [weights[n] for n in op.weights]
+    if len(w) == 4:
+        return FP8Tensor(w[0], w[1], cfg.weight_block), FP8Tensor(w[2], w[3], cfg.weight_block)
+    return w[0], w[1]
+
+
 def _experts(ctx, op):
+    """Routed experts. FP8 experts in the graph executor's decode steps: the Triton kernels
+    (kernels/fp8_experts.py, sync-free) when Triton can run; otherwise the reference ops."""
     x, ids, wts = (ctx.buf[n] for n in op.inputs)
+    gate_up, down = expert_weights(ctx.cfg, ctx.w, op)
+    if isinstance(gate_up, FP8Tensor) and ctx.experts_impl == "grouped" and ctx.step.segments is None:
+        mod = _triton_module(x.device, "fp8_experts", ("fp8_up_kernel",))
+        if mod is not None:
+            ctx.buf[op.outputs[0]] = mod.fp8_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(),
+                                                     gate_up, down)
+            return
     fn = experts_reference if ctx.experts_impl == "reference" else experts_grouped
-    ctx.buf[op.outputs[0]] = fn(x, ids, wts, ctx.w[op.weights[0]], ctx.w[op.weights[1]])
+    ctx.buf[op.outputs[0]] = fn(x, ids, wts, gate_up, down)
 
 
 def _mlp(ctx, op):
@@ -107,23 +125,41 @@ def _attn_res(ctx, op):
     ctx.buf["layer_in"] = attn_res(sources, q, norm, ctx.cfg.rms_norm_eps)
 
 
-def _triton_experts_fn(device: torch.device):
-    """megadecode.kernels.grouped_experts.routed_experts (the small-batch fused kernels for <= 16 tokens,
-    the grouped kernels above) when Triton can run it on `device`, else None. On CUDA: always. On the CPU:
-    only under the Triton interpreter, i.e. the kernels were decorated with TRITON_INTERPRET=1 (never
-    imports Triton on the CPU without it: that would break the interpreter for the rest of the process)."""
-    name = "megadecode.kernels.grouped_experts"
+def _triton_module(device: torch.device, module: str, kernels: tuple[str, ...]):
+    """megadecode.kernels.<module> when Triton can run its `kernels` on `device`, else None. On CUDA: when triton
+    imports. On the CPU: only under the Triton interpreter, i.e. the kernels were decorated with
+    TRITON_INTERPRET=1 (never imports Triton on the CPU without it: that would break the interpreter for the rest
+    of the process)."""
+    name = f"megadecode.kernels.{module}"
     if device.type == "cpu" and name not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         return None
     if device.type not in ("cpu", "cuda"):
         return None
-    from ..contract import triton_interpreted
-    from ..kernels import grouped_experts as ge
+    import importlib
 
-    if device.type == "cpu" and not (triton_interpreted(ge.grouped_up_kernel)
-                                     and triton_interpreted(ge.fe.experts_up_kernel)):
+    mod = importlib.import_module(name)  # on CUDA without triton: ModuleNotFoundError (the CLI says how to install)
+    from ..contract import triton_interpreted
+
+    if device.type == "cpu" and not all(triton_interpreted(k) for k in _kernel_objects(mod, kernels)):
         return None
-    return ge.routed_experts
+    return mod
+
+
+def _kernel_objects(mod, names: tuple[str, ...]) -> list:
+    out = []
+    for n in names:
+        obj = mod
+        for part in n.split("."):
+            obj = getattr(obj, part)
+        out.append(obj)
+    return out
+
+
+def _triton_experts_fn(device: torch.device):
+    """megadecode.kernels.grouped_experts.routed_experts (the small-batch fused kernels for <= 16 tokens,
+    the grouped kernels above) when Triton can run it on `device` (`_triton_module`), else None."""
+    mod = _triton_module(device, "grouped_experts", ("grouped_up_kernel", "fe.experts_up_kernel"))
+    return None if mod is None else mod.routed_experts
 
 
 def _latent_routed(ctx, h, ids, wts, gate_up: MXFP4Tensor, down: MXFP4Tensor) -> torch.Tensor:

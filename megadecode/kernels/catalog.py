@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..contract import Variant
 from . import (
+    fp8_experts,
     fused_experts,
     gqa,
     grouped_experts,
@@ -22,7 +23,8 @@ from . import (
 # In order of preference per op kind: the first whose scope admits a configuration runs it.
 SHIPPED: tuple[Variant, ...] = (
     rmsnorm.RMSNORM_VARIANT, rmsnorm.ADD_RMSNORM_VARIANT, router.ROUTER_VARIANT,
-    grouped_experts.GROUPED_EXPERTS_VARIANT, fused_experts.FUSED_EXPERTS_VARIANT, latent_moe.LATENT_MOE_VARIANT,
+    grouped_experts.GROUPED_EXPERTS_VARIANT, fused_experts.FUSED_EXPERTS_VARIANT, fp8_experts.FP8_EXPERTS_VARIANT,
+    latent_moe.LATENT_MOE_VARIANT,
     kda.KDA_VARIANT, mla.MLA_VARIANT, gqa.GQA_VARIANT, lm_head.LM_HEAD_VARIANT)
 
 

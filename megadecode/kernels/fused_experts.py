@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import Manifest, Scope, Variant, kernel_spec, register
+from ..contract import Manifest, Scope, Variant, float_experts, kernel_spec, register
 from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
 from ..quant.mxfp4 import MXFP4Tensor
@@ -339,7 +339,7 @@ FUSED_EXPERTS_VARIANT = register(Variant(Manifest(
                 "down-projections in a fixed order; fp32 math, float or MXFP4 weights",
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
-                devices=("cpu", "cuda"), batch=(1, MAX_TOKENS), arch="sm_90"),
+                devices=("cpu", "cuda"), batch=(1, MAX_TOKENS), arch="sm_90", dims=float_experts),
     sources=("megadecode/kernels/fused_experts.py",), uses_triton=True, graph_capturable=True,
     kernels=lambda: audit_specs(act="silu", D=2048, I=768)),
     _run, kernel=experts_up_kernel))

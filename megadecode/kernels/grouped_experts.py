@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import Manifest, Scope, Variant, kernel_spec, register
+from ..contract import Manifest, Scope, Variant, float_experts, kernel_spec, register
 from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
 from . import fused_experts as fe
@@ -527,7 +527,7 @@ GROUPED_EXPERTS_VARIANT = register(Variant(Manifest(
                 "once for all its pairs; a fixed-order weighted combine; fp32 accumulation",
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
-                devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
+                devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=float_experts),
     sources=("megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True,
     graph_capturable=True, kernels=lambda: all_paths("bf16", False, "silu", D=2048, I=768, A=8)),
     _run, kernel=grouped_up_kernel))

@@ -1,6 +1,8 @@
 """Mixture-of-experts: the routed experts (routing is in `routing.py`).
 
 Legend: T tokens, E experts, A active experts per token (top-k), D hidden, I expert intermediate.
+FP8 experts (quant/fp8.py FP8Tensor): the reference dequantizes each selected expert exactly (the fp32 product of
+value and block scale) and runs it in fp32; the output is cast to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -8,10 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant.fp8 import FP8Tensor
 from .activations import GLUS, silu_glu
 
 
-def _expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _expert_ffn(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    if isinstance(gate_up, FP8Tensor):
+        return _expert_ffn(x.float(), gate_up.dequantize(torch.float32), down.dequantize(torch.float32))
     g, u = F.linear(x, gate_up).chunk(2, dim=-1)
     return F.linear(silu_glu(g, u), down)
 
@@ -36,9 +41,13 @@ def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """The same function without host syncs (CUDA-graph capturable): the T*A (token, expert) pairs are
     sorted by expert and run through `torch._grouped_mm` with device-side group offsets, so each
     selected expert's weights are read once. The combine is a deterministic sum over A (no atomics).
-    act: "silu" (SwiGLU) or "situ" (K3's SiTU-GLU, reference/latent_moe.py)."""
+    act: "silu" (SwiGLU) or "situ" (K3's SiTU-GLU, reference/latent_moe.py). FP8 experts are dequantized whole
+    into the activations' dtype first (a copy of every expert: the graph executor's eager prefill; its decode
+    runs kernels/fp8_experts.py)."""
     if act not in GLUS:
         raise ValueError(f"act must be one of {sorted(GLUS)}, got {act!r}")
+    if isinstance(gate_up, FP8Tensor):
+        gate_up, down = gate_up.dequantize(x.dtype), down.dequantize(x.dtype)
     glu = GLUS[act]
     T, A = ids.shape
     E = gate_up.shape[0]

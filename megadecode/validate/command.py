@@ -57,9 +57,9 @@ def _device() -> str:
 def cmd_validate(args, argv) -> int:
     from ..kernels import require_triton
 
+    if _device() == "cpu":  # before triton is first imported (require_triton imports it): the interpreter needs it
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     require_triton("megadecode validate")  # every variant but the torch ones, and the ordering audit
-    if _device() == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are decorated
     from .catalog import all_variants, get
     from .kernel_audit import audit_rows, audit_variant
     from .matrix import (

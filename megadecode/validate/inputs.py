@@ -69,8 +69,9 @@ class OpCase:
 
     def clone(self, dtype: torch.dtype | None = None) -> "OpCase":
         """A deep copy, floating tensors cast to `dtype`; buffers the model keeps in fp32 whatever its
-        dtype (the router's topk_weights, the selection bias) stay fp32."""
-        fp32_weights = {n for n, s in param_specs(self.cfg).items() if s.fp32}
+        dtype (the router's topk_weights, the selection bias) stay fp32, quantized weights (FP8 values and
+        scales, MXFP4 bytes) as they are."""
+        fp32_weights = {n for n, s in param_specs(self.cfg).items() if s.fp32 or s.quant}
 
         def cast(t, keep_fp32=False):
             if dtype is None or not t.is_floating_point() or keep_fp32:

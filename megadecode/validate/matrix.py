@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..contract import Variant
+from ..plan import EXPERTS
 from ..presets import preset_config
 from . import cases as C
 from .checks import check_op
@@ -24,17 +25,24 @@ BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
 QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep
 QUICK_EXTRA, QUICK_EXTRA_MAX_BATCH = 4, 65  # --quick: 4 extra cases per (preset, op), seeded, batches <= 65
 CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3")
+# Presets that differ from a CPU preset only in their routed experts (FP8): run for the expert variants that take them.
+EXPERT_PRESETS = ("tiny-qwen3-moe-fp8", "tiny-deepseek-v3-fp8")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DTYPES,
                dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None, extra: int | None = 0,
                case_seed: int = 0, extra_max_batch: int | None = None) -> list[dict]:
-    """presets None: the CPU_PRESETS of the families in the variant's scope (named presets run as given, a
-    family out of scope then gives SKIP rows). extra: the extra cases per (preset, op kind): 0 none, None all
-    candidates, k a sample of k drawn with `case_seed` (each run at every dtype, the first seed, uniform routing)."""
+    """presets None: the CPU_PRESETS of the families in the variant's scope, and for a variant of the routed
+    experts the EXPERT_PRESETS its scope's dims admit (named presets run as given, a family out of scope then gives
+    SKIP rows). extra: the extra cases per (preset, op kind): 0 none, None all candidates, k a sample of k drawn with
+    `case_seed` (each run at every dtype, the first seed, uniform routing)."""
     if presets is None:
-        presets = [p for p in CPU_PRESETS if preset_config(p).family in variant.manifest.scope.families]
+        scope = variant.manifest.scope
+        presets = [p for p in CPU_PRESETS if preset_config(p).family in scope.families]
+        if EXPERTS in variant.manifest.replaces:
+            presets += [p for p in EXPERT_PRESETS if preset_config(p).family in scope.families
+                        and scope.dims is not None and scope.dims(preset_config(p)) is None]
     rows = []
 
     def cell(preset, cfg, kind, dtype, batch, seed, dist, case="base", **build):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..contract import Manifest, Scope, Variant, register
+from ..contract import Manifest, Scope, Variant, float_experts, register
 from ..plan import ADD, ATTN_GQA, ATTN_RES, EMBED, EXPERTS, MLP
 from ..reference.attention import gqa_attention
 from ..reference.moe import experts_grouped
@@ -63,14 +63,15 @@ GROUPED_EXPERTS = register(Variant(Manifest(
     name="torch-grouped-experts",
     description="routed experts as two torch._grouped_mm over expert-sorted pairs (reference/moe.py "
                 "experts_grouped), no host sync",
-    replaces=(EXPERTS,), scope=Scope(dtypes=("float32", "bfloat16")),  # _grouped_mm: no fp16 on cpu
+    replaces=(EXPERTS,), scope=Scope(dtypes=("float32", "bfloat16"), dims=float_experts),  # no fp16 _grouped_mm on cpu
     sources=("megadecode/reference/moe.py", "megadecode/validate/torch_variants.py")), _grouped_experts))
 
 LOOP_EXPERTS = register(Variant(Manifest(
     name="torch-loop-experts",
     description="routed experts over expert-sorted pairs with explicit per-expert offsets, one host loop "
                 "over the experts (the offset bookkeeping a grouped GEMM kernel needs)",
-    replaces=(EXPERTS,), sources=("megadecode/validate/torch_variants.py",), graph_capturable=False),
+    replaces=(EXPERTS,), scope=Scope(dims=float_experts), sources=("megadecode/validate/torch_variants.py",),
+    graph_capturable=False),
     _loop_experts))
 
 ATTN_GQA_TORCH = register(Variant(Manifest(
