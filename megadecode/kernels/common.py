@@ -6,6 +6,8 @@
                           (the routed experts, the tensor-core projection)
     e8m0_to_f32           an MXFP4 block scale byte -> its fp32 power of two, exactly
     tanh_f32              tanh without libdevice (SiTU-GLU in the routed experts)
+    run_of                which expert and which of its (token, slot) pairs a program of a routed-experts kernel
+                          takes (per pair, or grouped by expert)
 """
 
 from __future__ import annotations
@@ -69,3 +71,13 @@ def tanh_f32(z):
     small = a * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0))))
     r = tl.where(a < 0.125, small, big)
     return tl.where(z < 0, -r, r)
+
+
+@triton.jit
+def run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
+    """(expert, first, end) of program row `pid`: grouped, expert pid's run [offs[e], offs[e+1]) of the
+    sorted pairs; else pair pid alone (its expert read from ids)."""
+    if GROUPED:
+        return pid, tl.load(offs_ptr + pid), tl.load(offs_ptr + pid + 1)
+    else:
+        return tl.load(ids_ptr + pid).to(tl.int32), pid, pid + 1

@@ -38,8 +38,8 @@ import triton.language as tl
 from ..contract import Manifest, Scope, Variant, kernel_spec, register
 from ..plan import EXPERTS
 from ..quant.fp8 import FP8Tensor
-from .common import mma
-from .grouped_experts import BLOCK_C, MAX_BATCH, _run_of, combine_kernel, group_pairs
+from .common import mma, run_of
+from .grouped_experts import BLOCK_C, MAX_BATCH, combine_kernel, group_pairs
 
 KERNEL = "fp8-experts"
 MAX_TOKENS = 16  # per pair up to this batch (no sort), grouped by expert above: grouped_experts' measured choice
@@ -75,7 +75,7 @@ def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, s
                   SBK: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, WDT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t)."""
-    e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
+    e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
     w_off = e.to(tl.int64) * stride_gu_e
@@ -104,7 +104,7 @@ def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr,
                     SBK: tl.constexpr, GROUPED: tl.constexpr, WDT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
-    e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
+    e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     w_off = e.to(tl.int64) * stride_dn_e
@@ -264,6 +264,7 @@ FP8_EXPERTS_VARIANT = register(Variant(Manifest(
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=_dims),
-    sources=("megadecode/kernels/fp8_experts.py",), uses_triton=True, graph_capturable=True,
+    sources=("megadecode/kernels/fp8_experts.py", "megadecode/kernels/common.py"), uses_triton=True,
+    graph_capturable=True,
     kernels=lambda: audit_specs(grouped=False) + audit_specs(grouped=True)[:2]),
     _run, kernel=fp8_up_kernel))

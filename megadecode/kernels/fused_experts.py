@@ -340,6 +340,7 @@ FUSED_EXPERTS_VARIANT = register(Variant(Manifest(
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, MAX_TOKENS), arch="sm_90", dims=float_experts),
-    sources=("megadecode/kernels/fused_experts.py",), uses_triton=True, graph_capturable=True,
+    sources=("megadecode/kernels/fused_experts.py", "megadecode/kernels/common.py"), uses_triton=True,
+    graph_capturable=True,
     kernels=lambda: audit_specs(act="silu", D=2048, I=768)),
     _run, kernel=experts_up_kernel))

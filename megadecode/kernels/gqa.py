@@ -202,6 +202,7 @@ GQA_VARIANT = register(Variant(Manifest(
     replaces=(ATTN_GQA,),
     scope=Scope(families=("qwen3_moe",), dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"),
                 batch=(1, 256), arch="sm_90"),
-    sources=("megadecode/kernels/gqa.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py"),
+    sources=("megadecode/kernels/gqa.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py",
+             "megadecode/kernels/common.py"),
     uses_triton=True, graph_capturable=True, kernels=audit_specs),
     _run, kernel=gqa_split_kernel))

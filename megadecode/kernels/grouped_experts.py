@@ -55,7 +55,7 @@ from ..plan import EXPERTS
 from ..quant.mxfp4 import BLOCK as MX_BLOCK
 from . import fused_experts as fe
 from . import tuning
-from .common import e8m0_to_f32, mma, tanh_f32
+from .common import e8m0_to_f32, mma, run_of, tanh_f32
 from .fused_experts import ACTS, MAX_TOKENS, WDTYPES, check_problem, shape_key
 
 KERNEL = "grouped-experts"
@@ -197,23 +197,13 @@ def _tc_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_pt
 
 
 @triton.jit
-def _run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
-    """(expert, first, end) of program row `pid`: grouped, expert pid's run [offs[e], offs[e+1]) of the
-    sorted pairs; else pair pid alone (its expert read from ids)."""
-    if GROUPED:
-        return pid, tl.load(offs_ptr + pid), tl.load(offs_ptr + pid + 1)
-    else:
-        return tl.load(ids_ptr + pid).to(tl.int32), pid, pid + 1
-
-
-@triton.jit
 def grouped_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, xs_ptr, stride_x, stride_gu_e,
                       stride_gu_r, stride_gus_e, stride_gus_r, ps_x, ps_h, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
                       ACT: tl.constexpr, MXFP4: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr = False,
                       USE_ASM: tl.constexpr = True):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t)."""
-    e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
+    e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
     w_off = e.to(tl.int64) * stride_gu_e
@@ -262,7 +252,7 @@ def grouped_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_
                         GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         FAST: tl.constexpr = False, USE_ASM: tl.constexpr = True):
     """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
-    e, start, end = _run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
+    e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     w_off = e.to(tl.int64) * stride_dn_e
@@ -528,6 +518,7 @@ GROUPED_EXPERTS_VARIANT = register(Variant(Manifest(
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=float_experts),
-    sources=("megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py"), uses_triton=True,
+    sources=("megadecode/kernels/grouped_experts.py", "megadecode/kernels/fused_experts.py",
+             "megadecode/kernels/common.py"), uses_triton=True,
     graph_capturable=True, kernels=lambda: all_paths("bf16", False, "silu", D=2048, I=768, A=8)),
     _run, kernel=grouped_up_kernel))

@@ -128,6 +128,7 @@ MLA_VARIANT = register(Variant(Manifest(
     replaces=(ATTN_MLA,),
     scope=Scope(families=("deepseek_v3", "kimi_linear", "kimi_k3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
-    sources=("megadecode/kernels/mla.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py"), uses_triton=True,
+    sources=("megadecode/kernels/mla.py", "megadecode/kernels/splitk.py", "megadecode/reference/attention.py",
+             "megadecode/kernels/common.py"), uses_triton=True,
     graph_capturable=True, kernels=audit_specs),
     _run, kernel=mla_split_kernel))
