@@ -47,6 +47,6 @@ def test_co_residency_arithmetic():
     assert ctas_per_sm(64, 256, K.SMEM_BYTES) == 4  # registers and shared memory (57 KiB + 1 KiB) both allow 4
     assert ctas_per_sm(64, 256, 100 * 1024) == 2  # then shared memory decides
     assert ctas_per_sm(None, 256, K.SMEM_BYTES) == 1  # unknown registers: one CTA always fits
-    regs = registers_per_thread(hash(K.compile_for().__ptx__), K.compile_for().__ptx__)
+    regs = registers_per_thread(K.compile_for().__ptx__)
     if assemble(K.compile_for().__ptx__)[0] is not None:
         assert regs is not None and 32 <= regs <= 255

@@ -136,5 +136,5 @@ def default_ctas(device) -> int:
     from ..mega.runtime import ctas_per_sm, registers_per_thread
 
     ptx = K.compile_for().__ptx__
-    per_sm = ctas_per_sm(registers_per_thread(hash(ptx), ptx), K.NT, K.SMEM_BYTES)
+    per_sm = ctas_per_sm(registers_per_thread(ptx), K.NT, K.SMEM_BYTES)
     return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count

@@ -33,9 +33,8 @@ class MegaError(RuntimeError):
     """The megakernel reported a wait that timed out (an instruction whose producers never signalled)."""
 
 
-@functools.lru_cache(maxsize=1)
-def compiled_kernel():
-    """The CuTe DSL launcher, compiled once per process for tensors of any size (layouts marked dynamic)."""
+def kernel_module():
+    """mega/cute_kernel.py, imported on first use (it imports cutlass: the `cute` extra)."""
     from . import cute_kernel as K
 
     return K
@@ -91,8 +90,8 @@ def assemble(ptx: str) -> tuple[bytes | None, str]:
     return cubin, report if cubin is not None else f"ptxas ({ptxas}) exit {r.returncode}: {report[-300:]}"
 
 
-@functools.lru_cache(maxsize=None)
-def registers_per_thread(ptx_key: int, ptx: str) -> int | None:
+@functools.lru_cache(maxsize=4)
+def registers_per_thread(ptx: str) -> int | None:
     """Registers ptxas allocates per thread for the kernel's PTX (None when no ptxas can assemble it)."""
     cubin, report = assemble(ptx)
     m = re.search(r"Used (\d+) registers", report)
@@ -152,12 +151,13 @@ class MegaRuntime:
         return self.i32[off:off + n]
 
     def compile(self):
-        """The compiled launcher: once per process (layouts are dynamic, so it serves every program)."""
+        """The compiled launcher: once per process, for tensors of any size (layouts marked dynamic), so it serves
+        every program."""
         global _COMPILED
         if _COMPILED is None:
             import cutlass.cute as cute
 
-            K = compiled_kernel()
+            K = kernel_module()
             _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
                                      options=f"--gpu-arch={K.ARCH}")
         if self._compiled is None:
@@ -168,16 +168,16 @@ class MegaRuntime:
     def check_residency(self) -> None:
         """All CTAs must be resident at once (a CTA spinning on a counter would otherwise wait for a CTA that
         never starts): refuse a launch larger than the GPU holds."""
-        K = compiled_kernel()
+        K = kernel_module()
         ptx = K.compile_for().__ptx__  # the same kernel, compiled without a GPU, keeps its PTX
-        per_sm = ctas_per_sm(registers_per_thread(hash(ptx), ptx), K.NT, K.SMEM_BYTES)
+        per_sm = ctas_per_sm(registers_per_thread(ptx), K.NT, K.SMEM_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.num_ctas > per_sm * sms:
             raise ValueError(f"the megakernel launches {self.num_ctas} CTAs; this GPU holds {per_sm} per SM x {sms} "
                              f"SMs = {per_sm * sms} at once")
 
     def launch(self) -> None:
-        K = compiled_kernel()
+        K = kernel_module()
         fn = self.compile()
         self.ctr[0:1].add_(1)  # the launch number, on the device (captured with the launch)
         fn(*_cute_args(self), K.current_stream_arg())
