@@ -1,0 +1,257 @@
+"""GQA decode attention (norms, RoPE, the cache write and one split of the cache) and the MLA opcodes."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..isa import F_INTERLEAVED
+from .base import (
+    ARG,
+    CH,
+    NEG_INF,
+    NT,
+    NW,
+    arg,
+    argf,
+    dot8,
+    fa,
+    ia,
+    ld8,
+    ldf,
+    ldi,
+    rope_index,
+    rope_pair,
+    sm8,
+    softmax_chunk,
+    stf,
+    warp_sum,
+)
+
+
+@cute.jit
+def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+                tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A = "ATTN_GQA"
+    kc, vc = taddr[arg(smi, ARG[A]["kc"])], taddr[arg(smi, ARG[A]["vc"])]
+    qkv_off, qkv_stride = arg(smi, ARG[A]["qkv_off"]), arg(smi, ARG[A]["qkv_stride"])
+    qn, kn = taddr[arg(smi, ARG[A]["qn_w"])], taddr[arg(smi, ARG[A]["kn_w"])]
+    b, h, s, S, H, KH, d = (arg(smi, ARG[A][n]) for n in ("b", "h", "s", "S", "H", "KH", "d"))
+    part_off, Lmax = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["Lmax"])
+    scale, eps, att = argf(pb, idx, ARG[A]["scale_bits"]), argf(pb, idx, ARG[A]["eps_bits"]), argf(pb, idx, ARG[A]["att_bits"])
+    inv = taddr[arg(smi, ARG[A]["rope_w"])]
+    pos = ldi(ia(ib, arg(smi, ARG[A]["pos_off"]) + b))
+    slot = ldi(ia(ib, arg(smi, ARG[A]["slot_off"]) + b))
+    G = H // KH
+    half = d // 2
+    Q, SC, ACC = 0, 2048, 3072
+    M, L, AL, TMP = 5120, 5136, 5152, 5168
+    base = qkv_off + b * qkv_stride
+    for g in cutlass.range(warp, G, NW):  # q heads: RMSNorm
+        qrow = base + (h * G + g) * d
+        ss = Float32(0.0)
+        for dd in cutlass.range(lane, d, 32):
+            x = ldf(Float32, fa(fb, qrow + dd))
+            ss += x * x
+        rs = cute.math.rsqrt(warp_sum(ss) / Float32(d) + eps)
+        for dd in cutlass.range(lane, d, 32):
+            sm[Q + g * d + dd] = ldf(Float32, fa(fb, qrow + dd)) * rs * ldf(BFloat16, qn + Int64(dd) * 2)
+    if warp == 0:  # the k row's rstd
+        krow = base + (H + h) * d
+        ss = Float32(0.0)
+        for dd in cutlass.range(lane, d, 32):
+            x = ldf(Float32, fa(fb, krow + dd))
+            ss += x * x
+        ss = warp_sum(ss)
+        if lane == 0:
+            sm[TMP] = cute.math.rsqrt(ss / Float32(d) + eps)
+    cute.arch.sync_threads()
+    for e in cutlass.range(tid, G * half, NT):  # q heads: RoPE (pairs i, i + d/2)
+        g, i = e // half, e % half
+        x0, x1 = rope_pair(sm[Q + g * d + i], sm[Q + g * d + i + half], pos, ldf(Float32, inv + Int64(i) * 4),
+                           att)
+        sm[Q + g * d + i] = x0
+        sm[Q + g * d + i + half] = x1
+    if s == S - 1:  # this split holds the token's own position: write its key and value
+        krow = base + (H + h) * d
+        vrow = base + (H + KH + h) * d
+        crow = ((Int64(slot) * Int64(Lmax) + Int64(pos)) * Int64(KH) + Int64(h)) * Int64(d)
+        rs = sm[TMP]
+        for i in cutlass.range(tid, half, NT):
+            k0 = ldf(Float32, fa(fb, krow + i)) * rs * ldf(BFloat16, kn + Int64(i) * 2)
+            k1 = ldf(Float32, fa(fb, krow + i + half)) * rs * ldf(BFloat16, kn + Int64(i + half) * 2)
+            k0, k1 = rope_pair(k0, k1, pos, ldf(Float32, inv + Int64(i) * 4), att)
+            stf(BFloat16, kc + (crow + Int64(i)) * 2, k0)
+            stf(BFloat16, kc + (crow + Int64(i + half)) * 2, k1)
+        for dd in cutlass.range(tid, d, NT):
+            stf(BFloat16, vc + (crow + Int64(dd)) * 2, ldf(Float32, fa(fb, vrow + dd)))
+    for g in cutlass.range(tid, G, NT):
+        sm[M + g] = Float32(NEG_INF)
+        sm[L + g] = Float32(0.0)
+    for e in cutlass.range(tid, G * d, NT):
+        sm[ACC + e] = Float32(0.0)
+    cute.arch.sync_threads()
+    Lq = pos + 1
+    lo = s * Lq // S
+    hi = (s + 1) * Lq // S
+    for c0 in cutlass.range(lo, hi, CH):
+        n = cutlass.min(CH, hi - c0)
+        for e in cutlass.range(tid, G * CH, NT):
+            g, p = e // CH, e % CH
+            sc = Float32(NEG_INF)
+            if p < n:
+                krow = kc + ((Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(KH) + Int64(h)) * Int64(d) * 2
+                sc = Float32(0.0)
+                for dd in cutlass.range(0, d, 8):
+                    sc += dot8(ld8(BFloat16, krow + Int64(dd) * 2), sm8(sm, Q + g * d + dd))
+                sc = sc * scale
+            sm[SC + e] = sc
+        cute.arch.sync_threads()
+        softmax_chunk(sm, tid, SC, M, L, AL, G)
+        cute.arch.sync_threads()
+        for e in cutlass.range(tid, G * d, NT):
+            g, dd = e // d, e % d
+            a = sm[ACC + e] * sm[AL + g]
+            for p in cutlass.range(n):
+                vrow = ((Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(KH) + Int64(h)) * Int64(d)
+                a += sm[SC + g * CH + p] * ldf(BFloat16, vc + (vrow + Int64(dd)) * 2)
+            sm[ACC + e] = a
+        cute.arch.sync_threads()
+    for e in cutlass.range(tid, G * (d + 2), NT):
+        g, j = e // (d + 2), e % (d + 2)
+        v = sm[M + g]
+        if j == 1:
+            v = sm[L + g]
+        if j >= 2:
+            v = sm[ACC + g * d + j - 2]
+        stf(Float32, fa(fb, part_off + ((b * H + h * G + g) * S + s) * (d + 2) + j), v)
+
+
+@cute.jit
+def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+              tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A_ = "MLA_KV"
+    flags = arg(smi, 3)
+    cache = taddr[arg(smi, ARG[A_]["cache"])]
+    kva_off, kva_stride, norm_w = arg(smi, ARG[A_]["kva_off"]), arg(smi, ARG[A_]["kva_stride"]), taddr[arg(smi, ARG[A_]["norm_w"])]
+    C, R, b, Lmax = arg(smi, ARG[A_]["C"]), arg(smi, ARG[A_]["R"]), arg(smi, ARG[A_]["b"]), arg(smi, ARG[A_]["Lmax"])
+    eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
+    pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
+    slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
+    row = kva_off + b * kva_stride
+    if warp == 0:
+        ss = Float32(0.0)
+        for k in cutlass.range(lane, C, 32):
+            x = ldf(Float32, fa(fb, row + k))
+            ss += x * x
+        ss = warp_sum(ss)
+        if lane == 0:
+            sm[0] = cute.math.rsqrt(ss / Float32(C) + eps)
+    cute.arch.sync_threads()
+    rs = sm[0]
+    crow = (Int64(slot) * Int64(Lmax) + Int64(pos)) * Int64(C + R)
+    for k in cutlass.range(tid, C, NT):
+        stf(BFloat16, cache + (crow + Int64(k)) * 2,
+            ldf(Float32, fa(fb, row + k)) * rs * ldf(BFloat16, norm_w + Int64(k) * 2))
+    half = R // 2
+    for i in cutlass.range(tid, half, NT):
+        ja, jb = rope_index(i, half, (flags & F_INTERLEAVED) != 0)
+        x0, x1 = rope_pair(ldf(Float32, fa(fb, row + C + ja)), ldf(Float32, fa(fb, row + C + jb)), pos,
+                           ldf(Float32, inv + Int64(i) * 4), att)
+        stf(BFloat16, cache + (crow + Int64(C + ja)) * 2, x0)
+        stf(BFloat16, cache + (crow + Int64(C + jb)) * 2, x1)
+
+
+@cute.jit
+def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+             tid: Int32):
+    _warp, _lane = tid // 32, tid % 32
+    A_ = "MLA_Q"
+    flags = arg(smi, 3)
+    wkv = taddr[arg(smi, ARG[A_]["wkv"])]
+    qb_off, qb_stride, qlat_off, qpe_off = arg(smi, ARG[A_]["qb_off"]), arg(smi, ARG[A_]["qb_stride"]), arg(smi, ARG[A_]["qlat_off"]), \
+        arg(smi, ARG[A_]["qpe_off"])
+    b, h, H, P, R, C, V = (arg(smi, ARG[A_][n]) for n in ("b", "h", "H", "P", "R", "C", "V"))
+    att, inv = argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
+    pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
+    q = qb_off + b * qb_stride + h * (P + R)
+    for p in cutlass.range(tid, P, NT):
+        sm[p] = ldf(Float32, fa(fb, q + p))
+    cute.arch.sync_threads()
+    for cc in cutlass.range(tid, C, NT):
+        acc = Float32(0.0)
+        for p in cutlass.range(P):
+            acc += sm[p] * ldf(BFloat16, wkv + (Int64(h * (P + V) + p) * Int64(C) + Int64(cc)) * 2)
+        stf(Float32, fa(fb, qlat_off + (b * H + h) * C + cc), acc)
+    half = R // 2
+    for i in cutlass.range(tid, half, NT):
+        ja, jb = rope_index(i, half, (flags & F_INTERLEAVED) != 0)
+        x0, x1 = rope_pair(ldf(Float32, fa(fb, q + P + ja)), ldf(Float32, fa(fb, q + P + jb)), pos,
+                           ldf(Float32, inv + Int64(i) * 4), att)
+        stf(Float32, fa(fb, qpe_off + (b * H + h) * R + ja), x0)
+        stf(Float32, fa(fb, qpe_off + (b * H + h) * R + jb), x1)
+
+
+@cute.jit
+def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+                tid: Int32):
+    _warp, _lane = tid // 32, tid % 32
+    A_ = "MLA_ATTN"
+    cache = taddr[arg(smi, ARG[A_]["cache"])]
+    qlat_off, qpe_off, part_off = arg(smi, ARG[A_]["qlat_off"]), arg(smi, ARG[A_]["qpe_off"]), arg(smi, ARG[A_]["part_off"])
+    b, h0, HB, s, S, H, C, R, Lmax = (arg(smi, ARG[A_][n]) for n in ("b", "h0", "HB", "s", "S", "H", "C", "R", "Lmax"))
+    scale = argf(pb, idx, ARG[A_]["scale_bits"])
+    pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
+    slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
+    QL, QP, SC, ACC = 0, 4096, 4608, 5120
+    M, L, AL = 9216, 9232, 9248
+    for e in cutlass.range(tid, HB * C, NT):
+        hh, cc = e // C, e % C
+        sm[QL + e] = ldf(Float32, fa(fb, qlat_off + (b * H + h0 + hh) * C + cc))
+        sm[ACC + e] = Float32(0.0)
+    for e in cutlass.range(tid, HB * R, NT):
+        hh, r = e // R, e % R
+        sm[QP + e] = ldf(Float32, fa(fb, qpe_off + (b * H + h0 + hh) * R + r))
+    for g in cutlass.range(tid, HB, NT):
+        sm[M + g] = Float32(NEG_INF)
+        sm[L + g] = Float32(0.0)
+    cute.arch.sync_threads()
+    Lq = pos + 1
+    lo = s * Lq // S
+    hi = (s + 1) * Lq // S
+    for c0 in cutlass.range(lo, hi, CH):
+        n = cutlass.min(CH, hi - c0)
+        for e in cutlass.range(tid, HB * CH, NT):
+            hh, p = e // CH, e % CH
+            sc = Float32(NEG_INF)
+            if p < n:
+                row = cache + (Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(C + R) * 2
+                sc = Float32(0.0)
+                for k in cutlass.range(0, C, 8):
+                    sc += dot8(ld8(BFloat16, row + Int64(k) * 2), sm8(sm, QL + hh * C + k))
+                for k in cutlass.range(0, R, 8):
+                    sc += dot8(ld8(BFloat16, row + Int64(C + k) * 2), sm8(sm, QP + hh * R + k))
+                sc = sc * scale
+            sm[SC + e] = sc
+        cute.arch.sync_threads()
+        softmax_chunk(sm, tid, SC, M, L, AL, HB)
+        cute.arch.sync_threads()
+        for e in cutlass.range(tid, HB * C, NT):
+            hh, cc = e // C, e % C
+            a = sm[ACC + e] * sm[AL + hh]
+            for p in cutlass.range(n):
+                row = (Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(C + R)
+                a += sm[SC + hh * CH + p] * ldf(BFloat16, cache + (row + Int64(cc)) * 2)
+            sm[ACC + e] = a
+        cute.arch.sync_threads()
+    for e in cutlass.range(tid, HB * (C + 2), NT):
+        hh, j = e // (C + 2), e % (C + 2)
+        v = sm[M + hh]
+        if j == 1:
+            v = sm[L + hh]
+        if j >= 2:
+            v = sm[ACC + hh * C + j - 2]
+        stf(Float32, fa(fb, part_off + ((b * H + h0 + hh) * S + s) * (C + 2) + j), v)

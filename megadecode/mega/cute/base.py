@@ -1,0 +1,190 @@
+"""Constants and device helpers shared by the megakernel's opcode bodies. Global memory is reached by address
+(the arenas' bases and the tensor table's entries are Int64), so one body serves every buffer of its kind."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Constexpr, Float32, Int32, Int64, Uint32
+
+from ..isa import HEADER, OPS, ROW
+
+NT = 256  # threads per CTA
+NW = NT // 32
+TB = 4  # tokens (or expert pairs) per pass of a dot-product loop
+CH = 64  # cache positions scored per attention chunk
+SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
+SMEM_I = 2048  # int32 words (8 KiB)
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
+ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
+NEG_INF = float("-inf")
+
+ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
+
+
+def _g(addr, dtype, align):
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def ldf(dtype: Constexpr, addr: Int64) -> Float32:
+    return Float32(cute.make_tensor(_g(addr, dtype, dtype.width // 8), cute.make_layout(1))[0])
+
+
+@cute.jit
+def ldi(addr: Int64) -> Int32:
+    return cute.make_tensor(_g(addr, Int32, 4), cute.make_layout(1))[0]
+
+
+@cute.jit
+def ldi64(addr: Int64) -> Int64:
+    return cute.make_tensor(_g(addr, Int64, 8), cute.make_layout(1))[0]
+
+
+@cute.jit
+def stf(dtype: Constexpr, addr: Int64, v: Float32):
+    t = cute.make_tensor(_g(addr, dtype, dtype.width // 8), cute.make_layout(1))
+    t[0] = dtype(v)
+
+
+@cute.jit
+def sti(addr: Int64, v: Int32):
+    t = cute.make_tensor(_g(addr, Int32, 4), cute.make_layout(1))
+    t[0] = v
+
+
+@cute.jit
+def ld8(dtype: Constexpr, addr: Int64):
+    """8 consecutive elements (16-byte aligned for 16-bit types, 32-byte for fp32) as fp32."""
+    return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load().to(Float32)
+
+
+@cute.jit
+def sm8(sm: cute.Tensor, i: Int32):
+    return cute.make_tensor(sm.iterator + i, cute.make_layout(8)).load()
+
+
+@cute.jit
+def dot8(a, b) -> Float32:
+    return (a * b).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+
+@cute.jit
+def prefetch_l2(base: Int64, nbytes: Int64, first: Int32, stride: Int32):
+    """prefetch.global.L2 of every 128-byte line of [base, base + nbytes), lines first, first + stride, ..."""
+    lines = Int32((nbytes + 127) // 128)
+    for line in cutlass.range(first, lines, stride):
+        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[base + Int64(line) * 128])
+
+
+@cute.jit
+def prefetch_row(prog: cute.Tensor, taddr: cute.Tensor, idx: Int32, first: Int32, stride: Int32):
+    """Prefetch the static bytes instruction idx declares (header words 10..12) into L2."""
+    t = prog[idx, 10]
+    if t >= 0:
+        prefetch_l2(taddr[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
+
+
+@cute.jit
+def warp_sum(v: Float32) -> Float32:
+    for i in cutlass.range_constexpr(5):
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << i)
+    return v
+
+
+@cute.jit
+def warp_max(v: Float32) -> Float32:
+    for i in cutlass.range_constexpr(5):
+        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1 << i))
+    return v
+
+
+@cute.jit
+def warp_argmax(v: Float32, i: Int32):
+    """(max value, lowest index holding it) over the warp."""
+    for k in cutlass.range_constexpr(5):
+        ov = cute.arch.shuffle_sync_bfly(v, offset=1 << k)
+        oi = cute.arch.shuffle_sync_bfly(i, offset=1 << k)
+        if ov > v or (ov == v and oi < i):
+            v = ov
+            i = oi
+    return v, i
+
+
+@cute.jit
+def silu(x: Float32) -> Float32:
+    return x / (Float32(1.0) + cute.math.exp(-x))
+
+
+@cute.jit
+def hash32(seed: Uint32, b: Uint32, v: Uint32) -> Uint32:
+    x = seed * Uint32(0x9E3779B1) + b * Uint32(0x85EBCA77) + v * Uint32(0xC2B2AE3D)
+    x = x ^ (x >> 16)
+    x = x * Uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * Uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@cute.jit
+def arg(smi: cute.Tensor, j: Constexpr) -> Int32:
+    """Word j of the current instruction (copied into shared memory while thread 0 waits)."""
+    return smi[ROW_S + j]
+
+
+@cute.jit
+def argf(pb: Int64, idx: Int32, j: Constexpr) -> Float32:
+    """Argument word j of instruction idx, as the fp32 whose bits it holds."""
+    return ldf(Float32, pb + Int64(idx * ROW + j) * 4)
+
+
+@cute.jit
+def fa(fb: Int64, e) -> Int64:
+    """Address of fp32 arena element e."""
+    return fb + Int64(e) * 4
+
+
+@cute.jit
+def ia(ib: Int64, e) -> Int64:
+    """Address of int32 arena element e."""
+    return ib + Int64(e) * 4
+
+
+@cute.jit
+def rope_pair(a: Float32, b: Float32, pos: Int32, inv: Float32, att: Float32):
+    f = Float32(pos) * inv
+    cs = cute.math.cos(f) * att
+    sn = cute.math.sin(f) * att
+    return a * cs - b * sn, b * cs + a * sn
+
+
+@cute.jit
+def rope_index(i: Int32, half: Int32, interleaved: cutlass.Boolean):
+    """(first, second) element of rotation pair i: (2i, 2i + 1) interleaved, else (i, i + half)."""
+    a, b = i, i + half
+    if interleaved:
+        a, b = 2 * i, 2 * i + 1
+    return a, b
+
+
+@cute.jit
+def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: Constexpr, AL: Constexpr, G: Int32):
+    """Per row g < G of the chunk's scores SC[g * CH + p]: update the running max M[g] and sum L[g], turn the
+    scores into exp(score - max), and leave the rescale factor of the old accumulator in AL[g]."""
+    warp, lane = tid // 32, tid % 32
+    for g in cutlass.range(warp, G, NW):
+        s0 = sm[SC + g * CH + lane]
+        s1 = sm[SC + g * CH + 32 + lane]
+        cm = warp_max(cute.arch.fmax(s0, s1))
+        m_old = sm[M + g]
+        m_new = cute.arch.fmax(m_old, cm)
+        p0 = cute.math.exp(s0 - m_new)
+        p1 = cute.math.exp(s1 - m_new)
+        sm[SC + g * CH + lane] = p0
+        sm[SC + g * CH + 32 + lane] = p1
+        tot = warp_sum(p0 + p1)
+        if lane == 0:
+            alpha = cute.math.exp(m_old - m_new)
+            sm[AL + g] = alpha
+            sm[L + g] = sm[L + g] * alpha + tot
+            sm[M + g] = m_new

@@ -1,0 +1,202 @@
+"""Rows of a weight against every token (MATVEC, GLU), EMBED, MERGE of split attention, SAMPLE."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
+
+from ..isa import F_GREEDY, F_NORM, F_RESID, F_WRITE_NORMED
+from .base import (
+    ARG,
+    NEG_INF,
+    NT,
+    NW,
+    SMEM_F,
+    TB,
+    arg,
+    argf,
+    dot8,
+    fa,
+    hash32,
+    ia,
+    ld8,
+    ldf,
+    ldi,
+    silu,
+    sm8,
+    stf,
+    sti,
+    warp_sum,
+)
+
+
+@cute.jit
+def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+            tid: Int32, glu: Constexpr):
+    warp, lane = tid // 32, tid % 32
+    op = "GLU" if glu else "MATVEC"
+    flags = arg(smi, 3)
+    K, x_off, x_stride = arg(smi, ARG[op]["K"]), arg(smi, ARG[op]["x_off"]), arg(smi, ARG[op]["x_stride"])
+    out_off, out_stride, out_col = arg(smi, ARG[op]["out_off"]), arg(smi, ARG[op]["out_stride"]), arg(smi, ARG[op]["out_col"])
+    r0, r1, B, norm_w = arg(smi, ARG[op]["r0"]), arg(smi, ARG[op]["r1"]), arg(smi, ARG[op]["B"]), arg(smi, ARG[op]["norm_w"])
+    eps = argf(pb, idx, ARG[op]["eps_bits"])
+    w0 = taddr[arg(smi, ARG[op]["wg" if glu else "w"])]
+    w1 = w0
+    if cutlass.const_expr(glu):
+        w1 = taddr[arg(smi, ARG[op]["wu"])]
+    norm = (flags & F_NORM) != 0
+    gaddr = w0
+    if norm:
+        gaddr = taddr[norm_w]
+    RS = SMEM_F - 64  # rstd per token
+    if norm:
+        for t in cutlass.range(warp, B, NW):
+            ss = Float32(0.0)
+            for k in cutlass.range(lane * 8, K, 256):
+                xv = ld8(Float32, fa(fb, x_off + t * x_stride + k))
+                ss += dot8(xv, xv)
+            ss = warp_sum(ss)
+            if lane == 0:
+                sm[RS + t] = cute.math.rsqrt(ss / Float32(K) + eps)
+        cute.arch.sync_threads()
+    acc = cute.make_rmem_tensor(TB, Float32)
+    acu = cute.make_rmem_tensor(TB, Float32)
+    for t0 in cutlass.range(0, B, TB):
+        for r in cutlass.range(r0 + warp, r1, NW):
+            for j in cutlass.range_constexpr(TB):
+                acc[j] = Float32(0.0)
+                acu[j] = Float32(0.0)
+            wrow = w0 + Int64(r) * Int64(K) * 2
+            urow = w1 + Int64(r) * Int64(K) * 2
+            for k in cutlass.range(lane * 8, K, 256, unroll=4):
+                wv = ld8(BFloat16, wrow + Int64(k) * 2)
+                uv = wv
+                if cutlass.const_expr(glu):
+                    uv = ld8(BFloat16, urow + Int64(k) * 2)
+                gv = wv
+                if norm:
+                    gv = ld8(BFloat16, gaddr + Int64(k) * 2)
+                for j in cutlass.range_constexpr(TB):
+                    if t0 + j < B:
+                        xv = ld8(Float32, fa(fb, x_off + (t0 + j) * x_stride + k))
+                        if norm:
+                            xv = xv * gv * sm[RS + t0 + j]
+                        acc[j] += dot8(wv, xv)
+                        if cutlass.const_expr(glu):
+                            acu[j] += dot8(uv, xv)
+            for j in cutlass.range_constexpr(TB):
+                s = warp_sum(acc[j])
+                if cutlass.const_expr(glu):
+                    s = silu(s) * warp_sum(acu[j])
+                if lane == 0 and t0 + j < B:
+                    o = fa(fb, out_off + (t0 + j) * out_stride + out_col + r)
+                    if (flags & F_RESID) != 0:
+                        s += ldf(Float32, o)
+                    stf(Float32, o, s)
+    if cutlass.const_expr(not glu):
+        if (flags & F_WRITE_NORMED) != 0 and r0 == 0:
+            normed_off = arg(smi, ARG[op]["normed_off"])
+            for t in cutlass.range(B):
+                for k in cutlass.range(tid, K, NT):
+                    v = ldf(Float32, fa(fb, x_off + t * x_stride + k)) * sm[RS + t] * ldf(BFloat16, gaddr + Int64(k) * 2)
+                    stf(Float32, fa(fb, normed_off + t * K + k), v)
+
+
+@cute.jit
+def op_embed(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+             tid: Int32):
+    _warp, _lane = tid // 32, tid % 32
+    w, tok_off, out_off = taddr[arg(smi, ARG["EMBED"]["w"])], arg(smi, ARG["EMBED"]["tok_off"]), arg(smi, ARG["EMBED"]["out_off"])
+    D, B, c0, c1 = arg(smi, ARG["EMBED"]["D"]), arg(smi, ARG["EMBED"]["B"]), arg(smi, ARG["EMBED"]["c0"]), arg(smi, ARG["EMBED"]["c1"])
+    for t in cutlass.range(B):
+        tok = ldi(ia(ib, tok_off + t))
+        for col in cutlass.range(c0 + tid, c1, NT):
+            stf(Float32, fa(fb, out_off + t * D + col), ldf(BFloat16, w + (Int64(tok) * Int64(D) + Int64(col)) * 2))
+
+
+@cute.jit
+def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+             tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A = "MERGE"
+    part_off, out_off, out_stride = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["out_off"]), arg(smi, ARG[A]["out_stride"])
+    b, h, S, H, d, wuv, dv, P = (arg(smi, ARG[A][n]) for n in ("b", "h", "S", "H", "d", "wuv", "dv", "P"))
+    base = part_off + (b * H + h) * S * (d + 2)
+    mx = Float32(NEG_INF)
+    for s in cutlass.range(S):
+        mx = cute.arch.fmax(mx, ldf(Float32, fa(fb, base + s * (d + 2))))
+    den = Float32(0.0)
+    for s in cutlass.range(S):
+        den += cute.math.exp(ldf(Float32, fa(fb, base + s * (d + 2))) - mx) * ldf(Float32, fa(fb, base + s * (d + 2) + 1))
+    for dd in cutlass.range(tid, d, NT):
+        num = Float32(0.0)
+        for s in cutlass.range(S):
+            num += cute.math.exp(ldf(Float32, fa(fb, base + s * (d + 2))) - mx) * \
+                ldf(Float32, fa(fb, base + s * (d + 2) + 2 + dd))
+        o = num / den
+        if wuv < 0:
+            stf(Float32, fa(fb, out_off + b * out_stride + h * dv + dd), o)
+        else:
+            sm[dd] = o
+    if wuv >= 0:  # MLA: the head's value up-projection W_UV [dv, C] on the merged latent
+        cute.arch.sync_threads()
+        w = taddr[wuv]
+        for v in cutlass.range(warp, dv, NW):
+            wrow = w + Int64(h * (P + dv) + P + v) * Int64(d) * 2
+            acc = Float32(0.0)
+            for k in cutlass.range(lane * 8, d, 256):
+                acc += dot8(ld8(BFloat16, wrow + Int64(k) * 2), sm8(sm, k))
+            acc = warp_sum(acc)
+            if lane == 0:
+                stf(Float32, fa(fb, out_off + b * out_stride + h * dv + v), acc)
+
+
+@cute.jit
+def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+              tid: Int32):
+    _warp, _lane = tid // 32, tid % 32
+    A_ = "SAMPLE"
+    flags = arg(smi, 3)
+    logits_off, V, b = arg(smi, ARG[A_]["logits_off"]), arg(smi, ARG[A_]["V"]), arg(smi, ARG[A_]["b"])
+    inv_t = argf(pb, idx, ARG[A_]["inv_temp_bits"])
+    seed = ldi(ia(ib, arg(smi, ARG[A_]["seed_off"])))
+    greedy = (flags & F_GREEDY) != 0
+    base = logits_off + b * V
+    mx, bv, bi = Float32(NEG_INF), Float32(NEG_INF), Int32(V)
+    for v in cutlass.range(tid, V, NT):
+        lg = ldf(Float32, fa(fb, base + v))
+        mx = cute.arch.fmax(mx, lg)
+        sc = lg
+        if not greedy:
+            hv = hash32(Uint32(seed), Uint32(b), Uint32(v))
+            uu = (Float32(hv >> 8) + Float32(0.5)) / Float32(16777216.0)
+            sc = lg * inv_t - cute.math.log(-cute.math.log(uu))
+        if sc > bv:
+            bv = sc
+            bi = v
+    sm[tid] = mx
+    sm[NT + tid] = bv
+    smi[tid] = bi
+    cute.arch.sync_threads()
+    if tid == 0:
+        for k in cutlass.range(1, NT):
+            sm[0] = cute.arch.fmax(sm[0], sm[k])
+            if sm[NT + k] > sm[NT] or (sm[NT + k] == sm[NT] and smi[k] < smi[0]):
+                sm[NT] = sm[NT + k]
+                smi[0] = smi[k]
+    cute.arch.sync_threads()
+    gmax = sm[0]
+    tot = Float32(0.0)
+    for v in cutlass.range(tid, V, NT):
+        tot += cute.math.exp(ldf(Float32, fa(fb, base + v)) - gmax)
+    cute.arch.sync_threads()
+    sm[2 * NT + tid] = tot
+    cute.arch.sync_threads()
+    if tid == 0:
+        s = Float32(0.0)
+        for k in cutlass.range(NT):
+            s += sm[2 * NT + k]
+        tok = smi[0]
+        sti(ia(ib, arg(smi, ARG[A_]["tok_out_off"]) + b), tok)
+        stf(Float32, fa(fb, arg(smi, ARG[A_]["lp_out_off"]) + b), ldf(Float32, fa(fb, base + tok)) - gmax - cute.math.log(s))

@@ -1,0 +1,260 @@
+"""Routing for the whole batch (ROUTE) and the routed experts (EXPERT_UP, EXPERT_DOWN)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..isa import F_RENORM, F_SHARED, F_SIGMOID
+from .base import (
+    ARG,
+    NEG_INF,
+    NT,
+    NW,
+    SMEM_F,
+    TB,
+    arg,
+    argf,
+    dot8,
+    fa,
+    ia,
+    ld8,
+    ldf,
+    ldi,
+    prefetch_l2,
+    silu,
+    stf,
+    sti,
+    warp_argmax,
+    warp_max,
+    warp_sum,
+)
+
+
+@cute.jit
+def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+             tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A_ = "ROUTE"
+    flags = arg(smi, 3)
+    logits_off, E, A, B = arg(smi, ARG[A_]["logits_off"]), arg(smi, ARG[A_]["E"]), arg(smi, ARG[A_]["A"]), arg(smi, ARG[A_]["B"])
+    bias_w, G, TG = arg(smi, ARG[A_]["bias_w"]), arg(smi, ARG[A_]["n_group"]), arg(smi, ARG[A_]["topk_group"])
+    scale = argf(pb, idx, ARG[A_]["scale_bits"])
+    ids_off, wts_off = arg(smi, ARG[A_]["ids_off"]), arg(smi, ARG[A_]["wts_off"])
+    sigmoid = (flags & F_SIGMOID) != 0
+    nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
+    region = 2 * E + 32
+    if warp < nwu:
+        SCW = warp * region  # the token's weights (probabilities or sigmoid scores)
+        CHW = SCW + E  # the choice values (-inf once picked or masked)
+        PK = CHW + E  # the picked weights
+        for t in cutlass.range(warp, B, nwu):
+            lrow = logits_off + t * E
+            if sigmoid:
+                for e in cutlass.range(lane, E, 32):
+                    sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-ldf(Float32, fa(fb, lrow + e))))
+                    sm[SCW + e] = sv
+                    ch = sv
+                    if bias_w >= 0:
+                        ch = sv + ldf(Float32, taddr[bias_w] + Int64(e) * 4)
+                    sm[CHW + e] = ch
+            else:
+                mx = Float32(NEG_INF)
+                for e in cutlass.range(lane, E, 32):
+                    mx = cute.arch.fmax(mx, ldf(Float32, fa(fb, lrow + e)))
+                mx = warp_max(mx)
+                tot = Float32(0.0)
+                for e in cutlass.range(lane, E, 32):
+                    tot += cute.math.exp(ldf(Float32, fa(fb, lrow + e)) - mx)
+                tot = warp_sum(tot)
+                for e in cutlass.range(lane, E, 32):
+                    pv = cute.math.exp(ldf(Float32, fa(fb, lrow + e)) - mx) / tot
+                    sm[SCW + e] = pv
+                    sm[CHW + e] = pv
+            cute.arch.sync_warp()
+            if G > 1:  # expert groups: keep the topk_group groups with the best top-2 sums
+                gs = E // G
+                gsc = Float32(NEG_INF)
+                if lane < G:
+                    b1, b2 = Float32(NEG_INF), Float32(NEG_INF)
+                    for e in cutlass.range(lane * gs, (lane + 1) * gs):
+                        v = sm[CHW + e]
+                        if v > b1:
+                            b2 = b1
+                            b1 = v
+                        elif v > b2:
+                            b2 = v
+                    gsc = b1 + b2
+                keep = Int32(0)
+                for _ in cutlass.range(TG):
+                    bv, bi = warp_argmax(gsc, lane)
+                    if lane == bi:
+                        keep = Int32(1)
+                        gsc = Float32(NEG_INF)
+                sm[PK + lane] = Float32(keep)  # every lane: its group's flag (shuffles need all 32 lanes)
+                cute.arch.sync_warp()
+                for e in cutlass.range(lane, E, 32):
+                    if sm[PK + e // gs] == Float32(0.0):
+                        sm[CHW + e] = Float32(NEG_INF)
+                cute.arch.sync_warp()
+            for a in cutlass.range(A):
+                bv, bi = Float32(NEG_INF), Int32(E)
+                for e in cutlass.range(lane, E, 32):
+                    v = sm[CHW + e]
+                    if v > bv:
+                        bv = v
+                        bi = e
+                bv, bi = warp_argmax(bv, bi)
+                if lane == 0:
+                    sti(ia(ib, ids_off + t * A + a), bi)
+                    sm[PK + a] = sm[SCW + bi]
+                    sm[CHW + bi] = Float32(NEG_INF)
+                cute.arch.sync_warp()
+            if lane == 0:
+                tot = Float32(0.0)
+                for a in cutlass.range(A):
+                    tot += sm[PK + a]
+                if sigmoid:
+                    tot = tot + Float32(1e-20)
+                for a in cutlass.range(A):
+                    v = sm[PK + a]
+                    if (flags & F_RENORM) != 0:
+                        v = v / tot
+                    stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
+            cute.arch.sync_warp()
+    cute.arch.sync_threads()
+    # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
+    nuniq_off, uniq_off, pstart_off = arg(smi, ARG[A_]["nuniq_off"]), arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
+    ptok_off, pslot_off, pairof_off = arg(smi, ARG[A_]["ptok_off"]), arg(smi, ARG[A_]["pslot_off"]), arg(smi, ARG[A_]["pairof_off"])
+    n = B * A
+    CNT, START, IDS = 0, E, 2 * E
+    for j in cutlass.range(tid, n, NT):
+        smi[IDS + j] = ldi(ia(ib, ids_off + j))
+    cute.arch.sync_threads()
+    for e in cutlass.range(tid, E, NT):
+        cnt = Int32(0)
+        for j in cutlass.range(n):
+            if smi[IDS + j] == e:
+                cnt += 1
+        smi[CNT + e] = cnt
+    cute.arch.sync_threads()
+    if tid == 0:
+        u, start = Int32(0), Int32(0)
+        for e in cutlass.range(E):
+            if smi[CNT + e] > 0:
+                sti(ia(ib, uniq_off + u), e)
+                sti(ia(ib, pstart_off + u), start)
+                smi[START + e] = start
+                start += smi[CNT + e]
+                u += 1
+        sti(ia(ib, pstart_off + u), start)
+        sti(ia(ib, nuniq_off), u)
+    cute.arch.sync_threads()
+    for e in cutlass.range(tid, E, NT):
+        if smi[CNT + e] > 0:
+            p = smi[START + e]
+            for j in cutlass.range(n):
+                if smi[IDS + j] == e:
+                    sti(ia(ib, pairof_off + j), p)
+                    sti(ia(ib, ptok_off + p), j // A)
+                    sti(ia(ib, pslot_off + p), j % A)
+                    p += 1
+
+
+@cute.jit
+def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+                 tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_UP"
+    gu = taddr[arg(smi, ARG[A_]["gu"])]
+    I, D, x_off, h_off, rows = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["x_off"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["rows"])
+    w, W = arg(smi, ARG[A_]["w"]), arg(smi, ARG[A_]["W"])
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off, ptok_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"]), arg(smi, ARG[A_]["ptok_off"])
+    tiles = (I + rows - 1) // rows
+    N = nuniq * tiles
+    accg = cute.make_rmem_tensor(TB, Float32)
+    accu = cute.make_rmem_tensor(TB, Float32)
+    for item in cutlass.range(w * N // W, (w + 1) * N // W):  # all items' rows into L2 first (known after ROUTE)
+        u, tile = item // tiles, item % tiles
+        e = ldi(ia(ib, uniq_off + u))
+        r0 = tile * rows
+        r1 = cutlass.min(I, r0 + rows)
+        for half in cutlass.range_constexpr(2):
+            first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * Int64(D) * 2
+            prefetch_l2(gu + first, Int64(r1 - r0) * Int64(D) * 2, tid, NT)
+    for item in cutlass.range(w * N // W, (w + 1) * N // W):
+        u, tile = item // tiles, item % tiles
+        e = ldi(ia(ib, uniq_off + u))
+        ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
+        r0 = tile * rows
+        r1 = cutlass.min(I, r0 + rows)
+        for p0 in cutlass.range(ps, pe, TB):
+            for r in cutlass.range(r0 + warp, r1, NW):
+                for j in cutlass.range_constexpr(TB):
+                    accg[j] = Float32(0.0)
+                    accu[j] = Float32(0.0)
+                grow = gu + (Int64(e) * Int64(2 * I) + Int64(r)) * Int64(D) * 2
+                urow = gu + (Int64(e) * Int64(2 * I) + Int64(I + r)) * Int64(D) * 2
+                for k in cutlass.range(lane * 8, D, 256, unroll=4):
+                    gv = ld8(BFloat16, grow + Int64(k) * 2)
+                    uv = ld8(BFloat16, urow + Int64(k) * 2)
+                    for j in cutlass.range_constexpr(TB):
+                        if p0 + j < pe:
+                            t = ldi(ia(ib, ptok_off + p0 + j))
+                            xv = ld8(Float32, fa(fb, x_off + t * D + k))
+                            accg[j] += dot8(gv, xv)
+                            accu[j] += dot8(uv, xv)
+                for j in cutlass.range_constexpr(TB):
+                    g = warp_sum(accg[j])
+                    up = warp_sum(accu[j])
+                    if lane == 0 and p0 + j < pe:
+                        stf(Float32, fa(fb, h_off + (p0 + j) * I + r), silu(g) * up)
+
+
+@cute.jit
+def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+                   tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_DOWN"
+    flags = arg(smi, 3)
+    dn = taddr[arg(smi, ARG[A_]["dn"])]
+    I, D, h_off, y_off, out_off = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["y_off"]), arg(smi, ARG[A_]["out_off"])
+    r0, r1, B, A = arg(smi, ARG[A_]["r0"]), arg(smi, ARG[A_]["r1"]), arg(smi, ARG[A_]["B"]), arg(smi, ARG[A_]["A"])
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
+    wts_off, pairof_off, shared_off = arg(smi, ARG[A_]["wts_off"]), arg(smi, ARG[A_]["pairof_off"]), arg(smi, ARG[A_]["shared_off"])
+    acc = cute.make_rmem_tensor(TB, Float32)
+    for u in cutlass.range(nuniq):  # every selected expert's rows into L2 first
+        e = ldi(ia(ib, uniq_off + u))
+        prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * Int64(I) * 2, Int64(r1 - r0) * Int64(I) * 2, tid, NT)
+    for u in cutlass.range(nuniq):
+        e = ldi(ia(ib, uniq_off + u))
+        ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
+        for p0 in cutlass.range(ps, pe, TB):
+            for r in cutlass.range(r0 + warp, r1, NW):
+                for j in cutlass.range_constexpr(TB):
+                    acc[j] = Float32(0.0)
+                wrow = dn + (Int64(e) * Int64(D) + Int64(r)) * Int64(I) * 2
+                for k in cutlass.range(lane * 8, I, 256, unroll=4):
+                    wv = ld8(BFloat16, wrow + Int64(k) * 2)
+                    for j in cutlass.range_constexpr(TB):
+                        if p0 + j < pe:
+                            acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
+                for j in cutlass.range_constexpr(TB):
+                    s = warp_sum(acc[j])
+                    if lane == 0 and p0 + j < pe:
+                        stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
+    cute.arch.sync_threads()
+    rows = r1 - r0
+    for e in cutlass.range(tid, B * rows, NT):
+        t, r = e // rows, r0 + e % rows
+        o = fa(fb, out_off + t * D + r)
+        v = ldf(Float32, o)
+        for a in cutlass.range(A):
+            p = ldi(ia(ib, pairof_off + t * A + a))
+            v += ldf(Float32, fa(fb, wts_off + t * A + a)) * ldf(Float32, fa(fb, y_off + p * D + r))
+        if (flags & F_SHARED) != 0:
+            v += ldf(Float32, fa(fb, shared_off + t * D + r))
+        stf(Float32, o, v)

@@ -1,0 +1,292 @@
+"""The layers of the lowering (lower.py): each writes one layer's phases into the builder. Which buffers a layer
+reads and writes in the residual stream is a LayerIO (plain residual families, or kimi_k3's AttnRes blocks).
+
+    gqa_layer         qkv (input norm fused), ATTN_GQA splits, MERGE, o_proj
+    mla_layer         q_a / kv_a (+ K3's output gate), q_b + MLA_KV, MLA_Q, MLA_ATTN splits, MERGE (W_UV), o_proj
+    kda_layer         projections, low-rank gates, KDA_STEP per (sequence, head), o_proj
+    dense_layer       GLU (post-attention norm fused), down with the residual add
+    moe_layer         router (+ shared GLU), ROUTE (+ shared down), EXPERT_UP, EXPERT_DOWN (combine fused)
+    latent_moe_layer  kimi_k3's LatentMoE: latent down, MXFP4 SiTU experts in the latent width, latent up
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .builder import Builder
+from .isa import (
+    F_INTERLEAVED,
+    F_MXFP4,
+    F_NOPE,
+    F_RENORM,
+    F_SHARED,
+    F_SIGMOID,
+    F_SITU,
+    F_STORE,
+    f32_bits,
+)
+
+
+@dataclass(frozen=True)
+class LayerIO:
+    """Where a layer reads and writes the residual stream. qwen3_moe / deepseek_v3 (and kimi_k3 without AttnRes):
+    everything is `hidden`, attention and MLP outputs added in place. kimi_k3 with AttnRes: the layer reads
+    `layer_in` (the AttnRes output), attention writes `attn_out`, the MLP reads layer_in + attn_out, and its last
+    projection adds attention + MLP output to the current block's partial sum (stores it at a block's first
+    layer)."""
+    x: str = "hidden"
+    attn_out: str = "hidden"
+    attn_resid: bool = True
+    mlp_x2: str | None = None
+    out: str = "hidden"
+    out_resid: bool = True
+    out_adds: tuple[str, ...] = ()
+
+
+def gqa_layer(b: Builder, i: int, p: str, att_bits: int, io: LayerIO) -> None:
+    cfg, B = b.cfg, b.B
+    H, KH, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    a = f"{p}.self_attn"
+    b.buf("qkv", B * (H + 2 * KH) * d)
+    for w, col in ((f"{a}.q_proj.weight", 0), (f"{a}.k_proj.weight", H * d), (f"{a}.v_proj.weight", (H + KH) * d)):
+        b.matvec(i, w.split(".")[-2], w, io.x, "qkv", col, norm=f"{p}.input_layernorm.weight",
+                 rows=b.rows_per_tile((H + 2 * KH) * d))
+    b.close(f"L{i}.qkv")
+    S = b.splits(B * KH)
+    b.buf("part", B * H * S * (d + 2))
+    kc, vc = b.t(f"cache.{i}.0", "produced"), b.t(f"cache.{i}.1", "produced")
+    for s_ in range(B):
+        for h in range(KH):
+            for s in range(S):
+                b.add("ATTN_GQA", i, f"L{i}.attn[{s_},{h},{s}]", 0, bytes_=0, kc=kc, vc=vc,
+                      qkv_off=b.f32["qkv"][0], qkv_stride=(H + 2 * KH) * d, qn_w=b.t(f"{a}.q_norm.weight"),
+                      kn_w=b.t(f"{a}.k_norm.weight"), pos_off=b.i32["positions"][0], slot_off=b.i32["slots"][0],
+                      b=s_, h=h, s=s, S=S, H=H, KH=KH, d=d, part_off=b.f32["part"][0],
+                      scale_bits=f32_bits(d ** -0.5), eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"],
+                      att_bits=att_bits, Lmax=b.cache.max_len)
+    b.close(f"L{i}.attn")
+    b.buf("attn", B * H * d)
+    for s_ in range(B):
+        for h in range(H):
+            b.add("MERGE", i, f"L{i}.merge[{s_},{h}]", part_off=b.f32["part"][0], out_off=b.f32["attn"][0],
+                  out_stride=H * d, b=s_, h=h, S=S, H=H, d=d, wuv=-1, dv=d, P=0, gate_off=-1)
+    b.close(f"L{i}.merge")
+    b.matvec(i, "o_proj", f"{a}.o_proj.weight", "attn", io.attn_out, resid=io.attn_resid)
+    b.close(f"L{i}.o_proj")
+
+
+def _rope_flags(cfg) -> int:
+    return (F_INTERLEAVED if cfg.rope_interleave else 0) | (0 if cfg.mla_rope else F_NOPE)
+
+
+def mla_layer(b: Builder, i: int, p: str, att_bits: int, io: LayerIO) -> None:
+    cfg, B = b.cfg, b.B
+    H, C, R, P, V = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    a = f"{p}.self_attn"
+    b.buf("kva", B * (C + R))
+    b.buf("qb", B * H * (P + R))
+    norm = f"{p}.input_layernorm.weight"
+    if cfg.q_lora_rank is None:
+        b.matvec(i, "q_proj", f"{a}.q_proj.weight", io.x, "qb", norm=norm)
+    else:
+        b.buf("qa", B * cfg.q_lora_rank)
+        b.matvec(i, "q_a_proj", f"{a}.q_a_proj.weight", io.x, "qa", norm=norm)
+    b.matvec(i, "kv_a_proj", f"{a}.kv_a_proj_with_mqa.weight", io.x, "kva", norm=norm)
+    gate = None
+    if cfg.mla_output_gate:  # kimi_k3: o = o_proj(attn * sigmoid(x W_gate^T)), x the normed layer input
+        gate = "mla_gate"
+        b.buf(gate, B * H * V)
+        b.matvec(i, "gate_proj", f"{a}.gate_proj.weight", io.x, gate, norm=norm)
+    b.close(f"L{i}.qa_kva")
+    if cfg.q_lora_rank is not None:
+        b.matvec(i, "q_b_proj", f"{a}.q_b_proj.weight", "qa", "qb", norm=f"{a}.q_a_layernorm.weight")
+    cache = b.t(f"cache.{i}.0", "produced")
+    for s_ in range(B):
+        b.add("MLA_KV", i, f"L{i}.kv[{s_}]", _rope_flags(cfg), cache=cache, kva_off=b.f32["kva"][0],
+              kva_stride=C + R, norm_w=b.t(f"{a}.kv_a_layernorm.weight"), C=C, R=R, pos_off=b.i32["positions"][0],
+              slot_off=b.i32["slots"][0], b=s_, eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"], att_bits=att_bits,
+              Lmax=b.cache.max_len)
+    b.close(f"L{i}.qb_kv")
+    b.buf("qlat", B * H * C)
+    b.buf("qpe", B * H * R)
+    wkv = b.t(f"{a}.kv_b_proj.weight")
+    for s_ in range(B):
+        for h in range(H):
+            b.add("MLA_Q", i, f"L{i}.q[{s_},{h}]", _rope_flags(cfg), bytes_=P * C * b.wbytes, wkv=wkv,
+                  qb_off=b.f32["qb"][0], qb_stride=H * (P + R), qlat_off=b.f32["qlat"][0], qpe_off=b.f32["qpe"][0],
+                  b=s_, h=h, H=H, P=P, R=R, C=C, V=V, pos_off=b.i32["positions"][0],
+                  rope_w=b._tidx["rope.inv_freq"], att_bits=att_bits)
+    b.close(f"L{i}.q")
+    HB = min(H, 8)  # heads per MLA attention instruction (their latent queries and outputs in shared memory)
+    S = b.splits(B * -(-H // HB))
+    b.buf("part", B * H * S * (C + 2))
+    for s_ in range(B):
+        for h0 in range(0, H, HB):
+            for s in range(S):
+                b.add("MLA_ATTN", i, f"L{i}.attn[{s_},{h0},{s}]", cache=cache, qlat_off=b.f32["qlat"][0],
+                      qpe_off=b.f32["qpe"][0], pos_off=b.i32["positions"][0], slot_off=b.i32["slots"][0], b=s_,
+                      h0=h0, HB=min(HB, H - h0), s=s, S=S, H=H, C=C, R=R, part_off=b.f32["part"][0],
+                      scale_bits=f32_bits(cfg.softmax_scale), Lmax=b.cache.max_len)
+    b.close(f"L{i}.attn")
+    b.buf("attn", B * H * V)
+    for s_ in range(B):
+        for h in range(H):
+            b.add("MERGE", i, f"L{i}.merge[{s_},{h}]", bytes_=V * C * b.wbytes, part_off=b.f32["part"][0],
+                  out_off=b.f32["attn"][0], out_stride=H * V, b=s_, h=h, S=S, H=H, d=C, wuv=wkv, dv=V, P=P,
+                  gate_off=b.off(gate))
+    b.close(f"L{i}.merge")
+    b.matvec(i, "o_proj", f"{a}.o_proj.weight", "attn", io.attn_out, resid=io.attn_resid)
+    b.close(f"L{i}.o_proj")
+
+
+def kda_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
+    """KDA decode (reference/kda.py): the projections (input norm fused), the low-rank gate halves, one KDA_STEP
+    per (sequence, head): conv step, gates, the recurrence on the slot's fp32 state, gated RMSNorm; o_proj."""
+    cfg, B = b.cfg, b.B
+    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    HK, a, f = H * K, f"{p}.self_attn", f"{p}.self_attn.forget_gate"
+    norm = f"{p}.input_layernorm.weight"
+    for name, n in (("kda_qkv", 3 * HK), ("kda_fa", K), ("kda_ga", K), ("kda_beta", H), ("kda_f", HK),
+                    ("kda_gate", HK), ("kda_o", HK)):
+        b.buf(name, B * n)
+    rows = b.rows_per_tile(3 * HK)
+    for w, col in ((f"{a}.q_proj.weight", 0), (f"{a}.k_proj.weight", HK), (f"{a}.v_proj.weight", 2 * HK)):
+        b.matvec(i, w.split(".")[-2], w, io.x, "kda_qkv", col, norm=norm, rows=rows)
+    b.matvec(i, "f_a_proj", f"{f}.f_a_proj.weight", io.x, "kda_fa", norm=norm)
+    b.matvec(i, "g_a_proj", f"{a}.g_a_proj.weight", io.x, "kda_ga", norm=norm)
+    b.matvec(i, "b_proj", f"{a}.b_proj.weight", io.x, "kda_beta", norm=norm)
+    b.close(f"L{i}.kda_proj")
+    b.matvec(i, "f_b_proj", f"{f}.f_b_proj.weight", "kda_fa", "kda_f")
+    b.matvec(i, "g_b_proj", f"{a}.g_b_proj.weight", "kda_ga", "kda_gate")
+    b.close(f"L{i}.kda_gates")
+    conv_state, rec_state = b.t(f"cache.{i}.0", "produced"), b.t(f"cache.{i}.1", "produced")
+    for s_ in range(B):
+        for h in range(H):
+            b.add("KDA_STEP", i, f"L{i}.kda[{s_},{h}]", bytes_=K * K * 4 * 2, qkv_off=b.f32["kda_qkv"][0],
+                  f_off=b.f32["kda_f"][0], gate_off=b.f32["kda_gate"][0], beta_off=b.f32["kda_beta"][0],
+                  conv_w=b.t(f"{a}.conv1d.weight"), conv_state=conv_state, rec_state=rec_state,
+                  a_log=b.t(f"{f}.A_log"), dt_bias=b.t(f"{f}.dt_bias"), onorm_w=b.t(f"{a}.o_norm.weight"),
+                  out_off=b.f32["kda_o"][0], b=s_, h=h, H=H, K=K, W=cfg.conv_kernel, slot_off=b.i32["slots"][0],
+                  eps_bits=b.eps)
+    b.close(f"L{i}.kda")
+    b.matvec(i, "o_proj", f"{a}.o_proj.weight", "kda_o", io.attn_out, resid=io.attn_resid)
+    b.close(f"L{i}.o_proj")
+
+
+def dense_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
+    cfg, B = b.cfg, b.B
+    m = f"{p}.mlp"
+    b.buf("mlp_h", B * cfg.intermediate_size)
+    b.glu(i, "gate_up", f"{m}.gate_proj.weight", f"{m}.up_proj.weight", io.x, "mlp_h",
+          norm=f"{p}.post_attention_layernorm.weight", x2=io.mlp_x2)
+    b.close(f"L{i}.mlp_up")
+    b.matvec(i, "mlp_down", f"{m}.down_proj.weight", "mlp_h", io.out, resid=io.out_resid,
+             add0=io.out_adds[0] if io.out_adds else None)
+    b.close(f"L{i}.mlp_down")
+
+
+def expected_experts(E: int, A: int, B: int) -> float:
+    """Distinct experts a batch of B tokens selects, if picks were uniform: the cost model's estimate."""
+    return E * (1 - (1 - A / E) ** B)
+
+
+def _route(b: Builder, i: int, m: str, shared: bool) -> None:
+    """The router's logits (post-attention norm fused; the tile at row 0 writes the normed rows) are made by the
+    caller's phase; this phase picks the experts (ROUTE) and runs the shared experts' down projection."""
+    cfg, B = b.cfg, b.B
+    E, A = cfg.num_experts, cfg.top_k
+    for name, n in (("ids", B * A), ("nuniq", 1), ("uniq", E), ("pstart", E + 1), ("ptok", B * A),
+                    ("pslot", B * A), ("pairof", B * A)):
+        b.buf(name, n, ints=True)
+    b.buf("wts", B * A)
+    sigmoid = cfg.score_func == "sigmoid"
+    bias = f"{m}.gate.e_score_correction_bias"
+    b.add("ROUTE", i, f"L{i}.route", (F_SIGMOID if sigmoid else 0) | (F_RENORM if cfg.norm_topk_prob else 0),
+          bytes_=B * E * 4, logits_off=b.f32["router_logits"][0], E=E, A=A, B=B,
+          bias_w=b.t(bias) if sigmoid and bias in b.weights else -1, n_group=cfg.n_group, topk_group=cfg.topk_group,
+          scale_bits=f32_bits(cfg.routed_scaling_factor if sigmoid else 1.0), ids_off=b.i32["ids"][0],
+          wts_off=b.f32["wts"][0], nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0],
+          pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], pslot_off=b.i32["pslot"][0],
+          pairof_off=b.i32["pairof"][0])
+    if shared:
+        b.buf("shared_out", B * cfg.hidden_size)
+        b.matvec(i, "shared_down", f"{m}.shared_experts.down_proj.weight", "shared_h", "shared_out")
+    b.close(f"L{i}.route")
+
+
+def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int, flags_down: int,
+             shared_off: int, quant: bool) -> None:
+    """EXPERT_UP (work-balanced items of (selected expert, row tile)) and EXPERT_DOWN (row tiles over every
+    selected expert, the weighted combine fused) of the routed experts, D their input / output width."""
+    cfg, B = b.cfg, b.B
+    E, A, I = cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
+    b.buf("h", B * A * I)
+    b.buf("y", B * A * D)
+    sel = expected_experts(E, A, B)
+    rows = max(1, min(I, math.ceil(I * sel / b.ctas)))  # ~1 work item per CTA
+    W = max(1, min(b.ctas, math.ceil(sel) * -(-I // rows)))
+    gu_name = f"{m}.experts.gate_up_proj" + (".weight_packed" if quant else "")
+    dn_name = f"{m}.experts.down_proj" + (".weight_packed" if quant else "")
+    wbytes = 0.53125 if quant else b.wbytes  # MXFP4: 4.25 bits per weight
+    per_item = 2 * rows * D * wbytes
+    gu, gus = b.t(gu_name), b.t(f"{m}.experts.gate_up_proj.weight_scale") if quant else -1
+    for w in range(W):
+        b.add("EXPERT_UP", i, f"L{i}.up[{w}]", flags_up, bytes_=int(per_item * sel * -(-I // rows) / W), gu=gu, I=I,
+              D=D, x_off=b.f32[x][0], h_off=b.f32["h"][0], rows=rows, w=w, W=W, nuniq_off=b.i32["nuniq"][0],
+              uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], gus=gus)
+    b.close(f"L{i}.up")
+    rows = b.rows_per_tile(D)
+    dn, dns = b.t(dn_name), b.t(f"{m}.experts.down_proj.weight_scale") if quant else -1
+    for r0 in range(0, D, rows):
+        r1 = min(D, r0 + rows)
+        b.add("EXPERT_DOWN", i, f"L{i}.down[{r0}:{r1}]", flags_down, bytes_=int(sel * (r1 - r0) * I * wbytes),
+              dn=dn, I=I, D=D, h_off=b.f32["h"][0], y_off=b.f32["y"][0], out_off=b.f32[out][0], r0=r0, r1=r1, B=B,
+              A=A, nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0],
+              wts_off=b.f32["wts"][0], pairof_off=b.i32["pairof"][0], shared_off=shared_off, dns=dns)
+    b.close(f"L{i}.down")
+
+
+def moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
+    cfg, B, D = b.cfg, b.B, b.cfg.hidden_size
+    m = f"{p}.mlp"
+    post = f"{p}.post_attention_layernorm.weight"
+    b.buf("router_logits", B * cfg.num_experts)
+    b.buf("normed", B * D)
+    b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed",
+             rows=max(1, b.rows_per_tile(cfg.num_experts, per=0.5)), x2=io.mlp_x2)
+    shared = cfg.n_shared_experts > 0
+    if shared:
+        b.buf("shared_h", B * cfg.shared_intermediate_size)
+        b.glu(i, "shared_up", f"{m}.shared_experts.gate_proj.weight", f"{m}.shared_experts.up_proj.weight",
+              io.x, "shared_h", norm=post, x2=io.mlp_x2)
+    b.close(f"L{i}.router")
+    _route(b, i, m, shared)
+    _experts(b, i, m, D, "normed", io.out, 0, F_SHARED if shared else 0,
+             b.f32["shared_out"][0] if shared else -1, quant=False)
+
+
+def latent_moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
+    """kimi_k3's Stable LatentMoE (reference/latent_moe.py): router, shared experts and latent down on the
+    post-attention normed input; MXFP4 SiTU-GLU experts in the latent width; the weighted sum `z` stored; latent
+    up with the latent RMSNorm fused, adding the shared experts' and the attention's outputs to the block."""
+    cfg, B, D, R = b.cfg, b.B, b.cfg.hidden_size, b.cfg.latent_size
+    m = f"{p}.mlp"
+    post = f"{p}.post_attention_layernorm.weight"
+    b.buf("router_logits", B * cfg.num_experts)
+    b.buf("normed", B * D)
+    b.buf("hlat", B * R)
+    b.buf("z", B * R)
+    b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed",
+             rows=max(1, b.rows_per_tile(cfg.num_experts, per=0.5)), x2=io.mlp_x2)
+    b.buf("shared_h", B * cfg.shared_intermediate_size)
+    b.glu(i, "shared_up", f"{m}.shared_experts.gate_proj.weight", f"{m}.shared_experts.up_proj.weight", io.x,
+          "shared_h", norm=post, x2=io.mlp_x2)
+    b.matvec(i, "latent_down", f"{m}.latent_down.weight", io.x, "hlat", norm=post, x2=io.mlp_x2)
+    b.close(f"L{i}.router")
+    _route(b, i, m, shared=True)
+    act = F_SITU if cfg.expert_act == "situ" else 0
+    _experts(b, i, m, R, "hlat", "z", F_MXFP4 | act, F_MXFP4 | F_STORE, -1, quant=True)
+    b.matvec(i, "latent_up", f"{m}.latent_up.weight", "z", io.out, norm=f"{m}.latent_norm.weight",
+             resid=io.out_resid, add0="shared_out", add1=io.out_adds[0] if io.out_adds else None)
+    b.close(f"L{i}.latent_up")
