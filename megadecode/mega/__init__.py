@@ -2,10 +2,15 @@
 
     isa.py        instructions: opcodes, arguments, fixed-width int32 rows, counters with per-launch targets
     program.py    a lowered step: instructions, the tensor table, the activation arenas, the CTA queues
-    lower.py      decode plan (qwen3_moe, deepseek_v3, kimi_k3) -> instructions, ops split into tiles
+    lower.py      decode plan (qwen3_moe, deepseek_v3, kimi_k3) -> instructions: which plans lower, the checks
+    builder.py    the instruction builder: arenas, tensor table, counters, ops split into tiles
+    layers.py     one decoder layer at a time (GQA, MLA, KDA, AttnRes, dense MLP, routed and LatentMoE experts)
     schedule.py   instructions -> per-CTA queues by a cost model (bytes, flops); a printable report
     pyvm.py       the golden model: the same instructions interpreted with torch, waits asserted, races found
-    cute_kernel.py  the persistent kernel in CuTe DSL (the `cute` extra), compiled on first use; qwen3_moe and
-                  deepseek_v3's opcodes (kimi_k3's ATTN_RES, KDA_STEP and MXFP4 experts: pyvm only so far)
+    pyvm_ops.py   its opcode semantics, one method per opcode (the specification the kernel implements)
+    cute_kernel.py  the persistent kernel in CuTe DSL (the `cute` extra), compiled on first use: the queue
+                  loop, the counter waits and signals; qwen3_moe and deepseek_v3's opcodes
+                  (kimi_k3's ATTN_RES, KDA_STEP and MXFP4 experts: pyvm only so far)
+    cute/         the opcode bodies it dispatches to: base.py (loads, reductions), dense.py, attention.py, moe.py
     runtime.py    its device buffers, one compile per process, co-residency, the error buffer
 """
