@@ -9,7 +9,7 @@ import torch
 
 from megadecode.cache import KVCache
 from megadecode.engine import Engine
-from megadecode.mega.isa import ROW, Instr, Wait, bits_f32, f32_bits
+from megadecode.mega.isa import F_MXFP4, ROW, Instr, Wait, bits_f32, f32_bits
 from megadecode.mega.lower import Unsupported, lower
 from megadecode.mega.pyvm import DeadlockError, PyVM, WaitViolation
 from megadecode.mega.schedule import report, schedule
@@ -208,3 +208,84 @@ def test_validate_executor_pyvm_passes_and_mega_is_not_run_on_the_cpu(capsys):
     if not torch.cuda.is_available():
         assert main(["validate", "--executor", "mega", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 1
         assert "SKIP generation" in capsys.readouterr().out
+
+
+def _bf16_program(preset: str, batch: int):
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    cache = KVCache(cfg, max(batch, 4), 64, "cpu", torch.bfloat16)
+    return cfg, w, cache, lower(cfg, w, cache, batch, 8)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_kernel_check_passes_the_bf16_programs_of_every_family(preset):
+    from megadecode.mega.kernel_check import check_program
+
+    *_, prog = _bf16_program(preset, 3)
+    check_program(prog)
+    if preset == "tiny-k3":
+        mx = [i for i in prog.instrs if i.op in ("EXPERT_UP", "EXPERT_DOWN")]
+        assert mx and all(i.flags & F_MXFP4 for i in mx)
+        assert {"ATTN_RES", "KDA_STEP"} <= {i.op for i in prog.instrs}
+
+
+def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
+    from megadecode.mega.kernel_check import KernelLimit, check_program
+
+    cfg, w, cache, _ = _bf16_program("tiny-k3", 2)
+    w32 = dict(w)
+    w32["model.layers.0.self_attn.o_norm.weight"] = w32["model.layers.0.self_attn.o_norm.weight"].float()
+    with pytest.raises(KernelLimit, match="onorm_w .*o_norm.weight.* is torch.float32; .* torch.bfloat16"):
+        check_program(lower(cfg, w32, cache, 2, 8))
+    cache32 = KVCache(cfg, 4, 64, "cpu", torch.float32)  # fp32 KV caches: the kernel reads them as bf16
+    with pytest.raises(KernelLimit, match="cache"):
+        check_program(lower(cfg, w, cache32, 2, 8))
+    prog = lower(cfg, w, cache, 2, 8)
+    mv = next(i for i in prog.instrs if i.op == "MATVEC")
+    mv.args["K"] = 60
+    with pytest.raises(KernelLimit, match="K = 60 is not a multiple of 8"):
+        check_program(prog)
+    prog = lower(cfg, w, cache, 2, 8)
+    up = next(i for i in prog.instrs if i.op == "EXPERT_UP")
+    up.args["D"] = 48  # a multiple of 8 but not of an MXFP4 block
+    with pytest.raises(KernelLimit, match="D = 48 is not a multiple of 32"):
+        check_program(prog)
+    prog = lower(cfg, w, cache, 2, 8)
+    mv = next(i for i in prog.instrs if i.op == "MATVEC")
+    mv.args["x_off"] += 2
+    with pytest.raises(KernelLimit, match=r"x_off = \d+ is not a multiple of 4 fp32"):
+        check_program(prog)
+    prog = lower(cfg, w, cache, 2, 8)
+    kda = next(i for i in prog.instrs if i.op == "KDA_STEP")
+    kda.args["K"] = 4096
+    with pytest.raises(KernelLimit, match="KDA head dim 4096"):
+        check_program(prog)
+
+
+def test_k3_lowers_at_true_dims_and_batch_64_within_the_kernels_limits():
+    """K3's 896 experts x top-16 at batch 64 (1024 pairs) lower and pass the kernel check, on meta tensors."""
+    from megadecode.mega.kernel_check import check_program
+    from megadecode.weights import param_specs
+
+    cfg = preset_config("k3-layer")
+    w = {n: torch.empty(s.shape, device="meta", dtype=torch.uint8 if s.quant == "mxfp4" else
+                        torch.float32 if s.fp32 else torch.bfloat16) for n, s in param_specs(cfg).items()}
+    cache = KVCache(cfg, 64, 64, "meta", torch.bfloat16)
+    prog = lower(cfg, w, cache, 64, 132)
+    check_program(prog)
+    route = next(i for i in prog.instrs if i.op == "ROUTE")
+    assert (route.args["E"], route.args["A"], route.args["B"]) == (896, 16, 64)
+
+
+def test_mega_executor_runs_kimi_k3_only_when_asked(monkeypatch):
+    from megadecode.executors.mega_executor import UNVALIDATED_ENV
+
+    cfg = preset_config("tiny-k3")
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    monkeypatch.delenv(UNVALIDATED_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"not been diffed against pyvm on a GPU yet; set {UNVALIDATED_ENV}=1"):
+        Engine(cfg, w, executor="mega", max_batch=1, max_seq_len=16)
+    monkeypatch.setenv(UNVALIDATED_ENV, "1")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="runs on a CUDA GPU"):
+            Engine(cfg, w, executor="mega", max_batch=1, max_seq_len=16)

@@ -50,3 +50,35 @@ def test_co_residency_arithmetic():
     regs = registers_per_thread(K.compile_for().__ptx__)
     if assemble(K.compile_for().__ptx__)[0] is not None:
         assert regs is not None and 32 <= regs <= 255
+
+
+def test_mxfp4_bit_formulas_of_the_kernel_decode_every_code_and_scale_exactly():
+    """cute/base.py decodes MXFP4 by building fp32 bits: e2m1 magnitude index m -> (m << 22) + 0x3F000000 (m >= 2),
+    0.5 (m = 1), 0 (m = 0), the sign bit from bit 3; e8m0 byte s -> s << 23 (s = 0: 2**-127, 255: NaN). The same
+    formulas, evaluated here, against quant.mxfp4's table for all 16 codes and all 256 scale bytes."""
+    import struct
+
+    import torch
+
+    from megadecode.quant.mxfp4 import E2M1_VALUES, e8m0_to_float
+
+    def f(bits):
+        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+    for c in range(16):
+        m = c & 7
+        bits = 0 if m == 0 else 0x3F000000 if m == 1 else (m << 22) + 0x3F000000
+        v = f(bits | ((c & 8) << 28))
+        assert v == E2M1_VALUES[c] and (str(v) == str(E2M1_VALUES[c]) or c == 8), c  # code 8 is -0.0
+    ref = e8m0_to_float(torch.arange(256, dtype=torch.uint8))
+    for s in range(256):
+        bits = 0x00400000 if s == 0 else 0x7FC00000 if s == 255 else s << 23
+        got = torch.tensor(f(bits))
+        assert torch.equal(got, ref[s]) or (s == 255 and got.isnan() and ref[s].isnan()), s
+
+
+def test_kernel_check_constants_are_the_kernels():
+    from megadecode.mega.cute import base
+    from megadecode.mega.kernel_check import NT, SMEM_F
+
+    assert (NT, SMEM_F) == (base.NT, base.SMEM_F)

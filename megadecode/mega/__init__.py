@@ -9,8 +9,9 @@
     pyvm.py       the golden model: the same instructions interpreted with torch, waits asserted, races found
     pyvm_ops.py   its opcode semantics, one method per opcode (the specification the kernel implements)
     cute_kernel.py  the persistent kernel in CuTe DSL (the `cute` extra), compiled on first use: the queue
-                  loop, the counter waits and signals; qwen3_moe and deepseek_v3's opcodes
-                  (kimi_k3's ATTN_RES, KDA_STEP and MXFP4 experts: pyvm only so far)
-    cute/         the opcode bodies it dispatches to: base.py (loads, reductions), dense.py, attention.py, moe.py
+                  loop, the counter waits and signals, dispatch to the opcode bodies
+    cute/         the opcode bodies: base.py (loads, MXFP4 decode, reductions), dense.py, attention.py, moe.py,
+                  k3.py (ATTN_RES, KDA_STEP; kimi_k3's opcodes are not yet validated on a GPU)
+    kernel_check.py what the kernel assumes of a program (dtypes, loop lengths, alignment), checked before a launch
     runtime.py    its device buffers, one compile per process, co-residency, the error buffer
 """

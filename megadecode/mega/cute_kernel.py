@@ -8,9 +8,10 @@ launch (the fp32 and int32 arenas, the KV cache) are read with plain coherent `l
 static weights are read with the same plain loads (no non-coherent path at all in this version). Opcode
 semantics: mega/pyvm.py, which this kernel is diffed against.
 
-Weights and caches are bf16; activations fp32. Dot products: each warp takes rows, each lane 8 consecutive
-elements at a time (16-byte loads), TB tokens per pass, fp32 accumulation, shuffle reductions.
-Requires every reduction length (K, d, C, I) to be a multiple of 8 (`lower.check_kernel_dims`).
+Weights and caches are bf16 (routed experts bf16 or MXFP4; KDA's recurrent state fp32); activations fp32. Dot
+products: each warp takes rows, each lane 8 consecutive elements at a time (16-byte loads), TB tokens per pass, fp32
+accumulation, shuffle reductions. What the bodies assume of a program (dtypes, multiples of 8, alignment, shared
+memory) is checked on the host before a launch (`mega/kernel_check.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is impo
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
 from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, hash32, prefetch_row  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
+from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
 from .isa import OPCODES  # noqa: E402
 
@@ -47,7 +49,8 @@ def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: 
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
 BODIES = (("MATVEC", op_matvec), ("GLU", op_glu), ("EMBED", op_embed), ("ATTN_GQA", op_attn_gqa),
           ("MERGE", op_merge), ("ROUTE", op_route), ("EXPERT_UP", op_expert_up), ("EXPERT_DOWN", op_expert_down),
-          ("SAMPLE", op_sample), ("MLA_KV", op_mla_kv), ("MLA_Q", op_mla_q), ("MLA_ATTN", op_mla_attn))
+          ("SAMPLE", op_sample), ("MLA_KV", op_mla_kv), ("MLA_Q", op_mla_q), ("MLA_ATTN", op_mla_attn),
+          ("ATTN_RES", op_attn_res), ("KDA_STEP", op_kda_step))
 
 
 # ---- the persistent loop ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from .kernel_check import check_program
 from .program import Program
 
 # spin iterations before a wait reports a timeout (~1-2 s of polling); MEGADECODE_MAX_SPIN overrides
@@ -121,6 +122,7 @@ class MegaRuntime:
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal."""
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")
+        check_program(prog)  # dtypes, loop lengths, alignment, shared-memory bounds: refused here, not misread
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -25,5 +25,7 @@
     perf.py      a variant's op timed against the reference op (GPU)
     report.py    the HTML evidence report and its markdown summary (report_plots.py: per-dtype error plots)
     staleness.py which evidence reports predate a change of what they depend on
+    mega_audit.py  the static audit of the CuTe megakernel; mega_gpu.py: the megakernel against pyvm and torch on a
+                 GPU (every buffer, repeats and delayed runs bitwise, greedy generation; bench/mega_check.py)
     command.py   `megadecode validate`
 """

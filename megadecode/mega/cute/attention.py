@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..isa import F_INTERLEAVED
+from ..isa import F_INTERLEAVED, F_NOPE
 from .base import (
     ARG,
     CH,
@@ -159,8 +159,9 @@ def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
     half = R // 2
     for i in cutlass.range(tid, half, NT):
         ja, jb = rope_index(i, half, (flags & F_INTERLEAVED) != 0)
-        x0, x1 = rope_pair(ldf(Float32, fa(fb, row + C + ja)), ldf(Float32, fa(fb, row + C + jb)), pos,
-                           ldf(Float32, inv + Int64(i) * 4), att)
+        x0, x1 = ldf(Float32, fa(fb, row + C + ja)), ldf(Float32, fa(fb, row + C + jb))
+        if (flags & F_NOPE) == 0:  # kimi_k3's NoPE MLA: the rope part is stored unrotated
+            x0, x1 = rope_pair(x0, x1, pos, ldf(Float32, inv + Int64(i) * 4), att)
         stf(BFloat16, cache + (crow + Int64(C + ja)) * 2, x0)
         stf(BFloat16, cache + (crow + Int64(C + jb)) * 2, x1)
 
@@ -189,8 +190,9 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     half = R // 2
     for i in cutlass.range(tid, half, NT):
         ja, jb = rope_index(i, half, (flags & F_INTERLEAVED) != 0)
-        x0, x1 = rope_pair(ldf(Float32, fa(fb, q + P + ja)), ldf(Float32, fa(fb, q + P + jb)), pos,
-                           ldf(Float32, inv + Int64(i) * 4), att)
+        x0, x1 = ldf(Float32, fa(fb, q + P + ja)), ldf(Float32, fa(fb, q + P + jb))
+        if (flags & F_NOPE) == 0:
+            x0, x1 = rope_pair(x0, x1, pos, ldf(Float32, inv + Int64(i) * 4), att)
         stf(Float32, fa(fb, qpe_off + (b * H + h) * R + ja), x0)
         stf(Float32, fa(fb, qpe_off + (b * H + h) * R + jb), x1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Constexpr, Float32, Int32, Int64, Uint32
+from cutlass import Constexpr, Float32, Int32, Int64, Uint8, Uint32
 
 from ..isa import HEADER, OPS, ROW
 
@@ -51,6 +51,58 @@ def stf(dtype: Constexpr, addr: Int64, v: Float32):
 def sti(addr: Int64, v: Int32):
     t = cute.make_tensor(_g(addr, Int32, 4), cute.make_layout(1))
     t[0] = v
+
+
+@cute.jit
+def ldu32(addr: Int64) -> Uint32:
+    return cute.make_tensor(_g(addr, Uint32, 4), cute.make_layout(1))[0]
+
+
+@cute.jit
+def ldu8(addr: Int64) -> Uint32:
+    return Uint32(cute.make_tensor(_g(addr, Uint8, 1), cute.make_layout(1))[0])
+
+
+@cute.jit
+def from_bits(b: Uint32) -> Float32:
+    """The fp32 whose bits are b."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[b])
+
+
+@cute.jit
+def e8m0(s: Uint32) -> Float32:
+    """An MXFP4 block scale byte as fp32 2**(s - 127), exactly (s = 0: the subnormal 2**-127; 255: NaN)."""
+    bits = s << 23
+    if s == Uint32(0):
+        bits = Uint32(0x00400000)
+    if s == Uint32(255):
+        bits = Uint32(0x7FC00000)
+    return from_bits(bits)
+
+
+@cute.jit
+def e2m1(c: Uint32) -> Float32:
+    """An e2m1 code (4 bits: sign, 2 exponent bits, 1 mantissa bit) as fp32, exactly: magnitude index m = c & 7
+    is 0, 0.5 (m = 1), else 2**((m >> 1) - 1) * (1 + (m & 1) / 2), whose fp32 bits are (m << 22) + 0x3F000000."""
+    m = c & Uint32(7)
+    bits = (m << 22) + Uint32(0x3F000000)
+    if m == Uint32(1):
+        bits = Uint32(0x3F000000)
+    if m == Uint32(0):
+        bits = Uint32(0)
+    return from_bits(bits | ((c & Uint32(8)) << 28))
+
+
+@cute.jit
+def mx8(packed: Int64, scales: Int64, k: Int32, wr: cute.Tensor):
+    """Weights k .. k + 7 (k a multiple of 8) of an MXFP4 row (packed bytes at `packed`, e8m0 scales at `scales`)
+    decoded into the 8-element register tensor wr: element k + j is nibble j of the little-endian word at byte
+    k / 2 (even elements in the low nibbles), times the scale of block k / 32. The same values as
+    quant.mxfp4.dequantize_mxfp4 (exact: a power-of-two scale times a 2-significant-bit value)."""
+    word = ldu32(packed + Int64(k // 2))
+    sc = e8m0(ldu8(scales + Int64(k // 32)))
+    for j in cutlass.range_constexpr(8):
+        wr[j] = e2m1((word >> Uint32(4 * j)) & Uint32(15)) * sc
 
 
 @cute.jit
@@ -114,6 +166,17 @@ def warp_argmax(v: Float32, i: Int32):
 @cute.jit
 def silu(x: Float32) -> Float32:
     return x / (Float32(1.0) + cute.math.exp(-x))
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+@cute.jit
+def situ(g: Float32, u: Float32) -> Float32:
+    """SiTU-GLU (reference/activations.situ_glu): 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
+    return Float32(4.0) * cute.math.tanh(g / Float32(4.0)) * sigmoid(g) * (Float32(25.0) * cute.math.tanh(u / Float32(25.0)))
 
 
 @cute.jit

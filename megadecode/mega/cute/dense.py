@@ -23,6 +23,7 @@ from .base import (
     ld8,
     ldf,
     ldi,
+    sigmoid,
     silu,
     sm8,
     stf,
@@ -41,6 +42,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     out_off, out_stride, out_col = arg(smi, ARG[op]["out_off"]), arg(smi, ARG[op]["out_stride"]), arg(smi, ARG[op]["out_col"])
     r0, r1, B, norm_w = arg(smi, ARG[op]["r0"]), arg(smi, ARG[op]["r1"]), arg(smi, ARG[op]["B"]), arg(smi, ARG[op]["norm_w"])
     eps = argf(pb, idx, ARG[op]["eps_bits"])
+    x2_off = arg(smi, ARG[op]["x2_off"])  # >= 0: the input is x + x2 (kimi_k3: the layer input + attention output)
+    has_x2 = x2_off >= 0
     w0 = taddr[arg(smi, ARG[op]["wg" if glu else "w"])]
     w1 = w0
     if cutlass.const_expr(glu):
@@ -55,11 +58,16 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
             ss = Float32(0.0)
             for k in cutlass.range(lane * 8, K, 256):
                 xv = ld8(Float32, fa(fb, x_off + t * x_stride + k))
+                if has_x2:
+                    xv = xv + ld8(Float32, fa(fb, x2_off + t * x_stride + k))
                 ss += dot8(xv, xv)
             ss = warp_sum(ss)
             if lane == 0:
                 sm[RS + t] = cute.math.rsqrt(ss / Float32(K) + eps)
         cute.arch.sync_threads()
+    add0, add1 = Int32(-1), Int32(-1)
+    if cutlass.const_expr(not glu):
+        add0, add1 = arg(smi, ARG[op]["add0_off"]), arg(smi, ARG[op]["add1_off"])
     acc = cute.make_rmem_tensor(TB, Float32)
     acu = cute.make_rmem_tensor(TB, Float32)
     for t0 in cutlass.range(0, B, TB):
@@ -80,6 +88,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 for j in cutlass.range_constexpr(TB):
                     if t0 + j < B:
                         xv = ld8(Float32, fa(fb, x_off + (t0 + j) * x_stride + k))
+                        if has_x2:
+                            xv = xv + ld8(Float32, fa(fb, x2_off + (t0 + j) * x_stride + k))
                         if norm:
                             xv = xv * gv * sm[RS + t0 + j]
                         acc[j] += dot8(wv, xv)
@@ -90,16 +100,25 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 if cutlass.const_expr(glu):
                     s = silu(s) * warp_sum(acu[j])
                 if lane == 0 and t0 + j < B:
-                    o = fa(fb, out_off + (t0 + j) * out_stride + out_col + r)
+                    col = (t0 + j) * out_stride + out_col + r
+                    o = fa(fb, out_off + col)
+                    if cutlass.const_expr(not glu):  # addends laid out like the output (kimi_k3's block sums)
+                        if add0 >= 0:
+                            s += ldf(Float32, fa(fb, add0 + col))
+                        if add1 >= 0:
+                            s += ldf(Float32, fa(fb, add1 + col))
                     if (flags & F_RESID) != 0:
-                        s += ldf(Float32, o)
+                        s = ldf(Float32, o) + s
                     stf(Float32, o, s)
     if cutlass.const_expr(not glu):
         if (flags & F_WRITE_NORMED) != 0 and r0 == 0:
             normed_off = arg(smi, ARG[op]["normed_off"])
             for t in cutlass.range(B):
                 for k in cutlass.range(tid, K, NT):
-                    v = ldf(Float32, fa(fb, x_off + t * x_stride + k)) * sm[RS + t] * ldf(BFloat16, gaddr + Int64(k) * 2)
+                    xk = ldf(Float32, fa(fb, x_off + t * x_stride + k))
+                    if has_x2:
+                        xk = xk + ldf(Float32, fa(fb, x2_off + t * x_stride + k))
+                    v = xk * sm[RS + t] * ldf(BFloat16, gaddr + Int64(k) * 2)
                     stf(Float32, fa(fb, normed_off + t * K + k), v)
 
 
@@ -122,6 +141,8 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     A = "MERGE"
     part_off, out_off, out_stride = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["out_off"]), arg(smi, ARG[A]["out_stride"])
     b, h, S, H, d, wuv, dv, P = (arg(smi, ARG[A][n]) for n in ("b", "h", "S", "H", "d", "wuv", "dv", "P"))
+    gate_off = arg(smi, ARG[A]["gate_off"])  # >= 0: kimi_k3's output gate, sigmoid per (head, value) element
+    obase = out_off + b * out_stride + h * dv
     base = part_off + (b * H + h) * S * (d + 2)
     mx = Float32(NEG_INF)
     for s in cutlass.range(S):
@@ -136,7 +157,9 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                 ldf(Float32, fa(fb, base + s * (d + 2) + 2 + dd))
         o = num / den
         if wuv < 0:
-            stf(Float32, fa(fb, out_off + b * out_stride + h * dv + dd), o)
+            if gate_off >= 0:
+                o = o * sigmoid(ldf(Float32, fa(fb, gate_off + b * out_stride + h * dv + dd)))
+            stf(Float32, fa(fb, obase + dd), o)
         else:
             sm[dd] = o
     if wuv >= 0:  # MLA: the head's value up-projection W_UV [dv, C] on the merged latent
@@ -149,7 +172,9 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                 acc += dot8(ld8(BFloat16, wrow + Int64(k) * 2), sm8(sm, k))
             acc = warp_sum(acc)
             if lane == 0:
-                stf(Float32, fa(fb, out_off + b * out_stride + h * dv + v), acc)
+                if gate_off >= 0:
+                    acc = acc * sigmoid(ldf(Float32, fa(fb, gate_off + b * out_stride + h * dv + v)))
+                stf(Float32, fa(fb, obase + v), acc)
 
 
 @cute.jit

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..isa import F_RENORM, F_SHARED, F_SIGMOID
+from ..isa import F_MXFP4, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE
 from .base import (
     ARG,
     NEG_INF,
@@ -22,8 +22,10 @@ from .base import (
     ld8,
     ldf,
     ldi,
+    mx8,
     prefetch_l2,
     silu,
+    situ,
     stf,
     sti,
     warp_argmax,
@@ -128,14 +130,14 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     nuniq_off, uniq_off, pstart_off = arg(smi, ARG[A_]["nuniq_off"]), arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
     ptok_off, pslot_off, pairof_off = arg(smi, ARG[A_]["ptok_off"]), arg(smi, ARG[A_]["pslot_off"]), arg(smi, ARG[A_]["pairof_off"])
     n = B * A
-    CNT, START, IDS = 0, E, 2 * E
-    for j in cutlass.range(tid, n, NT):
-        smi[IDS + j] = ldi(ia(ib, ids_off + j))
+    CNT, START = 0, E  # int words 0 .. 2E (below the instruction row at ROW_S)
+    for j in cutlass.range(tid, n, NT):  # the picked ids, as exact small floats in the (now free) score space
+        sm[j] = Float32(ldi(ia(ib, ids_off + j)))
     cute.arch.sync_threads()
     for e in cutlass.range(tid, E, NT):
         cnt = Int32(0)
         for j in cutlass.range(n):
-            if smi[IDS + j] == e:
+            if Int32(sm[j]) == e:
                 cnt += 1
         smi[CNT + e] = cnt
     cute.arch.sync_threads()
@@ -155,7 +157,7 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
         if smi[CNT + e] > 0:
             p = smi[START + e]
             for j in cutlass.range(n):
-                if smi[IDS + j] == e:
+                if Int32(sm[j]) == e:
                     sti(ia(ib, pairof_off + j), p)
                     sti(ia(ib, ptok_off + p), j // A)
                     sti(ia(ib, pslot_off + p), j % A)
@@ -165,25 +167,38 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
 @cute.jit
 def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
+    """Gate and up rows of each selected expert against its tokens, GLU'd into h. Weights bf16 [E, 2I, D], or
+    MXFP4 (F_MXFP4): packed bytes [E, 2I, D/2] (`gu`) and e8m0 scales [E, 2I, D/32] (`gus`), decoded in registers."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
+    flags = arg(smi, 3)
+    mx = (flags & F_MXFP4) != 0
+    use_situ = (flags & F_SITU) != 0
     gu = taddr[arg(smi, ARG[A_]["gu"])]
+    gus = gu
+    if mx:
+        gus = taddr[arg(smi, ARG[A_]["gus"])]
     I, D, x_off, h_off, rows = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["x_off"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["rows"])
     w, W = arg(smi, ARG[A_]["w"]), arg(smi, ARG[A_]["W"])
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
     uniq_off, pstart_off, ptok_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"]), arg(smi, ARG[A_]["ptok_off"])
+    rowb = Int64(D) * 2  # bytes per weight row (MXFP4: D / 2 packed, D / 32 scales)
+    if mx:
+        rowb = Int64(D // 2)
     tiles = (I + rows - 1) // rows
     N = nuniq * tiles
     accg = cute.make_rmem_tensor(TB, Float32)
     accu = cute.make_rmem_tensor(TB, Float32)
+    wg = cute.make_rmem_tensor(8, Float32)
+    wu = cute.make_rmem_tensor(8, Float32)
     for item in cutlass.range(w * N // W, (w + 1) * N // W):  # all items' rows into L2 first (known after ROUTE)
         u, tile = item // tiles, item % tiles
         e = ldi(ia(ib, uniq_off + u))
         r0 = tile * rows
         r1 = cutlass.min(I, r0 + rows)
         for half in cutlass.range_constexpr(2):
-            first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * Int64(D) * 2
-            prefetch_l2(gu + first, Int64(r1 - r0) * Int64(D) * 2, tid, NT)
+            first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * rowb
+            prefetch_l2(gu + first, Int64(r1 - r0) * rowb, tid, NT)
     for item in cutlass.range(w * N // W, (w + 1) * N // W):
         u, tile = item // tiles, item % tiles
         e = ldi(ia(ib, uniq_off + u))
@@ -195,11 +210,17 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                 for j in cutlass.range_constexpr(TB):
                     accg[j] = Float32(0.0)
                     accu[j] = Float32(0.0)
-                grow = gu + (Int64(e) * Int64(2 * I) + Int64(r)) * Int64(D) * 2
-                urow = gu + (Int64(e) * Int64(2 * I) + Int64(I + r)) * Int64(D) * 2
+                gidx = Int64(e) * Int64(2 * I) + Int64(r)
+                uidx = gidx + Int64(I)
                 for k in cutlass.range(lane * 8, D, 256, unroll=4):
-                    gv = ld8(BFloat16, grow + Int64(k) * 2)
-                    uv = ld8(BFloat16, urow + Int64(k) * 2)
+                    if mx:
+                        mx8(gu + gidx * rowb, gus + gidx * Int64(D // 32), k, wg)
+                        mx8(gu + uidx * rowb, gus + uidx * Int64(D // 32), k, wu)
+                    else:
+                        wg.store(ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2))
+                        wu.store(ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2))
+                    gv = wg.load()
+                    uv = wu.load()
                     for j in cutlass.range_constexpr(TB):
                         if p0 + j < pe:
                             t = ldi(ia(ib, ptok_off + p0 + j))
@@ -210,25 +231,39 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                     g = warp_sum(accg[j])
                     up = warp_sum(accu[j])
                     if lane == 0 and p0 + j < pe:
-                        stf(Float32, fa(fb, h_off + (p0 + j) * I + r), silu(g) * up)
+                        hv = silu(g) * up
+                        if use_situ:
+                            hv = situ(g, up)
+                        stf(Float32, fa(fb, h_off + (p0 + j) * I + r), hv)
 
 
 @cute.jit
 def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                    tid: Int32):
+    """Down rows [r0, r1) of every selected expert against its pairs' h, then each token's weighted sum of its
+    experts' rows (plus the shared experts' output with F_SHARED) added to `out`, or stored with F_STORE. Weights
+    bf16 [E, D, I] or MXFP4 (packed [E, D, I/2] `dn`, scales [E, D, I/32] `dns`)."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_DOWN"
     flags = arg(smi, 3)
+    mx = (flags & F_MXFP4) != 0
     dn = taddr[arg(smi, ARG[A_]["dn"])]
+    dns = dn
+    if mx:
+        dns = taddr[arg(smi, ARG[A_]["dns"])]
     I, D, h_off, y_off, out_off = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["y_off"]), arg(smi, ARG[A_]["out_off"])
     r0, r1, B, A = arg(smi, ARG[A_]["r0"]), arg(smi, ARG[A_]["r1"]), arg(smi, ARG[A_]["B"]), arg(smi, ARG[A_]["A"])
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
     uniq_off, pstart_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
     wts_off, pairof_off, shared_off = arg(smi, ARG[A_]["wts_off"]), arg(smi, ARG[A_]["pairof_off"]), arg(smi, ARG[A_]["shared_off"])
+    rowb = Int64(I) * 2
+    if mx:
+        rowb = Int64(I // 2)
     acc = cute.make_rmem_tensor(TB, Float32)
+    wr = cute.make_rmem_tensor(8, Float32)
     for u in cutlass.range(nuniq):  # every selected expert's rows into L2 first
         e = ldi(ia(ib, uniq_off + u))
-        prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * Int64(I) * 2, Int64(r1 - r0) * Int64(I) * 2, tid, NT)
+        prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * rowb, Int64(r1 - r0) * rowb, tid, NT)
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
@@ -236,9 +271,13 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
             for r in cutlass.range(r0 + warp, r1, NW):
                 for j in cutlass.range_constexpr(TB):
                     acc[j] = Float32(0.0)
-                wrow = dn + (Int64(e) * Int64(D) + Int64(r)) * Int64(I) * 2
+                widx = Int64(e) * Int64(D) + Int64(r)
                 for k in cutlass.range(lane * 8, I, 256, unroll=4):
-                    wv = ld8(BFloat16, wrow + Int64(k) * 2)
+                    if mx:
+                        mx8(dn + widx * rowb, dns + widx * Int64(I // 32), k, wr)
+                    else:
+                        wr.store(ld8(BFloat16, dn + widx * rowb + Int64(k) * 2))
+                    wv = wr.load()
                     for j in cutlass.range_constexpr(TB):
                         if p0 + j < pe:
                             acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
@@ -248,10 +287,13 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
                         stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
     cute.arch.sync_threads()
     rows = r1 - r0
+    store = (flags & F_STORE) != 0
     for e in cutlass.range(tid, B * rows, NT):
         t, r = e // rows, r0 + e % rows
         o = fa(fb, out_off + t * D + r)
-        v = ldf(Float32, o)
+        v = Float32(0.0)
+        if not store:
+            v = ldf(Float32, o)
         for a in cutlass.range(A):
             p = ldi(ia(ib, pairof_off + t * A + a))
             v += ldf(Float32, fa(fb, wts_off + t * A + a)) * ldf(Float32, fa(fb, y_off + p * D + r))

@@ -1,0 +1,84 @@
+"""What the CuTe kernel assumes of a program, checked before the launch (on the host, no GPU needed): the dtype of
+every tensor an instruction names, the lengths its vector loops step through 8 at a time, the 16-byte alignment of
+the activation rows those loops load, and the shared-memory bounds of the bodies that size their tiles at run time.
+A program that breaks one is refused with the instruction and the reason, instead of reading past a row or
+reinterpreting a tensor's bytes inside the kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from .isa import F_MXFP4
+from .program import Program
+
+NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
+SMEM_F = 12288  # fp32 words of shared memory per CTA (cute/base.py)
+
+BF16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
+
+# (opcode, argument) -> the dtype the kernel reads it as. EXPERT_UP/DOWN's weights are uint8 under F_MXFP4.
+DTYPES: dict[tuple[str, str], torch.dtype] = {
+    ("EMBED", "w"): BF16,
+    ("MATVEC", "w"): BF16, ("MATVEC", "norm_w"): BF16,
+    ("GLU", "wg"): BF16, ("GLU", "wu"): BF16, ("GLU", "norm_w"): BF16,
+    ("ATTN_GQA", "kc"): BF16, ("ATTN_GQA", "vc"): BF16, ("ATTN_GQA", "qn_w"): BF16, ("ATTN_GQA", "kn_w"): BF16,
+    ("ATTN_GQA", "rope_w"): F32,
+    ("MERGE", "wuv"): BF16,
+    ("ROUTE", "bias_w"): F32,
+    ("EXPERT_UP", "gu"): BF16, ("EXPERT_DOWN", "dn"): BF16,
+    ("MLA_KV", "cache"): BF16, ("MLA_KV", "norm_w"): BF16, ("MLA_KV", "rope_w"): F32,
+    ("MLA_Q", "wkv"): BF16, ("MLA_Q", "rope_w"): F32,
+    ("MLA_ATTN", "cache"): BF16,
+    ("ATTN_RES", "query_w"): BF16, ("ATTN_RES", "norm_w"): BF16,
+    ("KDA_STEP", "conv_w"): BF16, ("KDA_STEP", "conv_state"): BF16, ("KDA_STEP", "rec_state"): F32,
+    ("KDA_STEP", "a_log"): BF16, ("KDA_STEP", "dt_bias"): BF16, ("KDA_STEP", "onorm_w"): BF16,
+}
+MXFP4_ARGS = {("EXPERT_UP", "gu"), ("EXPERT_UP", "gus"), ("EXPERT_DOWN", "dn"), ("EXPERT_DOWN", "dns")}
+
+# (opcode, argument) -> the multiple the kernel's 8-wide loops need (MXFP4 rows: a whole 32-weight block)
+LENGTHS = {("MATVEC", "K"): 8, ("GLU", "K"): 8, ("ATTN_GQA", "d"): 8, ("MLA_KV", "C"): 8, ("MLA_KV", "R"): 8,
+           ("MLA_ATTN", "C"): 8, ("MLA_ATTN", "R"): 8, ("EXPERT_UP", "D"): 8, ("EXPERT_DOWN", "I"): 8}
+# fp32 activation offsets and strides the vector loops load 8 at a time from (16-byte alignment: multiples of 4)
+ALIGNED = {"MATVEC": ("x_off", "x_stride", "x2_off"), "GLU": ("x_off", "x_stride", "x2_off"),
+           "EXPERT_UP": ("x_off", "D"), "EXPERT_DOWN": ("h_off", "I")}
+
+
+class KernelLimit(ValueError):
+    """A program the CuTe kernel cannot run as written, naming the instruction and the reason."""
+
+
+def _tensor_args(op: str) -> list[str]:
+    return sorted({a for (o, a) in DTYPES if o == op} | {a for (o, a) in MXFP4_ARGS if o == op})
+
+
+def check_program(prog: Program) -> None:
+    """Raise KernelLimit for the first instruction the CuTe kernel would read wrongly."""
+    for ins in prog.instrs:
+        a, op, where = ins.args, ins.op, ins.name or ins.op
+        mx = bool(ins.flags & F_MXFP4)
+        for name in _tensor_args(op):
+            t = a.get(name, -1)
+            if t < 0:
+                continue
+            want = U8 if mx and (op, name) in MXFP4_ARGS else DTYPES.get((op, name))
+            got = prog.tensors[t].tensor.dtype
+            if want is not None and got != want:
+                raise KernelLimit(f"{where}: {name} ({prog.tensors[t].name}) is {got}; the megakernel reads it as "
+                                  f"{want}")
+        for (o, name), m in LENGTHS.items():
+            if o == op:
+                need = 32 if mx else m
+                if a[name] % need:
+                    raise KernelLimit(f"{where}: {name} = {a[name]} is not a multiple of {need} (the kernel's "
+                                      f"{'MXFP4 blocks' if mx else 'vector loads'})")
+        for name in ALIGNED.get(op, ()):
+            if a.get(name, -1) > 0 and a[name] % 4:
+                raise KernelLimit(f"{where}: {name} = {a[name]} is not a multiple of 4 fp32 (16-byte vector loads)")
+        if op in ("MATVEC", "GLU") and a["B"] > 64:
+            raise KernelLimit(f"{where}: {a['B']} rows (the norm's per-row scales hold 64)")
+        if op == "MERGE" and a["wuv"] >= 0 and (a["d"] % 8 or a["d"] > SMEM_F):
+            raise KernelLimit(f"{where}: latent width {a['d']} (a multiple of 8, at most {SMEM_F})")
+        if op == "KDA_STEP" and 6 * a["K"] + max(NT, a["K"]) + 4 > SMEM_F:
+            raise KernelLimit(f"{where}: KDA head dim {a['K']} does not fit the step's shared memory")
+        if op == "ATTN_RES" and a["nsrc"] > SMEM_F:
+            raise KernelLimit(f"{where}: {a['nsrc']} AttnRes sources")

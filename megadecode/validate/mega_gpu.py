@@ -1,0 +1,140 @@
+"""The megakernel against its golden model and the reference, on a GPU: what bench/mega_check.py reports and the GPU
+tests (tests/test_mega_gpu.py) assert. It sits with the harness (it runs the engine).
+
+`diff_program`: one launch of the CuTe kernel and one pyvm run of the same program on the same inputs and caches;
+every named buffer of the arenas and every cache is diffed (the first buffer that differs names the instructions
+that wrote it); a repeat of the launch, and launches of the debug build with random delays, must be bitwise
+identical. `end_to_end`: the `mega` executor's decode logits against the `torch` executor's (bf16), and greedy
+generation against `torch` in bf16 and in fp32 on the same weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import KVCache
+from ..engine import Engine
+from ..mega.lower import lower
+from ..mega.pyvm import PyVM
+from ..mega.runtime import MegaRuntime
+from ..mega.schedule import schedule
+from ..presets import preset_config
+from ..sampling import SamplingParams
+from ..weights import random_weights
+
+MISMATCH = 2e-2  # a buffer whose relative difference exceeds this is named in `mismatched`
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| over the finite entries; inf unless both have the same non-finite entries (the
+    attention partials of an empty split hold -inf)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb) or not torch.equal(a[~fa], b[~fb]):
+        return float("inf")
+    if not fa.any():
+        return 0.0
+    return ((a[fa] - b[fb]).abs().max() / b[fb].abs().max().clamp_min(1e-6)).item()
+
+
+def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int = 3) -> dict:
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cuda", torch.bfloat16, seed)
+    cache = KVCache(cfg, batch, 256, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for parts in cache.layers.values():
+        for t in parts:
+            t.normal_(generator=g)
+    prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
+    rt = MegaRuntime(prog, "cuda")
+    print(f"  {preset} b={batch}: {len(prog.instrs)} instructions on {ctas} CTAs, launching", flush=True)
+    tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=g)
+    positions = torch.randint(0, 200, (batch,), device="cuda", generator=g)
+    slots = torch.randperm(batch, device="cuda", generator=g)
+    before = {n: [t.clone() for t in parts] for n, parts in cache.layers.items()}
+    for name, t in (("tokens", tokens), ("positions", positions), ("slots", slots)):
+        rt.view(name).copy_(t)
+    t0 = time.perf_counter()
+    rt.launch()
+    torch.cuda.synchronize()
+    first_launch_s = time.perf_counter() - t0
+    rt.check()
+    mega_f32, mega_i32 = rt.f32.clone(), rt.i32.clone()
+    mega_cache = {n: [t.clone() for t in parts] for n, parts in cache.layers.items()}
+    # repeat on the same inputs and caches: bitwise identical
+    for n, parts in cache.layers.items():
+        for t, b in zip(parts, before[n]):
+            t.copy_(b)
+    rt.launch()
+    torch.cuda.synchronize()
+    rt.check()
+    repeat_equal = torch.equal(rt.f32, mega_f32) and torch.equal(rt.i32, mega_i32)
+    # the debug build: random delays before every instruction's stores and after its signal; still bitwise equal
+    delayed = MegaRuntime(prog, "cuda", delay_ns=20000)
+    delays_equal = True
+    for _ in range(delay_runs):
+        for n, parts in cache.layers.items():
+            for t, b in zip(parts, before[n]):
+                t.copy_(b)
+        for name, t in (("tokens", tokens), ("positions", positions), ("slots", slots)):
+            delayed.view(name).copy_(t)
+        delayed.launch()
+        torch.cuda.synchronize()
+        delayed.check()
+        delays_equal &= torch.equal(delayed.f32, mega_f32) and torch.equal(delayed.i32, mega_i32)
+    # pyvm on the same program, on the CPU (copies of the weights and of the caches before the launch)
+    for n, parts in cache.layers.items():
+        for t, b in zip(parts, before[n]):
+            t.copy_(b)
+    cpu = prog.to("cpu")
+    vm = PyVM(cpu)
+    vm.i32.copy_(rt.i32[:vm.i32.numel()].cpu())
+    vm.launch()
+    vm_cache = {t.name: t.tensor for t in cpu.tensors if t.role == "produced"}
+    rows = []
+    for name, (off, n) in sorted(prog.f32.items(), key=lambda kv: kv[1][0]):
+        rows.append({"buffer": name, "rel": rel(mega_f32[off:off + n], vm.f32[off:off + n])})
+    for name, (off, n) in sorted(prog.i32.items(), key=lambda kv: kv[1][0]):
+        rows.append({"buffer": name, "equal": bool(torch.equal(mega_i32[off:off + n].cpu(), vm.i32[off:off + n]))})
+    for n, parts in mega_cache.items():
+        for i, m in enumerate(parts):
+            if f"{n}.{i}" in vm_cache:
+                rows.append({"buffer": f"{n}.{i}", "rel": rel(m, vm_cache[f"{n}.{i}"])})
+    bad = [r for r in rows if r.get("rel", 0) > MISMATCH or r.get("equal") is False]
+    return {"preset": preset, "batch": batch, "ctas": ctas, "instructions": len(prog.instrs),
+            "first_launch_s": first_launch_s, "repeat_bitwise_equal": repeat_equal,
+            "delayed_runs": delay_runs, "delayed_bitwise_equal": bool(delays_equal),
+            "buffers": rows, "mismatched": [r["buffer"] for r in bad]}
+
+
+def end_to_end(preset: str, batch: int, tokens: int, seed: int) -> dict:
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cuda", torch.bfloat16, seed)
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + i % 4)] for i in range(batch)]
+    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=tokens + 16)
+    mega = Engine(cfg, w, executor="mega", max_batch=batch, max_seq_len=tokens + 16)
+    tok = ref.prefill(prompts).argmax(-1)
+    mega.prefill(prompts)
+    errs = []
+    for _ in range(4):
+        la, lb = ref.decode(tok), mega.decode(tok)
+        errs.append(rel(lb, la))
+        tok = la.argmax(-1)
+    mega.executor.check_errors()
+    greedy = SamplingParams(greedy=True)
+    out = {"preset": preset, "batch": batch, "decode_rel_err": errs}
+    b = Engine(cfg, w, executor="mega", max_batch=batch, max_seq_len=tokens + 16).generate(prompts, tokens, greedy,
+                                                                                          stop_at_eos=False)
+    # against the bf16 torch executor, and against fp32 torch on the same (bf16-valued) weights: the megakernel
+    # keeps activations in fp32, so the second is its exact math up to the bf16 cache
+    w32 = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
+    for name, ws in (("torch_bf16", w), ("torch_fp32", w32)):
+        a = Engine(cfg, ws, executor="torch", max_batch=batch, max_seq_len=tokens + 16).generate(
+            prompts, tokens, greedy, stop_at_eos=False)
+        out[name] = {"equal": sum(x == y for ra, rb in zip(a.token_ids, b.token_ids) for x, y in zip(ra, rb)),
+                     "tokens": sum(len(r) for r in a.token_ids),
+                     "first_divergence": [next((j for j, (x, y) in enumerate(zip(ra, rb)) if x != y), None)
+                                          for ra, rb in zip(a.token_ids, b.token_ids)]}
+    return out
