@@ -31,8 +31,8 @@ class GraphExecutor(TorchExecutor):
     name = "graph"
     experts_impl = "grouped"
 
-    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
-        super().__init__(plan, weights, cache)
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
+        super().__init__(plan, weights, cache, parallel=parallel)
         self.device = next(iter(weights.values())).device
         self.use_graphs = self.device.type == "cuda"
         self._graphs: dict[tuple[int, int, bool], tuple] = {}
@@ -132,12 +132,12 @@ class CompiledGraphExecutor(GraphExecutor):
     # wrong formula, but until the harness compares MoE outputs routing-aware, the family stays out of scope.
     VALIDATED_FAMILIES = ("qwen3_moe",)
 
-    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
         if plan.config.family not in self.VALIDATED_FAMILIES:
             raise ValueError(f"the compiled executor is not validated for {plan.config.family!r} (in bf16 its "
                              f"fused math flipped a near-tied routing decision against the torch executor); "
                              f"use 'graph'")
-        super().__init__(plan, weights, cache)
+        super().__init__(plan, weights, cache, parallel=parallel)
         self._compiled = torch.compile(super()._step_fn, dynamic=False)
 
     def _step_fn(self, step: Step) -> torch.Tensor:
