@@ -41,7 +41,7 @@ def spawn(argv: list[str], nprocs: int, *, cmd: list[str] | None = None, grace_s
     stopping = []  # SIGTERM to this process (a service manager stopping the command): passed on to the ranks
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(signal.SIGTERM))
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every rank: it sets each returncode
             if stopping:
                 _stop(procs, signal.SIGTERM, grace_s)
             elif failed_at is None:

@@ -110,12 +110,12 @@ def build_server(args, ep):
 
 
 def follow(server, ep) -> int:
-    """A rank other than 0: capture the same decode graphs as rank 0, then replay its steps until it stops."""
+    """A rank other than 0: capture the same decode graphs as rank 0, then replay its steps until it stops; the
+    number of steps replayed."""
     from .lockstep import follow as replay
 
     server.runner.warmup()
-    replay(server.runner, ep)
-    return 0
+    return replay(server.runner, ep)
 
 
 def cmd_serve(args, argv) -> int:
@@ -141,7 +141,8 @@ def cmd_serve(args, argv) -> int:
     try:
         server = build_server(args, ep)
         if not ranks.leader():
-            return follow(server, ep)
+            follow(server, ep)
+            return 0
         return _serve(args, server, sock, build_app, tqdm, uvicorn)
     finally:
         if ep is not None:

@@ -1,0 +1,403 @@
+"""Expert parallelism (megadecode/parallel, issue 17): which experts a rank owns, the -1 convention of the routed
+experts, weights and checkpoints built per rank, the combine, the command line's checks, and whole runs of 2 and 4
+ranks (gloo, one process per rank: tests/ep_workers.py) whose greedy tokens must equal one process's."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megadecode import cli, ranks
+from megadecode.checkpoint import CheckpointError, _Reader, load_weights, make_checkpoint
+from megadecode.engine import Engine
+from megadecode.parallel import combine, launch
+from megadecode.parallel.combine import ExpertParallel
+from megadecode.parallel.experts import ExpertShard
+from megadecode.presets import preset_config, preset_hf_config
+from megadecode.reference.latent_moe import latent_experts
+from megadecode.reference.moe import experts_grouped, experts_reference
+from megadecode.sampling import SamplingParams
+from megadecode.weights import param_specs, random_weights, weight_bytes
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import ep_workers  # noqa: E402
+
+PRESETS = ep_workers.PRESETS
+
+
+# ---- which experts a rank owns ------------------------------------------------------------------------------------
+def test_shard_owns_contiguous_blocks_and_maps_ids():
+    shards = [ExpertShard(8, 4, r) for r in range(4)]
+    assert [(s.lo, s.hi) for s in shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    ids = torch.tensor([[0, 3, 5], [7, 2, 6]])
+    assert shards[1].local_ids(ids).tolist() == [[-1, 1, -1], [-1, 0, -1]]
+    assert shards[3].local_ids(ids).tolist() == [[-1, -1, -1], [1, -1, 0]]
+    # every pair is owned by exactly one rank
+    owners = torch.stack([(s.local_ids(ids) >= 0) for s in shards]).sum(0)
+    assert owners.eq(1).all()
+
+
+def test_shard_refuses_an_uneven_split_naming_the_divisors():
+    with pytest.raises(ValueError, match=r"16 routed experts.*\(1, 2, 4, 8, 16\)"):
+        ExpertShard(16, 3, 0)
+    with pytest.raises(ValueError, match="outside"):
+        ExpertShard(16, 2, 2)
+
+
+# ---- the -1 convention: a pair another rank serves is skipped -----------------------------------------------------
+def _problem(mxfp4: bool, fp8: bool = False):
+    g = torch.Generator().manual_seed(0)
+    T, A, E, D, I = 3, 4, 8, 64, 32
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])
+    w = torch.rand(T, A, generator=g)
+    if mxfp4:
+        from megadecode.quant.mxfp4 import MXFP4Tensor
+
+        def mx(o, i):
+            return MXFP4Tensor(torch.randint(0, 256, (E, o, i // 2), dtype=torch.uint8, generator=g),
+                               torch.randint(118, 124, (E, o, i // 32), dtype=torch.uint8, generator=g))
+        return x, ids, w, mx(2 * I, D), mx(D, I)
+    if fp8:
+        from megadecode.weights import ParamSpec, random_tensor
+        from megadecode.quant.fp8 import FP8Tensor, scale_shape
+
+        def f8(shape):
+            b = (32, 32)
+            return FP8Tensor(random_tensor(ParamSpec("w", shape, "fp8"), g, "cpu", torch.float32),
+                             random_tensor(ParamSpec("s", scale_shape(shape, b), "fp8_scale", block=b), g, "cpu",
+                                           torch.float32), b)
+        return x, ids, w, f8((E, 2 * I, D)), f8((E, D, I))
+    return x, ids, w, torch.randn(E, 2 * I, D, generator=g) / 8, torch.randn(E, D, I, generator=g) / 6
+
+
+def _kernels():
+    from megadecode.kernels import fp8_experts, fused_experts, grouped_experts
+
+    return {
+        "grouped": lambda *a, **kw: grouped_experts.grouped_experts(*a, grouped=True, **kw),
+        "per-pair": lambda *a, **kw: grouped_experts.grouped_experts(*a, grouped=False, **kw),
+        "fused": fused_experts.fused_experts,
+        "fp8": fp8_experts.fp8_experts,
+        "mx-grouped": lambda *a: grouped_experts.grouped_experts(*a, act="situ", grouped=True),
+        "mx-per-pair": lambda *a: grouped_experts.grouped_experts(*a, act="situ", grouped=False),
+        "mx-fused": lambda *a: fused_experts.fused_experts(*a, act="situ"),
+    }
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch-grouped", "grouped", "per-pair", "fused", "fp8", "mx-grouped",
+                                  "mx-per-pair", "mx-fused", "mx-reference"])
+def test_pairs_with_id_minus_one_are_skipped(impl):
+    """Every routed-experts implementation: ids -1 contribute nothing (the same as a zero router weight), the others
+    are untouched; with an fp32 `out` the kernels return the unrounded sums."""
+    mx, fp8 = impl.startswith("mx-"), impl == "fp8"
+    x, ids, w, gu, dn = _problem(mx, fp8)
+    skip = ids.masked_fill(ids >= 4, -1)
+    if mx:
+        want = latent_experts(x, ids, w * (ids < 4), gu, dn)
+        fn = (lambda *a: latent_experts(*a)) if impl == "mx-reference" else _kernels()[impl]
+        got = fn(x, skip, w, gu, dn)
+    else:
+        want = experts_reference(x, ids, w * (ids < 4), gu, dn)
+        if impl == "reference":
+            got = experts_reference(x, skip, w, gu, dn)
+        elif impl == "torch-grouped":
+            got = experts_grouped(x, skip, w, gu, dn)
+        else:
+            got = _kernels()[impl](x, skip, w, gu, dn, out=torch.empty(x.shape))
+    scale = want.abs().max()
+    assert scale > 0 and ((got - want).abs().max() / scale) < 1e-4, impl
+
+
+def test_a_token_with_no_local_pair_gets_zeros():
+    from megadecode.kernels.grouped_experts import grouped_experts
+
+    x, ids, w, gu, dn = _problem(False)
+    none = torch.full_like(ids, -1)
+    for grouped in (False, True):
+        assert torch.equal(grouped_experts(x, none, w, gu, dn, grouped=grouped), torch.zeros_like(x))
+    assert torch.equal(experts_grouped(x, none, w, gu, dn), torch.zeros_like(x))
+
+
+# ---- weights and checkpoints per rank -----------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", [*PRESETS, "tiny-qwen3-moe-fp8"])
+def test_random_weights_of_a_rank_are_the_slice_and_nothing_more(preset, monkeypatch):
+    """A rank draws the values the whole model holds for its experts, never a whole expert stack (every draw of a
+    stacked tensor is one expert), and holds E / world experts per layer."""
+    from megadecode import weights as W
+
+    cfg = preset_config(preset)
+    full = random_weights(cfg)
+    stacks = {s.shape for s in param_specs(cfg).values() if s.stacked}
+    drawn = []
+    real = W.random_tensor
+    monkeypatch.setattr(W, "random_tensor", lambda spec, *a: drawn.append(spec.shape) or real(spec, *a))
+    for world in (2, 4):
+        for r in range(world):
+            shard = ExpertShard(cfg.num_experts, world, r)
+            mine = random_weights(cfg, shard=shard)
+            for name, spec in param_specs(cfg).items():
+                want = full[name][shard.lo:shard.hi] if spec.stacked else full[name]
+                assert mine[name].shape == want.shape and torch.equal(mine[name].view(torch.uint8),
+                                                                      want.view(torch.uint8)), name
+            held = sum(t.numel() * t.element_size() for t in mine.values())
+            assert held == weight_bytes(cfg, 4, shard)["total"]
+    assert drawn and not stacks & set(drawn)
+
+
+def _strip_experts(ckpt: Path, experts: range, layer: int) -> None:
+    """Delete the checkpoint tensors of `experts` of one layer (hub layout, per expert), as a broken download would."""
+    from safetensors.torch import load_file, save_file
+
+    pat = re.compile(rf"model\.layers\.{layer}\.mlp\.experts\.(\d+)\.")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(ckpt / f))
+        keep = {n: t for n, t in tensors.items() if not ((m := pat.match(n)) and int(m.group(1)) in experts)}
+        save_file(keep, str(ckpt / f), metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items()
+                           if not ((m := pat.match(n)) and int(m.group(1)) in experts)}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _recorded_reads(monkeypatch) -> list:
+    reads = []
+    real = _Reader.__call__
+
+    def record(self, name, kind, rows=None):
+        reads.append((name, rows))
+        return real(self, name, kind, rows)
+
+    monkeypatch.setattr(_Reader, "__call__", record)
+    return reads
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "stacked"])
+def test_checkpoint_rank_reads_only_its_experts(layout, tiny_ckpt, tmp_path, monkeypatch):
+    """Per-expert tensors of other ranks are never read; a stacked tensor is read as the rank's rows only."""
+    from safetensors.torch import save_file
+
+    if layout == "per-expert":
+        ckpt = tiny_ckpt("tiny-qwen3-moe")
+    else:  # transformers' own names: experts stacked in the file
+        ckpt = tmp_path / "stacked"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps(preset_hf_config("tiny-qwen3-moe")))
+        save_file({n: t.contiguous() for n, t in random_weights(preset_config("tiny-qwen3-moe")).items()},
+                  str(ckpt / "model.safetensors"))
+    cfg, full = load_weights(ckpt)
+    reads = _recorded_reads(monkeypatch)
+    shard = ExpertShard(cfg.num_experts, 2, 1)
+    _, mine = load_weights(ckpt, shard=shard)
+    for name, spec in param_specs(cfg).items():
+        want = full[name][shard.lo:shard.hi] if spec.stacked else full[name]
+        assert torch.equal(mine[name], want), name
+    expert_reads = [(n, rows) for n, rows in reads if ".experts." in n]
+    assert expert_reads
+    if layout == "per-expert":
+        assert all(shard.owns(int(n.split(".experts.")[1].split(".")[0])) for n, _ in expert_reads)
+    else:
+        assert all(rows == (shard.lo, shard.hi) for _, rows in expert_reads)
+
+
+def test_checkpoint_missing_a_ranks_experts_names_the_rank(tiny_ckpt):
+    ckpt = tiny_ckpt("tiny-qwen3-moe")
+    _strip_experts(ckpt, range(4, 8), layer=0)
+    cfg = preset_config("tiny-qwen3-moe")
+    load_weights(ckpt, shard=ExpertShard(cfg.num_experts, 2, 0))  # rank 0's experts are all there
+    with pytest.raises(CheckpointError, match=r"missing 8 expert tensors for 'model\.layers\.0\.mlp\.experts\."
+                                              r"gate_up_proj' \(rank 1 of 2 holds experts 4\.\.7\)"):
+        load_weights(ckpt, shard=ExpertShard(cfg.num_experts, 2, 1))
+
+
+# ---- the combine ----------------------------------------------------------------------------------------------------
+def test_combine_mode_is_read_from_measurements(tmp_path, monkeypatch):
+    monkeypatch.setattr(combine, "MODES_DIR", tmp_path)
+    combine._modes_file.cache_clear()
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "world": {"2": {"N=3584": {"1": "all-gather", "8": "all-gather",
+                                                             "64": "all-to-all"}}}}))
+    try:
+        ep = ExpertParallel(ExpertShard(896, 2, 0), device_name="NVIDIA H200")
+        # the entry of the smallest measured batch >= the batch (kernels/tuning.py's rule), else the largest
+        assert [ep.mode_for(b, 3584) for b in (1, 8, 9, 64, 500)] == ["all-gather"] * 2 + ["all-to-all"] * 3
+        assert ep.mode_for(1, 2048) == "all-gather"  # no measurement for this width: the default
+        assert ExpertParallel(ExpertShard(896, 4, 0), device_name="NVIDIA H200").mode_for(64, 3584) == "all-gather"
+        assert ExpertParallel(ExpertShard(896, 2, 0), mode="all-to-all").mode_for(1, 3584) == "all-to-all"
+        (tmp_path / "nvidia-h200.json").write_text(json.dumps({"world": {"2": {"N=1": {"1": "all-reduce"}}}}))
+        combine._modes_file.cache_clear()
+        with pytest.raises(ValueError, match="malformed combine-mode file"):
+            ep.mode_for(1, 1)
+    finally:
+        combine._modes_file.cache_clear()
+
+
+def test_one_rank_combine_is_the_identity_and_comm_off_skips_it():
+    x = torch.randn(3, 5)
+    assert ExpertParallel(ExpertShard(8, 1, 0)).combine(x) is x
+    ep = ExpertParallel(ExpertShard(8, 2, 0))
+    ep.comm = False
+    assert ep.combine(x) is x
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_ep_not_dividing_the_experts_is_one_error_line(capsys):
+    code = cli.main(["generate", "--model", "tiny-qwen3-moe", "--ep", "3", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("megadecode: error: --ep 3: ") and "(1, 2, 4, 8)" in err[0]
+
+
+TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "LOCAL_RANK": "0"}
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_torchrun_world_size_must_equal_ep(monkeypatch, capsys, rank, printed):
+    """Under torchrun every rank checks the same arguments; rank 0 alone reports (no duplicate lines)."""
+    for k, v in {**TORCHRUN_ENV, "RANK": rank, "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    code = cli.main(["generate", "--model", "tiny-qwen3-moe", "--ep", "4", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    if printed:
+        assert "megadecode: error: torchrun started 2 processes (WORLD_SIZE) but --ep is 4" in err
+    else:
+        assert err == ""
+
+
+def test_the_instruction_stream_executors_refuse_expert_parallelism():
+    cfg = preset_config("tiny-qwen3-moe")
+    shard = ExpertShard(cfg.num_experts, 2, 0)
+    weights = random_weights(cfg, shard=shard)
+    for executor in ("pyvm", "mega"):
+        with pytest.raises(ValueError, match="no collective"):
+            Engine(cfg, weights, executor=executor, parallel=ExpertParallel(shard))
+
+
+def test_every_command_with_ranks_has_ep_flags():
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for cmd in ("generate", "bench", "serve"):
+        flags = {o for a in subs[cmd]._actions for o in a.option_strings}
+        assert {"--ep", "--dist-timeout"} <= flags, cmd
+
+
+def test_ranks_error_prefix(monkeypatch):
+    monkeypatch.setattr(ranks, "_joined", False)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert ranks.error_prefix() == ""
+    for k, v in {**TORCHRUN_ENV, "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    assert ranks.error_prefix() is None  # before the ranks connect: rank 0 reports the same error
+    monkeypatch.setattr(ranks, "_joined", True)
+    assert ranks.error_prefix() == "rank 1: "
+
+
+# ---- the launcher -------------------------------------------------------------------------------------------------
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", "import os, sys, time\nr = int(os.environ['RANK'])\n" + body]
+
+
+def test_launcher_sets_torchrun_variables_and_returns_zero(tmp_path):
+    body = (f"open(os.path.join({str(tmp_path)!r}, 'r%d' % r), 'w').write("
+            "' '.join(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR')))")
+    assert launch.spawn([], 3, cmd=_script(body), grace_s=1) == 0
+    assert [(tmp_path / f"r{r}").read_text() for r in range(3)] == [f"{r} {r} 3 127.0.0.1" for r in range(3)]
+
+
+def test_launcher_stops_the_other_ranks_when_one_fails():
+    t = time.monotonic()
+    code = launch.spawn([], 2, cmd=_script("sys.exit(3) if r == 1 else time.sleep(120)"), grace_s=1)
+    assert code == 3 and time.monotonic() - t < 15
+
+
+# ---- whole runs: 2 and 4 ranks against one process ----------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def one_process(preset: str, executor: str = "torch", new_tokens: int = ep_workers.NEW_TOKENS) -> list[list[int]]:
+    engine = Engine.from_pretrained(preset, executor=executor, max_batch=len(ep_workers.PROMPTS), max_seq_len=32)
+    res = engine.generate(ep_workers.PROMPTS, new_tokens, SamplingParams(greedy=True), stop_at_eos=False)
+    return res.token_ids
+
+
+def _run_ranks(tmp_path: Path, world: int, *scenarios: str) -> tuple[int, list[dict]]:
+    code = launch.spawn([str(tmp_path), *scenarios], world, cmd=[sys.executable, str(HERE / "ep_workers.py")],
+                        grace_s=5)
+    return code, [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check_tokens_and_shards(results: list[dict], world: int) -> None:
+    for preset in PRESETS:
+        cfg = preset_config(preset)
+        per_rank = cfg.num_experts // world
+        want = one_process(preset)
+        for r, res in enumerate(results):
+            got = res["tokens"][preset]
+            assert got["tokens"] == want, (preset, r)
+            assert all(shape[0] == per_rank for shape in got["stacked"].values()), (preset, r)
+            whole = sum(math.prod(s.shape) for s in param_specs(cfg).values())
+            others = sum((cfg.num_experts - per_rank) * math.prod(s.shape[1:])
+                         for s in param_specs(cfg).values() if s.stacked)
+            assert got["numel"] == whole - others, (preset, r)  # the other ranks' experts are nowhere
+
+
+def test_two_ranks_match_one_process(tmp_path, tiny_ckpt):
+    """tokens (torch, graph, fused executors), both combine modes, an agreed load failure, serving in lockstep and a
+    rank that dies: one process group of 2 ranks."""
+    broken = tiny_ckpt("tiny-qwen3-moe")
+    _strip_experts(broken, range(4, 8), layer=2)
+    code, results = _run_ranks(tmp_path, 2, "tokens", "graph", "fused", "modes", f"missing:{broken}", "serve", "die")
+    assert code == 3  # rank 1's exit in the last scenario
+    _check_tokens_and_shards(results, 2)
+    assert results[0]["graph"]["tiny-qwen3-moe"]["tokens"] == one_process("tiny-qwen3-moe")
+    for preset in ("tiny-deepseek-v3", "tiny-k3"):
+        assert results[0]["fused"][preset]["tokens"] == one_process(preset, new_tokens=ep_workers.FAST_TOKENS)
+    for res in results:
+        assert all(v == {"modes_equal": True, "rank_order": True} for v in res["modes"].values())
+        # rank 0 loaded its experts; rank 1 could not, and every rank stops with rank 1's message
+        assert res["missing"]["error"].startswith("rank 1: checkpoint ") and "rank 1 of 2 holds experts 4..7" in \
+            res["missing"]["error"]
+    serve = [one_process_single(tuple(p), n) for p, n in zip(ep_workers.SERVE_PROMPTS, ep_workers.SERVE_TOKENS)]
+    assert results[0]["serve"]["tokens"] == serve
+    assert results[1]["serve"]["followed"] >= sum(ep_workers.SERVE_TOKENS) - len(serve)  # its decode steps, at least
+    died = results[0]["die"]
+    assert died["error"] is not None and died["seconds"] < 30
+
+
+@functools.lru_cache(maxsize=None)
+def one_process_single(prompt: tuple, new_tokens: int) -> list[int]:
+    engine = Engine.from_pretrained("tiny-qwen3-moe", max_batch=1, max_seq_len=32)
+    return engine.generate([list(prompt)], new_tokens, SamplingParams(greedy=True), stop_at_eos=False).token_ids[0]
+
+
+def test_four_ranks_match_one_process(tmp_path):
+    code, results = _run_ranks(tmp_path, 4, "tokens")
+    assert code == 0
+    _check_tokens_and_shards(results, 4)
+
+
+def test_generate_under_torchrun_matches_one_process():
+    """The command line as a user runs it across nodes: torchrun starts the ranks, rank 0 prints the JSON."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ids = ",".join(map(str, ep_workers.PROMPTS[0]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(launch.free_port()), "-m", "megadecode", "generate",
+           "--model", "tiny-deepseek-v3", "--ep", "2", "--greedy", "--json", "--max-new-tokens", "5",
+           "--token-ids", ids, "--dist-timeout", "60"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)  # rank 0's one JSON object, nothing else on stdout
+    engine = Engine.from_pretrained("tiny-deepseek-v3", max_batch=1, max_seq_len=32)
+    want = engine.generate([ep_workers.PROMPTS[0]], 5, SamplingParams(greedy=True)).token_ids
+    assert doc["ep"] == 2 and doc["token_ids"] == want
