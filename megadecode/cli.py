@@ -240,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         if prefix is not None and not (isinstance(e, RankFailed) and prefix):
             print(f"megadecode: error: {prefix}{e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # expert parallelism: a collective failed because another rank is gone
+        lost = ranks.peer_failure(e)
+        if lost is None:
+            raise
+        print(f"megadecode: error: {lost}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as e:  # an optional dependency this command needs
         if (e.name or "").split(".")[0] in serve_command.DEPS:  # `megadecode serve` without the serve extra
             print(f"megadecode: error: {e}", file=sys.stderr)

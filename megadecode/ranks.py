@@ -86,3 +86,21 @@ def error_prefix() -> str | None:
 
 def leader() -> bool:
     return group.rank() == 0
+
+
+# What torch.distributed raises when a peer is gone or silent (gloo: a RuntimeError naming the closed connection;
+# DistError subclasses for the store and network). NCCL's watchdog aborts the process itself at the timeout.
+_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "timed out")
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """The one-line report of a collective that failed because another rank stopped or hung, or None (not that)."""
+    import torch.distributed as dist
+
+    if not _joined or not isinstance(e, RuntimeError):
+        return None
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, getattr(dist, "DistError", ())) or any(sign in text for sign in _PEER_SIGNS):
+        return (f"rank {group.rank()}: another rank stopped or stopped answering (its own error, if any, is printed "
+                f"above or by torchrun): {text[:200]}")
+    return None

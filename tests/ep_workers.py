@@ -122,8 +122,12 @@ def die(ep, out: Path, results: dict) -> dict:
     t = time.monotonic()
     try:
         engine.generate([[256, 1]], 8, SamplingParams(greedy=True))
-    except Exception as e:  # noqa: BLE001 - what the survivor sees
-        return {"error": f"{type(e).__name__}: {e}"[:300], "seconds": time.monotonic() - t}
+    except Exception as e:  # noqa: BLE001 - what the survivor sees, and what the command line would print
+        from megadecode import ranks
+
+        ranks._joined = True
+        return {"error": f"{type(e).__name__}: {e}"[:300], "report": ranks.peer_failure(e),
+                "seconds": time.monotonic() - t}
     return {"error": None, "seconds": time.monotonic() - t}
 
 

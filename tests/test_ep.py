@@ -305,6 +305,15 @@ def test_ranks_error_prefix(monkeypatch):
     assert ranks.error_prefix() == "rank 1: "
 
 
+def test_a_lost_peer_is_one_line_and_other_errors_keep_their_traceback(monkeypatch):
+    monkeypatch.setattr(ranks, "_joined", True)
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29612. This is ...")
+    assert ranks.peer_failure(gone).endswith("Connection closed by peer [127.0.0.1]:29612. This is ...")
+    assert ranks.peer_failure(RuntimeError("shape mismatch")) is None  # a bug: the traceback stays
+    monkeypatch.setattr(ranks, "_joined", False)
+    assert ranks.peer_failure(gone) is None  # one process: nothing to blame on a peer
+
+
 # ---- the launcher -------------------------------------------------------------------------------------------------
 def _script(body: str) -> list[str]:
     return [sys.executable, "-c", "import os, sys, time\nr = int(os.environ['RANK'])\n" + body]
@@ -373,6 +382,7 @@ def test_two_ranks_match_one_process(tmp_path, tiny_ckpt):
     assert results[1]["serve"]["followed"] >= sum(ep_workers.SERVE_TOKENS) - len(serve)  # its decode steps, at least
     died = results[0]["die"]
     assert died["error"] is not None and died["seconds"] < 30
+    assert died["report"].startswith("rank 0: another rank stopped")  # the command line's one line
 
 
 @functools.lru_cache(maxsize=None)

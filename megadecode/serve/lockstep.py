@@ -47,7 +47,10 @@ class Leader:
         self._send("clear", slot)
 
     def stop(self) -> None:
-        self._send("stop")
+        try:
+            self._send("stop")
+        except Exception:  # noqa: BLE001 - the others are gone already (stopped by the same signal, or failed)
+            pass
 
     def lost(self, error: Exception) -> None:
         raise LockstepLost(f"a step published to the other ranks failed on rank 0 ({type(error).__name__}: {error}); "
