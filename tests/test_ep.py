@@ -251,6 +251,69 @@ def test_one_rank_combine_is_the_identity_and_comm_off_skips_it():
     assert ep.combine(x) is x
 
 
+# ---- measuring: bench --ep, bench/ep_bench.py, the k3-ep preset ---------------------------------------------------
+def test_bench_counts_a_ranks_own_experts():
+    """Per-GPU bytes count the experts of the rank: at the first MoE layer (before the ranks' activations would
+    differ without their combine) the two ranks' counts add up to one process's."""
+    from megadecode import bench
+
+    cfg = preset_config("tiny-qwen3-moe")
+    tokens = torch.tensor([1, 2, 3, 4])
+
+    def counts(parallel):
+        shard = None if parallel is None else parallel.shard
+        eng = Engine(cfg, random_weights(cfg, shard=shard), max_batch=4, max_seq_len=16, parallel=parallel)
+        eng.lengths = [3] * 4
+        return bench.distinct_experts(eng, tokens)
+
+    ranks_ = []
+    for r in range(2):
+        par = ExpertParallel(ExpertShard(cfg.num_experts, 2, r))
+        par.comm = False  # one process: no collective
+        ranks_.append(counts(par))
+    assert ranks_[0][0] + ranks_[1][0] == counts(None)[0] > 0
+
+
+def test_bench_table_shows_communication_per_layer():
+    from megadecode import bench
+
+    row = {"preset": "k3-ep", "executor": "fused", "batch": 1, "context": 8, "ms_per_step": 10.0,
+           "tokens_per_s": 100.0, "bytes_per_step": 30e9, "floor_ms": 6.5, "mbu": 0.65, "ep": 2,
+           "comm_ms_per_layer": 0.0123, "comm_share": 0.0148}
+    table = bench.format_table([row])
+    assert "GB/GPU" in table.splitlines()[0] and "comm ms/layer" in table and "0.0123" in table and "1.5%" in table
+
+
+def test_ep_bench_writes_the_modes_file_the_combine_reads(tmp_path, monkeypatch):
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import ep_bench
+
+    monkeypatch.setattr(combine, "MODES_DIR", tmp_path)
+    combine._modes_file.cache_clear()
+    try:
+        path = combine.modes_path("NVIDIA H200")
+        ep_bench.merge_modes(path, "NVIDIA H200", 2, 3584, {1: "all-gather", 64: "all-to-all"}, [], "cmd")
+        ep_bench.merge_modes(path, "NVIDIA H200", 2, 2048, {1: "all-to-all"}, [], "cmd")
+        assert combine.measured_mode("NVIDIA H200", 2, 3584, 1) == "all-gather"
+        assert combine.measured_mode("NVIDIA H200", 2, 3584, 33) == "all-to-all"
+        assert combine.measured_mode("NVIDIA H200", 2, 2048, 1) == "all-to-all"
+        assert combine.measured_mode("NVIDIA H200", 4, 3584, 1) is None
+    finally:
+        combine._modes_file.cache_clear()
+
+
+def test_k3_ep_preset_outgrows_one_h200_and_fits_two():
+    H200 = 141e9  # NVIDIA's H200 datasheet: 141 GB of HBM3e
+    cfg = preset_config("k3-ep")
+    assert cfg.num_experts == 896 and all(cfg.moe_layers) and cfg.num_layers >= 10
+    assert cfg.hidden_size == 7168 and cfg.latent_size == 3584 and cfg.moe_intermediate_size == 3072
+    from megadecode.cache import cache_bytes
+
+    assert weight_bytes(cfg, 2)["total"] > H200
+    per_gpu = weight_bytes(cfg, 2, ExpertShard(896, 2, 0))["total"] + cache_bytes(cfg, 65, 1100, torch.bfloat16)
+    assert per_gpu < 0.85 * H200  # bench --batch 64 --context 1024: room left for activations and graph pools
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def test_ep_not_dividing_the_experts_is_one_error_line(capsys):
     code = cli.main(["generate", "--model", "tiny-qwen3-moe", "--ep", "3", "--max-new-tokens", "2"])
