@@ -314,6 +314,19 @@ def test_k3_ep_preset_outgrows_one_h200_and_fits_two():
     assert per_gpu < 0.85 * H200  # bench --batch 64 --context 1024: room left for activations and graph pools
 
 
+def test_ep_model_reproduces_its_calibration_and_the_memory_bound():
+    """bench/ep_model.py (docs/ep-model.md): one GPU at batch 1 is the measured k3-mini step by construction; the
+    full K3 with a replicated trunk fits H200s only from 56 GPUs (the divisor of 896 past 1446 GB / 29 GB)."""
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import ep_model
+
+    assert abs(ep_model.step(preset_config("k3-mini"), 1, 1, 1024)["ms"] - 3.73) < 0.05
+    full = ep_model.k3()
+    fits = [G for G in (28, 32, 56, 64) if ep_model.step(full, G, 1, 1024)["fits"]]
+    assert fits == [56, 64]
+    assert ep_model.busiest_rank_experts(1, 1) == 16 and 2 <= ep_model.busiest_rank_experts(1, 16) <= 5
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def test_ep_not_dividing_the_experts_is_one_error_line(capsys):
     code = cli.main(["generate", "--model", "tiny-qwen3-moe", "--ep", "3", "--max-new-tokens", "2"])
