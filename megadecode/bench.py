@@ -122,6 +122,8 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
         dist.all_gather_object(every, nbytes, group=ep.control)
         nbytes = max(every)
         del engine
+        gc.collect()
+        torch.cuda.empty_cache()
         parallel.comm = False
         try:
             quiet, _ = time_decode(engine_of(), batch, args.context, args.warmup, args.steps, args.seed)

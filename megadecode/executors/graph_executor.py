@@ -110,6 +110,8 @@ class GraphExecutor(TorchExecutor):
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip((t for n in sorted(self.cache.state_layers) for t in self.cache[n]), saved):
             t.copy_(s)  # RESTORE_KDA_STATE
+        if self.parallel is not None:  # no NCCL work of the warm-up still in flight while the combines are captured
+            torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._flagged_step(static)
