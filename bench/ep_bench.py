@@ -5,7 +5,7 @@ Run under torchrun, one process per GPU:
     torchrun --nproc-per-node 2 bench/ep_bench.py --batch 1,8,64 --width 3584 \\
         --out bench/results/ep-combine-nvidia-h200-x2.json --write-modes
 
-For each batch T and mode (parallel/combine.py: all-gather, all-to-all) it captures LAYERS combines of fp32
+For each batch T and mode (parallel/combine.py: all-gather, reduce-scatter) it captures LAYERS combines of fp32
 partials [T, width] in one CUDA graph (NCCL inside the graph, as the decode step runs them) and times its replay
 with CUDA events (median of --reps after --warmup replays, the ranks replaying in step), then reports ms per
 combine and the faster mode. Both modes are checked to give the same bits as the rank-order sum before timing.
@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from megadecode.measure import git_sha, int_list
 from megadecode.parallel import group
-from megadecode.parallel.combine import ALL_GATHER, ALL_TO_ALL, MODES, all_to_all_combine, gather_combine, modes_path
+from megadecode.parallel.combine import ALL_GATHER, MODES, REDUCE_SCATTER, gather_combine, modes_path, scatter_combine
 from megadecode.parallel.combine import sum_in_rank_order
 
-FNS = {ALL_GATHER: gather_combine, ALL_TO_ALL: all_to_all_combine}
+FNS = {ALL_GATHER: gather_combine, REDUCE_SCATTER: scatter_combine}
 LAYERS = 16  # combines per graph: per-combine time is the replay over LAYERS, launch costs amortized as in a step
 
 
@@ -109,9 +109,9 @@ def main() -> int:
         command = shlex.join(["torchrun", f"--nproc-per-node={ep.world}", *sys.argv])
         print(f"{gpu} x {ep.world}, fp32 partials of width {args.width}, {LAYERS} combines per CUDA graph, "
               f"median of {args.reps} replays")
-        print(f"{'batch':>5} {'all-gather ms':>14} {'all-to-all ms':>14} faster")
+        print(f"{'batch':>5} {'all-gather ms':>14} {'reduce-scatter ms':>17} faster")
         for r in rows:
-            print(f"{r['batch']:>5} {r['all-gather_ms']:>14.4f} {r['all-to-all_ms']:>14.4f} {r['faster']}")
+            print(f"{r['batch']:>5} {r['all-gather_ms']:>14.4f} {r['reduce-scatter_ms']:>17.4f} {r['faster']}")
         if args.out:
             nccl = torch.cuda.nccl.version()
             doc = {"gpu": gpu, "world": ep.world, "torch": torch.__version__,

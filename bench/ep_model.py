@@ -95,7 +95,7 @@ def combine_us(G: int, B: int, width: int, mode: str) -> float:
     row = B * width * 4
     if mode == "all-gather":
         return allgather_us(row, G)
-    block = math.ceil(B / G) * width * 4  # all-to-all of row blocks, then an all-gather of the summed blocks
+    block = math.ceil(B / G) * width * 4  # reduce-scatter (an all-to-all of row blocks), then an all-gather
     return 2 * allgather_us(block, G)
 
 
@@ -112,7 +112,7 @@ def step(cfg, G: int, B: int, context: int, tp: int = 1) -> dict:
     eff = MEASURED_MBU[min(MEASURED_MBU, key=lambda b: abs(b - B))]
     hbm_ms = nbytes / (HBM_READ_BPS * eff) * 1e3
     width = cfg.latent_size or cfg.hidden_size
-    comm = {m: moe * combine_us(G, B, width, m) / 1e3 for m in ("all-gather", "all-to-all")}
+    comm = {m: moe * combine_us(G, B, width, m) / 1e3 for m in ("all-gather", "reduce-scatter")}
     mode = min(comm, key=comm.get)
     tp_ms = 2 * cfg.num_layers * allreduce_us(B * cfg.hidden_size * 2, tp) / 1e3
     ms = hbm_ms + comm[mode] + tp_ms
@@ -150,7 +150,7 @@ def check(path: str, baseline: str | None) -> None:
         base = one.get((r["preset"], r["executor"], B))
         eff = base["mbu"] if base else MEASURED_MBU[min(MEASURED_MBU, key=lambda b: abs(b - B))]
         width = cfg.latent_size or cfg.hidden_size
-        comm = {m: combine_us(G, B, width, m) for m in ("all-gather", "all-to-all")}
+        comm = {m: combine_us(G, B, width, m) for m in ("all-gather", "reduce-scatter")}
         layer_us = min(comm.values())
         model = r["bytes_per_step"] / (HBM_READ_BPS * eff) * 1e3 + moe * layer_us / 1e3
         measured_comm = r.get("comm_ms_per_layer")

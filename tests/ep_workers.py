@@ -30,7 +30,7 @@ torch.set_num_threads(1)
 
 from megadecode.engine import Engine  # noqa: E402
 from megadecode.parallel import group  # noqa: E402
-from megadecode.parallel.combine import ExpertParallel, all_to_all_combine, gather_combine, sum_in_rank_order  # noqa: E402
+from megadecode.parallel.combine import ExpertParallel, scatter_combine, gather_combine, sum_in_rank_order  # noqa: E402
 from megadecode.parallel.experts import ExpertShard  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.sampling import SamplingParams  # noqa: E402
@@ -66,7 +66,7 @@ def modes(ep) -> dict:
             return torch.randn(T, 12, generator=torch.Generator().manual_seed(1000 * T + r))
 
         x = partial(ep.rank)
-        a, b = gather_combine(x, ep.world, ep.group), all_to_all_combine(x, ep.world, ep.group)
+        a, b = gather_combine(x, ep.world, ep.group), scatter_combine(x, ep.world, ep.group)
         want = sum_in_rank_order(torch.stack([partial(r) for r in range(ep.world)]))
         out[T] = {"modes_equal": torch.equal(a, b), "rank_order": torch.equal(a, want)}
     return out

@@ -227,14 +227,14 @@ def test_combine_mode_is_read_from_measurements(tmp_path, monkeypatch):
     combine._modes_file.cache_clear()
     (tmp_path / "nvidia-h200.json").write_text(json.dumps(
         {"device": "NVIDIA H200", "world": {"2": {"N=3584": {"1": "all-gather", "8": "all-gather",
-                                                             "64": "all-to-all"}}}}))
+                                                             "64": "reduce-scatter"}}}}))
     try:
         ep = ExpertParallel(ExpertShard(896, 2, 0), device_name="NVIDIA H200")
         # the entry of the smallest measured batch >= the batch (kernels/tuning.py's rule), else the largest
-        assert [ep.mode_for(b, 3584) for b in (1, 8, 9, 64, 500)] == ["all-gather"] * 2 + ["all-to-all"] * 3
+        assert [ep.mode_for(b, 3584) for b in (1, 8, 9, 64, 500)] == ["all-gather"] * 2 + ["reduce-scatter"] * 3
         assert ep.mode_for(1, 2048) == "all-gather"  # no measurement for this width: the default
         assert ExpertParallel(ExpertShard(896, 4, 0), device_name="NVIDIA H200").mode_for(64, 3584) == "all-gather"
-        assert ExpertParallel(ExpertShard(896, 2, 0), mode="all-to-all").mode_for(1, 3584) == "all-to-all"
+        assert ExpertParallel(ExpertShard(896, 2, 0), mode="reduce-scatter").mode_for(1, 3584) == "reduce-scatter"
         (tmp_path / "nvidia-h200.json").write_text(json.dumps({"world": {"2": {"N=1": {"1": "all-reduce"}}}}))
         combine._modes_file.cache_clear()
         with pytest.raises(ValueError, match="malformed combine-mode file"):
@@ -292,11 +292,11 @@ def test_ep_bench_writes_the_modes_file_the_combine_reads(tmp_path, monkeypatch)
     combine._modes_file.cache_clear()
     try:
         path = combine.modes_path("NVIDIA H200")
-        ep_bench.merge_modes(path, "NVIDIA H200", 2, 3584, {1: "all-gather", 64: "all-to-all"}, [], "cmd")
-        ep_bench.merge_modes(path, "NVIDIA H200", 2, 2048, {1: "all-to-all"}, [], "cmd")
+        ep_bench.merge_modes(path, "NVIDIA H200", 2, 3584, {1: "all-gather", 64: "reduce-scatter"}, [], "cmd")
+        ep_bench.merge_modes(path, "NVIDIA H200", 2, 2048, {1: "reduce-scatter"}, [], "cmd")
         assert combine.measured_mode("NVIDIA H200", 2, 3584, 1) == "all-gather"
-        assert combine.measured_mode("NVIDIA H200", 2, 3584, 33) == "all-to-all"
-        assert combine.measured_mode("NVIDIA H200", 2, 2048, 1) == "all-to-all"
+        assert combine.measured_mode("NVIDIA H200", 2, 3584, 33) == "reduce-scatter"
+        assert combine.measured_mode("NVIDIA H200", 2, 2048, 1) == "reduce-scatter"
         assert combine.measured_mode("NVIDIA H200", 4, 3584, 1) is None
     finally:
         combine._modes_file.cache_clear()
@@ -352,13 +352,26 @@ def test_torchrun_world_size_must_equal_ep(monkeypatch, capsys, rank, printed):
         assert err == ""
 
 
-def test_the_instruction_stream_executors_refuse_expert_parallelism():
+def test_more_ranks_per_node_than_gpus_is_an_error_every_rank_sees(monkeypatch):
+    from megadecode.parallel import group
+
+    for k, v in {**TORCHRUN_ENV, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks per node need 2 GPUs .* this node has 1"):
+        group.init(2, "cuda", 60)
+
+
+def test_executors_without_expert_parallelism_refuse_it():
     cfg = preset_config("tiny-qwen3-moe")
     shard = ExpertShard(cfg.num_experts, 2, 0)
     weights = random_weights(cfg, shard=shard)
     for executor in ("pyvm", "mega"):
         with pytest.raises(ValueError, match="no collective"):
             Engine(cfg, weights, executor=executor, parallel=ExpertParallel(shard))
+    with pytest.raises(ValueError, match="compiled executor is not validated with expert parallelism"):
+        Engine(cfg, weights, executor="compiled", parallel=ExpertParallel(shard))
 
 
 def test_every_command_with_ranks_has_ep_flags():

@@ -139,6 +139,9 @@ class CompiledGraphExecutor(GraphExecutor):
             raise ValueError(f"the compiled executor is not validated for {plan.config.family!r} (in bf16 its "
                              f"fused math flipped a near-tied routing decision against the torch executor); "
                              f"use 'graph'")
+        if parallel is not None and parallel.world > 1:
+            raise ValueError("the compiled executor is not validated with expert parallelism (torch.compile over the "
+                             "combine's collectives was never run): use 'graph' or 'fused'")
         super().__init__(plan, weights, cache, parallel=parallel)
         self._compiled = torch.compile(super()._step_fn, dynamic=False)
 

@@ -13,15 +13,20 @@ copy of the activations, and ranks that disagreed by one ulp could pick differen
 same values in the same order, so they agree bit for bit (tests/test_ep.py).
 
 Modes (W ranks; bytes each rank receives for T tokens of N fp32 values):
-  all-gather  one all-gather of the partials [W, T, N]; each rank adds the W rows.
-              (W - 1) T N 4 bytes, one collective.
-  all-to-all  an all-to-all of row blocks (rank r receives every rank's partial of rows block r, ceil(T / W) rows:
-              a reduce-scatter whose sum is done here, in rank order), then an all-gather of the summed blocks.
-              2 (W - 1) ceil(T / W) N 4 bytes, two collectives.
-At decode batch sizes a collective's latency dominates its bytes, which favours all-gather; with more tokens or
-ranks all-to-all moves fewer bytes. Which mode runs at which batch is data measured on the GPU (MODES_DIR,
-written by `bench/ep_bench.py --combine`): {"device", "world": {W: {"N=<n>": {batch: mode}}}, "measured"}; the
-entry of the smallest measured batch >= T, else the largest; all-gather where there is no file.
+  all-gather      one all-gather of the partials [W, T, N]; each rank adds the W rows.
+                  (W - 1) T N 4 bytes, one collective.
+  reduce-scatter  a reduce-scatter, then an all-gather of its sums: rank r sums block r of the rows (ceil(T / W)
+                  rows) and the blocks are gathered. The reduce-scatter is an all-to-all of row blocks (rank r
+                  receives every rank's partial of block r) summed here in rank order, not NCCL's reduce-scatter,
+                  whose order is its own. 2 (W - 1) ceil(T / W) N 4 bytes, two collectives.
+With every rank holding every token, a MoE layer needs no dispatch (each rank already has the activations its
+experts read): its communication is this combine. In a scheme where each token lives on one rank (attention data
+parallel), the same two shapes are the issue's two options, the all-gather of tokens + reduce-scatter of results
+against an all-to-all of tokens to their experts' ranks and back. At decode batch sizes a collective's latency
+dominates its bytes, which favours one all-gather; with more tokens or ranks the reduce-scatter moves fewer bytes.
+Which mode runs at which batch is data measured on the GPU (MODES_DIR, written by `bench/ep_bench.py
+--write-modes`): {"device", "world": {W: {"N=<n>": {batch: mode}}}, "measured"}; the entry of the smallest measured
+batch >= T, else the largest; all-gather where there is no file.
 
 `comm = False` (measurement only: bench's communication-off run) skips the collectives: each rank keeps its own
 partial, so the results are wrong but the step does the same compute.
@@ -38,8 +43,8 @@ import torch.distributed as dist
 
 from .experts import ExpertShard
 
-ALL_GATHER, ALL_TO_ALL = "all-gather", "all-to-all"
-MODES = (ALL_GATHER, ALL_TO_ALL)
+ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
+MODES = (ALL_GATHER, REDUCE_SCATTER)
 MODES_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -58,13 +63,16 @@ def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
 
 
 def gather_combine(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """The all-gather mode: every rank's partial to every rank, summed here in rank order."""
     T, N = x.shape
     out = torch.empty((world * T, N), dtype=x.dtype, device=x.device)
     _all_gather(out, x, group)
     return sum_in_rank_order(out.view(world, T, N))
 
 
-def all_to_all_combine(x: torch.Tensor, world: int, group) -> torch.Tensor:
+def scatter_combine(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """The reduce-scatter mode: rank r sums rows block r of every rank's partial (all-to-all), in rank order; the
+    summed blocks are then all-gathered."""
     T, N = x.shape
     rows = -(-T // world)  # each rank sums one block of rows
     send = torch.zeros((world * rows, N), dtype=x.dtype, device=x.device)
@@ -112,7 +120,7 @@ def measured_mode(device_name: str | None, world: int, width: int, batch: int) -
 
 class ExpertParallel:
     """What a MoE op needs under expert parallelism: which experts are local (`shard`) and the combine of the ranks'
-    partial sums. `mode`: ALL_GATHER or ALL_TO_ALL for every batch, None to choose per batch (measured_mode)."""
+    partial sums. `mode`: ALL_GATHER or REDUCE_SCATTER for every batch, None to choose per batch (measured_mode)."""
 
     def __init__(self, shard: ExpertShard, group=None, device_name: str | None = None, mode: str | None = None):
         if mode is not None and mode not in MODES:
@@ -139,7 +147,7 @@ class ExpertParallel:
         if self.world == 1 or not self.comm:
             return partial
         x = partial.float().contiguous()
-        fn = gather_combine if self.mode_for(x.shape[0], x.shape[1]) == ALL_GATHER else all_to_all_combine
+        fn = gather_combine if self.mode_for(x.shape[0], x.shape[1]) == ALL_GATHER else scatter_combine
         return fn(x, self.world, self.group)
 
     def check_same(self, t: torch.Tensor, what: str) -> None:

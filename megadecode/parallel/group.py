@@ -85,9 +85,10 @@ def init(ep: int, device: str, timeout_s: float) -> EPGroup | None:
     if str(device).startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA GPU is available")
-        if local >= torch.cuda.device_count():
-            raise ValueError(f"rank {r} runs on GPU {local} (LOCAL_RANK), but this node has "
-                             f"{torch.cuda.device_count()} GPUs: start at most that many processes per node")
+        per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", local + 1)), local + 1)
+        if per_node > torch.cuda.device_count():  # the same on every rank of the node: rank 0 reports it
+            raise ValueError(f"{per_node} ranks per node need {per_node} GPUs (one each, GPU LOCAL_RANK), but this "
+                             f"node has {torch.cuda.device_count()}: start at most that many processes per node")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
         dist.init_process_group("nccl", rank=r, world_size=world, timeout=timeout, device_id=dev)
