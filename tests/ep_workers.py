@@ -131,6 +131,24 @@ def die(ep, out: Path, results: dict) -> dict:
     return {"error": None, "seconds": time.monotonic() - t}
 
 
+def strip_experts(ckpt: Path, experts: range, layer: int) -> None:
+    """Delete the checkpoint tensors of `experts` of one layer (hub layout, per expert), as a broken download would
+    (a helper of the tests, not a scenario)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    pat = re.compile(rf"model\.layers\.{layer}\.mlp\.experts\.(\d+)\.")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(ckpt / f))
+        keep = {n: t for n, t in tensors.items() if not ((m := pat.match(n)) and int(m.group(1)) in experts)}
+        save_file(keep, str(ckpt / f), metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items()
+                           if not ((m := pat.match(n)) and int(m.group(1)) in experts)}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def write(out: Path, rank: int, results: dict) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -10,7 +10,7 @@ number of ranks, whichever mode moved the bytes; no collective's internal reduct
 all-reduce and reduce-scatter sum in an order set by the algorithm and protocol it picks, and gloo's differs
 again). Being the same on every rank matters beyond reproducibility: each rank routes the next layer on its own
 copy of the activations, and ranks that disagreed by one ulp could pick different experts. Both modes add the
-same values in the same order, so they agree bit for bit (tests/test_ep.py).
+same values in the same order, so they agree bit for bit (tests/test_ep.py, the `modes` scenario).
 
 Modes (W ranks; bytes each rank receives for T tokens of N fp32 values):
   all-gather      one all-gather of the partials [W, T, N]; each rank adds the W rows.
