@@ -22,7 +22,7 @@ def refuse_parallel(name: str, parallel) -> None:
     if parallel is not None and parallel.world > 1:
         raise ValueError(f"the {name} executor runs one process's whole model as one instruction stream, which has "
                          f"no collective to combine the ranks' experts: expert parallelism (--ep > 1) runs the "
-                         f"torch, graph, compiled or fused executors")
+                         f"torch, graph or fused executors")
 
 
 class PyVMExecutor(TorchExecutor):
