@@ -12,6 +12,12 @@ Bytes per step (what a step must read at least once): the trunk weights, every r
 by at least one sequence of the batch (counted per layer on one extra eager step), lm_head, and the KV
 cache the batch attends to. Embedding rows are negligible and left out. floor = bytes / HBM_READ_BPS,
 MBU = floor / measured.
+
+Expert parallelism (`--ep N`, one GPU per rank): every rank times the same steps. Bytes per GPU: the trunk, lm_head
+and the cache (replicated: every rank runs the whole trunk for the whole batch) plus the rank's own selected
+experts; the row reports the largest over the ranks (the GPU the step waits for), and MBU against it. Communication:
+the same steps again with the combines skipped (parallel/combine.py `comm = False`: same compute, wrong sums), and
+`comm_ms_per_layer` = (ms - ms without communication) / MoE layers, `comm_share` = that time over the step.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from . import ranks
 from .config import ModelConfig
 from .engine import Engine, resolve_dtype
 from .measure import (
@@ -51,7 +58,9 @@ def step_bytes(cfg: ModelConfig, distinct_experts_per_layer: list[int], batch: i
 
 def distinct_experts(engine: Engine, tokens: torch.Tensor) -> list[int]:
     """Run one eager decode step, built as `Engine.decode` builds it but without advancing
-    `engine.lengths`, and count per MoE layer the experts selected by at least one sequence."""
+    `engine.lengths`, and count per MoE layer the experts selected by at least one sequence (under expert
+    parallelism: those this rank holds)."""
+    shard = None if engine.parallel is None else engine.parallel.shard
     B, dev = len(engine.lengths), engine.device
     slots = torch.arange(B, device=dev)
     step = Step(tokens=tokens, positions=torch.tensor(engine.lengths, device=dev), slots=slots,
@@ -60,7 +69,10 @@ def distinct_experts(engine: Engine, tokens: torch.Tensor) -> list[int]:
 
     def hook(op, ctx):
         if op.kind == ROUTER:
-            counts.append(int(ctx.buf["topk_ids"].unique().numel()))
+            ids = ctx.buf["topk_ids"].unique()
+            if shard is not None:
+                ids = ids[(ids >= shard.lo) & (ids < shard.hi)]
+            counts.append(int(ids.numel()))
 
     with torch.inference_mode():
         engine.executor.run_ops(step, hook=hook)
@@ -91,14 +103,35 @@ def time_decode(engine: Engine, batch: int, context: int, warmup: int, steps: in
     return ms, distinct_experts(engine, tokens)
 
 
-def bench_one(cfg, weights, preset: str, executor: str, batch: int, args) -> dict:
+def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parallel=None, ep=None) -> dict:
     row = {"preset": preset, "executor": executor, "batch": batch, "context": args.context}
-    engine = Engine(cfg, weights, executor=executor, max_batch=batch,
-                    max_seq_len=args.context + args.warmup + args.steps + 8)
+
+    def engine_of():
+        return Engine(cfg, weights, executor=executor, max_batch=batch,
+                      max_seq_len=args.context + args.warmup + args.steps + 8, parallel=parallel)
+
+    engine = engine_of()
     ms, experts = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed)
     nbytes = step_bytes(cfg, experts, batch, args.context, engine.cache.bytes_per_token(),
                         torch.empty((), dtype=engine.dtype).element_size(),
                         engine.cache.state_bytes_per_sequence())
+    if parallel is not None:  # per GPU: the rank with the most bytes
+        import torch.distributed as dist
+
+        every: list = [None] * parallel.world
+        dist.all_gather_object(every, nbytes, group=ep.control)
+        nbytes = max(every)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        parallel.comm = False
+        try:
+            quiet, _ = time_decode(engine_of(), batch, args.context, args.warmup, args.steps, args.seed)
+        finally:
+            parallel.comm = True
+        moe_layers = sum(cfg.moe_layers)
+        row.update(ep=parallel.world, ms_no_comm=quiet, bytes_per_rank=every,
+                   comm_ms_per_layer=(ms - quiet) / max(moe_layers, 1), comm_share=(ms - quiet) / ms)
     floor_ms = nbytes / HBM_READ_BPS * 1e3
     row.update(ms_per_step=ms, tokens_per_s=batch / (ms / 1e3), bytes_per_step=nbytes, floor_ms=floor_ms,
                mbu=floor_ms / ms)
@@ -106,8 +139,11 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args) -> dic
 
 
 def format_table(rows: list[dict]) -> str:
+    ep = any("ep" in r for r in rows)
     head = f"{'preset':<16} {'executor':<8} {'batch':>5} {'context':>7} {'ms/step':>9} {'tok/s':>10} " \
            f"{'GB/step':>8} {'floor ms':>8} {'MBU':>6}"
+    if ep:  # per GPU; communication per MoE layer and its share of the step
+        head = head.replace("GB/step ", "GB/GPU  ") + f" {'comm ms/layer':>13} {'comm %':>6}"
     lines = [head]
     for r in rows:
         left = f"{r['preset']:<16} {r['executor']:<8} {r['batch']:>5} {r['context']:>7} "
@@ -115,8 +151,11 @@ def format_table(rows: list[dict]) -> str:
             err = r["error"] if len(r["error"]) <= 100 else r["error"][:97] + "..."
             lines.append(left + f"error: {err}")
         else:
-            lines.append(left + f"{r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f} "
-                         f"{r['bytes_per_step'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} {r['mbu']:>6.1%}")
+            line = left + f"{r['ms_per_step']:>9.3f} {r['tokens_per_s']:>10.1f} " \
+                          f"{r['bytes_per_step'] / 1e9:>8.3f} {r['floor_ms']:>8.3f} {r['mbu']:>6.1%}"
+            if "comm_ms_per_layer" in r:
+                line += f" {r['comm_ms_per_layer']:>13.4f} {r['comm_share']:>6.1%}"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -138,7 +177,9 @@ def add_parser(sub) -> None:
     p.add_argument("--weights", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="MoE-layer presets only: expert weight formats, comma-separated (k3-moe: mxfp4, bf16, "
                         "default both; qwen3-moe: bf16, fp8, default bf16)")
-    p.add_argument("--out", default=None, help="JSON path (default: bench/results/<preset>-<gpu>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: bench/results/<preset>-<gpu>.json; with --ep N, "
+                                               "<preset>-ep<N>-<gpu>.json)")
+    ranks.add_args(p)
     p.set_defaults(func=run)
 
 
@@ -148,6 +189,8 @@ def run(args, argv: list[str]) -> int:
     from . import bench_moe
     from .executors import EXECUTORS
 
+    if args.preset in bench_moe.MOE_PRESETS and args.ep != 1:
+        raise ValueError(f"--ep applies to the model presets; {args.preset} times one layer's experts on one GPU")
     if args.preset in bench_moe.MOE_PRESETS:
         formats = bench_moe.FORMATS[args.preset]
         bad = [w for w in args.weights or () if w not in formats]
@@ -171,21 +214,47 @@ def run(args, argv: list[str]) -> int:
     if need > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} + warm-up + steps needs {need} positions; "
                          f"{args.preset} allows {cfg.max_position_embeddings}")
+    ranks.check(cfg, args.ep)
+    if ranks.must_spawn(args.ep):
+        return ranks.spawn(argv, args.ep)
+    args.device = "cuda"
+    ep = ranks.join(args)
+    try:
+        return _bench(cfg, args, argv, ep)
+    finally:
+        if ep is not None:
+            ep.destroy()
+
+
+def _bench(cfg, args, argv, ep) -> int:
+    from tqdm import tqdm
+
+    from .parallel.group import agree
+
     gpu = torch.cuda.get_device_name()
-    weights = random_weights(cfg, "cuda", resolve_dtype(args.dtype), args.seed)
+    parallel = ranks.expert_parallel(ep, cfg)
+    weights = agree(ep, random_weights, cfg, ranks.device(args, ep), resolve_dtype(args.dtype), args.seed,
+                    None if parallel is None else parallel.shard)
     rows = []
     configs = [(e, b) for e in args.executor for b in args.batch]
-    for executor, batch in tqdm(configs, desc=f"bench {args.preset}", unit="config", file=sys.stderr):
+    for executor, batch in tqdm(configs, desc=f"bench {args.preset}", unit="config", file=sys.stderr,
+                                disable=not ranks.leader()):
         try:
-            rows.append(bench_one(cfg, weights, args.preset, executor, batch, args))
+            rows.append(bench_one(cfg, weights, args.preset, executor, batch, args, parallel, ep))
         except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
+            if ep is not None:  # the ranks may be out of step: stop (the others fail at their next collective)
+                raise
             rows.append({"preset": args.preset, "executor": executor, "batch": batch, "context": args.context,
                          "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
         gc.collect()
         torch.cuda.empty_cache()
-    out = Path(args.out) if args.out else default_out(args.preset, gpu)
+    if not ranks.leader():
+        return 0
+    name = args.preset if ep is None else f"{args.preset}-ep{ep.world}"
+    out = Path(args.out) if args.out else default_out(name, gpu)
     write_result(out, {**environment(argv), "rows": rows})
-    print(f"{gpu}, {args.dtype}, context {args.context}, median of {args.steps} steps after {args.warmup} "
+    where = "" if ep is None else f", {ep.world} GPUs (expert parallel; bytes and MBU per GPU)"
+    print(f"{gpu}{where}, {args.dtype}, context {args.context}, median of {args.steps} steps after {args.warmup} "
           f"warm-up; floor = bytes / {HBM_READ_BPS / 1e12:.2f} TB/s")
     print(format_table(rows))
     print(f"wrote {out}")

@@ -20,9 +20,10 @@ from .layouts import (
     map_names,
     sibling_name,
 )
+from .parallel.experts import ExpertShard
 from .presets import preset_hf_config
 from .quant.fp8 import FP8, SCALE_DTYPES, dequantize_fp8, quantize_fp8
-from .weights import param_specs, random_tensor
+from .weights import param_specs, random_experts, random_tensor
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -124,14 +125,27 @@ class _Reader:
     def __init__(self, where: dict[str, Path], check_finite: bool):
         self.where, self.check_finite, self.handles = where, check_finite, {}
 
-    def __call__(self, name: str, kind: str | None) -> torch.Tensor:
-        """kind: None (a float weight; FP8 values are returned as they are, for the caller to dequantize),
-        "mxfp4", "fp8", "fp8_scale" (ParamSpec.quant)."""
+    def _handle(self, name: str):
         f = self.where[name]
         if f not in self.handles:
             self.handles[f] = _open(f)
+        return f, self.handles[f]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        f, h = self._handle(name)
         try:
-            t = self.handles[f].get_tensor(name)
+            return tuple(h.get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (the index names that file): "
+                                  f"{e}") from None
+
+    def __call__(self, name: str, kind: str | None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """kind: None (a float weight; FP8 values are returned as they are, for the caller to dequantize),
+        "mxfp4", "fp8", "fp8_scale" (ParamSpec.quant). rows (lo, hi): read only those rows of the first dim
+        (a rank's experts of a stacked tensor; safetensors reads the slice alone)."""
+        f, h = self._handle(name)
+        try:
+            t = h.get_tensor(name) if rows is None else h.get_slice(name)[rows[0]:rows[1]]
         except SafetensorError as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (the index names that file): "
                                   f"{e}") from None
@@ -163,21 +177,34 @@ def _missing(ckpt: Path, cfg: ModelConfig, name: str, spec) -> CheckpointError:
     return CheckpointError(f"checkpoint {ckpt} is missing tensor {name!r} (shape {list(spec.shape)}{also})")
 
 
-def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read) -> torch.Tensor:
-    """Our tensor `name` from its pieces: as stored, stacked over experts, and/or concatenated along dim 0."""
+def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read, reader: _Reader,
+              shard: ExpertShard | None) -> torch.Tensor:
+    """Our tensor `name` from its pieces: as stored, stacked over experts, and/or concatenated along dim 0. Stacked
+    experts with a `shard`: the rank's experts only, and only their pieces (or rows) are read."""
+    lo, hi = (0, cfg.num_experts) if shard is None else (shard.lo, shard.hi)
     if spec.stacked and (None, 0) in src.pieces:
         if len(src.pieces) > 1:
             other = next(n for k, n in src.pieces.items() if k != (None, 0))
             raise CheckpointError(f"checkpoint {ckpt} holds both the stacked {name!r} and per-expert tensors for "
                                   f"it ({other!r}): one layout per tensor")
-        return read(src.pieces[(None, 0)])
-    E = cfg.num_experts if spec.stacked else None
-    keys = [(e, p) for e in (range(E) if spec.stacked else (None,)) for p in range(src.parts)]
+        piece = src.pieces[(None, 0)]
+        if shard is None:
+            return read(piece)
+        full = reader.shape(piece)
+        if not full or full[0] != cfg.num_experts:
+            raise CheckpointError(f"tensor {piece!r} has shape {list(full)}, expected {cfg.num_experts} experts "
+                                  f"first (num_experts in config.json)")
+        return read(piece, (lo, hi))
+    experts = range(lo, hi) if spec.stacked else (None,)
+    keys = [(e, p) for e in experts for p in range(src.parts)]
     gone = [k for k in keys if k not in src.pieces]
     if gone:
         first = sibling_name(cfg, src, gone[0]) or name
         what = "expert tensors" if spec.stacked else "parts"
-        raise CheckpointError(f"checkpoint {ckpt} is missing {len(gone)} {what} for {name!r}, first {first!r}")
+        whose = "" if shard is None or shard.world == 1 else \
+            f" (rank {shard.rank} of {shard.world} holds experts {lo}..{hi - 1})"
+        raise CheckpointError(f"checkpoint {ckpt} is missing {len(gone)} {what} for {name!r}{whose}, first "
+                              f"{first!r}")
     lead = 1 if spec.stacked else 0
     want = (spec.shape[lead] // src.parts, *spec.shape[lead + 1:])
     got = {}
@@ -186,12 +213,12 @@ def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read) 
         if tuple(t.shape) != want:
             raise CheckpointError(f"tensor {src.pieces[k]!r} has shape {list(t.shape)}, expected {list(want)}")
         got[k] = t
-    cat = [torch.cat([got[(e, p)] for p in range(src.parts)]) for e in (range(E) if spec.stacked else (None,))]
+    cat = [torch.cat([got[(e, p)] for p in range(src.parts)]) for e in experts]
     return torch.stack(cat) if spec.stacked else cat[0]
 
 
 def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cpu", dtype=torch.float32,
-                 check_finite: bool = False, ignore_unknown: bool = False
+                 check_finite: bool = False, ignore_unknown: bool = False, shard: ExpertShard | None = None
                  ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load every tensor the weight table expects, checking names, shapes and dtypes.
 
@@ -201,7 +228,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     expected to carry (DeepSeek's multi-token-prediction layers, `_expected_extra`) are skipped. FP8 checkpoints
     (quantization_config fp8): the routed experts stay FP8 (values + fp32 block scales), every other FP8 weight
     is dequantized here (quant/fp8.py) and cast to `dtype`. With `check_finite`, NaN/inf is an error naming the
-    tensor.
+    tensor. With `shard` (expert parallelism) the stacked routed experts hold the rank's experts only, and no other
+    expert's tensor is read (per-expert tensors: not opened; stacked ones: their rows sliced lazily).
     """
     ckpt = Path(ckpt)
     cfg = cfg or load_config(ckpt)
@@ -215,7 +243,7 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         if scale is not None:
             raise CheckpointError(f"checkpoint {ckpt} holds FP8 weights ({scale!r}), but config.json has no FP8 "
                                   f"quantization_config (quant_method 'fp8' with weight_block_size)")
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, shard)
     missing = [n for n in specs if n not in sources]
     _check_unknown(ckpt, cfg, sources, specs, bool(missing), ignore_unknown)
     if missing:
@@ -227,8 +255,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         """Pieces of a weight held in the model dtype: FP8 ones dequantized with their weight_scale_inv."""
         scales = sources.get(spec_name + "_scale_inv")
 
-        def read(piece: str) -> torch.Tensor:
-            t = reader(piece, None)
+        def read(piece: str, rows=None) -> torch.Tensor:
+            t = reader(piece, None, rows)
             if t.dtype != FP8:
                 return t
             key = next(k for k, n in sources[spec_name].pieces.items() if n == piece)
@@ -248,8 +276,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
 
     weights = {}
     for name, spec in specs.items():
-        read = (lambda n, q=spec.quant: reader(n, q)) if spec.quant else read_float(name)
-        t = _assemble(ckpt, cfg, name, spec, sources[name], read)
+        read = (lambda n, rows=None, q=spec.quant: reader(n, q, rows)) if spec.quant else read_float(name)
+        t = _assemble(ckpt, cfg, name, spec, sources[name], read, reader, shard)
         if tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
         if spec.quant:
@@ -325,8 +353,8 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, spec in param_specs(cfg).items():
-        t = random_tensor(spec, gen, "cpu", dtype)
+    for name, spec in param_specs(cfg).items():  # the values of weights.random_weights
+        t = random_experts(spec, gen, "cpu", dtype) if spec.stacked else random_tensor(spec, gen, "cpu", dtype)
         tensors = {name: t}
         if cfg.expert_quant == "fp8" and _fp8_in_checkpoint(name, spec) and spec.quant is None:
             tensors = dict(zip((name, name + "_scale_inv"), quantize_fp8(t, cfg.weight_block)))

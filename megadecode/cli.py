@@ -21,13 +21,14 @@ import warnings
 
 import torch
 
-from . import bench, tune
+from . import bench, ranks, tune
 from .checkpoint import CheckpointError, make_checkpoint
 from .config import ConfigError
 from .engine import Engine, NonFiniteError, RequestError, model_config, resolve_dtype
 from .executors import EXECUTORS
 from .kernels import require_triton
 from .measure import seed_arg
+from .parallel.group import RankFailed, agree
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -37,7 +38,9 @@ from .validate import command as validate_command
 DEFAULT_PROMPT = "Hello, megadecode!"
 # What a user can get wrong; anything else is a bug and keeps its traceback. Out of memory past the up-front
 # check (memory.check_fits) is the user's to fix too (a smaller batch, context or dtype).
-USER_ERRORS = (ConfigError, CheckpointError, RequestError, FileNotFoundError, ValueError, torch.OutOfMemoryError)
+# A failure that the ranks of expert parallelism agreed on (RankFailed) is reported once, by rank 0.
+USER_ERRORS = (ConfigError, CheckpointError, RequestError, FileNotFoundError, ValueError, torch.OutOfMemoryError,
+               RankFailed)
 
 
 class Parser(argparse.ArgumentParser):
@@ -103,6 +106,7 @@ def _add_generate(sub) -> None:
                    help="load a checkpoint that holds tensors the model does not use, with a warning naming them "
                         "(without it, an error)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout and nothing else")
+    ranks.add_args(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -166,22 +170,34 @@ def cmd_generate(args, argv) -> int:
         raise RequestError(f"prompt {i} has {len(prompts[i])} tokens; with --max-new-tokens {args.max_new_tokens} it "
                            f"needs {need} positions, more than the model's context of {cfg.max_position_embeddings} "
                            f"(max_position_embeddings)")
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, executor=args.executor,
-                                    seed=args.seed, check_finite=args.check_finite, max_batch=len(prompts),
-                                    ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need)
-    engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
-    progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
-                    disable=args.json)
+    ranks.check(cfg, args.ep)
+    if ranks.must_spawn(args.ep):
+        return ranks.spawn(argv, args.ep)
+    ep = ranks.join(args)
     try:
-        with progress:
-            res = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
-    except NonFiniteError as e:
-        hint = "" if args.model in PRESETS or args.check_finite else " (--check-finite names a tensor that holds them)"
-        raise NonFiniteError(f"{args.model}: {e}{hint}") from None
+        engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
+                       executor=args.executor, seed=args.seed, check_finite=args.check_finite,
+                       max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
+                       parallel=ranks.expert_parallel(ep, cfg))
+        engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
+        progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
+                        disable=args.json or not ranks.leader())
+        try:
+            with progress:
+                res = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
+        except NonFiniteError as e:
+            hint = "" if args.model in PRESETS or args.check_finite else \
+                " (--check-finite names a tensor that holds them)"
+            raise NonFiniteError(f"{args.model}: {e}{hint}") from None
+    finally:
+        if ep is not None:
+            ep.destroy()
+    if not ranks.leader():
+        return 0
     texts = [tok.decode(ids) for ids in res.token_ids]
     if args.json:
         doc = {"model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
-               "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
+               "ep": args.ep, "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
                "warmup_s": res.warmup_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
                "decode_tokens_per_s": res.decode_tokens_per_s}
         try:
@@ -195,9 +211,10 @@ def cmd_generate(args, argv) -> int:
     if res.warmup_steps:
         print(f"warm-up {res.warmup_s * 1e3:.1f} ms: compiled and captured {res.warmup_steps} decode graphs before "
               "the timed steps")
+    where = f", {args.ep} ranks" if args.ep > 1 else ""
     print(f"prefill {res.prefill_s * 1e3:.1f} ms, decode {res.decode_steps} steps x {len(prompts)} sequences "
           f"in {res.decode_s * 1e3:.1f} ms: {res.decode_tokens_per_s:.1f} tokens/s "
-          f"({args.executor}, {args.device}, {args.dtype})")
+          f"({args.executor}, {args.device}, {args.dtype}{where})")
     return 0
 
 
@@ -219,8 +236,16 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = _show_warning
             return args.func(args, argv)
     except USER_ERRORS as e:
-        print(f"megadecode: error: {e}", file=sys.stderr)
+        prefix = ranks.error_prefix()  # expert parallelism: who reports (ranks.py)
+        if prefix is not None and not (isinstance(e, RankFailed) and prefix):
+            print(f"megadecode: error: {prefix}{e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # expert parallelism: a collective failed because another rank is gone
+        lost = ranks.peer_failure(e)
+        if lost is None:
+            raise
+        print(f"megadecode: error: {lost}", file=sys.stderr)
+        return 1
     except ModuleNotFoundError as e:  # an optional dependency this command needs
         if (e.name or "").split(".")[0] in serve_command.DEPS:  # `megadecode serve` without the serve extra
             print(f"megadecode: error: {e}", file=sys.stderr)

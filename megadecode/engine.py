@@ -52,12 +52,12 @@ class GenerationResult:
 QUANT_DTYPES = {"mxfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "fp8_scale": torch.float32}  # ParamSpec.quant
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None) -> None:
     """Every tensor of the weight table present, with its shape, on one device; quantized experts in their
     storage dtype (QUANT_DTYPES: kimi_k3's MXFP4 halves uint8, FP8 values and their fp32 scales), everything else
-    floating point."""
+    floating point. `shard` (expert parallelism): stacked experts hold that rank's experts only."""
     devices = set()
-    for name, spec in param_specs(cfg).items():
+    for name, spec in param_specs(cfg, shard).items():
         if name not in weights:
             raise RequestError(f"weights are missing {name!r} (shape {list(spec.shape)})")
         t = weights[name]
@@ -112,38 +112,46 @@ def model_config(model: str) -> ModelConfig:
 
 
 class Engine:
+    """`parallel` (megadecode.parallel.combine.ExpertParallel): this process is one rank of expert parallelism;
+    `weights` hold its experts only, and every rank must run the same calls in the same order (the MoE layers'
+    combines are collectives). None: one process holds the whole model."""
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, executor: str = "torch",
-                 max_batch: int = 8, max_seq_len: int | None = None):
+                 max_batch: int = 8, max_seq_len: int | None = None, parallel=None):
         if executor not in EXECUTORS:
             raise ValueError(f"unknown executor {executor!r}; choose from {sorted(EXECUTORS)}")
         self.cfg = cfg
-        check_weights(cfg, weights)
+        self.parallel = parallel
+        shard = None if parallel is None else parallel.shard
+        check_weights(cfg, weights, shard)
         any_w = next(iter(weights.values()))
         self.device, self.dtype = any_w.device, any_w.dtype
         max_batch, self.max_seq_len = cache_dims(cfg, max_batch, max_seq_len)
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, self.device, self.dtype)
         self.plan = build_plan(cfg)
-        self.executor = EXECUTORS[executor](self.plan, weights, self.cache)
+        self.executor = EXECUTORS[executor](self.plan, weights, self.cache, parallel=parallel)
         self.lengths: list[int] = []
         self._slots = torch.arange(max_batch, device=self.device)
 
     @classmethod
     def from_pretrained(cls, model: str, *, device="cpu", dtype="float32", seed: int = 0,
                         check_finite: bool = False, ignore_unknown: bool = False, max_batch: int = 8,
-                        max_seq_len: int | None = None, **kw) -> "Engine":
+                        max_seq_len: int | None = None, parallel=None, **kw) -> "Engine":
         """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory. Whether the
-        weights and the cache fit in the device's memory is checked before either is built (memory.check_fits)."""
+        weights and the cache fit in the device's memory is checked before either is built (memory.check_fits).
+        `parallel`: this rank's share of expert parallelism (its experts alone are built or read)."""
         dt = resolve_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RequestError(f"device {device!r} requested but CUDA is not available")
         check_seed(seed)
         cfg = model_config(model)
-        check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len))
-        kw.update(max_batch=max_batch, max_seq_len=max_seq_len)
+        shard = None if parallel is None else parallel.shard
+        check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len), shard=shard)
+        kw.update(max_batch=max_batch, max_seq_len=max_seq_len, parallel=parallel)
         if model in PRESETS:
-            return cls(cfg, random_weights(cfg, device, dt, seed), **kw)
+            return cls(cfg, random_weights(cfg, device, dt, seed, shard), **kw)
         _, weights = load_weights(model, cfg, device=device, dtype=dt, check_finite=check_finite,
-                                  ignore_unknown=ignore_unknown)
+                                  ignore_unknown=ignore_unknown, shard=shard)
         return cls(cfg, weights, **kw)
 
     # ---- request checks -------------------------------------------------------------------------
@@ -283,6 +291,8 @@ class Engine:
         if check is not None:  # the mega executor: a wait that timed out inside a launch
             check()
         self._check_finite([len(p) for p in prompts], max_new_tokens)
+        if self.parallel is not None and toks:
+            self.parallel.check_same(torch.stack(toks, 1), "the generated tokens")
         ids = torch.stack(toks, 1).tolist() if toks else [[] for _ in prompts]
         lp_host = torch.stack(lps, 1).tolist() if lps else [[] for _ in prompts]
         eos = set(self.cfg.eos_token_id)

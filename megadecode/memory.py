@@ -54,16 +54,19 @@ def available_bytes(device) -> int:
     return host_available_bytes()
 
 
-def check_fits(what: str, cfg: ModelConfig, device, dtype: torch.dtype, max_batch: int, max_seq_len: int) -> None:
+def check_fits(what: str, cfg: ModelConfig, device, dtype: torch.dtype, max_batch: int, max_seq_len: int,
+               shard=None) -> None:
     """Raise InsufficientMemory naming `what` (the model as the user gave it) when its weights in `dtype` plus a
     cache of `max_batch` sequences x `max_seq_len` positions exceed the device's available memory. A lower bound:
-    activations and (checkpoints) one tensor in flight come on top."""
-    weights = weight_bytes(cfg, dtype.itemsize)["total"]
+    activations and (checkpoints) one tensor in flight come on top. `shard` (expert parallelism): the rank's
+    weights, its own experts only."""
+    weights = weight_bytes(cfg, dtype.itemsize, shard)["total"]
     cache = cache_bytes(cfg, max_batch, max_seq_len, dtype)
     avail = available_bytes(device)
     if weights + cache > avail:
         seqs = f"{max_batch} sequence{'s' if max_batch > 1 else ''}"
+        whose = "" if shard is None or shard.world == 1 else f" (rank {shard.rank} of {shard.world}: its experts)"
         raise InsufficientMemory(
-            f"{what} needs {(weights + cache) / GB:.2f} GB on {torch.device(device)} ({weights / GB:.2f} GB of "
+            f"{what}{whose} needs {(weights + cache) / GB:.2f} GB on {torch.device(device)} ({weights / GB:.2f} GB of "
             f"{str(dtype).removeprefix('torch.')} weights + {cache / GB:.2f} GB of cache for {seqs} x {max_seq_len} "
             f"positions), but only {avail / GB:.2f} GB is available there")

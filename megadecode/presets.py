@@ -90,6 +90,9 @@ PRESETS: dict[str, dict] = {
     "k3-layer": {**_K3, "num_hidden_layers": 1, "layer_types": ["linear_attention"], "first_k_dense_replace": 0},
     # True K3 dims, 4 layers: 3 KDA + 1 MLA (the default layer kinds), all LatentMoE with 896 MXFP4 experts.
     "k3-mini": {**_K3, "num_hidden_layers": 4, "first_k_dense_replace": 0},
+    # True K3 dims, 12 layers (9 KDA + 3 MLA, the default kinds), all LatentMoE: 205.8 GB of weights by weight_bytes
+    # (bf16 trunk, 4.25-bit experts), more than one H200 holds; 111.4 GB per GPU with --ep 2 (expert parallelism).
+    "k3-ep": {**_K3, "num_hidden_layers": 12, "first_k_dense_replace": 0},
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
         "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,

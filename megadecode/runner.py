@@ -10,7 +10,9 @@ policy (nano-vllm's ModelRunner).
 - sampling: per sequence (its own params and generator: sampling.sample_rows), with the tokens, logprobs and a
   finite flag per row brought to the host in one copy per step;
 - a step is launched, then collected: the loop can launch the next decode step (fed on the device with this one's
-  tokens) before it waits for this one's results, so the GPU does not wait for the host between steps.
+  tokens) before it waits for this one's results, so the GPU does not wait for the host between steps;
+- `mirror` (expert parallelism, serve/lockstep.py): told each prefill, decode step and slot clear before it runs,
+  so that the other ranks run the same steps.
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ class ModelRunner:
     padding rows. `pad`: pad decode batches to `batch_sizes` (default: when the executor replays captured graphs,
     since eager steps gain nothing by it)."""
 
-    def __init__(self, engine: Engine, batch_sizes: list[int] | None = None, pad: bool | None = None):
+    def __init__(self, engine: Engine, batch_sizes: list[int] | None = None, pad: bool | None = None, mirror=None):
         if engine.cache.num_slots < 2:
             raise ValueError("the model runner needs a cache of >= 2 slots (the last is its scratch slot)")
         self.engine = engine
+        self.mirror = mirror
         self.max_batch = engine.cache.num_slots - 1
         self.scratch = self.max_batch
         self.batch_sizes = check_batch_sizes(batch_sizes or default_batch_sizes(self.max_batch), self.max_batch)
@@ -90,7 +93,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_prefill(self, seqs: list[Sequence]) -> Launched:
         """Prefill each sequence's prompt into its slot; the step's results are its first new token."""
-        logits = self.engine.prefill_into([s.prompt for s in seqs], [s.slot for s in seqs])
+        prompts, slots = [s.prompt for s in seqs], [s.slot for s in seqs]
+        if self.mirror is not None:
+            self.mirror.prefill(prompts, slots)
+        logits = self._published(self.engine.prefill_into, prompts, slots)
         return self._sample(logits, seqs)
 
     @torch.inference_mode()
@@ -104,7 +110,8 @@ class ModelRunner:
             raise ValueError(f"{B} sequences exceed the {self.max_batch} the cache holds")
         if after is not None and after.seqs != seqs:
             raise ValueError("a step can follow an uncollected step of the same sequences only")
-        if P > B and self._kda:  # padding rows race on the scratch slot's recurrent state: keep it at zero
+        clear = P > B and self._kda
+        if clear:  # padding rows race on the scratch slot's recurrent state: keep it at zero
             self.engine.cache.clear_slot(self.scratch, state_only=True)
         shift = 0 if after is None else 1
         rows = [[s.last_token for s in seqs], [s.num_tokens - 1 + shift for s in seqs], [s.slot for s in seqs]]
@@ -118,8 +125,22 @@ class ModelRunner:
         dev.copy_(host, non_blocking=True)
         if after is not None:
             dev[0, :B].copy_(after.tokens)
-        logits = self.engine.decode_into(dev[0], dev[1], dev[2], kv_len=max(rows[1]) + 1)
+        kv_len = max(rows[1]) + 1
+        if self.mirror is not None:
+            dev = self.mirror.decode(dev, kv_len, clear)
+        logits = self._published(self.engine.decode_into, dev[0], dev[1], dev[2], kv_len=kv_len)
         return self._sample(logits[:B], seqs)
+
+    def _published(self, fn, *args, **kw):
+        """A step the mirror was told of: if it fails here, the mirror decides (serve/lockstep.py: the ranks are out
+        of step, serving stops)."""
+        try:
+            return fn(*args, **kw)
+        except Exception as e:
+            if self.mirror is None:
+                raise
+            self.mirror.lost(e)
+            raise
 
     def collect(self, step: Launched) -> list[tuple[int, float, bool]]:
         """(token, logprob, finite) per sequence of a launched step, waiting for its copy to the host only (an
@@ -155,5 +176,7 @@ class ModelRunner:
 
     def clear(self, slot: int) -> None:
         """Zero a slot whose sequence failed (its cache may hold NaN or inf: KVCache.clear)."""
+        if self.mirror is not None:
+            self.mirror.clear(slot)
         self.engine.cache.clear_slot(slot)
 

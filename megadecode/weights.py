@@ -10,16 +10,19 @@ FP8 checkpoints (cfg.expert_quant "fp8", megadecode/quant/fp8.py): routed expert
 `mlp.experts.gate_up_proj` float8_e4m3fn [E, 2*I, D] + `mlp.experts.gate_up_proj_scale_inv` fp32
 [E, 2*I/bn, ceil(D/bk)] (transformers' FP8Experts names), likewise `down_proj`; every other weight is
 dequantized at load and held in the model dtype.
+Expert parallelism (megadecode/parallel): with a shard, every stacked expert tensor holds the rank's own experts
+only, [E / world, ...] (experts shard.lo .. shard.hi - 1 of the model); everything else is the whole tensor.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .config import ModelConfig
+from .parallel.experts import ExpertShard
 from .quant.fp8 import FP8, FP8_MAX, scale_shape
 
 
@@ -69,7 +72,10 @@ def _kda(a: str, cfg: ModelConfig) -> list[ParamSpec]:
             ParamSpec(f"{a}.o_proj.weight", (D, HK), "linear")]
 
 
-def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+def param_specs(cfg: ModelConfig, shard: ExpertShard | None = None) -> dict[str, ParamSpec]:
+    """The weight table of `cfg`; with `shard`, stacked routed experts hold that rank's experts only."""
+    if shard is not None and shard.num_experts != cfg.num_experts:
+        raise ValueError(f"the expert shard splits {shard.num_experts} experts; the model has {cfg.num_experts}")
     D, H = cfg.hidden_size, cfg.num_heads
     specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab_size, D), "embed"),
              ParamSpec("model.norm.weight", (D,), "norm")]
@@ -111,12 +117,13 @@ def param_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
             specs += _mlp(m, D, cfg.intermediate_size)
             continue
         E, I = cfg.num_experts, cfg.moe_intermediate_size
+        El = E if shard is None else shard.per_rank  # experts held here (stacked tensors' first dim)
         if cfg.latent_size:
-            specs += _latent_moe(m, cfg)
+            specs += _latent_moe(m, cfg, El)
             continue
         specs.append(ParamSpec(f"{m}.gate.weight", (E, D), "linear"))
         fp8_block = cfg.weight_block if cfg.expert_quant == "fp8" else None
-        specs += _experts(f"{m}.experts", (E, 2 * I, D), (E, D, I), fp8_block)
+        specs += _experts(f"{m}.experts", (El, 2 * I, D), (El, D, I), fp8_block)
         if cfg.score_func == "sigmoid":
             specs.append(ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True))
         if cfg.n_shared_experts:
@@ -158,15 +165,16 @@ def _mxfp4(name: str, e: int, out: int, k: int, stacked: str) -> list[ParamSpec]
             ParamSpec(f"{name}.weight_scale", (e, out, k // 32), "mxfp4_scale", stacked=stacked, quant="mxfp4")]
 
 
-def _latent_moe(m: str, cfg: ModelConfig) -> list[ParamSpec]:
+def _latent_moe(m: str, cfg: ModelConfig, held: int) -> list[ParamSpec]:
     """Stable LatentMoE (reference/latent_moe.py; its router.weight / router.bias are our gate.weight /
-    gate.e_score_correction_bias, kimi_linear's names). Routed experts MXFP4 along their input dim."""
+    gate.e_score_correction_bias, kimi_linear's names). Routed experts MXFP4 along their input dim; `held` of
+    them in the stacks (all, or a rank's shard)."""
     D, E, I, R = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_size
     return ([ParamSpec(f"{m}.gate.weight", (E, D), "linear"),
              ParamSpec(f"{m}.gate.e_score_correction_bias", (E,), "bias", fp32=True),
              ParamSpec(f"{m}.latent_down.weight", (R, D), "linear")]
-            + _mxfp4(f"{m}.experts.gate_up_proj", E, 2 * I, R, "experts_gate_up")
-            + _mxfp4(f"{m}.experts.down_proj", E, R, I, "experts_down")
+            + _mxfp4(f"{m}.experts.gate_up_proj", held, 2 * I, R, "experts_gate_up")
+            + _mxfp4(f"{m}.experts.down_proj", held, R, I, "experts_down")
             + [ParamSpec(f"{m}.latent_norm.weight", (R,), "norm"),
                ParamSpec(f"{m}.latent_up.weight", (D, R), "linear")]
             + _mlp(f"{m}.shared_experts", D, cfg.shared_intermediate_size))
@@ -222,20 +230,46 @@ def _random_fp8(spec: ParamSpec, gen: torch.Generator, device) -> torch.Tensor:
     return t.normal_(0.0, 0.1, generator=gen).exp_().mul_(1.0 / (FP8_CODE_STD * math.sqrt(fan_in)))
 
 
-def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU)."""
+def random_experts(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.dtype, lo: int = 0,
+                   hi: int | None = None) -> torch.Tensor:
+    """Experts lo .. hi - 1 of the stacked expert tensor `spec` ([E, ...]), drawn expert by expert from `gen`:
+    every expert of the stack is drawn in order (the stream must pass the others' values), those outside
+    [lo, hi) into a one-expert temporary that is dropped, so no more than the kept experts and one more are ever
+    held. A rank of expert parallelism thus holds exactly the values the single-process model holds for its
+    experts. On the CPU the values equal drawing the whole stack at once when an expert holds a multiple of 16
+    values (torch's CPU normal_ transforms uniform draws 16 at a time; randint draws one per value in order),
+    which every preset's routed experts do; not on CUDA (Philox offsets advance per launch)."""
+    hi = spec.shape[0] if hi is None else hi
+    one = replace(spec, shape=spec.shape[1:])
+    out = None
+    for e in range(spec.shape[0]):
+        t = random_tensor(one, gen, device, dtype)
+        if lo <= e < hi:
+            if out is None:
+                out = torch.empty((hi - lo, *t.shape), dtype=t.dtype, device=t.device)
+            out[e - lo] = t
+    return out
+
+
+def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0,
+                   shard: ExpertShard | None = None) -> dict[str, torch.Tensor]:
+    """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU). Stacked
+    routed experts are drawn expert by expert (`random_experts`); with `shard`, only the rank's own experts are
+    kept, with the values the whole model holds for them."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    return {name: random_tensor(s, gen, device, dtype) for name, s in param_specs(cfg).items()}
+    lo, hi = (0, None) if shard is None else (shard.lo, shard.hi)
+    return {name: random_experts(s, gen, device, dtype, lo, hi) if s.stacked else random_tensor(s, gen, device, dtype)
+            for name, s in param_specs(cfg).items()}
 
 
-def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int, shard: ExpertShard | None = None) -> dict[str, int]:
     """Bytes of weights by role: `trunk` (everything read every step except experts and lm_head),
     `expert` (one routed expert of one layer; MXFP4 experts count their packed bytes + scales, 4.25 bits per
     weight; FP8 experts 1 byte per weight + their fp32 block scales), `lm_head`, and `total` (every weight held in
-    memory, the embedding table included)."""
+    memory, the embedding table included; with `shard`, a rank's: its own experts only)."""
     trunk = lm = total = 0
     expert_by_layer: dict[str, int] = {}
-    for s in param_specs(cfg).values():
+    for s in param_specs(cfg, shard).values():
         n = math.prod(s.shape) * (1 if s.quant in ("mxfp4", "fp8") else 4 if s.fp32 else dtype_bytes)
         total += n
         if s.stacked:

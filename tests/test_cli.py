@@ -83,8 +83,9 @@ def test_readme_command_line_section_lists_every_subcommand():
 def test_generate_json_token_ids_deterministic(capsys):
     argv = GEN + ["--token-ids", "256,1,2", "--token-ids", "256,7"]
     a = run_json(capsys, argv)
-    assert set(a) == {"model", "executor", "device", "dtype", "token_ids", "logprobs", "text", "warmup_s",
+    assert set(a) == {"model", "executor", "device", "dtype", "ep", "token_ids", "logprobs", "text", "warmup_s",
                       "prefill_s", "decode_s", "decode_tokens_per_s"}
+    assert a["ep"] == 1
     assert len(a["token_ids"]) == len(a["logprobs"]) == len(a["text"]) == 2
     V = preset_config("tiny-qwen3-moe").vocab_size
     for ids, lps in zip(a["token_ids"], a["logprobs"]):

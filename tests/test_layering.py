@@ -16,14 +16,14 @@ PKG = Path(__file__).resolve().parent.parent / "megadecode"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
     ("foundation", ("megadecode.config", "megadecode.quant", "megadecode.tokenizer", "megadecode.step",
-                    "megadecode.hardware")),
+                    "megadecode.hardware", "megadecode.parallel")),
     ("model", ("megadecode.weights", "megadecode.presets", "megadecode.plan", "megadecode.cache",
                "megadecode.checkpoint", "megadecode.layouts", "megadecode.reference", "megadecode.sampling", "megadecode.memory")),
     ("contract", ("megadecode.contract",)),
     ("kernels", ("megadecode.kernels", "megadecode.mega")),
     ("executors", ("megadecode.executors",)),
     ("engine", ("megadecode.engine", "megadecode.sequence", "megadecode.scheduler", "megadecode.runner")),
-    ("top", ("megadecode.measure", "megadecode.bench", "megadecode.bench_moe", "megadecode.tune",
+    ("top", ("megadecode.measure", "megadecode.ranks", "megadecode.bench", "megadecode.bench_moe", "megadecode.tune",
              "megadecode.validate", "megadecode.serve", "megadecode.cli", "megadecode.__main__")),
 ]
 

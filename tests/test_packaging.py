@@ -73,7 +73,7 @@ def imported_by_tests() -> set[str]:
     """Third-party top-level modules the tests import: theirs (anywhere in a test module), and those the package
     modules they import import at module level, followed through the package (the kernels import triton). The
     package's imports inside functions are left out (e.g. the CuTe DSL of GPU-only paths, the `cute` extra)."""
-    local = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    local = {p.stem for d in ("tests", "bench") for p in (ROOT / d).glob("*.py")}  # tests import a few bench scripts
     todo = [(f, None) for f in (ROOT / "tests").glob("*.py")]
     seen, third = set(), set()
     while todo:

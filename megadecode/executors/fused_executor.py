@@ -29,6 +29,9 @@ Scope decisions are made once per captured batch; `chosen` records them per op k
 are in scope (`length_free`) one graph per batch size serves every cache length: the kernels read the positions
 from device memory, and the host's kv_len is the cache's length, which only sizes the split.
 
+Expert parallelism (`parallel`): the EXPERTS and LATENT_MOE variants run over this rank's experts and their fp32
+partial sums are combined over the ranks (executors/parallel_moe.py); every other op is replicated, unchanged.
+
 Sampling in the step (`set_sampling`): for greedy or temperature sampling (top_p == 1) the LM_HEAD op runs
 kernels/lm_head.py's lm_head_sample instead of F.linear, so the captured step also returns the next tokens and
 their logprobs (`sampled`), with the noise seed read from a device tensor (`seed`) that the caller rewrites
@@ -46,6 +49,7 @@ from ..cache import KVCache
 from ..contract import output_specs
 from ..plan import ATTN_GQA, ATTN_MLA, LM_HEAD, DecodePlan, fuse_add_rmsnorm
 from ..step import Step
+from . import parallel_moe
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
@@ -79,8 +83,8 @@ def _variants(device: torch.device) -> list:
 class FusedExecutor(GraphExecutor):
     name = "fused"
 
-    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
-        super().__init__(fuse_add_rmsnorm(plan), weights, cache)
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
+        super().__init__(fuse_add_rmsnorm(plan), weights, cache, parallel=parallel)
         self.variants = _variants(self.device)
         self.dtype = next(iter(weights.values())).dtype
         self.chosen: dict[tuple[str, int], str] = {}  # (op kind, batch) -> variant name or "reference: why"
@@ -141,7 +145,7 @@ class FusedExecutor(GraphExecutor):
     def run_ops(self, step: Step, hook=None) -> StepContext:
         if step.segments is not None:  # prefill: the graph executor's ops (eager)
             return super().run_ops(step, hook)
-        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl)
+        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl, self.parallel)
         picks: dict[str, object] = {}
         for op in self.plan.ops:
             if op.kind not in picks:
@@ -153,6 +157,8 @@ class FusedExecutor(GraphExecutor):
                 tok, lp, logits = lm_head_sample(ctx.buf[op.inputs[0]], self.weights[op.weights[0]], self.sampling,
                                                  seed=self.seed)
                 ctx.buf.update({op.outputs[0]: logits, "sampled_tokens": tok, "sampled_logprobs": lp})
+            elif self.parallel is not None and op.kind in parallel_moe.KINDS:
+                parallel_moe.run(self, v, op, ctx, step)
             elif v is None:
                 OP_IMPLS[op.kind](ctx, op)
             else:

@@ -31,8 +31,8 @@ class GraphExecutor(TorchExecutor):
     name = "graph"
     experts_impl = "grouped"
 
-    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
-        super().__init__(plan, weights, cache)
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
+        super().__init__(plan, weights, cache, parallel=parallel)
         self.device = next(iter(weights.values())).device
         self.use_graphs = self.device.type == "cuda"
         self._graphs: dict[tuple[int, int, bool], tuple] = {}
@@ -110,6 +110,8 @@ class GraphExecutor(TorchExecutor):
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip((t for n in sorted(self.cache.state_layers) for t in self.cache[n]), saved):
             t.copy_(s)  # RESTORE_KDA_STATE
+        if self.parallel is not None:  # no NCCL work of the warm-up still in flight while the combines are captured
+            torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._flagged_step(static)
@@ -132,12 +134,15 @@ class CompiledGraphExecutor(GraphExecutor):
     # wrong formula, but until the harness compares MoE outputs routing-aware, the family stays out of scope.
     VALIDATED_FAMILIES = ("qwen3_moe",)
 
-    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
         if plan.config.family not in self.VALIDATED_FAMILIES:
             raise ValueError(f"the compiled executor is not validated for {plan.config.family!r} (in bf16 its "
                              f"fused math flipped a near-tied routing decision against the torch executor); "
                              f"use 'graph'")
-        super().__init__(plan, weights, cache)
+        if parallel is not None and parallel.world > 1:
+            raise ValueError("the compiled executor is not validated with expert parallelism (torch.compile over the "
+                             "combine's collectives was never run): use 'graph' or 'fused'")
+        super().__init__(plan, weights, cache, parallel=parallel)
         self._compiled = torch.compile(super()._step_fn, dynamic=False)
 
     def _step_fn(self, step: Step) -> torch.Tensor:

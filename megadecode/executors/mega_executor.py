@@ -30,11 +30,13 @@ class MegaExecutor(TorchExecutor):
     name = "mega"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
-                 num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0):
+                 num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):
         """`timeline`: record each instruction's times (MegaRuntime.timeline_rows); `delay_ns`: the debug build's
-        random delays (0: off)."""
+        random delays (0: off). Refuses expert parallelism (pyvm_executor.refuse_parallel)."""
         from ..mega.lower import check_plan
+        from .pyvm_executor import refuse_parallel
 
+        refuse_parallel(self.name, parallel)
         check_plan(plan, plan.config)
         fam = plan.config.family
         if fam in UNVALIDATED_FAMILIES and os.environ.get(UNVALIDATED_ENV) != "1":

@@ -17,13 +17,22 @@ from .torch_executor import TorchExecutor
 PYVM_CTAS = 8  # CTAs the schedule assumes for pyvm (any number is valid; small keeps the step fast)
 
 
+def refuse_parallel(name: str, parallel) -> None:
+    """The instruction stream (pyvm, mega) has no collective: expert parallelism is refused, saying why."""
+    if parallel is not None and parallel.world > 1:
+        raise ValueError(f"the {name} executor runs one process's whole model as one instruction stream, which has "
+                         f"no collective to combine the ranks' experts: expert parallelism (--ep > 1) runs the "
+                         f"torch, graph or fused executors")
+
+
 class PyVMExecutor(TorchExecutor):
     name = "pyvm"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
-                 num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False):
+                 num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False, parallel=None):
         from ..mega.lower import check_plan
 
+        refuse_parallel(self.name, parallel)
         check_plan(plan, plan.config)
         super().__init__(plan, weights, cache)
         self.num_ctas, self.order, self.check_races = num_ctas, order, check_races

@@ -14,8 +14,11 @@ class TorchExecutor:
     name = "torch"
     experts_impl = "reference"
 
-    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache):
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
+        """`parallel`: expert parallelism (megadecode.parallel.combine.ExpertParallel; the weights then hold this
+        rank's experts), None in one process."""
         self.plan, self.cfg, self.weights, self.cache = plan, plan.config, weights, cache
+        self.parallel = parallel
         # Per logits row (= cache slot): the cache position whose logits first held NaN or inf, -1 while none
         # has. Written on the device by every prefill and decode step (flag_nonfinite); the caller resets it
         # (fill_(-1)) and reads it once at the end (Engine.generate).
@@ -36,7 +39,7 @@ class TorchExecutor:
 
     def run_ops(self, step: Step, hook=None) -> StepContext:
         """Run the plan; `hook(op, ctx)` is called after each op (the harness diffs buffers there)."""
-        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl)
+        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl, self.parallel)
         for op in self.plan.ops:
             OP_IMPLS[op.kind](ctx, op)
             if hook is not None:

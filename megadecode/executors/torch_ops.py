@@ -27,11 +27,15 @@ class StepContext:
 
     `experts_impl`: "reference" (loops with host syncs: the torch executor's reference) or "grouped"
     (sync-free: EXPERTS ops use torch._grouped_mm; K3's LATENT_MOE decode steps use the Triton routed
-    experts, see `_latent_routed`)."""
+    experts, see `_latent_routed`).
+    `parallel` (megadecode.parallel.combine.ExpertParallel, None for one process): the routed experts held here are
+    this rank's shard; MoE ops sum their local experts' contributions (the others' pairs have id -1) in fp32 and
+    combine the ranks' partial sums (the layer's only communication)."""
 
-    def __init__(self, cfg, weights, cache, step, experts_impl: str = "reference"):
+    def __init__(self, cfg, weights, cache, step, experts_impl: str = "reference", parallel=None):
         self.cfg, self.w, self.cache, self.step = cfg, weights, cache, step
         self.experts_impl = experts_impl
+        self.parallel = parallel
         self.buf: dict[str, torch.Tensor] = {"tokens": step.tokens, "positions": step.positions,
                                              "slots": step.slots, "logit_rows": step.logit_rows}
         self._rope = None
@@ -93,17 +97,24 @@ def expert_weights(cfg, weights: dict, op) -> tuple:
 
 def _experts(ctx, op):
     """Routed experts. FP8 experts in the graph executor's decode steps: the Triton kernels
-    (kernels/fp8_experts.py, sync-free) when Triton can run; otherwise the reference ops."""
+    (kernels/fp8_experts.py, sync-free) when Triton can run; otherwise the reference ops. Expert parallelism: the
+    local experts' fp32 partial sum, combined over the ranks, then cast."""
     x, ids, wts = (ctx.buf[n] for n in op.inputs)
     gate_up, down = expert_weights(ctx.cfg, ctx.w, op)
+    ep = ctx.parallel
+    if ep is not None:
+        ids = ep.local_ids(ids)
+    dt = x.dtype if ep is None else torch.float32  # a partial sum stays fp32 until the ranks' are added
+    out = None
     if isinstance(gate_up, FP8Tensor) and ctx.experts_impl == "grouped" and ctx.step.segments is None:
         mod = _triton_module(x.device, "fp8_experts", ("fp8_up_kernel",))
         if mod is not None:
-            ctx.buf[op.outputs[0]] = mod.fp8_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(),
-                                                     gate_up, down)
-            return
-    fn = experts_reference if ctx.experts_impl == "reference" else experts_grouped
-    ctx.buf[op.outputs[0]] = fn(x, ids, wts, gate_up, down)
+            out = mod.fp8_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(), gate_up, down,
+                                  out=torch.empty(x.shape, dtype=dt, device=x.device))
+    if out is None:
+        fn = experts_reference if ctx.experts_impl == "reference" else experts_grouped
+        out = fn(x, ids, wts, gate_up, down, out_dtype=dt)
+    ctx.buf[op.outputs[0]] = out if ep is None else ep.combine(out).to(x.dtype)
 
 
 def _mlp(ctx, op):
@@ -180,11 +191,16 @@ def _latent_routed(ctx, h, ids, wts, gate_up: MXFP4Tensor, down: MXFP4Tensor) ->
 def _latent_moe(ctx, op):
     """Stable LatentMoE's routed half (reference/latent_moe.py): latent down, the selected MXFP4 experts
     (reference: decoded exactly one at a time; graph decode: the Triton kernels, see `_latent_routed`),
-    RMSNorm of the weighted sum, latent up. fp32 inside."""
+    RMSNorm of the weighted sum, latent up. fp32 inside. Expert parallelism: the weighted sum over the local
+    experts, combined over the ranks before the norm (the norm is of the whole sum)."""
     x, ids, wts = (ctx.buf[n] for n in op.inputs)
     down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (ctx.w[n] for n in op.weights)
     h = F.linear(x.float(), down_w.float())
-    z = _latent_routed(ctx, h, ids, wts, MXFP4Tensor(gu_p, gu_s), MXFP4Tensor(dn_p, dn_s))
+    ep = ctx.parallel
+    z = _latent_routed(ctx, h, ids if ep is None else ep.local_ids(ids), wts, MXFP4Tensor(gu_p, gu_s),
+                       MXFP4Tensor(dn_p, dn_s))
+    if ep is not None:
+        z = ep.combine(z)
     z = rms_norm(z, norm_w.float(), ctx.cfg.rms_norm_eps)
     ctx.buf[op.outputs[0]] = F.linear(z, up_w.float()).to(x.dtype)
 

@@ -7,7 +7,7 @@
     e8m0_to_f32           an MXFP4 block scale byte -> its fp32 power of two, exactly
     tanh_f32              tanh without libdevice (SiTU-GLU in the routed experts)
     run_of                which expert and which of its (token, slot) pairs a program of a routed-experts kernel
-                          takes (per pair, or grouped by expert)
+                          takes (per pair, or grouped by expert); a pair whose id is negative is skipped
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ def tanh_f32(z):
 @triton.jit
 def run_of(pid, ids_ptr, offs_ptr, GROUPED: tl.constexpr):
     """(expert, first, end) of program row `pid`: grouped, expert pid's run [offs[e], offs[e+1]) of the
-    sorted pairs; else pair pid alone (its expert read from ids)."""
+    sorted pairs; else pair pid alone (its expert read from ids). A negative id (expert parallelism: an expert
+    another rank owns) is an empty run: grouped, such pairs sort before expert 0's run and belong to none; per
+    pair, the program's run is empty (expert 0 is returned only to keep addresses in bounds)."""
     if GROUPED:
         return pid, tl.load(offs_ptr + pid), tl.load(offs_ptr + pid + 1)
     else:
-        return tl.load(ids_ptr + pid).to(tl.int32), pid, pid + 1
+        e = tl.load(ids_ptr + pid).to(tl.int32)
+        return tl.maximum(e, 0), pid, tl.where(e >= 0, pid + 1, pid)

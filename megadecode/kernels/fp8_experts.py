@@ -13,7 +13,7 @@ per pair at <= 16 tokens, pairs grouped by expert on the device above, each sele
 step; a fixed-order weighted combine: deterministic, no atomics), three launches:
   1. `fp8_up_kernel`, grid (E or T*A, cdiv(I, BLOCK_I)): h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t), fp32.
   2. `fp8_down_kernel`, grid (E or T*A, cdiv(D, BLOCK_N)): y[p, n] = down_e[n, :] . h[p, :], fp32.
-  3. grouped_experts.combine_kernel: out[t] = sum_{a in order} w[t, a] y[t*A + a].
+  3. grouped_experts.combine_kernel: out[t] = sum_{a in order} w[t, a] y[t*A + a] (negative ids left out).
 The FP8 dot (`_fp8_dot`): per chunk of BLOCK_K (<= SBK, dividing it: the chunk lies in one scale column) the
 weight tile is converted to the compute dtype WDT (e4m3 -> bf16 / fp16 / fp32 is exact: 3 mantissa bits, exponents
 2**-9 .. 2**8), multiplied with the activations on tensor cores (fp32 accumulation), and the chunk's fp32 partial
@@ -26,7 +26,8 @@ NaN on the GPU; the interpreter decodes them as +-480 (a broken checkpoint eithe
 
 Memory paths: the expert weights and scales are static; x, ids, order, offs, router weights, h and y are produced
 within the step and read with plain coherent loads (the static audit: tests/test_fp8_experts.py, `audit_specs`).
-Contract for ids: 0 <= ids < E (the router's); `check_ids=True` verifies on the host (debug, syncs).
+Contract for ids: 0 <= ids < E (the router's), or -1: a pair to skip (expert parallelism; grouped_experts' module
+doc); `check_ids=True` verifies on the host (debug, syncs).
 """
 
 from __future__ import annotations
@@ -148,10 +149,11 @@ def reason_unsupported(block: tuple[int, int] | None, I: int) -> str | None:
 def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: FP8Tensor, down: FP8Tensor, *,
                 out: torch.Tensor | None = None, grouped: bool | None = None, blocks: dict | None = None,
                 wdtype: torch.dtype | None = None, check_ids: bool = False) -> torch.Tensor:
-    """Routed experts (SwiGLU) with FP8 weights: x [T, D] fp32/fp16/bf16, ids [T, A] int64/int32 (0 <= ids < E),
-    weights [T, A] fp32, gate_up FP8Tensor [E, 2I, D], down FP8Tensor [E, D, I] with the same block. Writes and
-    returns out [T, D] (x.dtype). grouped: None = grouped above MAX_TOKENS tokens. wdtype: the tensor-core input
-    dtype (None: bf16 on CUDA, fp16 for fp16 x, fp32 on the CPU). Sync-free (CUDA-graph capturable)."""
+    """Routed experts (SwiGLU) with FP8 weights: x [T, D] fp32/fp16/bf16, ids [T, A] int64/int32 (0 <= ids < E,
+    or -1 to skip a pair), weights [T, A] fp32, gate_up FP8Tensor [E, 2I, D], down FP8Tensor [E, D, I] with the
+    same block. Writes and returns out [T, D] (x.dtype, or float32 when `out` is given so). grouped: None =
+    grouped above MAX_TOKENS tokens. wdtype: the tensor-core input dtype (None: bf16 on CUDA, fp16 for fp16 x,
+    fp32 on the CPU). Sync-free (CUDA-graph capturable)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in WDTYPES:
         raise ValueError(f"x must be [T, D] fp32/fp16/bf16 with unit stride over D, got {tuple(x.shape)} {x.dtype}")
     T, D = x.shape
@@ -170,11 +172,12 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     why = reason_unsupported(gate_up.block, I)
     if why:
         raise ValueError(why)
-    if check_ids and T and (int(ids.min()) < 0 or int(ids.max()) >= E):
-        raise ValueError(f"ids out of range [0, {E}): min {int(ids.min())}, max {int(ids.max())}")
+    if check_ids and T and (int(ids.min()) < -1 or int(ids.max()) >= E):
+        raise ValueError(f"ids out of range [-1, {E}) (-1: skip the pair): min {int(ids.min())}, "
+                         f"max {int(ids.max())}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    if out.shape != (T, D) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [T, D]=({T}, {D}) {x.dtype} with unit stride over D")
+    if out.shape != (T, D) or out.dtype not in (x.dtype, torch.float32) or out.stride(1) != 1:
+        raise ValueError(f"out must be [T, D]=({T}, {D}) {x.dtype} (or float32) with unit stride over D")
     if len({t.device for t in (x, ids, weights, gate_up.data, down.data, out)}) != 1:
         raise ValueError("all tensors must be on one device")
     if T == 0:
@@ -210,7 +213,7 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     fp8_down_kernel[(rows, triton.cdiv(D, bn))](
         h, ids, order, offs, dn, dns, y, dn.stride(0), dn.stride(1), dns.stride(0), dns.stride(1), D=D, I=I,
         SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
-    combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
+    combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, ids, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
 
@@ -232,7 +235,7 @@ def audit_specs(dtype: str = "bf16", D: int = 2048, I: int = 768, A: int = 8, gr
               "dns_ptr": "*fp32", "y_ptr": "*fp32", **{s: "i32" for s in ("stride_dn_e", "stride_dn_r",
                                                                          "stride_dns_e", "stride_dns_r")}}
     dn_c = {"D": D, "I": I, **common, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": min(b["BLOCK_K"], block[1])}
-    cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
+    cb_sig = {"y_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
     return [kernel_spec(fp8_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
             kernel_spec(fp8_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
             kernel_spec(combine_kernel, cb_sig, {"D": D, "A": A, "BLOCK_C": BLOCK_C})]

@@ -28,7 +28,9 @@ Memory paths: expert weights are static (they may take the non-coherent path); x
 and the h scratch are produced during a step and are read with plain coherent loads (no cache modifier,
 no read-only hint); the static audit (tests/test_fused_experts.py) checks both kernels at sm_90.
 
-Contract for ids: 0 <= ids < E, as the router writes them. A device-side check would force a host sync
+Contract for ids: 0 <= ids < E, as the router writes them, or -1: a pair to skip (expert parallelism,
+megadecode/parallel: the expert is another rank's). A skipped pair's programs load no weights, write h = 0 (the
+activation of zero gate and up sums) and add nothing to its token. A device-side check would force a host sync
 (not graph capturable), so it is not done; `check_ids=True` (debug) verifies on the host.
 """
 
@@ -144,14 +146,16 @@ def experts_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_g
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    live = e >= 0  # a skipped pair (expert parallelism) loads no weights: g = u = 0, h = 0
+    e = tl.maximum(e, 0)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
     w_off = e * stride_gu_e
     s_off = e * stride_gus_e
     x_row = x_ptr + t * stride_x
-    g = _rows_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_row, D,
+    g = _rows_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok & live, stride_gu_r, stride_gus_r, x_row, D,
                   BLOCK_I, BLOCK_D, MXFP4)
-    u = _rows_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_row, D,
+    u = _rows_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok & live, stride_gu_r, stride_gus_r, x_row, D,
                   BLOCK_I, BLOCK_D, MXFP4)
     sig = 1.0 / (1.0 + tl.exp(-g))
     if ACT == 0:  # SiLU-GLU
@@ -165,7 +169,8 @@ def experts_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_g
 def experts_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, dns_ptr, out_ptr, stride_out, stride_dn_e,
                         stride_dn_r, stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr,
                         A: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (t, n-tile): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] * down_e[n, :] . h[t*A + a, :]."""
+    """Program (t, n-tile): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] * down_e[n, :] . h[t*A + a, :]
+    (a skipped pair, id < 0, loads no weights and adds 0)."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -173,9 +178,11 @@ def experts_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, dns_ptr, out_ptr, strid
     for a in range(A):
         p = t * A + a
         e = tl.load(ids_ptr + p).to(tl.int64)
+        live = e >= 0
+        e = tl.maximum(e, 0)
         w = tl.load(wts_ptr + p).to(tl.float32)
-        y = _rows_dot(dn_ptr, dns_ptr, e * stride_dn_e, e * stride_dns_e, n, n_ok, stride_dn_r, stride_dns_r,
-                      h_ptr + p.to(tl.int64) * I, I, BLOCK_N, BLOCK_K, MXFP4)
+        y = _rows_dot(dn_ptr, dns_ptr, e * stride_dn_e, e * stride_dns_e, n, n_ok & live, stride_dn_r,
+                      stride_dns_r, h_ptr + p.to(tl.int64) * I, I, BLOCK_N, BLOCK_K, MXFP4)
         acc += w * y
     tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -237,12 +244,13 @@ def check_problem(x, ids, weights, gate_up, down, act, out, max_tokens: int | No
         raise ValueError(f"MXFP4 experts need D ({D}) and I ({I}) to be multiples of {MX_BLOCK}")
     if A > E:
         raise ValueError(f"A ({A}) active experts per token exceeds E ({E})")
-    if check_ids and T and (int(ids.min()) < 0 or int(ids.max()) >= E):
-        raise ValueError(f"ids out of range [0, {E}): min {int(ids.min())}, max {int(ids.max())}")
+    if check_ids and T and (int(ids.min()) < -1 or int(ids.max()) >= E):
+        raise ValueError(f"ids out of range [-1, {E}) (-1: skip the pair): min {int(ids.min())}, "
+                         f"max {int(ids.max())}")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if out.shape != (T, D) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [T, D]=({T}, {D}) {x.dtype} with unit stride over D, got "
+    if out.shape != (T, D) or out.dtype not in (x.dtype, torch.float32) or out.stride(1) != 1:
+        raise ValueError(f"out must be [T, D]=({T}, {D}) {x.dtype} (or float32) with unit stride over D, got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     devs = {t.device for t in (x, ids, weights, gu, dn, out)}
     if len(devs) != 1:
@@ -254,10 +262,11 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   act: str = "silu", out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
                   check_ids: bool = False, blocks: dict | None = None) -> torch.Tensor:
     """Routed experts for T <= 16 tokens: x [T, D] float, ids [T, A] int64/int32 (0 <= ids < E, the router's
-    contract; checked on the host only with check_ids=True), weights [T, A] fp32; gate_up [E, 2I, D] and
+    contract, or -1 to skip a pair; checked on the host only with check_ids=True), weights [T, A] fp32; gate_up [E, 2I, D] and
     down [E, D, I] as float tensors, or as MXFP4 (an MXFP4Tensor or a (packed uint8 [E, out, in/2], scale
     uint8 [E, out, in/32]) tuple; D and I multiples of 32). act: "silu" (SwiGLU) or "situ" (SiTU-GLU).
-    Writes and returns out [T, D] (x.dtype; every element written). `scratch`: optional fp32 [T*A, I]
+    Writes and returns out [T, D] (x.dtype, or float32 when `out` is given so: the fp32 sums unrounded; every
+    element written). `scratch`: optional fp32 [T*A, I]
     buffer for h. `blocks`: overrides of DEFAULT_BLOCKS; None: the tuned config for this shape, batch and GPU
     (kernels/tuning.py lookup, CUDA only) when one exists."""
     pb = check_problem(x, ids, weights, gate_up, down, act, out, MAX_TOKENS, check_ids)

@@ -17,7 +17,8 @@ Three launches:
      columns, not 64 rows), h[p, i] = act(gate_e[i] . x_t, up_e[i] . x_t). Experts nobody picked exit after
      two loads; one with more than BLOCK_M pairs re-reads its tile per chunk (from L2).
   2. `grouped_down_kernel`, grid (E, cdiv(D, BLOCK_N)): y[p, n] = down_e[n, :] . h[p, :] for e's pairs.
-  3. `combine_kernel`, grid (T, cdiv(D, BLOCK_C)): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] y[t*A+a, n].
+  3. `combine_kernel`, grid (T, cdiv(D, BLOCK_C)): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] y[t*A+a, n]
+     (pairs with a negative id left out).
 With grouped=False the same kernels give each pair its own programs (grid rows T*A, no sort: the
 small-batch layout of kernels/fused_experts.py on tensor cores).
 Numerics: fp32 accumulation. Float weights: bf16/fp16 MMAs; fp32 activations are split into hi + lo
@@ -41,7 +42,9 @@ Deterministic (no atomics; each pair's values come from one program).
 
 Memory paths: weights static; x, ids, order, offs, router weights, h and y are produced within the step and
 read with plain coherent loads (the static audit in tests/test_grouped_experts.py checks all three kernels).
-Contract for ids: 0 <= ids < E (the router's); `check_ids=True` verifies on the host (debug, syncs).
+Contract for ids: 0 <= ids < E (the router's), or -1: a pair to skip (expert parallelism, megadecode/parallel: the
+expert is another rank's); a skipped pair is in no expert's run, and the combine leaves it out (its y row is never
+written or read). `check_ids=True` verifies on the host (debug, syncs).
 """
 
 from __future__ import annotations
@@ -316,15 +319,17 @@ def mx_prep_kernel(x_ptr, xin_ptr, xs_ptr, stride_x, ps_x, D: tl.constexpr, FAST
 
 
 @triton.jit
-def combine_kernel(y_ptr, wts_ptr, out_ptr, stride_out, D: tl.constexpr, A: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (t, n-tile): out[t, n] = sum_{a = 0..A-1, in order} w[t, a] * y[t*A + a, n]."""
+def combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, stride_out, D: tl.constexpr, A: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Program (t, n-tile): out[t, n] = sum_{a = 0..A-1, in order, ids[t, a] >= 0} w[t, a] * y[t*A + a, n]."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     n_ok = n < D
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for a in range(A):
         p = (t * A + a).to(tl.int64)
-        acc += tl.load(wts_ptr + p) * tl.load(y_ptr + p * D + n, mask=n_ok, other=0.0)
+        live = tl.load(ids_ptr + p) >= 0  # a skipped pair's y row was never written
+        acc += tl.load(wts_ptr + p) * tl.load(y_ptr + p * D + n, mask=n_ok & live, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -429,7 +434,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
         h, ids, order, offs, dn, dns_, y, dn.stride(0), dn.stride(1), dns_.stride(0) if mx else 0,
         dns_.stride(1) if mx else 0, ps_h, D=D, I=I, MXFP4=mx, GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         FAST=fast, USE_ASM=x.is_cuda, **kw)
-    combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
+    combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, ids, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
 
@@ -479,7 +484,7 @@ def audit_specs(dtype: str = "bf16", mxfp4: bool = False, act: str = "silu", D: 
               "stride_dns_e": "i32", "stride_dns_r": "i32", "ps_h": "i32"}
     dn_c = {"D": D, "I": I, "MXFP4": mxfp4, "GROUPED": grouped, "BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"],
             "BLOCK_K": b["BLOCK_K"], "FAST": fast, "USE_ASM": True}
-    cb_sig = {"y_ptr": "*fp32", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
+    cb_sig = {"y_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
     cb_c = {"D": D, "A": A, "BLOCK_C": BLOCK_C}
     specs = [kernel_spec(grouped_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr"),
                          path=("MXFP4", "GROUPED", "FAST", "ACT")),

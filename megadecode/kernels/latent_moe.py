@@ -25,10 +25,14 @@ from .linear import linear, linear_kernel
 
 
 def latent_moe(x, ids, wts, down_w, gate_up: MXFP4Tensor, down: MXFP4Tensor, norm_w, up_w, *, act: str,
-               eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The LATENT_MOE op in Triton (see the module doc): three stages, no host sync."""
+               eps: float, out: torch.Tensor | None = None, combine=None) -> torch.Tensor:
+    """The LATENT_MOE op in Triton (see the module doc): three stages, no host sync. `combine` (expert
+    parallelism: ids hold -1 for other ranks' experts): z, this rank's fp32 partial sum, becomes combine(z), the
+    sum over the ranks, before the norm."""
     h = linear(x.contiguous(), down_w)
     z = routed_experts(h, ids.contiguous(), wts.float().contiguous(), gate_up, down, act=act)
+    if combine is not None:
+        z = combine(z)
     return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out)
 
 

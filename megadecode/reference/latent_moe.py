@@ -100,11 +100,14 @@ def _expert(w, e: int) -> torch.Tensor:
 def latent_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up, down,
                    act: str = "situ") -> torch.Tensor:
     """sum_a w[t, a] * Expert_{ids[t, a]}(h[t]) in fp32; h [T, R], gate_up [E, 2I, R], down [E, R, I].
-    `act`: the GLU activation, "situ" (SiTU-GLU, K3) or "silu" (SwiGLU).
+    `act`: the GLU activation, "situ" (SiTU-GLU, K3) or "silu" (SwiGLU). Pairs with id -1 are skipped (expert
+    parallelism: another rank's expert).
 
     Loops over the experts that received tokens (a host sync; not graph-capturable)."""
     z = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = F.linear(h[tok], _expert(gate_up, e)).chunk(2, dim=-1)
         a = GLUS[act](g, u)

@@ -91,6 +91,8 @@ class EngineLoop:
 
     # ---- the loop thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.runner.device.type == "cuda":  # a thread's current GPU is its own: this one's is the engine's
+            torch.cuda.set_device(self.runner.device)
         try:
             with torch.inference_mode():
                 while not self._stop:

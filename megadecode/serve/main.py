@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import sys
 
+from .. import ranks
 from ..executors import EXECUTORS
 from ..measure import int_list, seed_arg
 from ..presets import PRESETS
@@ -47,6 +48,7 @@ def add_parser(sub) -> None:
                    help="load a checkpoint that holds tensors the model does not use, with a warning naming them")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="uvicorn's log level (info logs every request)")
+    ranks.add_args(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -90,36 +92,79 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def build_server(args, ep):
+    """The Server of this rank (every rank builds one: the same engine, runner and captured graphs). Under expert
+    parallelism rank 0's runner publishes its steps (lockstep.Leader); the others replay them (`follow`)."""
+    from ..engine import model_config
+    from ..parallel.group import agree
+    from .lockstep import Leader
+    from .server import Server
+
+    leads = ep is not None and ep.rank == 0
+    return agree(ep, Server.build, args.model, max_batch=args.max_batch, executor=args.executor,
+                 device=ranks.device(args, ep), dtype=args.dtype, max_seq_len=args.max_seq_len, seed=args.seed,
+                 check_finite=args.check_finite, ignore_unknown=args.ignore_unknown_tensors,
+                 model_name=args.served_model_name or args.model, max_queue=args.max_queue,
+                 batch_sizes=args.batch_sizes, max_prefill_tokens=args.max_prefill_tokens or args.max_seq_len,
+                 parallel=ranks.expert_parallel(ep, model_config(args.model)), mirror=Leader(ep) if leads else None)
+
+
+def follow(server, ep) -> int:
+    """A rank other than 0: capture the same decode graphs as rank 0, then replay its steps until it stops; the
+    number of steps replayed."""
+    from .lockstep import follow as replay
+
+    server.runner.warmup()
+    return replay(server.runner, ep)
+
+
 def cmd_serve(args, argv) -> int:
     import torch
     import uvicorn
     from tqdm import tqdm
 
+    from ..engine import model_config
     from .api import build_app
-    from .server import Server
 
     check_args(args)
+    ranks.check(model_config(args.model), args.ep)
+    if ranks.must_spawn(args.ep):
+        return ranks.spawn(argv, args.ep)
     # Two threads share the GIL: the engine loop and the HTTP event loop. A thread waiting for it gets it only
     # after the switch interval (5 ms by default) when the holder does not block: tokens would reach clients in
     # bursts, and the engine would wait for the HTTP thread between steps. 0.5 ms keeps the hand-over short.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
-    sock = bind(args.host, args.port)  # before the slow part: a taken port fails at once
+    sock = bind(args.host, args.port) if ranks.leader() else None  # before the slow part: a taken port fails at once
+    ep = ranks.join(args)
+    try:
+        server = build_server(args, ep)
+        if not ranks.leader():
+            follow(server, ep)
+            return 0
+        return _serve(args, server, sock, build_app, tqdm, uvicorn)
+    finally:
+        if ep is not None:
+            ep.destroy()
+
+
+def _serve(args, server, sock, build_app, tqdm, uvicorn) -> int:
     name = args.served_model_name or args.model
-    server = Server.build(args.model, max_batch=args.max_batch, executor=args.executor, device=args.device,
-                          dtype=args.dtype, max_seq_len=args.max_seq_len, seed=args.seed,
-                          check_finite=args.check_finite, ignore_unknown=args.ignore_unknown_tensors,
-                          model_name=name, max_queue=args.max_queue, batch_sizes=args.batch_sizes,
-                          max_prefill_tokens=args.max_prefill_tokens or args.max_seq_len)
     captures = bool(server.engine.executor.graph_lengths(1, 1, 1))  # eager executors have nothing to capture
     sizes = ",".join(map(str, server.runner.batch_sizes if server.runner.pad else range(1, server.max_batch + 1)))
-    with tqdm(desc=f"compile + capture decode graphs (batch {sizes})", unit="graph", file=sys.stderr, total=0,
-              disable=not captures) as bar:
-        server.start(bar)
+    try:
+        with tqdm(desc=f"compile + capture decode graphs (batch {sizes})", unit="graph", file=sys.stderr, total=0,
+                  disable=not captures) as bar:
+            server.start(bar)
+    except BaseException:
+        server.stop()  # with expert parallelism: tells the other ranks to stop too
+        raise
     host, port = sock.getsockname()[:2]
     cold = f"{server.cold_start_s:.1f} s" if server.cold_start_s is not None else "unknown"
-    print(f"megadecode: serving {name!r} ({args.executor}, {args.device}, {args.dtype}) at http://{host}:{port}/v1; "
+    where = f", {args.ep} ranks" if args.ep > 1 else ""
+    print(f"megadecode: serving {name!r} ({args.executor}, {args.device}, {args.dtype}{where}) at "
+          f"http://{host}:{port}/v1; "
           f"max batch {server.max_batch}, context {server.max_seq_len}; {server.graphs} decode graphs captured; "
           f"warm-up {server.warmup_s:.1f} s; cold start (process start to first token) {cold}", file=sys.stderr,
           flush=True)

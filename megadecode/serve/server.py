@@ -48,9 +48,11 @@ class Server:
     """`engine`'s cache must hold max_batch + 1 slots (the runner's scratch slot: `Server.build` sees to it)."""
 
     def __init__(self, engine: Engine, tokenizer, *, model_name: str, max_queue: int = 256,
-                 batch_sizes: list[int] | None = None, pad: bool | None = None, max_prefill_tokens: int | None = None):
+                 batch_sizes: list[int] | None = None, pad: bool | None = None, max_prefill_tokens: int | None = None,
+                 mirror=None):
+        """`mirror`: expert parallelism's rank 0 publishes every step to the other ranks (serve/lockstep.py)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.runner = ModelRunner(engine, batch_sizes, pad)
+        self.runner = ModelRunner(engine, batch_sizes, pad, mirror)
         self.max_batch = self.runner.max_batch
         self.scheduler = Scheduler(self.max_batch, max_queue, max_prefill_tokens)
         self.metrics = Metrics(self.max_batch)
@@ -63,13 +65,13 @@ class Server:
     @classmethod
     def build(cls, model: str, *, max_batch: int, executor: str = "torch", device: str = "cpu",
               dtype: str = "float32", max_seq_len: int | None = None, seed: int = 0, check_finite: bool = False,
-              ignore_unknown: bool = False, **kw) -> "Server":
+              ignore_unknown: bool = False, parallel=None, **kw) -> "Server":
         from ..presets import PRESETS
         from ..tokenizer import load_tokenizer
 
         engine = Engine.from_pretrained(model, device=device, dtype=dtype, executor=executor, seed=seed,
                                         check_finite=check_finite, ignore_unknown=ignore_unknown,
-                                        max_batch=max_batch + 1, max_seq_len=max_seq_len)
+                                        max_batch=max_batch + 1, max_seq_len=max_seq_len, parallel=parallel)
         tok = load_tokenizer(None if model in PRESETS else model)
         kw.setdefault("model_name", model)
         return cls(engine, tok, **kw)
@@ -112,6 +114,9 @@ class Server:
 
     def stop(self) -> None:
         self.loop.stop()
+        mirror, self.runner.mirror = self.runner.mirror, None
+        if mirror is not None:  # once: the other ranks stop replaying
+            mirror.stop()
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None) -> tuple[Sequence, Channel]:

@@ -1,0 +1,399 @@
+"""Expert parallelism in one process (megadecode/parallel, megadecode/ranks.py, issue 17): which experts a rank owns,
+the -1 convention of the routed experts, weights and checkpoints built per rank, the combine's mode data, the
+command line's checks, the launcher, and the measuring helpers. Whole runs of several ranks: tests/test_ep.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megadecode import cli, ranks
+from megadecode.checkpoint import CheckpointError, _Reader, load_weights
+from megadecode.engine import Engine
+from megadecode.parallel import combine, launch
+from megadecode.parallel.combine import ExpertParallel
+from megadecode.parallel.experts import ExpertShard
+from megadecode.presets import preset_config, preset_hf_config
+from megadecode.reference.latent_moe import latent_experts
+from megadecode.reference.moe import experts_grouped, experts_reference
+from megadecode.weights import param_specs, random_weights, weight_bytes
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import ep_workers  # noqa: E402
+
+PRESETS = ep_workers.PRESETS
+
+# ---- which experts a rank owns ------------------------------------------------------------------------------------
+def test_shard_owns_contiguous_blocks_and_maps_ids():
+    shards = [ExpertShard(8, 4, r) for r in range(4)]
+    assert [(s.lo, s.hi) for s in shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    ids = torch.tensor([[0, 3, 5], [7, 2, 6]])
+    assert shards[1].local_ids(ids).tolist() == [[-1, 1, -1], [-1, 0, -1]]
+    assert shards[3].local_ids(ids).tolist() == [[-1, -1, -1], [1, -1, 0]]
+    # every pair is owned by exactly one rank
+    owners = torch.stack([(s.local_ids(ids) >= 0) for s in shards]).sum(0)
+    assert owners.eq(1).all()
+
+
+def test_shard_refuses_an_uneven_split_naming_the_divisors():
+    with pytest.raises(ValueError, match=r"16 routed experts.*\(1, 2, 4, 8, 16\)"):
+        ExpertShard(16, 3, 0)
+    with pytest.raises(ValueError, match="outside"):
+        ExpertShard(16, 2, 2)
+
+
+# ---- the -1 convention: a pair another rank serves is skipped -----------------------------------------------------
+def _problem(mxfp4: bool, fp8: bool = False):
+    g = torch.Generator().manual_seed(0)
+    T, A, E, D, I = 3, 4, 8, 64, 32
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])
+    w = torch.rand(T, A, generator=g)
+    if mxfp4:
+        from megadecode.quant.mxfp4 import MXFP4Tensor
+
+        def mx(o, i):
+            return MXFP4Tensor(torch.randint(0, 256, (E, o, i // 2), dtype=torch.uint8, generator=g),
+                               torch.randint(118, 124, (E, o, i // 32), dtype=torch.uint8, generator=g))
+        return x, ids, w, mx(2 * I, D), mx(D, I)
+    if fp8:
+        from megadecode.weights import ParamSpec, random_tensor
+        from megadecode.quant.fp8 import FP8Tensor, scale_shape
+
+        def f8(shape):
+            b = (32, 32)
+            return FP8Tensor(random_tensor(ParamSpec("w", shape, "fp8"), g, "cpu", torch.float32),
+                             random_tensor(ParamSpec("s", scale_shape(shape, b), "fp8_scale", block=b), g, "cpu",
+                                           torch.float32), b)
+        return x, ids, w, f8((E, 2 * I, D)), f8((E, D, I))
+    return x, ids, w, torch.randn(E, 2 * I, D, generator=g) / 8, torch.randn(E, D, I, generator=g) / 6
+
+
+def _kernels():
+    from megadecode.kernels import fp8_experts, fused_experts, grouped_experts
+
+    return {
+        "grouped": lambda *a, **kw: grouped_experts.grouped_experts(*a, grouped=True, **kw),
+        "per-pair": lambda *a, **kw: grouped_experts.grouped_experts(*a, grouped=False, **kw),
+        "fused": fused_experts.fused_experts,
+        "fp8": fp8_experts.fp8_experts,
+        "mx-grouped": lambda *a: grouped_experts.grouped_experts(*a, act="situ", grouped=True),
+        "mx-per-pair": lambda *a: grouped_experts.grouped_experts(*a, act="situ", grouped=False),
+        "mx-fused": lambda *a: fused_experts.fused_experts(*a, act="situ"),
+    }
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch-grouped", "grouped", "per-pair", "fused", "fp8", "mx-grouped",
+                                  "mx-per-pair", "mx-fused", "mx-reference"])
+def test_pairs_with_id_minus_one_are_skipped(impl):
+    """Every routed-experts implementation: ids -1 contribute nothing (the same as a zero router weight), the others
+    are untouched; with an fp32 `out` the kernels return the unrounded sums."""
+    mx, fp8 = impl.startswith("mx-"), impl == "fp8"
+    x, ids, w, gu, dn = _problem(mx, fp8)
+    skip = ids.masked_fill(ids >= 4, -1)
+    if mx:
+        want = latent_experts(x, ids, w * (ids < 4), gu, dn)
+        fn = (lambda *a: latent_experts(*a)) if impl == "mx-reference" else _kernels()[impl]
+        got = fn(x, skip, w, gu, dn)
+    else:
+        want = experts_reference(x, ids, w * (ids < 4), gu, dn)
+        if impl == "reference":
+            got = experts_reference(x, skip, w, gu, dn)
+        elif impl == "torch-grouped":
+            got = experts_grouped(x, skip, w, gu, dn)
+        else:
+            got = _kernels()[impl](x, skip, w, gu, dn, out=torch.empty(x.shape))
+    scale = want.abs().max()
+    assert scale > 0 and ((got - want).abs().max() / scale) < 1e-4, impl
+
+
+def test_a_token_with_no_local_pair_gets_zeros():
+    from megadecode.kernels.grouped_experts import grouped_experts
+
+    x, ids, w, gu, dn = _problem(False)
+    none = torch.full_like(ids, -1)
+    for grouped in (False, True):
+        assert torch.equal(grouped_experts(x, none, w, gu, dn, grouped=grouped), torch.zeros_like(x))
+    assert torch.equal(experts_grouped(x, none, w, gu, dn), torch.zeros_like(x))
+
+
+# ---- weights and checkpoints per rank -----------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", [*PRESETS, "tiny-qwen3-moe-fp8"])
+def test_random_weights_of_a_rank_are_the_slice_and_nothing_more(preset, monkeypatch):
+    """A rank draws the values the whole model holds for its experts, never a whole expert stack (every draw of a
+    stacked tensor is one expert), and holds E / world experts per layer."""
+    from megadecode import weights as W
+
+    cfg = preset_config(preset)
+    full = random_weights(cfg)
+    stacks = {s.shape for s in param_specs(cfg).values() if s.stacked}
+    drawn = []
+    real = W.random_tensor
+    monkeypatch.setattr(W, "random_tensor", lambda spec, *a: drawn.append(spec.shape) or real(spec, *a))
+    for world in (2, 4):
+        for r in range(world):
+            shard = ExpertShard(cfg.num_experts, world, r)
+            mine = random_weights(cfg, shard=shard)
+            for name, spec in param_specs(cfg).items():
+                want = full[name][shard.lo:shard.hi] if spec.stacked else full[name]
+                assert mine[name].shape == want.shape and torch.equal(mine[name].view(torch.uint8),
+                                                                      want.view(torch.uint8)), name
+            held = sum(t.numel() * t.element_size() for t in mine.values())
+            assert held == weight_bytes(cfg, 4, shard)["total"]
+    assert drawn and not stacks & set(drawn)
+
+
+def _recorded_reads(monkeypatch) -> list:
+    reads = []
+    real = _Reader.__call__
+
+    def record(self, name, kind, rows=None):
+        reads.append((name, rows))
+        return real(self, name, kind, rows)
+
+    monkeypatch.setattr(_Reader, "__call__", record)
+    return reads
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "stacked"])
+def test_checkpoint_rank_reads_only_its_experts(layout, tiny_ckpt, tmp_path, monkeypatch):
+    """Per-expert tensors of other ranks are never read; a stacked tensor is read as the rank's rows only."""
+    from safetensors.torch import save_file
+
+    if layout == "per-expert":
+        ckpt = tiny_ckpt("tiny-qwen3-moe")
+    else:  # transformers' own names: experts stacked in the file
+        ckpt = tmp_path / "stacked"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps(preset_hf_config("tiny-qwen3-moe")))
+        save_file({n: t.contiguous() for n, t in random_weights(preset_config("tiny-qwen3-moe")).items()},
+                  str(ckpt / "model.safetensors"))
+    cfg, full = load_weights(ckpt)
+    reads = _recorded_reads(monkeypatch)
+    shard = ExpertShard(cfg.num_experts, 2, 1)
+    _, mine = load_weights(ckpt, shard=shard)
+    for name, spec in param_specs(cfg).items():
+        want = full[name][shard.lo:shard.hi] if spec.stacked else full[name]
+        assert torch.equal(mine[name], want), name
+    expert_reads = [(n, rows) for n, rows in reads if ".experts." in n]
+    assert expert_reads
+    if layout == "per-expert":
+        assert all(shard.owns(int(n.split(".experts.")[1].split(".")[0])) for n, _ in expert_reads)
+    else:
+        assert all(rows == (shard.lo, shard.hi) for _, rows in expert_reads)
+
+
+def test_checkpoint_missing_a_ranks_experts_names_the_rank(tiny_ckpt):
+    ckpt = tiny_ckpt("tiny-qwen3-moe")
+    ep_workers.strip_experts(ckpt, range(4, 8), layer=0)
+    cfg = preset_config("tiny-qwen3-moe")
+    load_weights(ckpt, shard=ExpertShard(cfg.num_experts, 2, 0))  # rank 0's experts are all there
+    with pytest.raises(CheckpointError, match=r"missing 8 expert tensors for 'model\.layers\.0\.mlp\.experts\."
+                                              r"gate_up_proj' \(rank 1 of 2 holds experts 4\.\.7\)"):
+        load_weights(ckpt, shard=ExpertShard(cfg.num_experts, 2, 1))
+
+
+# ---- the combine ----------------------------------------------------------------------------------------------------
+def test_combine_mode_is_read_from_measurements(tmp_path, monkeypatch):
+    monkeypatch.setattr(combine, "MODES_DIR", tmp_path)
+    combine._modes_file.cache_clear()
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "world": {"2": {"N=3584": {"1": "all-gather", "8": "all-gather",
+                                                             "64": "reduce-scatter"}}}}))
+    try:
+        ep = ExpertParallel(ExpertShard(896, 2, 0), device_name="NVIDIA H200")
+        # the entry of the smallest measured batch >= the batch (kernels/tuning.py's rule), else the largest
+        assert [ep.mode_for(b, 3584) for b in (1, 8, 9, 64, 500)] == ["all-gather"] * 2 + ["reduce-scatter"] * 3
+        assert ep.mode_for(1, 2048) == "all-gather"  # no measurement for this width: the default
+        assert ExpertParallel(ExpertShard(896, 4, 0), device_name="NVIDIA H200").mode_for(64, 3584) == "all-gather"
+        assert ExpertParallel(ExpertShard(896, 2, 0), mode="reduce-scatter").mode_for(1, 3584) == "reduce-scatter"
+        (tmp_path / "nvidia-h200.json").write_text(json.dumps({"world": {"2": {"N=1": {"1": "all-reduce"}}}}))
+        combine._modes_file.cache_clear()
+        with pytest.raises(ValueError, match="malformed combine-mode file"):
+            ep.mode_for(1, 1)
+    finally:
+        combine._modes_file.cache_clear()
+
+
+def test_one_rank_combine_is_the_identity_and_comm_off_skips_it():
+    x = torch.randn(3, 5)
+    assert ExpertParallel(ExpertShard(8, 1, 0)).combine(x) is x
+    ep = ExpertParallel(ExpertShard(8, 2, 0))
+    ep.comm = False
+    assert ep.combine(x) is x
+
+
+# ---- measuring: bench --ep, bench/ep_bench.py, the k3-ep preset ---------------------------------------------------
+def test_bench_counts_a_ranks_own_experts():
+    """Per-GPU bytes count the experts of the rank: at the first MoE layer (before the ranks' activations would
+    differ without their combine) the two ranks' counts add up to one process's."""
+    from megadecode import bench
+
+    cfg = preset_config("tiny-qwen3-moe")
+    tokens = torch.tensor([1, 2, 3, 4])
+
+    def counts(parallel):
+        shard = None if parallel is None else parallel.shard
+        eng = Engine(cfg, random_weights(cfg, shard=shard), max_batch=4, max_seq_len=16, parallel=parallel)
+        eng.lengths = [3] * 4
+        return bench.distinct_experts(eng, tokens)
+
+    ranks_ = []
+    for r in range(2):
+        par = ExpertParallel(ExpertShard(cfg.num_experts, 2, r))
+        par.comm = False  # one process: no collective
+        ranks_.append(counts(par))
+    assert ranks_[0][0] + ranks_[1][0] == counts(None)[0] > 0
+
+
+def test_bench_table_shows_communication_per_layer():
+    from megadecode import bench
+
+    row = {"preset": "k3-ep", "executor": "fused", "batch": 1, "context": 8, "ms_per_step": 10.0,
+           "tokens_per_s": 100.0, "bytes_per_step": 30e9, "floor_ms": 6.5, "mbu": 0.65, "ep": 2,
+           "comm_ms_per_layer": 0.0123, "comm_share": 0.0148}
+    table = bench.format_table([row])
+    assert "GB/GPU" in table.splitlines()[0] and "comm ms/layer" in table and "0.0123" in table and "1.5%" in table
+
+
+def test_ep_bench_writes_the_modes_file_the_combine_reads(tmp_path, monkeypatch):
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import ep_bench
+
+    monkeypatch.setattr(combine, "MODES_DIR", tmp_path)
+    combine._modes_file.cache_clear()
+    try:
+        path = combine.modes_path("NVIDIA H200")
+        ep_bench.merge_modes(path, "NVIDIA H200", 2, 3584, {1: "all-gather", 64: "reduce-scatter"}, [], "cmd")
+        ep_bench.merge_modes(path, "NVIDIA H200", 2, 2048, {1: "reduce-scatter"}, [], "cmd")
+        assert combine.measured_mode("NVIDIA H200", 2, 3584, 1) == "all-gather"
+        assert combine.measured_mode("NVIDIA H200", 2, 3584, 33) == "reduce-scatter"
+        assert combine.measured_mode("NVIDIA H200", 2, 2048, 1) == "reduce-scatter"
+        assert combine.measured_mode("NVIDIA H200", 4, 3584, 1) is None
+    finally:
+        combine._modes_file.cache_clear()
+
+
+def test_k3_ep_preset_outgrows_one_h200_and_fits_two():
+    H200 = 141e9  # NVIDIA's H200 datasheet: 141 GB of HBM3e
+    cfg = preset_config("k3-ep")
+    assert cfg.num_experts == 896 and all(cfg.moe_layers) and cfg.num_layers >= 10
+    assert cfg.hidden_size == 7168 and cfg.latent_size == 3584 and cfg.moe_intermediate_size == 3072
+    from megadecode.cache import cache_bytes
+
+    assert weight_bytes(cfg, 2)["total"] > H200
+    per_gpu = weight_bytes(cfg, 2, ExpertShard(896, 2, 0))["total"] + cache_bytes(cfg, 65, 1100, torch.bfloat16)
+    assert per_gpu < 0.85 * H200  # bench --batch 64 --context 1024: room left for activations and graph pools
+
+
+def test_ep_model_reproduces_its_calibration_and_the_memory_bound():
+    """bench/ep_model.py (docs/ep-model.md): one GPU at batch 1 is the measured k3-mini step by construction; the
+    full K3 with a replicated trunk fits H200s only from 56 GPUs (the divisor of 896 past 1446 GB / 29 GB)."""
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import ep_model
+
+    assert abs(ep_model.step(preset_config("k3-mini"), 1, 1, 1024)["ms"] - 3.73) < 0.05
+    full = ep_model.k3()
+    fits = [G for G in (28, 32, 56, 64) if ep_model.step(full, G, 1, 1024)["fits"]]
+    assert fits == [56, 64]
+    assert ep_model.busiest_rank_experts(1, 1) == 16 and 2 <= ep_model.busiest_rank_experts(1, 16) <= 5
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_ep_not_dividing_the_experts_is_one_error_line(capsys):
+    code = cli.main(["generate", "--model", "tiny-qwen3-moe", "--ep", "3", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("megadecode: error: --ep 3: ") and "(1, 2, 4, 8)" in err[0]
+
+
+TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "LOCAL_RANK": "0"}
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_torchrun_world_size_must_equal_ep(monkeypatch, capsys, rank, printed):
+    """Under torchrun every rank checks the same arguments; rank 0 alone reports (no duplicate lines)."""
+    for k, v in {**TORCHRUN_ENV, "RANK": rank, "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    code = cli.main(["generate", "--model", "tiny-qwen3-moe", "--ep", "4", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    if printed:
+        assert "megadecode: error: torchrun started 2 processes (WORLD_SIZE) but --ep is 4" in err
+    else:
+        assert err == ""
+
+
+def test_more_ranks_per_node_than_gpus_is_an_error_every_rank_sees(monkeypatch):
+    from megadecode.parallel import group
+
+    for k, v in {**TORCHRUN_ENV, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks per node need 2 GPUs .* this node has 1"):
+        group.init(2, "cuda", 60)
+
+
+def test_executors_without_expert_parallelism_refuse_it():
+    cfg = preset_config("tiny-qwen3-moe")
+    shard = ExpertShard(cfg.num_experts, 2, 0)
+    weights = random_weights(cfg, shard=shard)
+    for executor in ("pyvm", "mega"):
+        with pytest.raises(ValueError, match="no collective"):
+            Engine(cfg, weights, executor=executor, parallel=ExpertParallel(shard))
+    with pytest.raises(ValueError, match="compiled executor is not validated with expert parallelism"):
+        Engine(cfg, weights, executor="compiled", parallel=ExpertParallel(shard))
+
+
+def test_every_command_with_ranks_has_ep_flags():
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for cmd in ("generate", "bench", "serve"):
+        flags = {o for a in subs[cmd]._actions for o in a.option_strings}
+        assert {"--ep", "--dist-timeout"} <= flags, cmd
+
+
+def test_ranks_error_prefix(monkeypatch):
+    monkeypatch.setattr(ranks, "_joined", False)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert ranks.error_prefix() == ""
+    for k, v in {**TORCHRUN_ENV, "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    assert ranks.error_prefix() is None  # before the ranks connect: rank 0 reports the same error
+    monkeypatch.setattr(ranks, "_joined", True)
+    assert ranks.error_prefix() == "rank 1: "
+
+
+def test_a_lost_peer_is_one_line_and_other_errors_keep_their_traceback(monkeypatch):
+    monkeypatch.setattr(ranks, "_joined", True)
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29612. This is ...")
+    assert ranks.peer_failure(gone).endswith("Connection closed by peer [127.0.0.1]:29612. This is ...")
+    assert ranks.peer_failure(RuntimeError("shape mismatch")) is None  # a bug: the traceback stays
+    monkeypatch.setattr(ranks, "_joined", False)
+    assert ranks.peer_failure(gone) is None  # one process: nothing to blame on a peer
+
+
+# ---- the launcher -------------------------------------------------------------------------------------------------
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", "import os, sys, time\nr = int(os.environ['RANK'])\n" + body]
+
+
+def test_launcher_sets_torchrun_variables_and_returns_zero(tmp_path):
+    body = (f"open(os.path.join({str(tmp_path)!r}, 'r%d' % r), 'w').write("
+            "' '.join(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR')))")
+    assert launch.spawn([], 3, cmd=_script(body), grace_s=1) == 0
+    assert [(tmp_path / f"r{r}").read_text() for r in range(3)] == [f"{r} {r} 3 127.0.0.1" for r in range(3)]
+
+
+def test_launcher_stops_the_other_ranks_when_one_fails():
+    t = time.monotonic()
+    code = launch.spawn([], 2, cmd=_script("sys.exit(3) if r == 1 else time.sleep(120)"), grace_s=1)
+    assert code == 3 and time.monotonic() - t < 15
