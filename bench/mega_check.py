@@ -54,8 +54,10 @@ def main() -> None:
                 res["e2e"].append({"preset": preset, "batch": b, "error": repr(e)})
                 continue
             res["e2e"].append(r)
-            print(f"e2e {preset} b={b}: decode rel {['%.1e' % e for e in r['decode_rel_err']]}, greedy vs "
-                  f"bf16 torch {r['torch_bf16']}, vs fp32 torch {r['torch_fp32']}", flush=True)
+            print(f"e2e {preset} b={b}: decode rel (untied sequences) "
+                  f"{['-' if e is None else '%.1e' % e for e in r['decode_rel_err']]}, routing-tied sequences "
+                  f"{r['routing_near_tied_sequences']}, greedy vs bf16 torch {r['torch_bf16']}, vs fp32 torch "
+                  f"{r['torch_fp32']}, e2e near-tie rule {r['generation']['status']}", flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

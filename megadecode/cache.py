@@ -80,6 +80,16 @@ class KVCache:
                 for t in ts:
                     t[slot].zero_()
 
+    def save_state(self) -> list[torch.Tensor]:
+        """A copy of every KDA layer's recurrent and conv state. A decode step advances that state (it is not
+        idempotent, unlike a KV write): an executor that runs a step to warm up before capturing it saves the
+        state first and puts it back after (`restore_state`), so the captured replay starts from the same state."""
+        return [t.clone() for n in sorted(self.state_layers) for t in self.layers[n]]
+
+    def restore_state(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip((t for n in sorted(self.state_layers) for t in self.layers[n]), saved, strict=True):
+            t.copy_(s)
+
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies (and one attending query reads), summed over the per-token layers."""
         return sum(t[0, 0].numel() * t.element_size() for n, ts in self.layers.items()

@@ -36,7 +36,10 @@ def test_graph_matches_torch_fp32(preset):
 @pytest.mark.parametrize("preset,fast_executor", [("tiny-qwen3-moe", "graph"), ("tiny-deepseek-v3", "graph"),
                                                   ("tiny-qwen3-moe", "compiled")])
 def test_graph_bf16_close_and_replay_deterministic(preset, fast_executor):
+    from megadecode.validate.near_tie import RoutingMargins
+
     ref, fast = _engines(preset, torch.bfloat16, fast_executor)
+    margins = RoutingMargins(ref, "bfloat16")
     la, lb = ref.prefill(PROMPTS), fast.prefill(PROMPTS)
     tok = la.argmax(-1)
     steps_a, steps_b = [], []
@@ -46,8 +49,11 @@ def test_graph_bf16_close_and_replay_deterministic(preset, fast_executor):
         tok = steps_a[-1].argmax(-1)
     a, b = torch.stack(steps_a), torch.stack(steps_b)
     assert torch.isfinite(b).all()
-    err = ((a - b).abs().max() / a.abs().max()).item()
-    assert err < 3e-2, f"bf16 graph vs torch relative error {err:.3e}"
+    # sequences that met a routing near tie (validate/near_tie.py) may legitimately pick other experts
+    untied = ~margins.tied.to(a.device)
+    assert int(margins.tied.sum()) <= 2, f"{int(margins.tied.sum())} of 4 sequences met a routing near tie"
+    err = ((a - b)[:, untied].abs().max() / a.abs().max()).item()
+    assert err < 3e-2, f"bf16 {fast_executor} vs torch relative error {err:.3e}"
     # Replaying the same step (same inputs, same cache contents) must be bitwise identical.
     fast.lengths = [n - 1 for n in fast.lengths]
     again = fast.decode(tok).clone()

@@ -60,12 +60,16 @@ def _engines(preset, executor):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_fused_executor_end_to_end_bf16(preset):
-    """16 greedy decode steps of 4 sequences: logits close to torch's (bf16: 3e-2 of the largest), the same
+    """16 greedy decode steps of 4 sequences: logits close to torch's (bf16: 3e-2 of the largest) for the sequences
+    that met no routing near tie (validate/near_tie.py; at most 2 of 4 may), the same
     tokens while no near tie intervenes, the shipped variants chosen, and a replayed step bitwise identical,
     also while another stream loads the GPU."""
     from megadecode.validate.gpu_checks import _load
 
+    from megadecode.validate.near_tie import RoutingMargins
+
     ref, fused = _engines(preset, "fused")
+    margins = RoutingMargins(ref, "bfloat16")
     prompts = [[256, 72, 101, 108], [256, 7], [256, 1, 2, 3, 4, 5], [256, 40, 41]]
     tok = ref.prefill(prompts).argmax(-1)
     fused.prefill(prompts)
@@ -73,20 +77,24 @@ def test_fused_executor_end_to_end_bf16(preset):
     for _ in range(16):
         a, b = ref.decode(tok).float(), fused.decode(tok).float()
         assert torch.isfinite(b).all()
-        worst = max(worst, ((a - b).abs().max() / a.abs().max()).item())
+        untied = ~margins.tied.to(a.device)  # a routing near tie may pick other experts on a correct path
+        worst = max(worst, ((a - b)[untied].abs().max() / a.abs().max()).item() if untied.any() else 0.0)
         top2 = a.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.1 * a.abs().max()
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
         tok = a.argmax(-1)
     assert worst < 3e-2, worst
+    assert int(margins.tied.sum()) <= 2, f"{int(margins.tied.sum())} of 4 sequences met a routing near tie"
     chosen = set(fused.executor.chosen.values())
     assert "triton-rmsnorm" in chosen and "triton-router" in chosen, chosen
     gen = torch.Generator().manual_seed(0)
     side = torch.cuda.Stream()
     fused.lengths = [n - 1 for n in fused.lengths]
+    state = fused.cache.save_state()  # KDA state advances at every step: each replay starts from the same state
     again = fused.decode(tok).clone()
     for _ in range(4):  # the same step, replayed under load: bitwise the same
         fused.lengths = [n - 1 for n in fused.lengths]
+        fused.cache.restore_state(state)
         _load(side, gen, torch.bfloat16)
         torch.testing.assert_close(fused.decode(tok), again, rtol=0, atol=0)
         torch.cuda.synchronize()

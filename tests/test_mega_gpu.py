@@ -1,8 +1,7 @@
 """The CuTe megakernel on the GPU (skipped without CUDA and nvidia-cutlass-dsl): every buffer and cache of one launch
-against pyvm on the same program and inputs, repeats and the random-delay build bitwise identical, and greedy
-generation through the `mega` executor against the `torch` executor in fp32 on the same bf16 weights (the
-megakernel keeps activations in fp32). kimi_k3 runs with MEGADECODE_MEGA_UNVALIDATED=1: these tests are what
-validates it."""
+against pyvm on the same program and inputs, repeats and the random-delay build bitwise identical; decode and greedy
+generation through the `mega` executor against the `torch` executor on the same bf16 weights, routing near ties
+excused only where the reference's own margins show one (validate/near_tie.py, e2e.py)."""
 
 from __future__ import annotations
 
@@ -38,9 +37,11 @@ def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_greedy_generation_matches_fp32_torch(preset):
-    r = end_to_end(preset, 2, tokens=16, seed=3)
-    assert max(r["decode_rel_err"]) < 3e-2, r["decode_rel_err"]
-    fp32 = r["torch_fp32"]
-    # the same tokens as fp32 torch on the same weights, up to a near-tie late in a sequence (bf16 caches)
-    assert all(d is None or d >= 8 for d in fp32["first_divergence"]), fp32
+def test_decode_close_to_torch_and_greedy_divergences_are_near_ties(preset):
+    """Decode logits within 3e-2 of bf16 torch's for every sequence that met no routing near tie (near_tie.py);
+    ties rare; greedy generation against bf16 torch diverges only at near ties (e2e.py's rule)."""
+    r = end_to_end(preset, 4, tokens=16, seed=3)
+    errs = [e for e in r["decode_rel_err"] if e is not None]
+    assert errs and max(errs) < 3e-2, r["decode_rel_err"]
+    assert r["routing_near_tied_sequences"] <= 2, r
+    assert r["generation"]["status"] == "PASS", r["generation"]

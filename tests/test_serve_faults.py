@@ -3,6 +3,12 @@ fails alone; and the command itself (its startup line, SIGINT, bad flags)."""
 
 from __future__ import annotations
 
+import pytest
+
+# the serve extra and the HTTP clients; without them (the GPU machine has none) these tests skip
+for _m in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
+    pytest.importorskip(_m, reason="the serve stack is not installed: pip install -e '.[test]'")
+
 import asyncio
 import json
 import threading
@@ -10,7 +16,6 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from megadecode.serve.server import Server
 from megadecode.tokenizer import BOS_ID

@@ -101,15 +101,14 @@ class GraphExecutor(TorchExecutor):
         # Warm-up on a side stream (allocator, lazy init). It repeats this step's own cache writes, so
         # it leaves the KV cache as the real replay will. Recurrent state (KDA) is not idempotent: each
         # run advances it, so it is saved before the warm-up and put back after.
-        saved = [t.clone() for n in sorted(self.cache.state_layers) for t in self.cache[n]]
+        saved = self.cache.save_state()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._flagged_step(static)
         torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip((t for n in sorted(self.cache.state_layers) for t in self.cache[n]), saved):
-            t.copy_(s)  # RESTORE_KDA_STATE
+        self.cache.restore_state(saved)  # RESTORE_KDA_STATE
         if self.parallel is not None:  # no NCCL work of the warm-up still in flight while the combines are captured
             torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()

@@ -113,11 +113,13 @@ class MegaExecutor(TorchExecutor):
         if entry is None:
             static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),
                           logit_rows=step.logit_rows, kv_len=step.kv_len)
+            saved = self.cache.save_state()  # the warm-up launch advances KDA state; the replay must start from it
             self._stage(rt, static)
             rt.launch()  # compiles on first use; the same step's cache writes, repeated by the replay
             self.flag_nonfinite(rt.view("logits").view(B, -1), static)
             torch.cuda.synchronize(self.device)
             rt.check()
+            self.cache.restore_state(saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._stage(rt, static)
