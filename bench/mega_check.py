@@ -54,10 +54,12 @@ def main() -> None:
                 res["e2e"].append({"preset": preset, "batch": b, "error": repr(e)})
                 continue
             res["e2e"].append(r)
-            print(f"e2e {preset} b={b}: decode rel (untied sequences) "
-                  f"{['-' if e is None else '%.1e' % e for e in r['decode_rel_err']]}, routing-tied sequences "
-                  f"{r['routing_near_tied_sequences']}, greedy vs bf16 torch {r['torch_bf16']}, vs fp32 torch "
-                  f"{r['torch_fp32']}, e2e near-tie rule {r['generation']['status']}", flush=True)
+            vt, vp = r["vs_torch_bf16"], r["vs_pyvm"]
+            print(f"e2e {preset} b={b}: vs pyvm worst {vp['worst']:.1e}; vs bf16 torch median {vt['median']:.1e} "
+                  f"worst {vt['worst']:.1e} over-3e-2 {vt['frac_over']:.2f} clear-token mismatches "
+                  f"{vt['clear_token_mismatches']}; smallest routing margin {r['smallest_routing_margin']:.1e}; "
+                  f"greedy equal vs bf16 torch {r['torch_bf16']['equal']}/{r['torch_bf16']['tokens']}, vs fp32 "
+                  f"{r['torch_fp32']['equal']}/{r['torch_fp32']['tokens']}", flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -24,9 +24,10 @@ def _engines(preset, dtype, fast="graph"):
             Engine(cfg, w, executor=fast, max_batch=8, max_seq_len=128))
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear"])
-def test_graph_matches_torch_fp32(preset):
-    ref, fast = _engines(preset, torch.float32)
+@pytest.mark.parametrize("preset,fast_executor", [("tiny-qwen3-moe", "graph"), ("tiny-deepseek-v3", "graph"),
+                                                  ("tiny-kimi-linear", "graph"), ("tiny-qwen3-moe", "compiled")])
+def test_graph_matches_torch_fp32(preset, fast_executor):
+    ref, fast = _engines(preset, torch.float32, fast_executor)
     a = ref.generate(PROMPTS, 24, SamplingParams(greedy=True), stop_at_eos=False)
     b = fast.generate(PROMPTS, 24, SamplingParams(greedy=True), stop_at_eos=False)
     assert a.token_ids == b.token_ids
@@ -36,10 +37,9 @@ def test_graph_matches_torch_fp32(preset):
 @pytest.mark.parametrize("preset,fast_executor", [("tiny-qwen3-moe", "graph"), ("tiny-deepseek-v3", "graph"),
                                                   ("tiny-qwen3-moe", "compiled")])
 def test_graph_bf16_close_and_replay_deterministic(preset, fast_executor):
-    from megadecode.validate.near_tie import RoutingMargins
+    from megadecode.validate.near_tie import logit_agreement
 
     ref, fast = _engines(preset, torch.bfloat16, fast_executor)
-    margins = RoutingMargins(ref, "bfloat16")
     la, lb = ref.prefill(PROMPTS), fast.prefill(PROMPTS)
     tok = la.argmax(-1)
     steps_a, steps_b = [], []
@@ -47,13 +47,12 @@ def test_graph_bf16_close_and_replay_deterministic(preset, fast_executor):
         steps_a.append(ref.decode(tok).clone())
         steps_b.append(fast.decode(tok).clone())
         tok = steps_a[-1].argmax(-1)
-    a, b = torch.stack(steps_a), torch.stack(steps_b)
-    assert torch.isfinite(b).all()
-    # sequences that met a routing near tie (validate/near_tie.py) may legitimately pick other experts
-    untied = ~margins.tied.to(a.device)
-    assert int(margins.tied.sum()) <= 2, f"{int(margins.tied.sum())} of 4 sequences met a routing near tie"
-    err = ((a - b)[:, untied].abs().max() / a.abs().max()).item()
-    assert err < 3e-2, f"bf16 {fast_executor} vs torch relative error {err:.3e}"
+    r = logit_agreement(torch.stack(steps_a), torch.stack(steps_b), 3e-2)
+    assert r["finite"], r
+    if fast_executor == "graph":  # the torch executor's own ops, captured: the same numbers
+        assert r["worst"] < 3e-2, r
+    else:  # other kernels: a routing near tie may flip a few row-steps (validate/near_tie.py); fp32 test: all
+        assert r["median"] < 3e-2 and r["frac_over"] <= 0.25 and r["clear_token_mismatches"] == 0, r
     # Replaying the same step (same inputs, same cache contents) must be bitwise identical.
     fast.lengths = [n - 1 for n in fast.lengths]
     again = fast.decode(tok).clone()

@@ -51,40 +51,35 @@ def test_shipped_variant_bf16_on_the_gpu(name):
     assert ran >= 3
 
 
-def _engines(preset, executor):
+def _engines(preset, executor, dtype=torch.bfloat16):
     cfg = preset_config(preset)
-    w = random_weights(cfg, "cuda", torch.bfloat16, seed=1)
+    w = random_weights(cfg, "cuda", dtype, seed=1)
     return (Engine(cfg, w, executor="torch", max_batch=4, max_seq_len=64),
             Engine(cfg, w, executor=executor, max_batch=4, max_seq_len=64))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_fused_executor_end_to_end_bf16(preset):
-    """16 greedy decode steps of 4 sequences: logits close to torch's (bf16: 3e-2 of the largest) for the sequences
-    that met no routing near tie (validate/near_tie.py; at most 2 of 4 may), the same
+    """16 greedy decode steps of 4 sequences: logits close to torch's (bf16: 3e-2 of the largest; the median
+    row-step, and at most a quarter over it: routing near ties, validate/near_tie.py), the same
     tokens while no near tie intervenes, the shipped variants chosen, and a replayed step bitwise identical,
     also while another stream loads the GPU."""
     from megadecode.validate.gpu_checks import _load
 
-    from megadecode.validate.near_tie import RoutingMargins
+    from megadecode.validate.near_tie import logit_agreement
 
     ref, fused = _engines(preset, "fused")
-    margins = RoutingMargins(ref, "bfloat16")
     prompts = [[256, 72, 101, 108], [256, 7], [256, 1, 2, 3, 4, 5], [256, 40, 41]]
     tok = ref.prefill(prompts).argmax(-1)
     fused.prefill(prompts)
-    worst = 0.0
+    steps_a, steps_b = [], []
     for _ in range(16):
-        a, b = ref.decode(tok).float(), fused.decode(tok).float()
-        assert torch.isfinite(b).all()
-        untied = ~margins.tied.to(a.device)  # a routing near tie may pick other experts on a correct path
-        worst = max(worst, ((a - b)[untied].abs().max() / a.abs().max()).item() if untied.any() else 0.0)
-        top2 = a.topk(2, -1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.1 * a.abs().max()
-        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
-        tok = a.argmax(-1)
-    assert worst < 3e-2, worst
-    assert int(margins.tied.sum()) <= 2, f"{int(margins.tied.sum())} of 4 sequences met a routing near tie"
+        steps_a.append(ref.decode(tok).float())
+        steps_b.append(fused.decode(tok).float().clone())
+        tok = steps_a[-1].argmax(-1)
+    r = logit_agreement(torch.stack(steps_a), torch.stack(steps_b), 3e-2)
+    # a routing near tie may flip a few row-steps (validate/near_tie.py); the fp32 test below holds all of them
+    assert r["finite"] and r["median"] < 3e-2 and r["frac_over"] <= 0.25 and r["clear_token_mismatches"] == 0, r
     chosen = set(fused.executor.chosen.values())
     assert "triton-rmsnorm" in chosen and "triton-router" in chosen, chosen
     gen = torch.Generator().manual_seed(0)
@@ -98,6 +93,24 @@ def test_fused_executor_end_to_end_bf16(preset):
         _load(side, gen, torch.bfloat16)
         torch.testing.assert_close(fused.decode(tok), again, rtol=0, atol=0)
         torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fused_executor_end_to_end_fp32(preset):
+    """The same in fp32: every row-step within 1e-4 of torch's largest logit (no routing near tie is that close)."""
+    from megadecode.validate.near_tie import logit_agreement
+
+    ref, fused = _engines(preset, "fused", torch.float32)
+    prompts = [[256, 72, 101, 108], [256, 7], [256, 1, 2, 3, 4, 5], [256, 40, 41]]
+    tok = ref.prefill(prompts).argmax(-1)
+    fused.prefill(prompts)
+    steps_a, steps_b = [], []
+    for _ in range(16):
+        steps_a.append(ref.decode(tok).float())
+        steps_b.append(fused.decode(tok).float().clone())
+        tok = steps_a[-1].argmax(-1)
+    r = logit_agreement(torch.stack(steps_a), torch.stack(steps_b), 1e-4)
+    assert r["finite"] and r["worst"] < 1e-4 and r["clear_token_mismatches"] == 0, r
 
 
 def test_order_dependent_combine_is_caught_on_the_gpu():

@@ -37,11 +37,11 @@ def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_decode_close_to_torch_and_greedy_divergences_are_near_ties(preset):
-    """Decode logits within 3e-2 of bf16 torch's for every sequence that met no routing near tie (near_tie.py);
-    ties rare; greedy generation against bf16 torch diverges only at near ties (e2e.py's rule)."""
-    r = end_to_end(preset, 4, tokens=16, seed=3)
-    errs = [e for e in r["decode_rel_err"] if e is not None]
-    assert errs and max(errs) < 3e-2, r["decode_rel_err"]
-    assert r["routing_near_tied_sequences"] <= 2, r
-    assert r["generation"]["status"] == "PASS", r["generation"]
+def test_decode_matches_pyvm_and_is_close_to_torch(preset):
+    """4 teacher-forced decode steps of 4 sequences: every row-step within 1e-3 of pyvm (the same math: fp32
+    activations, bf16 caches); against the bf16 torch executor the median row-step within 3e-2, at most a quarter
+    over it (routing near ties, validate/near_tie.py) and every clear token the same."""
+    r = end_to_end(preset, 4, tokens=8, seed=3)
+    vp, vt = r["vs_pyvm"], r["vs_torch_bf16"]
+    assert vp["finite"] and vp["worst"] < 1e-3 and vp["clear_token_mismatches"] == 0, r
+    assert vt["median"] < 3e-2 and vt["frac_over"] <= 0.25 and vt["clear_token_mismatches"] == 0, r

@@ -4,8 +4,8 @@ tests (tests/test_mega_gpu.py) assert. It sits with the harness (it runs the eng
 `diff_program`: one launch of the CuTe kernel and one pyvm run of the same program on the same inputs and caches;
 every named buffer of the arenas and every cache is diffed (the first buffer that differs names the instructions
 that wrote it); a repeat of the launch, and launches of the debug build with random delays, must be bitwise
-identical. `end_to_end`: the `mega` executor's decode logits against the `torch` executor's (bf16), and greedy
-generation against `torch` in bf16 and in fp32 on the same weights.
+identical. `end_to_end`: the `mega` executor's decode logits against pyvm's (tight) and the bf16 `torch` executor's
+(statistical: routing near ties), and greedy generation against `torch` in bf16 and in fp32 (counts).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from ..mega.schedule import schedule
 from ..presets import preset_config
 from ..sampling import SamplingParams
 from ..weights import random_weights
-from .e2e import compare_generation
-from .near_tie import RoutingMargins
+from .near_tie import RoutingMargins, logit_agreement
 
 MISMATCH = 2e-2  # a buffer whose relative difference exceeds this is named in `mismatched`
 
@@ -111,30 +110,35 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int 
             "buffers": rows, "mismatched": [r["buffer"] for r in bad]}
 
 
-def end_to_end(preset: str, batch: int, tokens: int, seed: int) -> dict:
+def end_to_end(preset: str, batch: int, tokens: int, seed: int, steps: int = 4) -> dict:
+    """`steps` teacher-forced decode steps (every engine is fed the bf16 torch executor's greedy tokens) through
+    `mega`, the bf16 `torch` executor and `pyvm` (the kernel's golden model, run by torch on the GPU); their logits
+    compared (near_tie.logit_agreement); then greedy generation of `tokens` against torch in bf16 and fp32 (counts
+    only: routing margins of ~1e-4 make token-for-token agreement a matter of luck in bf16)."""
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, seed)
     prompts = [[(7 * i + j) % 250 + 3 for j in range(3 + i % 4)] for i in range(batch)]
     ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=tokens + 16)
     mega = Engine(cfg, w, executor="mega", max_batch=batch, max_seq_len=tokens + 16)
+    vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=tokens + 16)
     margins = RoutingMargins(ref, "bfloat16")
     tok = ref.prefill(prompts).argmax(-1)
     mega.prefill(prompts)
-    errs = []
-    for _ in range(4):
-        la, lb = ref.decode(tok), mega.decode(tok)
-        untied = ~margins.tied.to(la.device)  # a routing near tie may legitimately pick other experts
-        errs.append(rel(lb[untied], la[untied]) if bool(untied.any()) else None)
-        tok = la.argmax(-1)
+    vm.prefill(prompts)
+    la, lb, lc = [], [], []
+    for _ in range(steps):
+        la.append(ref.decode(tok).float())
+        lb.append(mega.decode(tok).float().clone())
+        lc.append(vm.decode(tok).float())
+        tok = la[-1].argmax(-1)
     mega.executor.check_errors()
+    la, lb, lc = torch.stack(la), torch.stack(lb), torch.stack(lc)
+    out = {"preset": preset, "batch": batch, "steps": steps,
+           "vs_torch_bf16": logit_agreement(la, lb, 3e-2), "vs_pyvm": logit_agreement(lc, lb, 1e-3),
+           "smallest_routing_margin": margins.smallest}
     greedy = SamplingParams(greedy=True)
-    # decode_rel_err: over the sequences with no routing near tie so far (None: every sequence had one)
-    out = {"preset": preset, "batch": batch, "decode_rel_err": errs,
-           "routing_near_tied_sequences": int(margins.tied.sum()), "smallest_routing_margin": margins.smallest}
     b = Engine(cfg, w, executor="mega", max_batch=batch, max_seq_len=tokens + 16).generate(prompts, tokens, greedy,
                                                                                           stop_at_eos=False)
-    # against the bf16 torch executor, and against fp32 torch on the same (bf16-valued) weights: the megakernel
-    # keeps activations in fp32, so the second is its exact math up to the bf16 cache
     w32 = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
     for name, ws in (("torch_bf16", w), ("torch_fp32", w32)):
         a = Engine(cfg, ws, executor="torch", max_batch=batch, max_seq_len=tokens + 16).generate(
@@ -143,8 +147,4 @@ def end_to_end(preset: str, batch: int, tokens: int, seed: int) -> dict:
                      "tokens": sum(len(r) for r in a.token_ids),
                      "first_divergence": [next((j for j, (x, y) in enumerate(zip(ra, rb)) if x != y), None)
                                           for ra, rb in zip(a.token_ids, b.token_ids)]}
-    # the harness's end-to-end rule (e2e.py): a divergence from bf16 torch must be a near tie (logprob gap)
-    g = compare_generation(None, preset, prompts=prompts, steps=tokens, dtype=torch.bfloat16, seed=seed,
-                           device="cuda", executor="mega")
-    out["generation"] = {"status": g["status"], "divergences": g["divergences"]}
     return out
