@@ -70,10 +70,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
         add0, add1 = arg(smi, ARG[op]["add0_off"]), arg(smi, ARG[op]["add1_off"])
     acc = cute.make_rmem_tensor(TB, Float32)
     acu = cute.make_rmem_tensor(TB, Float32)
-    # rows outer, token tiles inner: a row's weights come from HBM once and from L1/L2 for the later tiles (the
-    # other order streamed every row from HBM once per tile of TB tokens). Per (row, token) the same sums.
-    for r in cutlass.range(r0 + warp, r1, NW):
-        for t0 in cutlass.range(0, B, TB):
+    for t0 in cutlass.range(0, B, TB):
+        for r in cutlass.range(r0 + warp, r1, NW):
             for j in cutlass.range_constexpr(TB):
                 acc[j] = Float32(0.0)
                 acu[j] = Float32(0.0)
