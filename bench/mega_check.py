@@ -1,8 +1,8 @@
 """The megakernel against its golden model and the reference, on the GPU (tiny presets, bf16): for each preset and
 batch megadecode.validate.mega_gpu.diff_program (every buffer and cache against pyvm, repeats and delayed runs bitwise
-equal), then end_to_end (decode logits against `torch`, greedy generation against bf16 and fp32 `torch`).
-Writes a JSON summary to --out. kimi_k3 is run with MEGADECODE_MEGA_UNVALIDATED=1 (this is the check that
-validates it).
+equal), then end_to_end (decode logits against pyvm and `torch`, greedy generation against bf16 and fp32 `torch`).
+Writes a JSON summary to --out. A family in the executor's UNVALIDATED_FAMILIES runs with MEGADECODE_MEGA_UNVALIDATED=1
+(this is the check that validates it).
 
     python bench/mega_check.py --out $OUT/mega_check.json
 """
