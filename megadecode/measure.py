@@ -50,8 +50,9 @@ def seed_arg(text: str) -> int:
 
 
 def git_sha() -> str | None:
-    """HEAD of the checkout; MEGADECODE_GIT_SHA overrides (copies of the tree without .git, e.g. on
-    the GPU machine, are told the commit they were made from)."""
+    """HEAD of the checkout, with "+modified" when tracked files differ from it (the GPU machine's copy carries
+    the working tree over the .git of the session's start, so there its HEAD is not the code that ran);
+    MEGADECODE_GIT_SHA overrides (copies are told the commit they were made from)."""
     if os.environ.get("MEGADECODE_GIT_SHA"):
         return os.environ["MEGADECODE_GIT_SHA"]
     try:
@@ -60,7 +61,14 @@ def git_sha() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     sha = out.stdout.strip()
-    return sha if out.returncode == 0 and sha else None
+    if out.returncode != 0 or not sha:
+        return None
+    try:  # tracked files that differ from HEAD: the sha does not name the code that ran (say so, never guess)
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                            cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return sha
+    return sha + "+modified" if st.returncode == 0 and st.stdout.strip() else sha
 
 
 def triton_version() -> str | None:
