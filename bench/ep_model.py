@@ -177,11 +177,9 @@ def main() -> int:
     print(table([step(full, G, B, args.context, tp=8) for G in (8, 16, 32, 64) for B in (1, 8, 64)]))
     print()
     print("## Predictions to check on the H200s (trunk replicated)")
-    rows = [step(preset_config(p), G, B, args.context) for p in ("k3-mini", "k3-ep") for G in (1, 2)
-            for B in (1, 8, 64)]
-    for p, chunk in zip(("k3-mini", "k3-ep"), (rows[:6], rows[6:])):
+    for p, gpus in (("k3-mini", (1, 2)), ("k3-ep", (2, 4)), ("k3-ep4", (4, 8)), ("k3-ep8", (8,))):
         print(f"### {p}")
-        print(table(chunk))
+        print(table([step(preset_config(p), G, B, args.context) for G in gpus for B in (1, 8, 64)]))
     return 0
 
 

@@ -93,6 +93,11 @@ PRESETS: dict[str, dict] = {
     # True K3 dims, 12 layers (9 KDA + 3 MLA, the default kinds), all LatentMoE: 205.8 GB of weights by weight_bytes
     # (bf16 trunk, 4.25-bit experts), more than one H200 holds; 111.4 GB per GPU with --ep 2 (expert parallelism).
     "k3-ep": {**_K3, "num_hidden_layers": 12, "first_k_dense_replace": 0},
+    # The same at 20 and 32 layers, sized for 4 and 8 GPUs (issue 18): 104.0 GB per GPU with --ep 4 (182.6 with
+    # --ep 2) and 100.7 GB with --ep 8 (163.5 with --ep 4). The trunk (1.03 GB a layer) and the embedding and
+    # lm_head (4.7 GB) are on every GPU, so 4 and 8 H200s hold about 5 and 4 true K3 layers each, not 8.
+    "k3-ep4": {**_K3, "num_hidden_layers": 20, "first_k_dense_replace": 0},
+    "k3-ep8": {**_K3, "num_hidden_layers": 32, "first_k_dense_replace": 0},
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
         "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,

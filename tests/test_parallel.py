@@ -292,6 +292,19 @@ def test_k3_ep_preset_outgrows_one_h200_and_fits_two():
     assert per_gpu < 0.85 * H200  # bench --batch 64 --context 1024: room left for activations and graph pools
 
 
+@pytest.mark.parametrize("preset,world", [("k3-ep4", 4), ("k3-ep8", 8)])
+def test_k3_ep4_and_ep8_presets_fit_their_gpus_and_not_half_as_many(preset, world):
+    """Issue 18's presets: true K3 layers sized so that `world` H200s hold them and `world / 2` do not."""
+    H200 = 141e9
+    from megadecode.cache import cache_bytes
+
+    cfg = preset_config(preset)
+    assert cfg.num_experts == 896 and all(cfg.moe_layers) and cfg.hidden_size == 7168
+    per_gpu = weight_bytes(cfg, 2, ExpertShard(896, world, 0))["total"] + cache_bytes(cfg, 65, 1100, torch.bfloat16)
+    assert per_gpu < 0.85 * H200
+    assert weight_bytes(cfg, 2, ExpertShard(896, world // 2, 0))["total"] > H200
+
+
 def test_ep_model_reproduces_its_calibration_and_the_memory_bound():
     """bench/ep_model.py (docs/ep-model.md): one GPU at batch 1 is the measured k3-mini step by construction; the
     full K3 with a replicated trunk fits H200s only from 56 GPUs (the divisor of 896 past 1446 GB / 29 GB)."""
