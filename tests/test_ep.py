@@ -105,3 +105,10 @@ def test_generate_under_torchrun_matches_one_process():
     engine = Engine.from_pretrained("tiny-deepseek-v3", max_batch=1, max_seq_len=32)
     want = engine.generate([ep_workers.PROMPTS[0]], 5, SamplingParams(greedy=True)).token_ids
     assert doc["ep"] == 2 and doc["token_ids"] == want
+
+
+def test_eight_ranks_match_one_process(tmp_path):
+    """Issue 18, item 4 on the CPU: 8 gloo ranks (one or two experts each) give one process's greedy tokens."""
+    code, results = _run_ranks(tmp_path, 8, "tokens")
+    assert code == 0
+    _check_tokens_and_shards(results, 8)
