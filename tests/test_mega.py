@@ -204,10 +204,23 @@ def test_validate_executor_pyvm_passes_and_mega_is_not_run_on_the_cpu(capsys):
 
     assert main(["validate", "--executor", "pyvm", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 0
     out = capsys.readouterr().out
-    assert "e2e tiny-qwen3-moe float32: PASS" in out
+    assert "e2e tiny-qwen3-moe float32 vs torch: PASS" in out
     if not torch.cuda.is_available():
         assert main(["validate", "--executor", "mega", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 1
         assert "SKIP generation" in capsys.readouterr().out
+
+
+def test_compare_generation_takes_pyvm_as_the_reference():
+    """The megakernel is validated against pyvm (its own math) in bf16: the lockstep runs with pyvm as the reference
+    and the fp32 logprob-gap bound applies. Here the torch executor against pyvm on the CPU in fp32: every token the
+    same, the logits within 1e-4 while they agree."""
+    from megadecode.validate.e2e import compare_generation
+
+    res = compare_generation(None, "tiny-k3", steps=8, dtype=torch.float32, executor="torch", reference="pyvm",
+                             prompts=([256, 1, 2], [256, 7]))
+    assert res["reference"] == "pyvm" and res["logprob_gap_tol"] == 1e-3
+    assert res["status"] == "PASS" and res["divergences"] == [], res
+    assert 0 < res["max_logit_diff_before_divergence"] < 1e-4, res
 
 
 def _bf16_program(preset: str, batch: int):

@@ -45,3 +45,11 @@ def test_decode_matches_pyvm_and_is_close_to_torch(preset):
     vp, vt = r["vs_pyvm"], r["vs_torch_bf16"]
     assert vp["finite"] and vp["worst"] < 1e-3 and vp["clear_token_mismatches"] == 0, r
     assert vt["median"] < 3e-2 and vt["frac_over"] <= 0.25 and vt["clear_token_mismatches"] == 0, r
+
+
+def test_validate_command_passes_mega_against_pyvm(capsys):
+    """`megadecode validate --executor mega` as a user runs it: the audit, then greedy lockstep against pyvm."""
+    from megadecode.cli import main
+
+    assert main(["validate", "--executor", "mega", "--preset", "tiny-k3", "--steps", "16"]) == 0
+    assert "e2e tiny-k3 bfloat16 vs pyvm: PASS" in capsys.readouterr().out
