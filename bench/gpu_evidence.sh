@@ -7,6 +7,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests [pytest options]  # default: the whole suite
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh mega             # mega beside fused and graph
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -76,5 +77,17 @@ if [ "$MODE" = bench ]; then
         --out "$OUT/results/qwen3-30b-a3b.json" 2>&1 | tail -11
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench" >&2
+if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside fused and graph in the same run
+    B=1,2,4,8,16,64
+    timeout "$(left)" $M bench --preset k3-mini --executor graph,fused,mega --batch $B --steps 10 --warmup 2 \
+        --out "$OUT/results/k3-mini-mega.json" 2>&1 | tail -20
+    timeout "$(left)" $M bench --preset k3-layer --executor graph,fused,mega --batch $B \
+        --out "$OUT/results/k3-layer-mega.json" 2>&1 | tail -20
+    for ctx in 1024 8192; do
+        timeout "$(left)" $M bench --preset qwen3-30b-a3b --executor graph,fused,mega --batch $B --context $ctx \
+            --steps 10 --warmup 2 --out "$OUT/results/qwen3-30b-a3b-mega-ctx$ctx.json" 2>&1 | tail -20
+    done
+    exit 0
+fi
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega" >&2
 exit 2
