@@ -5,6 +5,12 @@ JSON and renders a PNG: one row per SM, each instruction a bar coloured by opcod
 the wait before it in grey. Random weights, cache filled with random values, every sequence `--context` long.
 
     python bench/mega_timeline.py --preset qwen3-30b-a3b --batch 1 --out $OUT/mega-timeline
+
+`--from FILE.json` (no GPU): the phases of a recorded step. The program is lowered again on meta tensors (same
+preset, batch and CTAs; checked instruction by instruction against the recording) for each instruction's HBM
+bytes by the cost model; per phase: instructions, bytes, the span from its first start to its last end, the rate
+that is over the span (and as a share of the H200's measured 4.57 TB/s), the mean and longest instruction, and
+the time the longest instruction kept the phase open past the mean one (imbalance).
 """
 
 from __future__ import annotations
@@ -48,13 +54,71 @@ def render(rows: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+HBM = 4.57e12  # bytes/s, the H200's measured copy rate (shared/GPU.md)
+
+
+def phases(recording: dict) -> list[dict]:
+    """Per phase (instruction names up to '['), in the order the phases started."""
+    from megadecode.weights import param_specs
+
+    s, rows = recording["summary"], recording["rows"]
+    cfg = preset_config(s["preset"])
+    w = {n: torch.empty(p.shape, device="meta", dtype=torch.uint8 if p.quant == "mxfp4" else
+                        torch.float32 if p.fp32 else torch.bfloat16) for n, p in param_specs(cfg).items()}
+    cache = KVCache(cfg, s["batch"], s["context"] + 8, "meta", torch.bfloat16)
+    prog = schedule(lower(cfg, w, cache, s["batch"], s["ctas"]), s["ctas"])
+    by: dict[str, list] = {}
+    for r in rows:
+        ins = prog.instrs[r["instr"]]
+        if ins.name != r["name"]:
+            raise SystemExit(f"instruction {r['instr']} is {ins.name!r} here, {r['name']!r} in the recording: "
+                             "lowered differently (another commit?)")
+        by.setdefault(r["name"].split("[")[0], []).append((r, ins.bytes))
+    out = []
+    for name, got in by.items():
+        rs = [r for r, _ in got]
+        dur = [r["end"] - r["start"] for r in rs]
+        span_ns = max(r["end"] for r in rs) - min(r["start"] for r in rs)
+        nbytes = sum(b for _, b in got)
+        out.append({"phase": name, "op": rs[0]["op"], "instructions": len(rs), "bytes": nbytes,
+                    "start_us": min(r["start"] for r in rs) / 1e3, "span_us": span_ns / 1e3,
+                    "hbm_share": nbytes / (span_ns * 1e-9) / HBM if span_ns else 0.0,
+                    "mean_us": sum(dur) / len(dur) / 1e3, "max_us": max(dur) / 1e3,
+                    "imbalance_us": (max(dur) - sum(dur) / len(dur)) / 1e3})
+    return sorted(out, key=lambda d: d["start_us"])
+
+
+def report(path: str) -> None:
+    with open(path) as f:
+        rec = json.load(f)
+    ph = phases(rec)
+    s = rec["summary"]
+    print(f"{s['preset']} batch {s['batch']} context {s['context']}, {s['ctas']} CTAs, step {s['step_us']:.0f} us")
+    print(f"{'phase':<18} {'op':<11} {'n':>4} {'MB':>8} {'span us':>8} {'HBM':>5} {'mean us':>8} {'max us':>7}")
+    for d in ph:
+        print(f"{d['phase']:<18} {d['op']:<11} {d['instructions']:>4} {d['bytes'] / 1e6:>8.1f} {d['span_us']:>8.1f} "
+              f"{d['hbm_share']:>5.0%} {d['mean_us']:>8.1f} {d['max_us']:>7.1f}")
+    by_op: dict[str, list] = {}
+    for d in ph:
+        by_op.setdefault(d["op"], []).append(d)
+    print("\nby opcode: phases, summed span, bytes over summed span, summed imbalance (longest - mean instruction)")
+    for op, ds in sorted(by_op.items(), key=lambda kv: -sum(d["span_us"] for d in kv[1])):
+        span = sum(d["span_us"] for d in ds)
+        print(f"  {op:<11} {len(ds):>3} {span:>8.0f} us {sum(d['bytes'] for d in ds) / (span * 1e-6) / HBM:>5.0%}"
+              f" {sum(d['imbalance_us'] for d in ds):>7.0f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", default="mega-timeline")
+    ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
     args = ap.parse_args()
+    if args.recording:
+        report(args.recording)
+        return
     cfg = preset_config(args.preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
     cache = KVCache(cfg, args.batch, args.context + 8, "cuda", torch.bfloat16)

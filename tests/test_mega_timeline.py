@@ -1,0 +1,56 @@
+"""bench/mega_timeline.py --from: the phases of a recorded megakernel step, on the CPU (the program lowered again on
+meta tensors). A made-up recording of tiny-qwen3-moe: bytes, spans, rates and imbalance come out as constructed, and
+a recording of another program is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import mega_timeline  # noqa: E402
+
+from megadecode.cache import KVCache  # noqa: E402
+from megadecode.mega.lower import lower  # noqa: E402
+from megadecode.mega.schedule import schedule  # noqa: E402
+from megadecode.presets import preset_config  # noqa: E402
+from megadecode.weights import param_specs  # noqa: E402
+
+
+def _recording(ctas=8, batch=2):
+    cfg = preset_config("tiny-qwen3-moe")
+    w = {n: torch.empty(p.shape, device="meta", dtype=torch.float32 if p.fp32 else torch.bfloat16)
+         for n, p in param_specs(cfg).items()}
+    prog = schedule(lower(cfg, w, KVCache(cfg, batch, 16 + 8, "meta", torch.bfloat16), batch, ctas), ctas)
+    rows, t = [], 0
+    for i, ins in enumerate(prog.instrs):  # one after another, instruction i lasting 1000 + i ns
+        rows.append({"instr": i, "name": ins.name, "op": ins.op, "layer": ins.layer, "sm": i % ctas,
+                     "wait": t, "start": t, "end": t + 1000 + i})
+        t += 1000 + i
+    summary = {"preset": "tiny-qwen3-moe", "batch": batch, "context": 16, "ctas": ctas, "step_us": t / 1e3}
+    return prog, {"summary": summary, "rows": rows}
+
+
+def test_phases_add_up_what_was_recorded():
+    prog, rec = _recording()
+    ph = mega_timeline.phases(rec)
+    assert sum(d["instructions"] for d in ph) == len(prog.instrs)
+    assert sum(d["bytes"] for d in ph) == sum(i.bytes for i in prog.instrs) > 0
+    for d in ph:
+        mine = [(i, ins) for i, ins in enumerate(prog.instrs) if ins.name.split("[")[0] == d["phase"]]
+        durs = [1000 + i for i, _ in mine]
+        assert d["mean_us"] == pytest.approx(sum(durs) / len(durs) / 1e3)
+        assert d["max_us"] == pytest.approx(max(durs) / 1e3)
+        if d["span_us"]:
+            assert d["hbm_share"] == pytest.approx(d["bytes"] / (d["span_us"] * 1e-6) / mega_timeline.HBM)
+    assert [d["start_us"] for d in ph] == sorted(d["start_us"] for d in ph)
+
+
+def test_a_recording_of_another_program_is_refused():
+    _, rec = _recording()
+    rec["rows"][3]["name"] = "L9.something[0]"
+    with pytest.raises(SystemExit, match="lowered differently"):
+        mega_timeline.phases(rec)
