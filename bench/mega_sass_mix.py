@@ -13,11 +13,11 @@ tokens it multiplies each weight with. `--op MATVEC` etc.; default: MATVEC, GLU,
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
 import subprocess
 import sys
+
+from megadecode.validate.audit import sass_loops
 
 DEFAULT_OPS = ("MATVEC", "GLU", "EXPERT_UP", "EXPERT_DOWN")
 
@@ -43,26 +43,8 @@ def sass_of(op: str) -> str:
 
 def loops(sass: str) -> list[dict]:
     """Every loop closed by a backward branch: its span, instruction count and opcode mix (innermost first)."""
-    ins, labels, pending = [], {}, []
-    for line in sass.splitlines():
-        lab = re.match(r"^(\.L_x_\d+):", line.strip())
-        if lab:
-            pending.append(lab.group(1))
-            continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);", line)
-        if m:
-            addr = int(m.group(1), 16)
-            labels.update({p: addr for p in pending})
-            pending = []
-            ins.append((addr, m.group(3), m.group(4)))
-    out = []
-    for addr, op, rest in ins:
-        t = re.search(r"\((\.L_x_\d+)\)", rest) if op.startswith("BRA") else None
-        if t and labels.get(t.group(1), 1 << 62) < addr:
-            lo = labels[t.group(1)]
-            mix = collections.Counter(x[1] for x in ins if lo <= x[0] <= addr)
-            out.append({"start": hex(lo), "end": hex(addr), "instructions": sum(mix.values()), "mix": dict(mix)})
-    return sorted(out, key=lambda d: d["instructions"])
+    return [{"start": hex(lo), "end": hex(hi), "instructions": sum(mix.values()), "mix": dict(mix)}
+            for lo, hi, mix in sass_loops(sass)]
 
 
 def summary(mix: dict) -> str:

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from megadecode.measure import HBM_READ_BPS
-from megadecode.kernels.fused_experts import _e8m0
+from megadecode.kernels.common import e8m0_to_f32
 from megadecode.quant.mxfp4 import dequantize_mxfp4
 
 
@@ -56,7 +56,7 @@ def probe_kernel(w_ptr, s_ptr, x_ptr, ids_ptr, out_ptr, N: tl.constexpr, K: tl.c
             acc = tl.dot_scaled(w, s, "e2m1", xt, None, "bf16", acc)
         else:
             b = w.to(tl.int32)
-            sc = tl.reshape(tl.broadcast_to(_e8m0(s.to(tl.int32))[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
+            sc = tl.reshape(tl.broadcast_to(e8m0_to_f32(s.to(tl.int32))[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                             (BLOCK_N, BLOCK_K // 2)) * 16384.0
             we = (_decode_bf16(b, False).to(tl.float32) * sc).to(tl.bfloat16)
             wo = (_decode_bf16(b, True).to(tl.float32) * sc).to(tl.bfloat16)

@@ -10,11 +10,10 @@ so ~0.11 warp-instructions per weight is the budget). Reported for the innermost
 from __future__ import annotations
 
 import collections
-import re
 
 from megadecode.kernels import fused_experts as fe
 from megadecode.kernels import grouped_experts as ge
-from megadecode.validate.audit import disassemble
+from megadecode.validate.audit import disassemble, sass_loops
 
 
 def compile_kernel(fn, sig, consts):
@@ -30,29 +29,18 @@ def compile_kernel(fn, sig, consts):
 
 
 def inner_loops(fn, sig, consts):
-    """[(instructions, opcode Counter)] of every backward-branch loop in the kernel's SASS."""
+    """[(instructions, opcode Counter)] of every backward-branch loop in the kernel's SASS (opcodes without their
+    modifiers)."""
     sass, why = disassemble(compile_kernel(fn, sig, consts).asm["cubin"])
     if sass is None:
         raise SystemExit(why)
-    ins, labels, pending = [], {}, []
-    for line in sass.splitlines():
-        lab = re.match(r"^(\.L_x_\d+):", line.strip())
-        if lab:
-            pending.append(lab.group(1))
-            continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);", line)
-        if m:
-            addr = int(m.group(1), 16)
-            labels.update({p: addr for p in pending})
-            pending = []
-            ins.append((addr, m.group(3), m.group(4)))
-    loops = []
-    for addr, op, rest in ins:
-        t = re.search(r"\((\.L_x_\d+)\)", rest) if op.startswith("BRA") else None
-        if t and labels.get(t.group(1), 1 << 62) < addr:
-            body = [x for x in ins if labels[t.group(1)] <= x[0] <= addr]
-            loops.append((len(body), collections.Counter(x[1].split(".")[0] for x in body)))
-    return loops
+    out = []
+    for _, _, mix in sass_loops(sass):
+        base = collections.Counter()
+        for op, n in mix.items():
+            base[op.split(".")[0]] += n
+        out.append((sum(mix.values()), base))
+    return out
 
 
 def main():

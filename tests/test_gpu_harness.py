@@ -51,6 +51,20 @@ def test_shipped_variant_bf16_on_the_gpu(name):
     assert ran >= 3
 
 
+def _greedy_steps(ref, fast, steps):
+    """Prefill 4 prompts in both engines, then `steps` decode steps fed the reference's greedy tokens: (the next
+    token, [steps, 4, V] reference logits, the same from `fast`)."""
+    prompts = [[256, 72, 101, 108], [256, 7], [256, 1, 2, 3, 4, 5], [256, 40, 41]]
+    tok = ref.prefill(prompts).argmax(-1)
+    fast.prefill(prompts)
+    steps_a, steps_b = [], []
+    for _ in range(steps):
+        steps_a.append(ref.decode(tok).float())
+        steps_b.append(fast.decode(tok).float().clone())
+        tok = steps_a[-1].argmax(-1)
+    return tok, torch.stack(steps_a), torch.stack(steps_b)
+
+
 def _engines(preset, executor, dtype=torch.bfloat16):
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", dtype, seed=1)
@@ -65,19 +79,11 @@ def test_fused_executor_end_to_end_bf16(preset):
     tokens while no near tie intervenes, the shipped variants chosen, and a replayed step bitwise identical,
     also while another stream loads the GPU."""
     from megadecode.validate.gpu_checks import _load
-
     from megadecode.validate.near_tie import logit_agreement
 
     ref, fused = _engines(preset, "fused")
-    prompts = [[256, 72, 101, 108], [256, 7], [256, 1, 2, 3, 4, 5], [256, 40, 41]]
-    tok = ref.prefill(prompts).argmax(-1)
-    fused.prefill(prompts)
-    steps_a, steps_b = [], []
-    for _ in range(16):
-        steps_a.append(ref.decode(tok).float())
-        steps_b.append(fused.decode(tok).float().clone())
-        tok = steps_a[-1].argmax(-1)
-    r = logit_agreement(torch.stack(steps_a), torch.stack(steps_b), 3e-2)
+    tok, a, b = _greedy_steps(ref, fused, 16)
+    r = logit_agreement(a, b, 3e-2)
     # a routing near tie may flip a few row-steps (validate/near_tie.py); the fp32 test below holds all of them
     assert r["finite"] and r["median"] < 3e-2 and r["frac_over"] <= 0.25 and r["clear_token_mismatches"] == 0, r
     chosen = set(fused.executor.chosen.values())
@@ -101,15 +107,8 @@ def test_fused_executor_end_to_end_fp32(preset):
     from megadecode.validate.near_tie import logit_agreement
 
     ref, fused = _engines(preset, "fused", torch.float32)
-    prompts = [[256, 72, 101, 108], [256, 7], [256, 1, 2, 3, 4, 5], [256, 40, 41]]
-    tok = ref.prefill(prompts).argmax(-1)
-    fused.prefill(prompts)
-    steps_a, steps_b = [], []
-    for _ in range(16):
-        steps_a.append(ref.decode(tok).float())
-        steps_b.append(fused.decode(tok).float().clone())
-        tok = steps_a[-1].argmax(-1)
-    r = logit_agreement(torch.stack(steps_a), torch.stack(steps_b), 1e-4)
+    _, a, b = _greedy_steps(ref, fused, 16)
+    r = logit_agreement(a, b, 1e-4)
     assert r["finite"] and r["worst"] < 1e-4 and r["clear_token_mismatches"] == 0, r
 
 

@@ -1,11 +1,12 @@
 """Checkpoints written by transformers itself (save_pretrained of a tiny model of each family, pinned 5.17.0),
 re-laid out into every tensor-name layout real checkpoints of the family use (megadecode/layouts.py): each
 loads, gives the same weights, and decodes the transformers oracle's logits. The names the newest transformers
-5.x wrote (tests/data/layout_names-*.json, from tests/data/make_layout_names.py) load too. Broken layouts
+5.x wrote (tests/data/layout_names-*.json.gz, from tests/data/make_layout_names.py) load too. Broken layouts
 (duplicates, missing pieces, experts beyond the config) are errors naming the tensor."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -100,8 +101,9 @@ def test_every_layout_decodes_like_transformers(family):
 # ---- the newest transformers' names ---------------------------------------------------------------
 
 def newest_names() -> dict:
-    files = sorted(DATA.glob("layout_names-*.json"), key=lambda p: [int(x) for x in p.stem.split("-")[1].split(".")])
-    return json.loads(files[-1].read_text())
+    files = sorted(DATA.glob("layout_names-*.json.gz"),
+                   key=lambda p: [int(x) for x in p.name.split("-")[1].removesuffix(".json.gz").split(".")])
+    return json.loads(gzip.decompress(files[-1].read_bytes()))
 
 
 @pytest.mark.parametrize("preset", sorted(CLASSES))

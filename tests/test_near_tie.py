@@ -1,6 +1,6 @@
 """The routing margin (reference/routing.py) is a true bound: moving every router logit by less than half of it never
 changes `route`'s pick, for softmax, sigmoid with a bias, and grouped sigmoid routing; an exact tie has margin 0.
-RoutingMargins (validate/near_tie.py) marks per sequence, through prefill and decode, which met a near tie."""
+RoutingMargins (validate/near_tie.py) keeps each sequence's smallest margin through prefill and decode."""
 
 from __future__ import annotations
 
@@ -53,12 +53,14 @@ def test_routing_margins_mark_sequences_through_prefill_and_decode():
     cfg = preset_config("tiny-qwen3-moe")
     eng = Engine(cfg, random_weights(cfg, "cpu", torch.float32, seed=1), executor="torch", max_batch=3,
                  max_seq_len=32)
-    margins = RoutingMargins(eng, "float32")
+    margins = RoutingMargins(eng)
     tok = eng.prefill([[256, 1, 2], [256, 5], [256, 7, 8, 9]]).argmax(-1)
-    assert margins.tied.shape == (3,) and 0 < margins.smallest < float("inf")
-    margins.threshold = float("inf")  # every decision is now "near": every sequence becomes tied
+    after_prefill = margins.per_sequence.clone()
+    assert after_prefill.shape == (3,) and margins.smallest == float(after_prefill.min()) > 0
+    margins.per_sequence = torch.full((3,), float("inf"))  # forget the prefill: the decode step alone must set all
     eng.decode(tok)
-    assert margins.tied.all()
+    assert torch.isfinite(margins.per_sequence).all() and (margins.per_sequence > 0).all()
+    assert margins.smallest <= float(margins.per_sequence.min())
     with pytest.raises(TypeError, match="torch executor"):
         RoutingMargins(Engine(cfg, random_weights(cfg, "cpu", torch.float32, seed=1), executor="pyvm",
-                              max_batch=1, max_seq_len=8), "float32")
+                              max_batch=1, max_seq_len=8))

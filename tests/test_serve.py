@@ -6,11 +6,7 @@ tests/test_serve_faults.py."""
 
 from __future__ import annotations
 
-import pytest
-
-# the serve extra and the HTTP clients; without them (the GPU machine has none) these tests skip
-for _m in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
-    pytest.importorskip(_m, reason="the serve stack is not installed: pip install -e '.[test]'")
+import serve_stack  # noqa: F401 (first: skips this file without the serve stack)
 
 import asyncio
 import json

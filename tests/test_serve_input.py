@@ -4,16 +4,13 @@ naming the field, a body too large a 413, an unknown route a 404, and a fuzz of 
 
 from __future__ import annotations
 
-import pytest
-
-# the serve extra and the HTTP clients; without them (the GPU machine has none) these tests skip
-for _m in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
-    pytest.importorskip(_m, reason="the serve stack is not installed: pip install -e '.[test]'")
+import serve_stack  # noqa: F401 (first: skips this file without the serve stack)
 
 import os
 import random
 
 import httpx
+import pytest
 
 from serving import MAX_SEQ, QWEN, check_greedy, post, srv  # noqa: F401 (srv: a fixture)
 

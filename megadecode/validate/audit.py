@@ -379,6 +379,31 @@ def disassemble(cubin: bytes) -> tuple[str | None, str]:
     return r.stdout, ""
 
 
+def sass_loops(sass: str) -> list[tuple[int, int, Counter]]:
+    """Every loop of a SASS listing closed by a backward branch: (first address, branch address, opcode counts of
+    the instructions between them), innermost (fewest instructions) first. For the instruction-mix probes
+    (bench/sass_mix.py, bench/mega_sass_mix.py)."""
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        lab = re.match(r"^(\.L_x_\d+):", line.strip())
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            labels.update({p: addr for p in pending})
+            pending = []
+            ins.append((addr, m.group(3), m.group(4)))
+    out = []
+    for addr, op, rest in ins:
+        t = re.search(r"\((\.L_x_\d+)\)", rest) if op.startswith("BRA") else None
+        if t and labels.get(t.group(1), 1 << 62) < addr:
+            lo = labels[t.group(1)]
+            out.append((lo, addr, Counter(x[1] for x in ins if lo <= x[0] <= addr)))
+    return sorted(out, key=lambda t: sum(t[2].values()))
+
+
 def audit_spec(spec, *, arch: int = 90, sass: bool = True) -> AuditReport:
     """Compile a declared kernel (any spec of contract/kernels.py: Triton's KernelSpec, or another framework's
     spec with the same interface) for sm_<arch> and audit its PTX, and its SASS when `sass` and nvdisasm exist.

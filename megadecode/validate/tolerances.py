@@ -52,10 +52,6 @@ FLOORS: dict[str, Bound] = {
 
 E2E_LOGPROB_GAP = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2e-1}
 
-# End to end (near_tie.py), a routing decision within this many router-logit units of a tie may go either way on a
-# correct fast path: the tiny presets' router logits are O(1) and a bf16 step's activations differ from the
-# reference's by ~1e-2 relative, so a bf16 router logit moves by a few 1e-2; fp32 by ~1e-6.
-ROUTING_NEAR_TIE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
 
 # Outputs whose rows are sets: topk_ids order is unspecified (a variant may emit the A picks in any
 # order); rows are compared after sorting ids, and topk_weights follows the same permutation.

@@ -1,4 +1,4 @@
-"""Writes layout_names-<transformers version>.json: the tensor names and shapes that transformers'
+"""Writes layout_names-<transformers version>.json.gz: the tensor names and shapes that transformers'
 save_pretrained writes for the tiny presets of each family it knows, in its default (original) format and with
 save_original_format=False (its own stacked names). Run it with a transformers other than the pinned one to pin
 that version's layouts for tests/test_layouts.py, e.g. the newest 5.x in a separate virtualenv:
@@ -9,6 +9,7 @@ that version's layouts for tests/test_layouts.py, e.g. the newest 5.x in a separ
 
 from __future__ import annotations
 
+import gzip
 import json
 import tempfile
 from pathlib import Path
@@ -41,8 +42,8 @@ def main() -> None:
         model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
         doc["models"][preset] = {"config": cfg.to_dict(), "save_pretrained": names(model, True),
                                  "save_original_format=False": names(model, False)}
-    path = Path(__file__).with_name(f"layout_names-{transformers.__version__}.json")
-    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+    path = Path(__file__).with_name(f"layout_names-{transformers.__version__}.json.gz")  # gzip: the repo stays small
+    path.write_bytes(gzip.compress((json.dumps(doc, separators=(",", ":")) + "\n").encode(), mtime=0))
     print(f"wrote {path}")
 
 
