@@ -70,7 +70,12 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
         add0, add1 = arg(smi, ARG[op]["add0_off"]), arg(smi, ARG[op]["add1_off"])
     acc = cute.make_rmem_tensor(TB, Float32)
     acu = cute.make_rmem_tensor(TB, Float32)
+    xa = cute.make_rmem_tensor(TB, Int64)  # each token's row of x (and of x2): 64-bit bases, once per tile
+    xb = cute.make_rmem_tensor(TB, Int64)
     for t0 in cutlass.range(0, B, TB):
+        for j in cutlass.range_constexpr(TB):
+            xa[j] = fa(fb, x_off + (t0 + j) * x_stride)
+            xb[j] = fa(fb, x2_off + (t0 + j) * x_stride)
         for r in cutlass.range(r0 + warp, r1, NW):
             for j in cutlass.range_constexpr(TB):
                 acc[j] = Float32(0.0)
@@ -82,24 +87,31 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 uv = wv
                 if cutlass.const_expr(glu):
                     uv = ld8(BFloat16, urow + Int64(k) * 2)
-                gv = wv
-                if norm:
+                if norm:  # the norm weight folded into the row once for every token; rstd after the sum
                     gv = ld8(BFloat16, gaddr + Int64(k) * 2)
+                    wv = wv * gv
+                    if cutlass.const_expr(glu):
+                        uv = uv * gv
                 for j in cutlass.range_constexpr(TB):
                     if t0 + j < B:
-                        xv = ld8(Float32, fa(fb, x_off + (t0 + j) * x_stride + k))
+                        xv = ld8(Float32, xa[j] + Int64(k) * 4)
                         if has_x2:
-                            xv = xv + ld8(Float32, fa(fb, x2_off + (t0 + j) * x_stride + k))
-                        if norm:
-                            xv = xv * gv * sm[RS + t0 + j]
+                            xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
                         acc[j] += dot8(wv, xv)
                         if cutlass.const_expr(glu):
                             acu[j] += dot8(uv, xv)
             for j in cutlass.range_constexpr(TB):
-                s = warp_sum(acc[j])
+                s = warp_sum(acc[j])  # every lane: a full-mask shuffle
+                su = Float32(0.0)
                 if cutlass.const_expr(glu):
-                    s = silu(s) * warp_sum(acu[j])
+                    su = warp_sum(acu[j])
                 if lane == 0 and t0 + j < B:
+                    if norm:
+                        rs = sm[RS + t0 + j]
+                        s = s * rs
+                        su = su * rs
+                    if cutlass.const_expr(glu):
+                        s = silu(s) * su
                     col = (t0 + j) * out_stride + out_col + r
                     o = fa(fb, out_off + col)
                     if cutlass.const_expr(not glu):  # addends laid out like the output (kimi_k3's block sums)
