@@ -4,6 +4,8 @@ audit catches the kernel's own planted mistakes, and the co-residency arithmetic
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("cutlass", reason="the megakernel needs nvidia-cutlass-dsl (the test extra installs it)")
@@ -52,29 +54,60 @@ def test_co_residency_arithmetic():
         assert regs is not None and 32 <= regs <= 255
 
 
-def test_mxfp4_bit_formulas_of_the_kernel_decode_every_code_and_scale_exactly():
-    """cute/base.py decodes MXFP4 by building fp32 bits: e2m1 magnitude index m -> (m << 22) + 0x3F000000 (m >= 2),
-    0.5 (m = 1), 0 (m = 0), the sign bit from bit 3; e8m0 byte s -> s << 23 (s = 0: 2**-127, 255: NaN). The same
-    formulas, evaluated here, against quant.mxfp4's table for all 16 codes and all 256 scale bytes."""
+def test_e8m0_bit_formula_of_the_kernel_decodes_every_scale_exactly():
+    """cute/base.py e8m0: scale byte s -> fp32 bits s << 23 (s = 0: 2**-127, 255: NaN), against quant.mxfp4 for all
+    256 bytes."""
     import struct
 
     import torch
 
-    from megadecode.quant.mxfp4 import E2M1_VALUES, e8m0_to_float
+    from megadecode.quant.mxfp4 import e8m0_to_float
 
     def f(bits):
         return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
 
-    for c in range(16):
-        m = c & 7
-        bits = 0 if m == 0 else 0x3F000000 if m == 1 else (m << 22) + 0x3F000000
-        v = f(bits | ((c & 8) << 28))
-        assert v == E2M1_VALUES[c] and (str(v) == str(E2M1_VALUES[c]) or c == 8), c  # code 8 is -0.0
     ref = e8m0_to_float(torch.arange(256, dtype=torch.uint8))
     for s in range(256):
         bits = 0x00400000 if s == 0 else 0x7FC00000 if s == 255 else s << 23
         got = torch.tensor(f(bits))
         assert torch.equal(got, ref[s]) or (s == 255 and got.isnan() and ref[s].isnan()), s
+
+
+def test_mxfp4_subnormal_decode_of_mx8_equals_the_table_for_every_code_and_scale():
+    """mx8 moves a nibble's magnitude bits (e1 e0 m) to fp32 bits 24..22 and its sign to bit 31, multiplies by 2**126
+    (the kernel keeps subnormals: 0.5 comes through 2**-127) and then by the scale. The same, evaluated here in fp32,
+    for all 8 nibble positions of a word, all 16 codes and every scale byte, equals quant.mxfp4's dequantization."""
+    import numpy as np
+    import torch
+
+    from megadecode.mega.cute.base import TWO126
+    from megadecode.quant.mxfp4 import E2M1_VALUES, e8m0_to_float
+
+    assert float(np.float32(TWO126)) == 2.0 ** 126
+    scales = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).numpy().astype(np.float32)
+    for j in range(8):
+        for c in range(16):
+            word = np.uint32(c << (4 * j)) | np.uint32(0x5A5A5A5A & ~(0xF << (4 * j)))  # other nibbles: noise
+            sh = 22 - 4 * j
+            mag = (word << np.uint32(sh)) if sh >= 0 else (word >> np.uint32(-sh))
+            bits = (mag & np.uint32(0x01C00000)) | ((word << np.uint32(28 - 4 * j)) & np.uint32(0x80000000))
+            v = np.array([bits], dtype=np.uint32).view(np.float32)[0]
+            with np.errstate(over="ignore", invalid="ignore"):
+                got = v * np.float32(TWO126) * scales
+                want = np.float32(E2M1_VALUES[c]) * scales
+            same = (got == want) | (np.isnan(got) & np.isnan(want))
+            assert same.all(), (j, c, np.flatnonzero(~same)[:4])
+            assert np.signbit(got[127]) == np.signbit(want[127]), (j, c)
+
+
+def test_kernel_keeps_fp32_subnormals():
+    """mx8's decode passes 0.5 through the subnormal 2**-127: no flush-to-zero on the kernel's fp32 multiplies, adds and
+    FMAs (the approximate ex2 / rcp of softmax and sigmoid may flush: they never see the decode's values)."""
+    from megadecode.mega import cute_kernel as K
+
+    ptx = K.compile_for().__ptx__
+    assert re.search(r"\bmul(\.rn)?\.f32", ptx)
+    assert not re.search(r"\b(mul|fma|add|sub)(\.\w+)*\.ftz", ptx)
 
 
 def test_kernel_check_constants_are_the_kernels():

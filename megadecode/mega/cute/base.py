@@ -63,6 +63,9 @@ def ldu8(addr: Int64) -> Uint32:
     return Uint32(cute.make_tensor(_g(addr, Uint8, 1), cute.make_layout(1))[0])
 
 
+TWO126 = 8.507059173023462e37  # 2**126, exact in fp32 (mx8)
+
+
 @cute.jit
 def from_bits(b: Uint32) -> Float32:
     """The fp32 whose bits are b."""
@@ -81,16 +84,11 @@ def e8m0(s: Uint32) -> Float32:
 
 
 @cute.jit
-def e2m1(c: Uint32) -> Float32:
-    """An e2m1 code (4 bits: sign, 2 exponent bits, 1 mantissa bit) as fp32, exactly: magnitude index m = c & 7
-    is 0, 0.5 (m = 1), else 2**((m >> 1) - 1) * (1 + (m & 1) / 2), whose fp32 bits are (m << 22) + 0x3F000000."""
-    m = c & Uint32(7)
-    bits = (m << 22) + Uint32(0x3F000000)
-    if m == Uint32(1):
-        bits = Uint32(0x3F000000)
-    if m == Uint32(0):
-        bits = Uint32(0)
-    return from_bits(bits | ((c & Uint32(8)) << 28))
+def _nib(word: Uint32, j: Constexpr) -> Uint32:
+    """fp32 bits of nibble j's e2m1 code times 2**-126 (mx8): magnitude bits to 24..22, sign to 31."""
+    sh = 22 - 4 * j
+    mag = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
+    return (mag & Uint32(0x01C00000)) | ((word << Uint32(28 - 4 * j)) & Uint32(0x80000000))
 
 
 @cute.jit
@@ -101,8 +99,12 @@ def mx8(packed: Int64, scales: Int64, k: Int32, wr: cute.Tensor):
     quant.mxfp4.dequantize_mxfp4 (exact: a power-of-two scale times a 2-significant-bit value)."""
     word = ldu32(packed + Int64(k // 2))
     sc = e8m0(ldu8(scales + Int64(k // 32)))
+    # nibble j's magnitude bits (e1 e0 m) moved to fp32 bits 24..22 and its sign to bit 31 (_nib): that fp32 is the
+    # e2m1 magnitude times 2**-126 (e = 0, m = 1 lands on the subnormal 2**-127: the kernel does not flush
+    # subnormals), so times 2**126 it is the e2m1 value exactly and times the power-of-two scale the weight: the
+    # same fp32 as e2m1(code) * sc, in 2 shifts, 2 logic ops and 2 multiplies instead of ~12 ops
     for j in cutlass.range_constexpr(8):
-        wr[j] = e2m1((word >> Uint32(4 * j)) & Uint32(15)) * sc
+        wr[j] = from_bits(_nib(word, j)) * TWO126 * sc
 
 
 @cute.jit
