@@ -9,7 +9,7 @@ import torch
 
 from megadecode.cache import KVCache
 from megadecode.engine import Engine
-from megadecode.mega.isa import F_MXFP4, ROW, Instr, Wait, bits_f32, f32_bits
+from megadecode.mega.isa import F_MXFP4, PASS, ROW, Instr, Wait, bits_f32, f32_bits, up_chunks
 from megadecode.mega.lower import Unsupported, lower
 from megadecode.mega.pyvm import DeadlockError, PyVM, WaitViolation
 from megadecode.mega.schedule import report, schedule
@@ -39,6 +39,54 @@ def test_rows_round_trip_and_float_bits():
     assert bits_f32(f32_bits(1e-6)) == pytest.approx(1e-6, rel=1e-7)
     with pytest.raises(ValueError, match="missing"):
         Instr("MERGE", 0, {"b": 0}).row()
+
+
+def test_up_chunks_split_every_expert_pass_row_once_in_equal_shares():
+    """EXPERT_UP's split: every (expert, pass, row) unit in exactly one item, items within one row of each other,
+    whatever the pairs per expert (one hot expert with many passes, many with one)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        passes = torch.randint(1, 5, (n,), generator=g).tolist()
+        qst = [0]
+        for p in passes:
+            qst.append(qst[-1] + p)
+        I = int(torch.randint(1, 70, (1,), generator=g))
+        W = int(torch.randint(1, 300, (1,), generator=g))
+        seen = torch.zeros(qst[-1] * I, dtype=torch.int32)
+        sizes = []
+        for w in range(W):
+            size = 0
+            for u, q, r0, r1 in up_chunks(qst, I, w, W):
+                assert 0 <= q < passes[u] and 0 <= r0 < r1 <= I
+                seen[(qst[u] + q) * I + r0:(qst[u] + q) * I + r1] += 1
+                size += r1 - r0
+            sizes.append(size)
+        assert bool((seen == 1).all())
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_pyvm_experts_with_several_passes_match_torch():
+    """Batch 16 on 8 experts with 2 picks each: 32 pairs, so some expert holds more than PASS pairs and EXPERT_UP
+    walks several passes of it (split across items)."""
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, "cpu", torch.float32, 2)
+    batch = 16
+    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
+    vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
+    prompts = [[3 + i, 7][: 1 + i % 2] for i in range(batch)]
+    tok = ref.prefill(prompts).argmax(-1)
+    vm.prefill(prompts)
+    vm.executor.check_races = True
+    la, lb = ref.decode(tok), vm.decode(tok)
+    assert ((la - lb).abs().max() / la.abs().max()).item() < 1e-5
+    # the last MoE layer's routing, as ROUTE left it: some expert has more pairs than one pass takes
+    machine = vm.executor.vm(batch)
+    (off, _), n = machine.prog.i32["pstart"], int(machine.i32[machine.prog.i32["nuniq"][0]])
+    pairs = machine.i32[off:off + n + 1].diff()
+    assert int(pairs.max()) > PASS
+    qoff = machine.prog.i32["qst"][0]
+    assert machine.i32[qoff:qoff + n + 1].diff().tolist() == (-(-pairs // PASS)).tolist()
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

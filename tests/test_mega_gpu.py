@@ -25,7 +25,7 @@ def _unvalidated(monkeypatch):
     monkeypatch.setenv(UNVALIDATED_ENV, "1")
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 16])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
     r = diff_program(preset, batch, ctas=16, seed=batch, delay_runs=1)

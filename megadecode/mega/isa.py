@@ -26,6 +26,7 @@ import struct
 from dataclasses import dataclass, field
 
 ROW = 40  # int32 per instruction
+PASS = 4  # tokens (or expert pairs) per pass of the kernel's dot-product loops (its TB)
 HEADER = 13
 ARGS = ROW - HEADER
 
@@ -64,11 +65,13 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # times sigmoid(gate[b, head*dv + v]) (gate_off -1: no gate)]
     "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P", "gate_off")),
     # routing for the whole batch: picks, weights, and the pairs grouped by expert (see mega/lower.py)
+    # (also each expert's passes of PASS pairs, as a prefix: qst[u] = sum over u' < u of ceil(pairs(u') / PASS))
     "ROUTE": (6, ("logits_off", "E", "A", "B", "bias_w", "n_group", "topk_group", "scale_bits", "ids_off",
-                  "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off")),
-    # h[pair, i] = glu(gate_up[e] . x_t) for the work items [w * N / W, (w + 1) * N / W) of N = nuniq * tiles
-    "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "rows", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
-                      "ptok_off", "gus")),
+                  "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off", "qst_off")),
+    # h[pair, i] = glu(gate_up[e] . x_t) for the units [w * N / W, (w + 1) * N / W) of N = qst[nuniq] * I: unit
+    # qst[u] * I + q * I + r is row r of expert u against its pairs [q * PASS, (q + 1) * PASS) (`up_chunks`)
+    "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
+                      "ptok_off", "gus", "qst_off")),
     # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
     # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r])
     "EXPERT_DOWN": (8, ("dn", "I", "D", "h_off", "y_off", "out_off", "r0", "r1", "B", "A", "nuniq_off",
@@ -96,6 +99,23 @@ OPCODES = {name: code for name, (code, _) in OPS.items()}
 OPNAMES = {code: name for name, (code, _) in OPS.items()}
 for _name, (_, _args) in OPS.items():
     assert len(_args) <= ARGS, (_name, len(_args))
+
+
+def up_chunks(qst: list[int], I: int, w: int, W: int) -> list[tuple[int, int, int, int]]:
+    """EXPERT_UP's share of work item w of W: (u, q, r0, r1) = rows [r0, r1) of selected expert u against its
+    pairs' pass q. The N = qst[-1] * I units (rows of a pass) are split evenly, so an item's weight rows and
+    decode work are the same for every w to within one row, whatever the pairs per expert (the kernel walks the
+    same chunks, `mega/cute/moe.py`)."""
+    N = qst[-1] * I
+    lo, hi = w * N // W, (w + 1) * N // W
+    out = []
+    for u in range(len(qst) - 1):
+        for q in range(qst[u + 1] - qst[u]):
+            base = (qst[u] + q) * I
+            r0, r1 = max(lo - base, 0), min(hi - base, I)
+            if r0 < r1:
+                out.append((u, q, r0, r1))
+    return out
 
 
 def f32_bits(x: float) -> int:

@@ -197,7 +197,7 @@ def _route(b: Builder, i: int, m: str, shared: bool) -> None:
     cfg, B = b.cfg, b.B
     E, A = cfg.num_experts, cfg.top_k
     for name, n in (("ids", B * A), ("nuniq", 1), ("uniq", E), ("pstart", E + 1), ("ptok", B * A),
-                    ("pslot", B * A), ("pairof", B * A)):
+                    ("pslot", B * A), ("pairof", B * A), ("qst", min(E, B * A) + 1)):
         b.buf(name, n, ints=True)
     b.buf("wts", B * A)
     sigmoid = cfg.score_func == "sigmoid"
@@ -208,7 +208,7 @@ def _route(b: Builder, i: int, m: str, shared: bool) -> None:
           scale_bits=f32_bits(cfg.routed_scaling_factor if sigmoid else 1.0), ids_off=b.i32["ids"][0],
           wts_off=b.f32["wts"][0], nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0],
           pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], pslot_off=b.i32["pslot"][0],
-          pairof_off=b.i32["pairof"][0])
+          pairof_off=b.i32["pairof"][0], qst_off=b.i32["qst"][0])
     if shared:
         b.buf("shared_out", B * cfg.hidden_size)
         b.matvec(i, "shared_down", f"{m}.shared_experts.down_proj.weight", "shared_h", "shared_out")
@@ -224,17 +224,18 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     b.buf("h", B * A * I)
     b.buf("y", B * A * D)
     sel = expected_experts(E, A, B)
-    rows = max(1, min(I, math.ceil(I * sel / b.ctas)))  # ~1 work item per CTA
-    W = max(1, min(b.ctas, math.ceil(sel) * -(-I // rows)))
+    # work items: equal shares of the rows of every selected expert's passes over its pairs (isa.up_chunks),
+    # about one per CTA: as many as the expected selected rows allow, at least a few rows each
+    W = max(1, min(b.ctas, math.ceil(sel) * I // 8))
     gu_name = f"{m}.experts.gate_up_proj" + (".weight_packed" if quant else "")
     dn_name = f"{m}.experts.down_proj" + (".weight_packed" if quant else "")
     wbytes = 0.53125 if quant else b.wbytes  # MXFP4: 4.25 bits per weight
-    per_item = 2 * rows * D * wbytes
     gu, gus = b.t(gu_name), b.t(f"{m}.experts.gate_up_proj.weight_scale") if quant else -1
     for w in range(W):
-        b.add("EXPERT_UP", i, f"L{i}.up[{w}]", flags_up, bytes_=int(per_item * sel * -(-I // rows) / W), gu=gu, I=I,
-              D=D, x_off=b.f32[x][0], h_off=b.f32["h"][0], rows=rows, w=w, W=W, nuniq_off=b.i32["nuniq"][0],
-              uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], gus=gus)
+        b.add("EXPERT_UP", i, f"L{i}.up[{w}]", flags_up, bytes_=int(2 * I * D * wbytes * sel / W), gu=gu, I=I,
+              D=D, x_off=b.f32[x][0], h_off=b.f32["h"][0], w=w, W=W, nuniq_off=b.i32["nuniq"][0],
+              uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], gus=gus,
+              qst_off=b.i32["qst"][0])
     b.close(f"L{i}.up")
     rows = b.rows_per_tile(D)
     dn, dns = b.t(dn_name), b.t(f"{m}.experts.down_proj.weight_scale") if quant else -1

@@ -23,7 +23,9 @@ from .isa import (
     F_SITU,
     F_STORE,
     F_WRITE_NORMED,
+    PASS,
     bits_f32,
+    up_chunks,
 )
 
 
@@ -192,7 +194,11 @@ class VMOps:
                     ptok.append(j // A)
                     pslot.append(j % A)
             pstart.append(len(ptok))
+        qst = [0]
+        for u in range(len(uniq)):
+            qst.append(qst[-1] + -(-(pstart[u + 1] - pstart[u]) // PASS))
         self.wi(a["nuniq_off"], [len(uniq)])
+        self.wi(a["qst_off"], qst)
         self.wi(a["uniq_off"], uniq)
         self.wi(a["pstart_off"], pstart)
         self.wi(a["ptok_off"], ptok)
@@ -212,20 +218,18 @@ class VMOps:
         return self.T[w][e, r0:r1].float()
 
     def op_expert_up(self, ins, a):
-        I, D, rows = a["I"], a["D"], a["rows"]
+        I, D = a["I"], a["D"]
         n, uniq, pstart = self._groups(a)
-        tiles = -(-I // rows)
-        N = n * tiles
-        for item in range(a["w"] * N // a["W"], (a["w"] + 1) * N // a["W"]):
-            u, tile = divmod(item, tiles)
-            e, r0 = uniq[u], tile * rows
-            r1 = min(I, r0 + rows)
-            toks = self.ri(a["ptok_off"] + pstart[u], pstart[u + 1] - pstart[u]).tolist()
+        qst = self.ri(a["qst_off"], n + 1).tolist()
+        for u, q, r0, r1 in up_chunks(qst, I, a["w"], a["W"]):
+            p0 = pstart[u] + q * PASS
+            pairs = range(p0, min(pstart[u + 1], p0 + PASS))
+            toks = self.ri(a["ptok_off"] + p0, len(pairs)).tolist()
             x = torch.stack([self.rf(a["x_off"] + t * D, D) for t in toks])
-            g = x @ self._rows_of(ins, a["gu"], a["gus"], e, r0, r1).T
-            up = x @ self._rows_of(ins, a["gu"], a["gus"], e, I + r0, I + r1).T
+            g = x @ self._rows_of(ins, a["gu"], a["gus"], uniq[u], r0, r1).T
+            up = x @ self._rows_of(ins, a["gu"], a["gus"], uniq[u], I + r0, I + r1).T
             hv = situ_glu(g, up) if ins.flags & F_SITU else F.silu(g) * up
-            for j, p in enumerate(range(pstart[u], pstart[u + 1])):
+            for j, p in enumerate(pairs):
                 self.wf(a["h_off"] + p * I + r0, hv[j])
 
     def op_expert_down(self, ins, a):

@@ -7,11 +7,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Constexpr, Float32, Int32, Int64, Uint8, Uint32
 
-from ..isa import HEADER, OPS, ROW
+from ..isa import HEADER, OPS, PASS, ROW
 
 NT = 256  # threads per CTA
 NW = NT // 32
-TB = 4  # tokens (or expert pairs) per pass of a dot-product loop
+TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
 SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
 SMEM_I = 2048  # int32 words (8 KiB)

@@ -141,16 +141,20 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                 cnt += 1
         smi[CNT + e] = cnt
     cute.arch.sync_threads()
+    qst_off = arg(smi, ARG[A_]["qst_off"])
     if tid == 0:
-        u, start = Int32(0), Int32(0)
+        u, start, q = Int32(0), Int32(0), Int32(0)
         for e in cutlass.range(E):
             if smi[CNT + e] > 0:
                 sti(ia(ib, uniq_off + u), e)
                 sti(ia(ib, pstart_off + u), start)
+                sti(ia(ib, qst_off + u), q)
                 smi[START + e] = start
                 start += smi[CNT + e]
+                q += (smi[CNT + e] + TB - 1) // TB
                 u += 1
         sti(ia(ib, pstart_off + u), start)
+        sti(ia(ib, qst_off + u), q)
         sti(ia(ib, nuniq_off), u)
     cute.arch.sync_threads()
     for e in cutlass.range(tid, E, NT):
@@ -168,7 +172,10 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
 def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
     """Gate and up rows of each selected expert against its tokens, GLU'd into h. Weights bf16 [E, 2I, D], or
-    MXFP4 (F_MXFP4): packed bytes [E, 2I, D/2] (`gu`) and e8m0 scales [E, 2I, D/32] (`gus`), decoded in registers."""
+    MXFP4 (F_MXFP4): packed bytes [E, 2I, D/2] (`gu`) and e8m0 scales [E, 2I, D/32] (`gus`), decoded in registers.
+    This item's share: units [w * N / W, (w + 1) * N / W) of N = qst[nuniq] * I, a unit being one row of one of an
+    expert's passes over TB of its pairs (isa.up_chunks, which pyvm runs): every item streams and decodes the same
+    number of rows to within one, however the pairs fall on the experts."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     flags = arg(smi, 3)
@@ -178,34 +185,59 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     gus = gu
     if mx:
         gus = taddr[arg(smi, ARG[A_]["gus"])]
-    I, D, x_off, h_off, rows = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["x_off"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["rows"])
+    I, D, x_off, h_off = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["x_off"]), arg(smi, ARG[A_]["h_off"])
     w, W = arg(smi, ARG[A_]["w"]), arg(smi, ARG[A_]["W"])
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
     uniq_off, pstart_off, ptok_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"]), arg(smi, ARG[A_]["ptok_off"])
+    qst_off = arg(smi, ARG[A_]["qst_off"])
+    for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's pass prefix (produced in this launch: coherent loads)
+        smi[u] = ldi(ia(ib, qst_off + u))
+    cute.arch.sync_threads()
+    N = Int64(smi[nuniq]) * Int64(I)
+    lo = Int64(w) * N // Int64(W)
+    hi = Int64(w + 1) * N // Int64(W)
+    # the experts holding units lo and hi - 1: the last u with qst[u] * I <= unit (qst strictly increases)
+    u0, ua = Int32(0), nuniq
+    u1, ub = Int32(0), nuniq
+    for _ in cutlass.range_constexpr(11):  # nuniq <= 1024
+        if ua - u0 > 1:
+            mid = (u0 + ua) // 2
+            if Int64(smi[mid]) * Int64(I) <= lo:
+                u0 = mid
+            else:
+                ua = mid
+        if ub - u1 > 1:
+            mid = (u1 + ub) // 2
+            if Int64(smi[mid]) * Int64(I) <= hi - 1:
+                u1 = mid
+            else:
+                ub = mid
+    if lo >= hi:
+        u1 = u0 - 1  # an empty share
     rowb = Int64(D) * 2  # bytes per weight row (MXFP4: D / 2 packed, D / 32 scales)
     if mx:
         rowb = Int64(D // 2)
-    tiles = (I + rows - 1) // rows
-    N = nuniq * tiles
+    for u in cutlass.range(u0, u1 + 1):  # the share's rows into L2 first (known after ROUTE)
+        e = ldi(ia(ib, uniq_off + u))
+        for q in cutlass.range(smi[u], smi[u + 1]):
+            r0 = Int32(cutlass.max(lo - Int64(q) * Int64(I), Int64(0)))
+            r1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
+            if r0 < r1:
+                for half in cutlass.range_constexpr(2):
+                    first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * rowb
+                    prefetch_l2(gu + first, Int64(r1 - r0) * rowb, tid, NT)
     accg = cute.make_rmem_tensor(TB, Float32)
     accu = cute.make_rmem_tensor(TB, Float32)
     wg = cute.make_rmem_tensor(8, Float32)
     wu = cute.make_rmem_tensor(8, Float32)
-    for item in cutlass.range(w * N // W, (w + 1) * N // W):  # all items' rows into L2 first (known after ROUTE)
-        u, tile = item // tiles, item % tiles
-        e = ldi(ia(ib, uniq_off + u))
-        r0 = tile * rows
-        r1 = cutlass.min(I, r0 + rows)
-        for half in cutlass.range_constexpr(2):
-            first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * rowb
-            prefetch_l2(gu + first, Int64(r1 - r0) * rowb, tid, NT)
-    for item in cutlass.range(w * N // W, (w + 1) * N // W):
-        u, tile = item // tiles, item % tiles
+    for u in cutlass.range(u0, u1 + 1):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
-        r0 = tile * rows
-        r1 = cutlass.min(I, r0 + rows)
-        for p0 in cutlass.range(ps, pe, TB):
+        for q in cutlass.range(smi[u], smi[u + 1]):
+            r0 = Int32(cutlass.max(lo - Int64(q) * Int64(I), Int64(0)))
+            r1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
+            p0 = ps + (q - smi[u]) * TB
+            pn = cutlass.min(pe - p0, TB)  # this pass's pairs
             for r in cutlass.range(r0 + warp, r1, NW):
                 for j in cutlass.range_constexpr(TB):
                     accg[j] = Float32(0.0)
@@ -222,7 +254,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                     gv = wg.load()
                     uv = wu.load()
                     for j in cutlass.range_constexpr(TB):
-                        if p0 + j < pe:
+                        if j < pn:
                             t = ldi(ia(ib, ptok_off + p0 + j))
                             xv = ld8(Float32, fa(fb, x_off + t * D + k))
                             accg[j] += dot8(gv, xv)
@@ -230,7 +262,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                 for j in cutlass.range_constexpr(TB):
                     g = warp_sum(accg[j])
                     up = warp_sum(accu[j])
-                    if lane == 0 and p0 + j < pe:
+                    if lane == 0 and j < pn:
                         hv = silu(g) * up
                         if use_situ:
                             hv = situ(g, up)
