@@ -269,5 +269,7 @@ FP8_EXPERTS_VARIANT = register(Variant(Manifest(
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=_dims),
     sources=("megadecode/kernels/fp8_experts.py", "megadecode/kernels/common.py"), uses_triton=True,
     graph_capturable=True,
-    kernels=lambda: audit_specs(grouped=False) + audit_specs(grouped=True)[:2]),
+    # fp32 activations on the GPU take the SPLIT path of the up kernel (x as bf16 hi + lo): declared and audited too
+    kernels=lambda: (audit_specs(grouped=False) + audit_specs(grouped=True)[:2]
+                     + [audit_specs("fp32", grouped=g)[0] for g in (False, True)])),
     _run, kernel=fp8_up_kernel))
