@@ -321,6 +321,11 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
     kda.args["K"] = 4096
     with pytest.raises(KernelLimit, match="KDA head dim 4096"):
         check_program(prog)
+    prog = lower(cfg, w, cache, 2, 8)
+    route_ins = next(i for i in prog.instrs if i.op == "ROUTE")
+    route_ins.args.update(E=4096, B=256, A=8)
+    with pytest.raises(KernelLimit, match="up to 2048 selected experts"):
+        check_program(prog)
 
 
 def test_k3_lowers_at_true_dims_and_batch_64_within_the_kernels_limits():

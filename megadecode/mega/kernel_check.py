@@ -13,6 +13,7 @@ from .program import Program
 
 NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
 SMEM_F = 12288  # fp32 words of shared memory per CTA (cute/base.py)
+ROW_S = 2048 - 64  # int32 shared words below the instruction's row (cute/base.py SMEM_I - 64)
 
 BF16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -80,5 +81,9 @@ def check_program(prog: Program) -> None:
             raise KernelLimit(f"{where}: latent width {a['d']} (a multiple of 8, at most {SMEM_F})")
         if op == "KDA_STEP" and 6 * a["K"] + max(NT, a["K"]) + 4 > SMEM_F:
             raise KernelLimit(f"{where}: KDA head dim {a['K']} does not fit the step's shared memory")
+        if op == "ROUTE" and min(a["E"], a["B"] * a["A"]) + 1 > ROW_S:
+            # EXPERT_UP stages the pass prefix of every selected expert in the int words below the row
+            raise KernelLimit(f"{where}: up to {min(a['E'], a['B'] * a['A'])} selected experts (EXPERT_UP's shared "
+                              f"pass table holds {ROW_S - 1})")
         if op == "ATTN_RES" and a["nsrc"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['nsrc']} AttnRes sources")
