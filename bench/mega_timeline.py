@@ -6,7 +6,7 @@ the wait before it in grey. Random weights, cache filled with random values, eve
 
     python bench/mega_timeline.py --preset qwen3-30b-a3b --batch 1 --out $OUT/mega-timeline
 
-`--from FILE.json` (no GPU): the phases of a recorded step. The program is lowered again on meta tensors (same
+`--from FILE.json` (no GPU): the phases of a recorded step (and with `--png FILE` its image). The program is lowered again on meta tensors (same
 preset, batch and CTAs; checked instruction by instruction against the recording) for each instruction's HBM
 bytes by the cost model; per phase: instructions, bytes, the span from its first start to its last end, the rate
 that is over the span (and as a share of the H200's measured 4.57 TB/s), the mean and longest instruction, and
@@ -31,6 +31,8 @@ from megadecode.weights import random_weights
 
 
 def render(rows: list[dict], path: str, title: str) -> None:
+    """One row per SM: each instruction a bar from its work start to its end coloured by opcode, the wait before it
+    grey. One broken_barh call per SM and kind (a step has 15-20k instructions; a bar each took minutes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,12 +41,18 @@ def render(rows: list[dict], path: str, title: str) -> None:
     ops = sorted({r["op"] for r in rows})
     colours = {op: plt.cm.tab20(i % 20) for i, op in enumerate(ops)}
     sms = sorted({r["sm"] for r in rows})
-    fig, ax = plt.subplots(figsize=(16, max(4, len(sms) * 0.06)))
+    by_sm: dict[int, list[dict]] = {}
     for r in rows:
-        y = sms.index(r["sm"])
-        ax.barh(y, (r["start"] - r["wait"]) / 1e3, left=r["wait"] / 1e3, height=0.8, color="0.85", linewidth=0)
-        ax.barh(y, (r["end"] - r["start"]) / 1e3, left=r["start"] / 1e3, height=0.8, color=colours[r["op"]],
-                linewidth=0)
+        by_sm.setdefault(r["sm"], []).append(r)
+    fig, ax = plt.subplots(figsize=(16, max(4, len(sms) * 0.06)))
+    for y, sm in enumerate(sms):
+        rs = by_sm[sm]
+        ax.broken_barh([(r["wait"] / 1e3, (r["start"] - r["wait"]) / 1e3) for r in rs], (y - 0.4, 0.8),
+                       facecolors="0.85", linewidth=0)
+        ax.broken_barh([(r["start"] / 1e3, (r["end"] - r["start"]) / 1e3) for r in rs], (y - 0.4, 0.8),
+                       facecolors=[colours[r["op"]] for r in rs], linewidth=0)
+    ax.set_xlim(0, max(r["end"] for r in rows) / 1e3)
+    ax.set_ylim(-1, len(sms))
     ax.set_xlabel("us since the first wait")
     ax.set_ylabel("SM")
     ax.set_title(title)
@@ -52,6 +60,7 @@ def render(rows: list[dict], path: str, title: str) -> None:
               [plt.Rectangle((0, 0), 1, 1, color="0.85")], labels=ops + ["waiting"], loc="upper right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     from PIL import Image  # matplotlib's own dependency: a 32-colour palette keeps the evidence image ~25 KB
 
     Image.open(path).convert("RGB").quantize(colors=32).save(path, optimize=True)
@@ -118,9 +127,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", default="mega-timeline")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
+    ap.add_argument("--png", help="with --from: also draw the recording's per-SM image to this file")
     args = ap.parse_args()
     if args.recording:
         report(args.recording)
+        if args.png:
+            with open(args.recording) as f:
+                rec = json.load(f)
+            s = rec["summary"]
+            render(rec["rows"], args.png, f"{s['preset']} batch {s['batch']}: one megakernel step, "
+                                          f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""))
         return
     cfg = preset_config(args.preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)

@@ -54,3 +54,14 @@ def test_a_recording_of_another_program_is_refused():
     rec["rows"][3]["name"] = "L9.something[0]"
     with pytest.raises(SystemExit, match="lowered differently"):
         mega_timeline.phases(rec)
+
+
+def test_the_image_of_a_recording_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    _, rec = _recording()
+    out = tmp_path / "t.png"
+    mega_timeline.render(rec["rows"], str(out), "made up")
+    img = Image.open(out)
+    assert img.size[0] > 1000 and len(img.getcolors(64) or []) > 3  # drawn, in the palette, not blank
