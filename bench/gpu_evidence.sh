@@ -8,10 +8,13 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh mega             # mega beside fused and graph
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
 #   does not fit one call; exit status that of pytest.
+# kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
+#   at batch 1 and 8, and k3-mini's batch-1 timeline (recording and image; the phase table printed). Then `tests -m gpu`.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
@@ -89,5 +92,19 @@ if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside
     done
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega" >&2
+if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer against pyvm, then its speed and timeline
+    timeout "$(left)" python bench/mega_check.py --presets tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3 --batches 1,3,16 \
+        --tokens 16 --out "$OUT/evidence/mega-check-h200.json" > "$OUT/evidence/mega-check.log" 2>&1
+    rc=$?
+    grep -E "^(diff|e2e)" "$OUT/evidence/mega-check.log" | cut -c1-160
+    echo "mega_check exit $rc"
+    timeout "$(left)" $M bench --preset k3-mini --executor fused,mega --batch 1,8 --steps 10 --warmup 2 \
+        --out "$OUT/results/k3-mini-mega.json" 2>&1 | tail -5
+    timeout "$(left)" $M bench --preset qwen3-30b-a3b --executor fused,mega --batch 1,8 --steps 10 --warmup 2 \
+        --out "$OUT/results/qwen3-30b-a3b-mega.json" 2>&1 | tail -5
+    timeout "$(left)" python bench/mega_timeline.py --preset k3-mini --batch 1 --out "$OUT/evidence/k3-mini-timeline-b1" \
+        > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b1.json" | tail -14
+    exit "$rc"
+fi
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel" >&2
 exit 2
