@@ -6,7 +6,9 @@ the wait before it in grey. Random weights, cache filled with random values, eve
 
     python bench/mega_timeline.py --preset qwen3-30b-a3b --batch 1 --out $OUT/mega-timeline
 
-`--from FILE.json` (no GPU): the phases of a recorded step (and with `--png FILE` its image). The program is lowered again on meta tensors (same
+`--from FILE.json` (no GPU): the phases of a recorded step (and with `--png FILE` its image). `--fit FILE.json ...`
+(no GPU): the scheduler's cost model against the recorded instruction times, per opcode, with a fitted
+fixed cost and rate. The program is lowered again on meta tensors (same
 preset, batch and CTAs; checked instruction by instruction against the recording) for each instruction's HBM
 bytes by the cost model; per phase: instructions, bytes, the span from its first start to its last end, the rate
 that is over the span (and as a share of the H200's measured 4.57 TB/s), the mean and longest instruction, and
@@ -69,22 +71,31 @@ def render(rows: list[dict], path: str, title: str) -> None:
 HBM = 4.57e12  # bytes/s, the H200's measured copy rate (shared/GPU.md)
 
 
-def phases(recording: dict) -> list[dict]:
-    """Per phase (instruction names up to '['), in the order the phases started."""
+def lowered(recording: dict):
+    """The recorded step's program, lowered again on meta tensors (same preset, batch, context and CTAs) and checked
+    instruction by instruction against the recording."""
     from megadecode.weights import param_specs
 
-    s, rows = recording["summary"], recording["rows"]
+    s = recording["summary"]
     cfg = preset_config(s["preset"])
     w = {n: torch.empty(p.shape, device="meta", dtype=torch.uint8 if p.quant == "mxfp4" else
                         torch.float32 if p.fp32 else torch.bfloat16) for n, p in param_specs(cfg).items()}
     cache = KVCache(cfg, s["batch"], s["context"] + 8, "meta", torch.bfloat16)
     prog = schedule(lower(cfg, w, cache, s["batch"], s["ctas"]), s["ctas"])
-    by: dict[str, list] = {}
-    for r in rows:
+    for r in recording["rows"]:
         ins = prog.instrs[r["instr"]]
         if ins.name != r["name"]:
             raise SystemExit(f"instruction {r['instr']} is {ins.name!r} here, {r['name']!r} in the recording: "
                              "lowered differently (another commit?)")
+    return prog
+
+
+def phases(recording: dict) -> list[dict]:
+    """Per phase (instruction names up to '['), in the order the phases started."""
+    prog = lowered(recording)
+    by: dict[str, list] = {}
+    for r in recording["rows"]:
+        ins = prog.instrs[r["instr"]]
         by.setdefault(r["name"].split("[")[0], []).append((r, ins.bytes))
     out = []
     for name, got in by.items():
@@ -98,6 +109,40 @@ def phases(recording: dict) -> list[dict]:
                     "mean_us": sum(dur) / len(dur) / 1e3, "max_us": max(dur) / 1e3,
                     "imbalance_us": (max(dur) - sum(dur) / len(dur)) / 1e3})
     return sorted(out, key=lambda d: d["start_us"])
+
+
+def fit(recordings: list[dict]) -> dict[str, dict]:
+    """The cost model against the measured instruction times, per opcode and batch ("MATVEC b8"): the scheduler's
+    prediction (CostModel) and a least-squares fit of duration = fixed + bytes / rate over every recorded instruction
+    of that opcode at that batch (fixed and rate kept >= 0). Returns per key: instructions, measured and predicted
+    mean us, the fitted fixed us and rate (GB/s per CTA, None when bytes explain nothing), and the fit's median
+    relative error."""
+    from megadecode.mega.schedule import CostModel
+
+    cost = CostModel()
+    pts: dict[str, list[tuple[float, float, float]]] = {}
+    for rec in recordings:
+        prog, ctas, batch = lowered(rec), rec["summary"]["ctas"], rec["summary"]["batch"]
+        for r in rec["rows"]:
+            ins = prog.instrs[r["instr"]]
+            pts.setdefault(f"{ins.op} b{batch}", []).append((float(ins.bytes), (r["end"] - r["start"]) / 1e3, cost.us(ins, ctas)))
+    out = {}
+    for op, p in pts.items():
+        b = torch.tensor([x[0] for x in p], dtype=torch.float64)
+        d = torch.tensor([x[1] for x in p], dtype=torch.float64)
+        if float(b.max() - b.min()) > 0:
+            A = torch.stack([torch.ones_like(b), b], 1)
+            a0, slope = torch.linalg.lstsq(A, d[:, None]).solution[:, 0].tolist()
+            if slope <= 0 or a0 < 0:  # keep the model physical: refit the one free term
+                slope = max(0.0, float((b * d).sum() / (b * b).sum())) if a0 < 0 else 0.0
+                a0 = 0.0 if a0 < 0 else float(d.mean())
+        else:
+            a0, slope = float(d.mean()), 0.0
+        pred = a0 + slope * b
+        out[op] = {"instructions": len(p), "measured_us": float(d.mean()), "model_us": sum(x[2] for x in p) / len(p),
+                   "fixed_us": a0, "gbps_per_cta": (1e-3 / slope) if slope > 0 else None,
+                   "median_rel_err": float(((pred - d).abs() / d.clamp_min(1e-3)).median())}
+    return out
 
 
 def report(path: str) -> None:
@@ -128,7 +173,21 @@ def main() -> None:
     ap.add_argument("--out", default="mega-timeline")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
     ap.add_argument("--png", help="with --from: also draw the recording's per-SM image to this file")
+    ap.add_argument("--fit", nargs="+", metavar="RECORDING",
+                    help="the cost model against these recordings, per opcode (no GPU)")
     args = ap.parse_args()
+    if args.fit:
+        recs = []
+        for path in args.fit:
+            with open(path) as f:
+                recs.append(json.load(f))
+        print(f"{'opcode':<16} {'n':>6} {'measured us':>11} {'model us':>9} {'fit: fixed us':>13} {'GB/s/CTA':>9} "
+              f"{'median err':>10}")
+        for op, d in sorted(fit(recs).items(), key=lambda kv: -kv[1]["measured_us"] * kv[1]["instructions"]):
+            rate = f"{d['gbps_per_cta']:9.2f}" if d["gbps_per_cta"] else f"{'-':>9}"
+            print(f"{op:<16} {d['instructions']:>6} {d['measured_us']:>11.1f} {d['model_us']:>9.1f} "
+                  f"{d['fixed_us']:>13.1f} {rate} {d['median_rel_err']:>10.0%}")
+        return
     if args.recording:
         report(args.recording)
         if args.png:

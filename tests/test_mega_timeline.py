@@ -65,3 +65,18 @@ def test_the_image_of_a_recording_is_drawn(tmp_path):
     mega_timeline.render(rec["rows"], str(out), "made up")
     img = Image.open(out)
     assert img.size[0] > 1000 and len(img.getcolors(64) or []) > 3  # drawn, in the palette, not blank
+
+
+def test_the_fit_recovers_a_made_up_cost_per_opcode():
+    """Durations made to be 5 us + bytes / (2 GB/s) for MATVEC (and a constant 3 us for every other opcode): the
+    fit returns those constants and no error."""
+    prog, rec = _recording()
+    for r in rec["rows"]:
+        ins = prog.instrs[r["instr"]]
+        us = 5.0 + ins.bytes / 2e9 * 1e6 if ins.op == "MATVEC" else 3.0
+        r["end"] = r["start"] + round(us * 1e3)
+    got = mega_timeline.fit([rec])
+    mv = got["MATVEC b2"]
+    assert mv["fixed_us"] == pytest.approx(5.0, abs=0.01) and mv["gbps_per_cta"] == pytest.approx(2.0, rel=1e-2)
+    assert mv["median_rel_err"] < 1e-3 and mv["instructions"] == sum(i.op == "MATVEC" for i in prog.instrs)
+    assert all(d["measured_us"] == pytest.approx(3.0, abs=1e-3) for op, d in got.items() if op != "MATVEC b2")
