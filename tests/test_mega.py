@@ -301,31 +301,16 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
     cache32 = KVCache(cfg, 4, 64, "cpu", torch.float32)  # fp32 KV caches: the kernel reads them as bf16
     with pytest.raises(KernelLimit, match="cache"):
         check_program(lower(cfg, w, cache32, 2, 8))
-    prog = lower(cfg, w, cache, 2, 8)
-    mv = next(i for i in prog.instrs if i.op == "MATVEC")
-    mv.args["K"] = 60
-    with pytest.raises(KernelLimit, match="K = 60 is not a multiple of 8"):
-        check_program(prog)
-    prog = lower(cfg, w, cache, 2, 8)
-    up = next(i for i in prog.instrs if i.op == "EXPERT_UP")
-    up.args["D"] = 48  # a multiple of 8 but not of an MXFP4 block
-    with pytest.raises(KernelLimit, match="D = 48 is not a multiple of 32"):
-        check_program(prog)
-    prog = lower(cfg, w, cache, 2, 8)
-    mv = next(i for i in prog.instrs if i.op == "MATVEC")
-    mv.args["x_off"] += 2
-    with pytest.raises(KernelLimit, match=r"x_off = \d+ is not a multiple of 4 fp32"):
-        check_program(prog)
-    prog = lower(cfg, w, cache, 2, 8)
-    kda = next(i for i in prog.instrs if i.op == "KDA_STEP")
-    kda.args["K"] = 4096
-    with pytest.raises(KernelLimit, match="KDA head dim 4096"):
-        check_program(prog)
-    prog = lower(cfg, w, cache, 2, 8)
-    route_ins = next(i for i in prog.instrs if i.op == "ROUTE")
-    route_ins.args.update(E=4096, B=256, A=8)
-    with pytest.raises(KernelLimit, match="up to 2048 selected experts"):
-        check_program(prog)
+    for op, change, match in (("MATVEC", {"K": 60}, "K = 60 is not a multiple of 8"),
+                              ("EXPERT_UP", {"D": 48}, "D = 48 is not a multiple of 32"),  # 8 | 48, not a block
+                              ("MATVEC", {"x_off": None}, r"x_off = \d+ is not a multiple of 4 fp32"),
+                              ("KDA_STEP", {"K": 4096}, "KDA head dim 4096"),
+                              ("ROUTE", {"E": 4096, "B": 256, "A": 8}, "up to 2048 selected experts")):
+        prog = lower(cfg, w, cache, 2, 8)
+        ins = next(i for i in prog.instrs if i.op == op)
+        ins.args.update({k: ins.args[k] + 2 if v is None else v for k, v in change.items()})  # None: misalign by 2
+        with pytest.raises(KernelLimit, match=match):
+            check_program(prog)
 
 
 def test_k3_lowers_at_true_dims_and_batch_64_within_the_kernels_limits():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..quant.mxfp4 import MXFP4Tensor
 from ..reference.activations import situ_glu
+from ..reference.rope import apply_rope
 from .isa import (
     F_GREEDY,
     F_INTERLEAVED,
@@ -49,12 +50,8 @@ def rope(x: torch.Tensor, pos: int, inv: torch.Tensor, att: float, interleaved: 
     """Rotate x [..., dim] (fp32) by position `pos`: cos/sin = cos/sin(pos * inv) * att."""
     freqs = float(pos) * inv.float()
     c, s = freqs.cos() * att, freqs.sin() * att
-    if interleaved:
-        a, b = x[..., 0::2], x[..., 1::2]
-        return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
-    h = x.shape[-1] // 2
-    a, b = x[..., :h], x[..., h:]
-    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    d = x.shape[-1]
+    return apply_rope(x.reshape(1, -1, d), c[None], s[None], interleaved).reshape(x.shape)
 
 
 def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
