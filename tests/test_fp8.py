@@ -150,7 +150,7 @@ def test_fp8_model_decodes_like_its_dequantized_reference(fp8_pair, executor):
 
 
 def test_graph_decode_runs_the_fp8_kernels(monkeypatch):
-    """The graph executor's decode steps run kernels/fp8_experts.py (sync-free), its prefill the reference ops."""
+    """The graph executor's decode steps and prefills run kernels/fp8_experts.py (sync-free)."""
     from interp import import_interpreted
 
     mod = import_interpreted("megadecode.kernels.fp8_experts")
@@ -159,9 +159,9 @@ def test_graph_decode_runs_the_fp8_kernels(monkeypatch):
     monkeypatch.setattr(mod, "fp8_experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     eng = Engine.from_pretrained("tiny-qwen3-moe-fp8", executor="graph", max_batch=2, max_seq_len=16)
     eng.prefill([[256, 1, 2], [256, 3]], 2)
-    assert calls == []
+    assert calls == [5, 5]  # the prefill's 5 tokens, in each of the two MoE layers of tiny-qwen3-moe
     eng.decode(torch.tensor([4, 5]))
-    assert calls == [2, 2]  # the two MoE layers of tiny-qwen3-moe, batch 2
+    assert calls == [5, 5, 2, 2]  # batch 2
 
 
 def test_memory_counts_fp8_experts_at_one_byte():
