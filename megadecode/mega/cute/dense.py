@@ -73,18 +73,19 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     # 3.3 TB/s of weights), and twice the weight loads are in flight per warp. The second row of a warp's pair at
     # the tile's end (odd tiles) reads row r again and is not stored. GLU keeps one row (two weights per row).
     RP = 1 if glu else 2
-    acc = cute.make_rmem_tensor(TB * RP, Float32)
-    acu = cute.make_rmem_tensor(TB, Float32)
-    xa = cute.make_rmem_tensor(TB, Int64)  # each token's row of x (and of x2): 64-bit bases, once per tile
-    xb = cute.make_rmem_tensor(TB, Int64)
-    for t0 in cutlass.range(0, B, TB):
-        for j in cutlass.range_constexpr(TB):
+    TT = TB if glu else 2 * TB  # tokens per pass over the rows: MATVEC reads each weight once up to 8 tokens
+    acc = cute.make_rmem_tensor(TT * RP, Float32)
+    acu = cute.make_rmem_tensor(TT, Float32)
+    xa = cute.make_rmem_tensor(TT, Int64)  # each token's row of x (and of x2): 64-bit bases, once per tile
+    xb = cute.make_rmem_tensor(TT, Int64)
+    for t0 in cutlass.range(0, B, TT):
+        for j in cutlass.range_constexpr(TT):
             xa[j] = fa(fb, x_off + (t0 + j) * x_stride)
             xb[j] = fa(fb, x2_off + (t0 + j) * x_stride)
         for r in cutlass.range(r0 + warp * RP, r1, NW * RP):
-            for j in cutlass.range_constexpr(TB * RP):
+            for j in cutlass.range_constexpr(TT * RP):
                 acc[j] = Float32(0.0)
-            for j in cutlass.range_constexpr(TB):
+            for j in cutlass.range_constexpr(TT):
                 acu[j] = Float32(0.0)
             wrow = w0 + Int64(r) * Int64(K) * 2
             urow = w1 + Int64(r) * Int64(K) * 2
@@ -97,7 +98,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     gv = ld8(BFloat16, gaddr + Int64(k) * 2)
                     wv = wv * gv
                     uv = uv * gv
-                for j in cutlass.range_constexpr(TB):
+                for j in cutlass.range_constexpr(TT):
                     if t0 + j < B:
                         xv = ld8(Float32, xa[j] + Int64(k) * 4)
                         if has_x2:
@@ -106,11 +107,11 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                         if cutlass.const_expr(glu):
                             acu[j] += dot8(uv, xv)
                         else:
-                            acc[TB + j] += dot8(uv, xv)
+                            acc[TT + j] += dot8(uv, xv)
             for q in cutlass.range_constexpr(RP):
                 rq = r + q
-                for j in cutlass.range_constexpr(TB):
-                    s = warp_sum(acc[q * TB + j])  # every lane: a full-mask shuffle
+                for j in cutlass.range_constexpr(TT):
+                    s = warp_sum(acc[q * TT + j])  # every lane: a full-mask shuffle
                     su = Float32(0.0)
                     if cutlass.const_expr(glu):
                         su = warp_sum(acu[j])
