@@ -11,6 +11,12 @@ from .isa import F_NORM, F_RESID, F_WRITE_NORMED, Instr, Wait, f32_bits
 from .program import Tensor
 
 
+# Rows per MATVEC instruction at least: one pair per warp (the kernel's 8 warps take 2 rows each; GLU 1 row of
+# gate and up each). A 1-row instruction kept 7 of 8 warps idle and paid the fixed costs (wait, norm, barriers,
+# signal) per row: K3's 128-row KDA projections made 128 instructions of 18 us each on the H200 (e0a2aa7).
+MIN_ROWS = 16
+
+
 class Builder:
     """Collects a lowering's instructions, tensor table, arena buffers and phases (one per counter)."""
 
@@ -101,7 +107,7 @@ class Builder:
         N, K = W.shape
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
-        rows = rows or self.rows_per_tile(N)
+        rows = max(rows or self.rows_per_tile(N), min(N, MIN_ROWS))
         flags = (F_NORM if norm else 0) | (F_RESID if resid else 0) | (F_WRITE_NORMED if write_normed else 0)
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
@@ -119,7 +125,7 @@ class Builder:
     def glu(self, layer: int, name: str, wg: str, wu: str, x: str, out: str, norm: str | None, x2: str | None = None):
         Wg = self.weights[wg]
         N, K = Wg.shape
-        rows = self.rows_per_tile(2 * N)
+        rows = max(self.rows_per_tile(2 * N), min(N, MIN_ROWS // 2))
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         for r0 in range(0, N, rows):

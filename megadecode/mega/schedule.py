@@ -13,10 +13,15 @@ import heapq
 from dataclasses import dataclass
 
 from ..hardware import HBM_READ_BPS
+from .isa import F_NORM
 from .program import Program
 
 FP32_FLOPS = 60e12  # H200 fp32 FMA rate, order of magnitude (2 x 16896 lanes x 1.98 GHz = 67 TFLOP/s peak)
 OVERHEAD_US = 1.0  # per instruction: the wait, syncs and signal (GPU.md: a grid-wide barrier costs ~1 us)
+# L2 to the SMs, for the activations an RMSNorm prologue re-reads: an assumed order of magnitude (not measured; the
+# H200's HBM rate is 4.57 TB/s and L2 serves several times that). Without the term, K3's 1-row KDA projections
+# (18 us each on the H200 at e0a2aa7, predicted ~1 us) were stacked 15 to a CTA while the GPU waited.
+L2_BPS = 8e12
 
 
 @dataclass(frozen=True)
@@ -25,10 +30,16 @@ class CostModel:
     flops_per_s: float = FP32_FLOPS
     overhead_us: float = OVERHEAD_US
 
+    norm_bytes_per_s: float = L2_BPS
+
     def us(self, ins, num_ctas: int) -> float:
         t_bytes = ins.bytes / (self.bytes_per_s / num_ctas) * 1e6
         t_flops = ins.flops / (self.flops_per_s / num_ctas) * 1e6
-        return self.overhead_us + max(t_bytes, t_flops)
+        t = self.overhead_us + max(t_bytes, t_flops)
+        if ins.op in ("MATVEC", "GLU") and ins.flags & F_NORM:  # the RMSNorm prologue reads every token's row
+            rows = ins.args["B"] * ins.args["K"] * 4 * (2 if ins.args.get("x2_off", -1) >= 0 else 1)
+            t += self.overhead_us + rows / (self.norm_bytes_per_s / num_ctas) * 1e6
+        return t
 
 
 def schedule(prog: Program, num_ctas: int, cost: CostModel = CostModel()) -> Program:
