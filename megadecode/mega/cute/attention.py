@@ -104,7 +104,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
             if p < n:
                 krow = kc + ((Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(KH) + Int64(h)) * Int64(d) * 2
                 sc = Float32(0.0)
-                for dd in cutlass.range(0, d, 8):
+                for dd in cutlass.range(0, d, 8, unroll=8):  # 8 rows' loads in flight, not one L2 trip each
                     sc += dot8(ld8(BFloat16, krow + Int64(dd) * 2), sm8(sm, Q + g * d + dd))
                 sc = sc * scale
             sm[SC + e] = sc
@@ -114,7 +114,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         for e in cutlass.range(tid, G * d, NT):
             g, dd = e // d, e % d
             a = sm[ACC + e] * sm[AL + g]
-            for p in cutlass.range(n):
+            for p in cutlass.range(n, unroll=8):
                 vrow = ((Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(KH) + Int64(h)) * Int64(d)
                 a += sm[SC + g * CH + p] * ldf(BFloat16, vc + (vrow + Int64(dd)) * 2)
             sm[ACC + e] = a
@@ -184,7 +184,7 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     cute.arch.sync_threads()
     for cc in cutlass.range(tid, C, NT):
         acc = Float32(0.0)
-        for p in cutlass.range(P):
+        for p in cutlass.range(P, unroll=8):
             acc += sm[p] * ldf(BFloat16, wkv + (Int64(h * (P + V) + p) * Int64(C) + Int64(cc)) * 2)
         stf(Float32, fa(fb, qlat_off + (b * H + h) * C + cc), acc)
     half = R // 2
@@ -232,9 +232,9 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
             if p < n:
                 row = cache + (Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(C + R) * 2
                 sc = Float32(0.0)
-                for k in cutlass.range(0, C, 8):
+                for k in cutlass.range(0, C, 8, unroll=8):  # 8 loads in flight, not one L2 trip each
                     sc += dot8(ld8(BFloat16, row + Int64(k) * 2), sm8(sm, QL + hh * C + k))
-                for k in cutlass.range(0, R, 8):
+                for k in cutlass.range(0, R, 8, unroll=8):
                     sc += dot8(ld8(BFloat16, row + Int64(C + k) * 2), sm8(sm, QP + hh * R + k))
                 sc = sc * scale
             sm[SC + e] = sc
@@ -244,7 +244,7 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         for e in cutlass.range(tid, HB * C, NT):
             hh, cc = e // C, e % C
             a = sm[ACC + e] * sm[AL + hh]
-            for p in cutlass.range(n):
+            for p in cutlass.range(n, unroll=8):
                 row = (Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(C + R)
                 a += sm[SC + hh * CH + p] * ldf(BFloat16, cache + (row + Int64(cc)) * 2)
             sm[ACC + e] = a
