@@ -81,9 +81,9 @@ def check_program(prog: Program) -> None:
             raise KernelLimit(f"{where}: latent width {a['d']} (a multiple of 8, at most {SMEM_F})")
         if op == "KDA_STEP" and 6 * a["K"] + max(NT, a["K"]) + 4 > SMEM_F:
             raise KernelLimit(f"{where}: KDA head dim {a['K']} does not fit the step's shared memory")
-        if op == "ROUTE" and min(a["E"], a["B"] * a["A"]) + 1 > ROW_S:
-            # EXPERT_UP stages the pass prefix of every selected expert in the int words below the row
-            raise KernelLimit(f"{where}: up to {min(a['E'], a['B'] * a['A'])} selected experts (EXPERT_UP's shared "
-                              f"pass table holds {ROW_S - 1})")
+        if op == "ROUTE" and 2 * a["E"] + 3 * 8 > ROW_S:
+            # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
+            raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
+                              f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
         if op == "ATTN_RES" and a["nsrc"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['nsrc']} AttnRes sources")

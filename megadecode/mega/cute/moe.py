@@ -35,6 +35,29 @@ from .base import (
 
 
 @cute.jit
+def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
+    """(sum of v over the threads before this one, sum over all NT threads); NW int words at smi[base] as scratch,
+    free again on return. Every thread of the CTA must call it."""
+    warp, lane = tid // 32, tid % 32
+    inc = v
+    for i in cutlass.range_constexpr(5):
+        o = cute.arch.shuffle_sync_up(inc, offset=1 << i)
+        if lane >= (1 << i):
+            inc = inc + o
+    if lane == 31:
+        smi[base + warp] = inc
+    cute.arch.sync_threads()
+    before, total = Int32(0), Int32(0)
+    for w in cutlass.range_constexpr(NW):
+        x = smi[base + w]
+        total += x
+        if w < warp:
+            before += x
+    cute.arch.sync_threads()
+    return before + inc - v, total
+
+
+@cute.jit
 def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
     warp, lane = tid // 32, tid % 32
@@ -54,7 +77,7 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
         for t in cutlass.range(warp, B, nwu):
             lrow = logits_off + t * E
             if sigmoid:
-                for e in cutlass.range(lane, E, 32):
+                for e in cutlass.range(lane, E, 32, unroll=4):  # 4 logits' loads in flight
                     sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-ldf(Float32, fa(fb, lrow + e))))
                     sm[SCW + e] = sv
                     ch = sv
@@ -63,14 +86,14 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                     sm[CHW + e] = ch
             else:
                 mx = Float32(NEG_INF)
-                for e in cutlass.range(lane, E, 32):
+                for e in cutlass.range(lane, E, 32, unroll=4):
                     mx = cute.arch.fmax(mx, ldf(Float32, fa(fb, lrow + e)))
                 mx = warp_max(mx)
                 tot = Float32(0.0)
-                for e in cutlass.range(lane, E, 32):
+                for e in cutlass.range(lane, E, 32, unroll=4):
                     tot += cute.math.exp(ldf(Float32, fa(fb, lrow + e)) - mx)
                 tot = warp_sum(tot)
-                for e in cutlass.range(lane, E, 32):
+                for e in cutlass.range(lane, E, 32, unroll=4):
                     pv = cute.math.exp(ldf(Float32, fa(fb, lrow + e)) - mx) / tot
                     sm[SCW + e] = pv
                     sm[CHW + e] = pv
@@ -142,20 +165,36 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
         smi[CNT + e] = cnt
     cute.arch.sync_threads()
     qst_off = arg(smi, ARG[A_]["qst_off"])
+    # every thread a run of consecutive experts: its counts of selected experts, pairs and passes, scanned over the
+    # CTA for where its run starts (was one thread walking all E experts: ~10 us at E = 896)
+    per = (E + NT - 1) // NT
+    e0 = cutlass.min(E, tid * per)
+    e1 = cutlass.min(E, e0 + per)
+    nu, npairs, nq = Int32(0), Int32(0), Int32(0)
+    for e in cutlass.range(e0, e1):
+        c = smi[CNT + e]
+        if c > 0:
+            nu += 1
+            npairs += c
+            nq += (c + TB - 1) // TB
+    SCAN = 2 * E  # 3 x NW int words after CNT and START (kernel_check keeps them below the row)
+    u, tu = block_excl_scan(nu, tid, smi, SCAN)
+    start, tp = block_excl_scan(npairs, tid, smi, SCAN + NW)
+    q, tq = block_excl_scan(nq, tid, smi, SCAN + 2 * NW)
+    for e in cutlass.range(e0, e1):
+        c = smi[CNT + e]
+        if c > 0:
+            sti(ia(ib, uniq_off + u), e)
+            sti(ia(ib, pstart_off + u), start)
+            sti(ia(ib, qst_off + u), q)
+            smi[START + e] = start
+            start += c
+            q += (c + TB - 1) // TB
+            u += 1
     if tid == 0:
-        u, start, q = Int32(0), Int32(0), Int32(0)
-        for e in cutlass.range(E):
-            if smi[CNT + e] > 0:
-                sti(ia(ib, uniq_off + u), e)
-                sti(ia(ib, pstart_off + u), start)
-                sti(ia(ib, qst_off + u), q)
-                smi[START + e] = start
-                start += smi[CNT + e]
-                q += (smi[CNT + e] + TB - 1) // TB
-                u += 1
-        sti(ia(ib, pstart_off + u), start)
-        sti(ia(ib, qst_off + u), q)
-        sti(ia(ib, nuniq_off), u)
+        sti(ia(ib, pstart_off + tu), tp)
+        sti(ia(ib, qst_off + tu), tq)
+        sti(ia(ib, nuniq_off), tu)
     cute.arch.sync_threads()
     for e in cutlass.range(tid, E, NT):
         if smi[CNT + e] > 0:
