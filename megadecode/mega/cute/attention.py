@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 from ..isa import F_INTERLEAVED, F_NOPE
 from .base import (
@@ -19,6 +19,7 @@ from .base import (
     fa,
     ia,
     ld8,
+    ld4bf,
     ldf,
     ldi,
     rope_index,
@@ -28,6 +29,35 @@ from .base import (
     stf,
     warp_sum,
 )
+
+
+@cute.jit
+def value_chunk(sm: cute.Tensor, tid: Int32, vbase: Int64, vstride: Int64, n: Int32, W: Int32, NH: Int32,
+                SC: Constexpr, ACC: Constexpr, AL: Constexpr):
+    """ACC[h, :W] = ACC[h, :W] * AL[h] + sum over the chunk's n positions p of SC[h, p] * V[p, :W] for the NH heads
+    (NH <= 16) sharing the value rows V[p] (bf16 at vbase + p * vstride bytes). A thread owns 4 columns of 4 heads:
+    each value is loaded once per 4 heads as a 4-wide vector (was one 2-byte load per head and column, a chain of
+    n of them per output element)."""
+    CG = W // 4
+    NHG = (NH + 3) // 4
+    acc = cute.make_rmem_tensor(16, Float32)
+    vr = cute.make_rmem_tensor(4, Float32)
+    for task in cutlass.range(tid, CG * NHG, NT):
+        cg, hg = task % CG, task // CG
+        for i in cutlass.range_constexpr(16):
+            acc[i] = Float32(0.0)
+        for p in cutlass.range(n, unroll=4):
+            vr.store(ld4bf(vbase + Int64(p) * vstride + Int64(cg * 8)))
+            for hq in cutlass.range_constexpr(4):
+                wgt = sm[SC + (hg * 4 + hq) * CH + p]  # rows past NH: unused values, never stored
+                for i in cutlass.range_constexpr(4):
+                    acc[hq * 4 + i] += wgt * vr[i]
+        for hq in cutlass.range_constexpr(4):
+            hh = hg * 4 + hq
+            if hh < NH:
+                for i in cutlass.range_constexpr(4):
+                    e = hh * W + cg * 4 + i
+                    sm[ACC + e] = sm[ACC + e] * sm[AL + hh] + acc[hq * 4 + i]
 
 
 @cute.jit
@@ -111,13 +141,8 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         cute.arch.sync_threads()
         softmax_chunk(sm, tid, SC, M, L, AL, G)
         cute.arch.sync_threads()
-        for e in cutlass.range(tid, G * d, NT):
-            g, dd = e // d, e % d
-            a = sm[ACC + e] * sm[AL + g]
-            for p in cutlass.range(n, unroll=8):
-                vrow = ((Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(KH) + Int64(h)) * Int64(d)
-                a += sm[SC + g * CH + p] * ldf(BFloat16, vc + (vrow + Int64(dd)) * 2)
-            sm[ACC + e] = a
+        value_chunk(sm, tid, vc + ((Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(KH) + Int64(h)) * Int64(d) * 2,
+                    Int64(KH) * Int64(d) * 2, n, d, G, SC, ACC, AL)
         cute.arch.sync_threads()
     for e in cutlass.range(tid, G * (d + 2), NT):
         g, j = e // (d + 2), e % (d + 2)
@@ -241,13 +266,8 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         cute.arch.sync_threads()
         softmax_chunk(sm, tid, SC, M, L, AL, HB)
         cute.arch.sync_threads()
-        for e in cutlass.range(tid, HB * C, NT):
-            hh, cc = e // C, e % C
-            a = sm[ACC + e] * sm[AL + hh]
-            for p in cutlass.range(n, unroll=8):
-                row = (Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(C + R)
-                a += sm[SC + hh * CH + p] * ldf(BFloat16, cache + (row + Int64(cc)) * 2)
-            sm[ACC + e] = a
+        value_chunk(sm, tid, cache + (Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(C + R) * 2, Int64(C + R) * 2, n,
+                    C, HB, SC, ACC, AL)
         cute.arch.sync_threads()
     for e in cutlass.range(tid, HB * (C + 2), NT):
         hh, j = e // (C + 2), e % (C + 2)

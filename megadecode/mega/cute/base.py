@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Constexpr, Float32, Int32, Int64, Uint8, Uint32
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, Uint32
 
 from ..isa import HEADER, OPS, PASS, ROW
 
@@ -111,6 +111,12 @@ def mx8(packed: Int64, scales: Int64, k: Int32, wr: cute.Tensor):
 def ld8(dtype: Constexpr, addr: Int64):
     """8 consecutive elements (16-byte aligned for 16-bit types, 32-byte for fp32) as fp32."""
     return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load().to(Float32)
+
+
+@cute.jit
+def ld4bf(addr: Int64):
+    """4 consecutive bf16 (8-byte aligned) as fp32."""
+    return cute.make_tensor(_g(addr, BFloat16, 8), cute.make_layout(4)).load().to(Float32)
 
 
 @cute.jit
