@@ -9,6 +9,7 @@
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh mega             # mega beside fused and graph
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh ep               # expert parallelism, >= 2 GPUs
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -106,5 +107,22 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
         > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b1.json" | tail -14
     exit "$rc"
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel" >&2
+if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GPU of the machine (2 on nvidia-h200-x2)
+    N=$(nvidia-smi -L | wc -l)
+    nvidia-smi topo -m > "$OUT/evidence/topology.log" 2>&1
+    timeout "$(left)" python -m torch.distributed.run --nproc-per-node "$N" bench/ep_bench.py --batch 1,8,64 --width 3584 \
+        --out "$OUT/results/ep-combine-nvidia-h200-x$N.json" --write-modes 2>&1 | tail -12
+    cp megadecode/parallel/configs/*.json "$OUT/results/" 2>/dev/null
+    timeout "$(left)" $M bench --preset k3-mini --executor fused --batch 1,8,64 --steps 10 --warmup 2 \
+        --out "$OUT/results/k3-mini-nvidia-h200-ep1.json" 2>&1 | tail -5
+    timeout "$(left)" $M bench --preset k3-mini --ep "$N" --executor fused --batch 1,8,64 --steps 10 --warmup 2 \
+        --out "$OUT/results/k3-mini-ep$N-nvidia-h200.json" 2>&1 | tail -8
+    timeout "$(left)" $M bench --preset k3-ep --ep "$N" --executor graph,fused --batch 1,8,64 --steps 10 --warmup 2 \
+        --out "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -10
+    python bench/ep_model.py --check "$OUT/results/k3-mini-ep$N-nvidia-h200.json" \
+        --baseline "$OUT/results/k3-mini-nvidia-h200-ep1.json" 2>&1 | tail -12
+    python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
+    exit 0
+fi
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep" >&2
 exit 2
