@@ -24,6 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":
+    # the ranks run on the CPU (gloo) even where there is a GPU: the fused scenario's Triton kernels must be decorated
+    # for the interpreter, before megadecode.kernels is first imported (tests/conftest.py does this only without one)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch
 
 torch.set_num_threads(1)

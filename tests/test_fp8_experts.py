@@ -24,6 +24,9 @@ from megadecode.validate.matrix import run_matrix  # noqa: E402
 TRITON_OK, needs_triton = triton_gate(F8.fp8_up_kernel)
 # fp32 activations: wdtype fp32 is exact up to summation order; fp16 splits x and h into hi + lo parts (~22 bits)
 TOL = {torch.float32: 2e-6, torch.float16: 2e-6}
+# fp32 x on the GPU takes the up kernel's SPLIT path (x as bf16 hi + lo on tensor cores, ~16 bits per product): the
+# harness states 6.1e-5 for it (triton-fp8-experts); measured on the H200 at 07a1134, 5.8e-6 of the largest output
+FP32_TOL = 3e-5 if DEVICE == "cuda" else 2e-6
 
 
 def _fp8(w, block):
@@ -70,7 +73,7 @@ def test_block_shapes(block):
     D = 96 row, one scale row per 64 gate rows of one expert's I = 128)."""
     x, ids, w, gu, dn = _problem(5, I=128, block=block, seed=3)
     for grouped in (False, True):
-        _close(F8.fp8_experts(x, ids, w, gu, dn, grouped=grouped), _reference(x, ids, w, gu, dn), 2e-6)
+        _close(F8.fp8_experts(x, ids, w, gu, dn, grouped=grouped), _reference(x, ids, w, gu, dn), FP32_TOL)
 
 
 @needs_triton
@@ -78,7 +81,7 @@ def test_hot_expert_with_more_pairs_than_a_tile():
     """One expert picked by 20 tokens: its run spans two BLOCK_M chunks of pairs."""
     ids = torch.stack([torch.tensor([5, t % 4]) for t in range(20)])
     x, ids, w, gu, dn = _problem(20, A=2, ids=ids, seed=4)
-    _close(F8.fp8_experts(x, ids, w, gu, dn, grouped=True), _reference(x, ids, w, gu, dn), 2e-6)
+    _close(F8.fp8_experts(x, ids, w, gu, dn, grouped=True), _reference(x, ids, w, gu, dn), FP32_TOL)
 
 
 @needs_triton

@@ -26,6 +26,7 @@ from megadecode.weights import param_specs, random_weights, weight_bytes
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import ep_workers  # noqa: E402
+from interp import DEVICE  # noqa: E402
 
 PRESETS = ep_workers.PRESETS
 
@@ -49,7 +50,22 @@ def test_shard_refuses_an_uneven_split_naming_the_divisors():
 
 
 # ---- the -1 convention: a pair another rank serves is skipped -----------------------------------------------------
+def _on_device(t):
+    """A tensor or a quantized weight (its fields moved) on the tests' device: the GPU when there is one (Triton runs
+    there, not on CPU tensors), else the CPU under the interpreter."""
+    from dataclasses import fields, is_dataclass, replace
+
+    if is_dataclass(t):
+        return replace(t, **{f.name: _on_device(getattr(t, f.name)) for f in fields(t)
+                             if isinstance(getattr(t, f.name), torch.Tensor)})
+    return t.to(DEVICE)
+
+
 def _problem(mxfp4: bool, fp8: bool = False):
+    return tuple(_on_device(t) for t in _problem_cpu(mxfp4, fp8))
+
+
+def _problem_cpu(mxfp4: bool, fp8: bool = False):
     g = torch.Generator().manual_seed(0)
     T, A, E, D, I = 3, 4, 8, 64, 32
     x = torch.randn(T, D, generator=g)
@@ -108,7 +124,7 @@ def test_pairs_with_id_minus_one_are_skipped(impl):
         elif impl == "torch-grouped":
             got = experts_grouped(x, skip, w, gu, dn)
         else:
-            got = _kernels()[impl](x, skip, w, gu, dn, out=torch.empty(x.shape))
+            got = _kernels()[impl](x, skip, w, gu, dn, out=torch.empty(x.shape, device=x.device))
     scale = want.abs().max()
     assert scale > 0 and ((got - want).abs().max() / scale) < 1e-4, impl
 

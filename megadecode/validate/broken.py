@@ -49,10 +49,13 @@ from . import broken_kernels as K_MUT
 from . import torch_variants as K_TORCH
 
 
-def _broken(base: Variant, name: str, description: str, impl, kernels=None) -> Variant:
-    """A copy of `base` running `impl`; `kernels`: its own kernel declaration (else the base's)."""
+def _broken(base: Variant, name: str, description: str, impl, kernels=None, dtypes=None) -> Variant:
+    """A copy of `base` running `impl`; `kernels`: its own kernel declaration (else the base's); `dtypes`: a narrower
+    scope than the base's."""
     m = base.manifest
     extra = {} if kernels is None else {"kernels": kernels, "uses_triton": True}
+    if dtypes is not None:
+        extra["scope"] = replace(m.scope, dtypes=dtypes)
     kernel = base.kernel if kernels is None else None
     return register(Variant(replace(m, name=name, description=description,
                                     sources=m.sources + ("megadecode/validate/broken.py",), **extra), impl, kernel))
@@ -235,7 +238,7 @@ BROKEN: list[Variant] = [
             _mutant(EPS_SIGN=True), lambda: K_MUT.mutant_specs(EPS_SIGN=True)),
     _broken(K_NORM.RMSNORM_VARIANT, "broken-rmsnorm-nc-load",
             "RMSNorm (renamed copy) reading its input through the non-coherent load path", _mutant(NC_LOAD=True),
-            lambda: K_MUT.mutant_specs(NC_LOAD=True)),
+            lambda: K_MUT.mutant_specs(NC_LOAD=True), dtypes=("float32",)),
     _broken(K_ROUTER.ROUTER_VARIANT, "broken-router-undeclared-path",
             "router launching its one-kernel form, which its manifest does not declare", _router_one_kernel),
     _broken(K_MLA.MLA_VARIANT, "broken-mla-merge", "MLA decode whose split merge skips the exp(m_s - M) rescale",

@@ -14,6 +14,7 @@ hidden sizes, well-scaled rows, a name-keyed audit) used to let through.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -68,6 +69,10 @@ def rms_norm_mutant(x, weight, eps: float, out, **planted) -> None:
     if unknown:
         raise TypeError(f"unknown planted flags {sorted(unknown)}; flags: {FLAGS}")
     check_args(x, weight, out)
+    if planted.get("NC_LOAD") and x.is_cuda and x.dtype != torch.float32:
+        # its load is one 32-bit word per element: on 16-bit rows every odd element's address is misaligned (a
+        # CUDA error that poisons the process), so the variant's scope is fp32 (broken.py)
+        raise ValueError(f"the NC_LOAD mutant reads fp32 rows only, got {x.dtype}")
     n = x.shape[0]
     if n:
         block_d = triton.next_power_of_2(x.shape[1])
