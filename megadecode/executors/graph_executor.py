@@ -5,11 +5,11 @@ This is the strongest classic baseline: same ops as `torch`, but routed experts 
 step (embedding to logits) replays as one graph. One graph per (batch size, attended cache length
 rounded up to KV_BUCKET), so attention reads about the live context, not the whole allocation.
 Prefill runs eagerly. Without CUDA the same sync-free ops run eagerly (how CI tests this path).
-kimi_k3: the LatentMoE routed experts (MXFP4) run through the Triton routed experts
+kimi_k3: the LatentMoE routed experts (MXFP4) of a decode step run through the Triton routed experts
 (kernels/grouped_experts.py routed_experts: the fused small-batch kernels at <= 16 sequences, the kernels
-grouped by expert above; no host sync; torch_ops `_latent_routed`), in decode steps and in prefills (in chunks
-of 256 tokens); the rest of the op (router, latent down, latent norm, latent up, shared experts) is the
-reference math. Validated on the CPU in fp32 under the Triton interpreter (tests/test_k3_graph.py) and on the
+grouped by expert above; no host sync; torch_ops `_latent_routed`); the rest of the op (router, latent
+down, latent norm, latent up, shared experts) is the reference math. Prefill (eager) keeps the reference
+expert loop. Validated on the CPU in fp32 under the Triton interpreter (tests/test_k3_graph.py) and on the
 H200 (bench/k3_gpu_smoke.py).
 """
 

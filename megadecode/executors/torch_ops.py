@@ -26,8 +26,8 @@ class StepContext:
     """Buffers of one step: step inputs, activations, plus the weights and the cache they use.
 
     `experts_impl`: "reference" (loops with host syncs: the torch executor's reference) or "grouped"
-    (sync-free: EXPERTS ops use torch._grouped_mm, FP8 ones the Triton kernels; K3's LATENT_MOE ops use the Triton
-    routed experts, see `_latent_routed`).
+    (sync-free: EXPERTS ops use torch._grouped_mm; K3's LATENT_MOE decode steps use the Triton routed
+    experts, see `_latent_routed`).
     `parallel` (megadecode.parallel.combine.ExpertParallel, None for one process): the routed experts held here are
     this rank's shard; MoE ops sum their local experts' contributions (the others' pairs have id -1) in fp32 and
     combine the ranks' partial sums (the layer's only communication)."""
@@ -95,20 +95,9 @@ def expert_weights(cfg, weights: dict, op) -> tuple:
     return w[0], w[1]
 
 
-# Tokens per call of the Triton routed experts in a prefill: the batch range their harness variants are validated
-# at (scope batch (1, 256), docs/evidence/*-h200.md); a longer prompt is run in chunks (tokens are independent).
-PREFILL_CHUNK = 256
-
-
-def token_chunks(T: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of at most PREFILL_CHUNK of T tokens."""
-    return [(a, min(T, a + PREFILL_CHUNK)) for a in range(0, T, PREFILL_CHUNK)]
-
-
 def _experts(ctx, op):
-    """Routed experts. FP8 experts in the graph executor (decode steps, and prefills in chunks of PREFILL_CHUNK
-    tokens): the Triton kernels (kernels/fp8_experts.py, sync-free) when Triton can run; otherwise the reference
-    ops (which dequantize every expert whole). Expert parallelism: the
+    """Routed experts. FP8 experts in the graph executor's decode steps: the Triton kernels
+    (kernels/fp8_experts.py, sync-free) when Triton can run; otherwise the reference ops. Expert parallelism: the
     local experts' fp32 partial sum, combined over the ranks, then cast."""
     x, ids, wts = (ctx.buf[n] for n in op.inputs)
     gate_up, down = expert_weights(ctx.cfg, ctx.w, op)
@@ -117,13 +106,11 @@ def _experts(ctx, op):
         ids = ep.local_ids(ids)
     dt = x.dtype if ep is None else torch.float32  # a partial sum stays fp32 until the ranks' are added
     out = None
-    if isinstance(gate_up, FP8Tensor) and ctx.experts_impl == "grouped":
+    if isinstance(gate_up, FP8Tensor) and ctx.experts_impl == "grouped" and ctx.step.segments is None:
         mod = _triton_module(x.device, "fp8_experts", ("fp8_up_kernel",))
         if mod is not None:
-            out = torch.empty(x.shape, dtype=dt, device=x.device)
-            for a, b in token_chunks(x.shape[0]):
-                mod.fp8_experts(x[a:b].contiguous(), ids[a:b].contiguous(), wts[a:b].float().contiguous(), gate_up,
-                                down, out=out[a:b])
+            out = mod.fp8_experts(x.contiguous(), ids.contiguous(), wts.float().contiguous(), gate_up, down,
+                                  out=torch.empty(x.shape, dtype=dt, device=x.device))
     if out is None:
         fn = experts_reference if ctx.experts_impl == "reference" else experts_grouped
         out = fn(x, ids, wts, gate_up, down, out_dtype=dt)
@@ -189,18 +176,15 @@ def _triton_experts_fn(device: torch.device):
 def _latent_routed(ctx, h, ids, wts, gate_up: MXFP4Tensor, down: MXFP4Tensor) -> torch.Tensor:
     """z = sum_a wts[t, a] * Expert_{ids[t, a]}(h[t]) in fp32 (h [T, R] fp32).
 
-    experts_impl "grouped" (graph executor) and Triton able to run: the Triton routed experts (MXFP4 decoded in
-    registers, no host sync: capturable; fused kernels at <= 16 tokens, grouped by expert above), a prefill in
-    chunks of PREFILL_CHUNK tokens. Otherwise the reference loop over the selected experts, each decoded whole to
-    fp32 (host syncs): the torch executor always. (Prefill took the reference loop until 2026-11-30: about 1 s of
-    k3-mini's time to first token on the H200, bench/results/serve-k3-mini-nvidia-h200.json.)"""
-    if ctx.experts_impl == "grouped":
+    experts_impl "grouped" (graph executor), a decode step (no prefill segments) and Triton able to run:
+    the Triton routed experts (MXFP4 decoded in registers, no host sync: capturable; fused kernels at
+    <= 16 tokens, grouped by expert above). Otherwise the reference loop over the selected experts (host
+    syncs): the torch executor always, and prefill (eager) in the graph executor."""
+    if ctx.experts_impl == "grouped" and ctx.step.segments is None:
         fn = _triton_experts_fn(h.device)
         if fn is not None:
-            w32 = wts.float()
-            z = [fn(h[a:b].contiguous(), ids[a:b].contiguous(), w32[a:b].contiguous(), gate_up, down,
-                    act=ctx.cfg.expert_act) for a, b in token_chunks(h.shape[0])]
-            return z[0] if len(z) == 1 else torch.cat(z)
+            return fn(h.contiguous(), ids.contiguous(), wts.float().contiguous(), gate_up, down,
+                      act=ctx.cfg.expert_act)
     return latent_experts(h, ids, wts, gate_up, down, ctx.cfg.expert_act)
 
 
