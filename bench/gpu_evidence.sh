@@ -110,6 +110,7 @@ fi
 if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GPU of the machine (2 on nvidia-h200-x2)
     N=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m > "$OUT/evidence/topology.log" 2>&1
+    timeout "$(left)" python bench/ep_tokens.py --ep "$N" --out "$OUT/results/ep-tokens-nvidia-h200-x$N.json" 2>&1 | tail -8
     timeout "$(left)" python -m torch.distributed.run --nproc-per-node "$N" bench/ep_bench.py --batch 1,8,64 --width 3584 \
         --out "$OUT/results/ep-combine-nvidia-h200-x$N.json" --write-modes 2>&1 | tail -12
     cp megadecode/parallel/configs/*.json "$OUT/results/" 2>/dev/null

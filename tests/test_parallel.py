@@ -426,3 +426,22 @@ def test_launcher_stops_the_other_ranks_when_one_fails():
     t = time.monotonic()
     code = launch.spawn([], 2, cmd=_script("sys.exit(3) if r == 1 else time.sleep(120)"), grace_s=1)
     assert code == 3 and time.monotonic() - t < 15
+
+
+def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, monkeypatch):
+    """bench/ep_tokens.py (the GPU check of --ep N against one process): equal tokens pass, a difference fails with
+    where it starts, an error is reported and fails."""
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import ep_tokens
+
+    runs = {1: {"token_ids": [[1, 2, 3], [4, 5]]}, 2: {"token_ids": [[1, 2, 3], [4, 6]]}}
+    monkeypatch.setattr(ep_tokens, "generate", lambda model, ex, ep, n: runs[min(ep, 2)])
+    out = tmp_path / "t.json"
+    monkeypatch.setattr(sys, "argv", ["ep_tokens.py", "--presets", "tiny-k3", "--executors", "fused", "--out", str(out)])
+    assert ep_tokens.main() == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["equal"] is False and row["first_difference"] == [None, 1]
+    runs[2] = {"token_ids": [[1, 2, 3], [4, 5]]}
+    assert ep_tokens.main() == 0
+    runs[2] = {"error": "rank 1: boom"}
+    assert ep_tokens.main() == 1 and json.loads(out.read_text())["rows"][0]["error"] == "rank 1: boom"

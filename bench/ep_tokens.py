@@ -1,0 +1,64 @@
+"""Expert parallelism on the GPUs: greedy tokens of `megadecode generate --ep N` against one process, per preset and
+executor (issue 17, item 3 on NCCL; tests/test_ep.py checks the same on the CPU with gloo).
+
+    python bench/ep_tokens.py --ep 2 --out ep-tokens.json        # exit status 1 when any tokens differ
+
+Each run is the CLI itself (`python -m megadecode generate ... --json`), fp32 weights and cache on CUDA, so the
+combine's fp32 partial sums are compared at the precision the CPU test holds them to. A differing run prints the
+index at which each sequence first parts. Greedy equality is the claim; logprobs are not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+PROMPTS = ["256,72,101,108,108,111", "256,7,9"]
+
+
+def generate(model: str, executor: str, ep: int, tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "megadecode", "generate", "--model", model, "--executor", executor, "--device",
+           "cuda", "--greedy", "--max-new-tokens", str(tokens), "--json"]
+    for p in PROMPTS:
+        cmd += ["--token-ids", p]
+    if ep > 1:
+        cmd += ["--ep", str(ep)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["(no output)"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--presets", default="tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3")
+    ap.add_argument("--executors", default="graph,fused")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows, ok = [], True
+    for preset in args.presets.split(","):
+        for ex in args.executors.split(","):
+            one, many = generate(preset, ex, 1, args.tokens), generate(preset, ex, args.ep, args.tokens)
+            err = one.get("error") or many.get("error")
+            same = err is None and one["token_ids"] == many["token_ids"]
+            ok &= same
+            first = None
+            if err is None and not same:
+                first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                         for x, y in zip(one["token_ids"], many["token_ids"])]
+            rows.append({"preset": preset, "executor": ex, "ep": args.ep, "equal": same, "error": err,
+                         "first_difference": first, "tokens": None if err else one["token_ids"]})
+            print(f"{preset:18s} {ex:6s} ep={args.ep}: " + (f"error: {err}" if err else
+                  "greedy tokens equal" if same else f"DIFFER (first at {first})"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(["python", "bench/ep_tokens.py", *sys.argv[1:]]), "rows": rows}, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
