@@ -205,7 +205,9 @@ class Engine:
         return self.executor.prefill(step)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token per running sequence (tokens [B] on the device). Returns logits [B, V]."""
+        """One token per running sequence (tokens [B] on the device). Returns logits [B, V]. With a captured step
+        (graph, fused, mega executors on CUDA) they are the graph's output buffer, overwritten by the next step:
+        clone them to keep them."""
         B = len(self.lengths)
         if tokens.shape != (B,):
             raise RequestError(f"decode expects {B} tokens, got shape {tuple(tokens.shape)}")
