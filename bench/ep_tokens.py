@@ -18,14 +18,17 @@ import sys
 PROMPTS = ["256,72,101,108,108,111", "256,7,9"]
 
 
-def generate(model: str, executor: str, ep: int, tokens: int) -> dict:
+def generate(model: str, executor: str, ep: int, tokens: int, timeout_s: float = 120.0) -> dict:
     cmd = [sys.executable, "-m", "megadecode", "generate", "--model", model, "--executor", executor, "--device",
            "cuda", "--greedy", "--max-new-tokens", str(tokens), "--json"]
     for p in PROMPTS:
         cmd += ["--token-ids", p]
     if ep > 1:
         cmd += ["--ep", str(ep)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # a hang is a finding (its row says so), not the end of the check
+        return {"error": f"did not finish in {timeout_s:.0f} s"}
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["(no output)"])[-1]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -37,12 +40,21 @@ def main() -> int:
     ap.add_argument("--presets", default="tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3")
     ap.add_argument("--executors", default="graph,fused")
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per generate run (tiny presets: ~10-20)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows, ok = [], True
+    rows, ok, hung = [], True, None
     for preset in args.presets.split(","):
         for ex in args.executors.split(","):
-            one, many = generate(preset, ex, 1, args.tokens), generate(preset, ex, args.ep, args.tokens)
+            if hung:  # one hang is enough to report; the rest would each wait out the limit too
+                rows.append({"preset": preset, "executor": ex, "ep": args.ep, "equal": False,
+                             "error": f"not run: {hung} hung", "first_difference": None, "tokens": None})
+                print(f"{preset:18s} {ex:6s} ep={args.ep}: not run ({hung} hung)")
+                continue
+            one = generate(preset, ex, 1, args.tokens, args.timeout)
+            many = generate(preset, ex, args.ep, args.tokens, args.timeout)
+            if "did not finish" in str(one.get("error")) + str(many.get("error")):
+                hung = f"{preset} {ex}"
             err = one.get("error") or many.get("error")
             same = err is None and one["token_ids"] == many["token_ids"]
             ok &= same

@@ -13,7 +13,10 @@
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
-#   does not fit one call; exit status that of pytest.
+#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (~3 min at
+#   07a1134) and `-m "not gpu"` (~6.5 min). Run them alone: a call shared with other jobs ran out of time at e12a610.
+# ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
+#   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
 #   at batch 1 and 8, and k3-mini's batch-1 timeline (recording and image; the phase table printed). Then `tests -m gpu`.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
@@ -110,7 +113,7 @@ fi
 if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GPU of the machine (2 on nvidia-h200-x2)
     N=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m > "$OUT/evidence/topology.log" 2>&1
-    timeout "$(left)" python bench/ep_tokens.py --ep "$N" --out "$OUT/results/ep-tokens-nvidia-h200-x$N.json" 2>&1 | tail -8
+    timeout "$(left)" python bench/ep_tokens.py --ep "$N" --timeout 90 --out "$OUT/results/ep-tokens-nvidia-h200-x$N.json" 2>&1 | tail -8
     timeout "$(left)" python -m torch.distributed.run --nproc-per-node "$N" bench/ep_bench.py --batch 1,8,64 --width 3584 \
         --out "$OUT/results/ep-combine-nvidia-h200-x$N.json" --write-modes 2>&1 | tail -12
     cp megadecode/parallel/configs/*.json "$OUT/results/" 2>/dev/null

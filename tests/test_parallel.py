@@ -435,7 +435,7 @@ def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, mo
     import ep_tokens
 
     runs = {1: {"token_ids": [[1, 2, 3], [4, 5]]}, 2: {"token_ids": [[1, 2, 3], [4, 6]]}}
-    monkeypatch.setattr(ep_tokens, "generate", lambda model, ex, ep, n: runs[min(ep, 2)])
+    monkeypatch.setattr(ep_tokens, "generate", lambda model, ex, ep, n, timeout_s: runs[min(ep, 2)])
     out = tmp_path / "t.json"
     monkeypatch.setattr(sys, "argv", ["ep_tokens.py", "--presets", "tiny-k3", "--executors", "fused", "--out", str(out)])
     assert ep_tokens.main() == 1
@@ -445,3 +445,32 @@ def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, mo
     assert ep_tokens.main() == 0
     runs[2] = {"error": "rank 1: boom"}
     assert ep_tokens.main() == 1 and json.loads(out.read_text())["rows"][0]["error"] == "rank 1: boom"
+
+
+def test_ep_tokens_reports_a_run_that_hangs(monkeypatch):
+    """A generate run past its time limit is an error row (the check goes on), not a traceback."""
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import subprocess
+
+    import ep_tokens
+
+    def hang(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(ep_tokens.subprocess, "run", hang)
+    assert ep_tokens.generate("tiny-k3", "fused", 2, 4, timeout_s=7) == {"error": "did not finish in 7 s"}
+
+
+def test_ep_tokens_stops_after_a_hang(tmp_path, monkeypatch):
+    sys.path.insert(0, str(HERE.parent / "bench"))
+    import ep_tokens
+
+    calls = []
+    monkeypatch.setattr(ep_tokens, "generate", lambda model, ex, ep, n, timeout_s: calls.append(model) or (
+        {"token_ids": [[1]]} if ep == 1 else {"error": "did not finish in 90 s"}))
+    out = tmp_path / "t.json"
+    monkeypatch.setattr(sys, "argv", ["ep_tokens.py", "--presets", "tiny-k3,tiny-deepseek-v3", "--executors", "fused",
+                                      "--out", str(out)])
+    assert ep_tokens.main() == 1 and calls == ["tiny-k3", "tiny-k3"]  # the second preset is not run
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["error"] == "did not finish in 90 s" and rows[1]["error"] == "not run: tiny-k3 fused hung"
