@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -25,13 +27,17 @@ def generate(model: str, executor: str, ep: int, tokens: int, timeout_s: float =
         cmd += ["--token-ids", p]
     if ep > 1:
         cmd += ["--ep", str(ep)]
+    # its own process group: on a hang the launcher's ranks (its children, holding the GPUs) are stopped with it
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:  # a hang is a finding (its row says so), not the end of the check
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
         return {"error": f"did not finish in {timeout_s:.0f} s"}
-    if r.returncode != 0:
-        return {"error": (r.stderr.strip().splitlines() or ["(no output)"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    if p.returncode != 0:
+        return {"error": (err.strip().splitlines() or ["(no output)"])[-1]}
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> int:

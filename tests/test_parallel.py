@@ -447,18 +447,25 @@ def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, mo
     assert ep_tokens.main() == 1 and json.loads(out.read_text())["rows"][0]["error"] == "rank 1: boom"
 
 
-def test_ep_tokens_reports_a_run_that_hangs(monkeypatch):
+def test_ep_tokens_reports_a_run_that_hangs(tmp_path, monkeypatch):
     """A generate run past its time limit is an error row (the check goes on), not a traceback."""
     sys.path.insert(0, str(HERE.parent / "bench"))
     import subprocess
 
     import ep_tokens
 
-    def hang(cmd, **kw):
-        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+    # a stand-in for the CLI that starts a child (as the launcher starts ranks) and hangs: both are stopped
+    marker = tmp_path / "child_alive"
+    script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time, pathlib; "
+              f"time.sleep(3); pathlib.Path(r\"{marker}\").write_text(\"1\")']); time.sleep(60)")
+    real = subprocess.Popen
+    monkeypatch.setattr(ep_tokens.subprocess, "Popen",
+                        lambda cmd, **kw: real([sys.executable, "-c", script], **kw))
+    assert ep_tokens.generate("tiny-k3", "fused", 2, 4, timeout_s=1) == {"error": "did not finish in 1 s"}
+    import time
 
-    monkeypatch.setattr(ep_tokens.subprocess, "run", hang)
-    assert ep_tokens.generate("tiny-k3", "fused", 2, 4, timeout_s=7) == {"error": "did not finish in 7 s"}
+    time.sleep(3.5)
+    assert not marker.exists()  # the child was killed with its parent's group
 
 
 def test_ep_tokens_stops_after_a_hang(tmp_path, monkeypatch):
