@@ -25,6 +25,7 @@ from megadecode.weights import param_specs, random_weights, weight_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "bench"))  # bench/ep_*.py, imported by the tests that use them
 import ep_workers  # noqa: E402
 from interp import DEVICE  # noqa: E402
 
@@ -279,7 +280,6 @@ def test_bench_table_shows_communication_per_layer():
 
 
 def test_ep_bench_writes_the_modes_file_the_combine_reads(tmp_path, monkeypatch):
-    sys.path.insert(0, str(HERE.parent / "bench"))
     import ep_bench
 
     monkeypatch.setattr(combine, "MODES_DIR", tmp_path)
@@ -324,7 +324,6 @@ def test_k3_ep4_and_ep8_presets_fit_their_gpus_and_not_half_as_many(preset, worl
 def test_ep_model_reproduces_its_calibration_and_the_memory_bound():
     """bench/ep_model.py (docs/ep-model.md): one GPU at batch 1 is the measured k3-mini step by construction; the
     full K3 with a replicated trunk fits H200s only from 56 GPUs (the divisor of 896 past 1446 GB / 29 GB)."""
-    sys.path.insert(0, str(HERE.parent / "bench"))
     import ep_model
 
     assert abs(ep_model.step(preset_config("k3-mini"), 1, 1, 1024)["ms"] - 3.73) < 0.05
@@ -431,7 +430,6 @@ def test_launcher_stops_the_other_ranks_when_one_fails():
 def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, monkeypatch):
     """bench/ep_tokens.py (the GPU check of --ep N against one process): equal tokens pass, a difference fails with
     where it starts, an error is reported and fails."""
-    sys.path.insert(0, str(HERE.parent / "bench"))
     import ep_tokens
 
     runs = {1: {"token_ids": [[1, 2, 3], [4, 5]]}, 2: {"token_ids": [[1, 2, 3], [4, 6]]}}
@@ -449,7 +447,6 @@ def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, mo
 
 def test_ep_tokens_reports_a_run_that_hangs(tmp_path, monkeypatch):
     """A generate run past its time limit is an error row (the check goes on), not a traceback."""
-    sys.path.insert(0, str(HERE.parent / "bench"))
     import subprocess
 
     import ep_tokens
@@ -469,7 +466,6 @@ def test_ep_tokens_reports_a_run_that_hangs(tmp_path, monkeypatch):
 
 
 def test_ep_tokens_stops_after_a_hang(tmp_path, monkeypatch):
-    sys.path.insert(0, str(HERE.parent / "bench"))
     import ep_tokens
 
     calls = []
