@@ -16,8 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 PROMPTS = ["256,72,101,108,108,111", "256,7,9"]
+STACK_LINES = 200  # of a hung run's stderr, kept in its row: the stacks of every rank
 
 
 def generate(model: str, executor: str, ep: int, tokens: int, timeout_s: float = 120.0) -> dict:
@@ -32,9 +34,12 @@ def generate(model: str, executor: str, ep: int, tokens: int, timeout_s: float =
     try:
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:  # a hang is a finding (its row says so), not the end of the check
+        # first every process's Python stacks (the CLI prints them on SIGUSR1, cli.main): where each rank waits
+        os.killpg(p.pid, signal.SIGUSR1)
+        time.sleep(2.0)
         os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        return {"error": f"did not finish in {timeout_s:.0f} s"}
+        _, err = p.communicate()
+        return {"error": f"did not finish in {timeout_s:.0f} s", "stderr_tail": err.splitlines()[-STACK_LINES:]}
     if p.returncode != 0:
         return {"error": (err.strip().splitlines() or ["(no output)"])[-1]}
     return json.loads(out.strip().splitlines()[-1])
@@ -69,7 +74,10 @@ def main() -> int:
                 first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                          for x, y in zip(one["token_ids"], many["token_ids"])]
             rows.append({"preset": preset, "executor": ex, "ep": args.ep, "equal": same, "error": err,
-                         "first_difference": first, "tokens": None if err else one["token_ids"]})
+                         "first_difference": first, "tokens": None if err else one["token_ids"],
+                         "stderr_tail": one.get("stderr_tail") or many.get("stderr_tail")})
+            if rows[-1]["stderr_tail"]:
+                print("\n".join(rows[-1]["stderr_tail"][-60:]), file=sys.stderr)
             print(f"{preset:18s} {ex:6s} ep={args.ep}: " + (f"error: {err}" if err else
                   "greedy tokens equal" if same else f"DIFFER (first at {first})"))
     if args.out:

@@ -14,9 +14,12 @@ Errors the user can fix (bad config, checkpoint, request or argument) print one 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
+import signal
 import sys
+import threading
 import warnings
 
 import torch
@@ -227,6 +230,10 @@ def cmd_make_checkpoint(args, argv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        # `kill -USR1 <pid>` prints every thread's Python stack to stderr and the command goes on: where a run that
+        # seems hung is waiting (bench/ep_tokens.py sends it to a run past its limit before stopping it)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument (Parser.error printed it): the code, not an exception

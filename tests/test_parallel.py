@@ -446,23 +446,43 @@ def test_ep_tokens_compares_greedy_tokens_and_fails_on_a_difference(tmp_path, mo
 
 
 def test_ep_tokens_reports_a_run_that_hangs(tmp_path, monkeypatch):
-    """A generate run past its time limit is an error row (the check goes on), not a traceback."""
+    """A generate run past its time limit is an error row (the check goes on), not a traceback; the row keeps the
+    Python stacks the run printed on SIGUSR1, and the run's whole process group is stopped after them."""
     import subprocess
 
     import ep_tokens
 
-    # a stand-in for the CLI that starts a child (as the launcher starts ranks) and hangs: both are stopped
+    # a stand-in for the CLI that prints its stack on SIGUSR1 (as cli.main does) and starts a child (as the launcher
+    # starts ranks) that ignores SIGUSR1, then hangs: both are stopped
     marker = tmp_path / "child_alive"
-    script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time, pathlib; "
-              f"time.sleep(3); pathlib.Path(r\"{marker}\").write_text(\"1\")']); time.sleep(60)")
+    child = (f"import pathlib, signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); time.sleep(6); "
+             f"pathlib.Path(r'{marker}').write_text('1')")
+    script = (f"import faulthandler, signal, subprocess, sys, time\n"
+              f"faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+              f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              f"def waiting_for_the_other_rank():\n    time.sleep(60)\n"
+              f"waiting_for_the_other_rank()\n")
     real = subprocess.Popen
     monkeypatch.setattr(ep_tokens.subprocess, "Popen",
                         lambda cmd, **kw: real([sys.executable, "-c", script], **kw))
-    assert ep_tokens.generate("tiny-k3", "fused", 2, 4, timeout_s=1) == {"error": "did not finish in 1 s"}
-    import time
-
-    time.sleep(3.5)
+    t = time.monotonic()
+    got = ep_tokens.generate("tiny-k3", "fused", 2, 4, timeout_s=1)
+    assert got["error"] == "did not finish in 1 s"
+    assert any("waiting_for_the_other_rank" in line for line in got["stderr_tail"])
+    time.sleep(max(0.0, 7.5 - (time.monotonic() - t)))
     assert not marker.exists()  # the child was killed with its parent's group
+
+
+def test_cli_prints_its_stacks_on_sigusr1_and_goes_on():
+    """`kill -USR1` on a megadecode command prints every thread's Python stack and does not stop it (how a run that
+    seems hung shows where it waits)."""
+    import subprocess
+
+    code = ("import os, signal; from megadecode import cli; cli.main(['--help']); "
+            "os.kill(os.getpid(), signal.SIGUSR1); print('still running')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "still running" in p.stdout
+    assert "Current thread" in p.stderr or "Thread 0x" in p.stderr
 
 
 def test_ep_tokens_stops_after_a_hang(tmp_path, monkeypatch):
