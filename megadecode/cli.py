@@ -17,6 +17,7 @@ import argparse
 import faulthandler
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -31,7 +32,7 @@ from .engine import Engine, NonFiniteError, RequestError, model_config, resolve_
 from .executors import EXECUTORS
 from .kernels import require_triton
 from .measure import seed_arg
-from .parallel.group import RankFailed, agree
+from .parallel.group import RankFailed, agree, stuck_teardown
 from .presets import PRESETS
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -178,21 +179,8 @@ def cmd_generate(args, argv) -> int:
         return ranks.spawn(argv, args.ep)
     ep = ranks.join(args)
     try:
-        engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
-                       executor=args.executor, seed=args.seed, check_finite=args.check_finite,
-                       max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
-                       parallel=ranks.expert_parallel(ep, cfg))
-        engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
-        progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
-                        disable=args.json or not ranks.leader())
-        try:
-            with progress:
-                res = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
-        except NonFiniteError as e:
-            hint = "" if args.model in PRESETS or args.check_finite else \
-                " (--check-finite names a tensor that holds them)"
-            raise NonFiniteError(f"{args.model}: {e}{hint}") from None
-    finally:
+        res = _generate(args, cfg, ep, prompts, need, sampling, tqdm)
+    finally:  # after the engine is gone (_generate returned): its captured graphs would hold NCCL's teardown
         if ep is not None:
             ep.destroy()
     if not ranks.leader():
@@ -221,6 +209,24 @@ def cmd_generate(args, argv) -> int:
     return 0
 
 
+def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
+    """Load the engine and generate; the engine (and its CUDA graphs) is freed when this returns."""
+    engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
+                   executor=args.executor, seed=args.seed, check_finite=args.check_finite,
+                   max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
+                   parallel=ranks.expert_parallel(ep, cfg))
+    engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
+    progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
+                    disable=args.json or not ranks.leader())
+    try:
+        with progress:
+            return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
+    except NonFiniteError as e:
+        hint = "" if args.model in PRESETS or args.check_finite else \
+            " (--check-finite names a tensor that holds them)"
+        raise NonFiniteError(f"{args.model}: {e}{hint}") from None
+
+
 def cmd_make_checkpoint(args, argv) -> int:
     out = make_checkpoint(args.out, args.preset, seed=args.seed, dtype=resolve_dtype(args.dtype),
                           overwrite=args.overwrite)
@@ -229,11 +235,23 @@ def cmd_make_checkpoint(args, argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if stuck_teardown():  # expert parallelism: NCCL's teardown hung (EPGroup.destroy); the interpreter's exit would
+        sys.stdout.flush()  # wait for it again
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
         # `kill -USR1 <pid>` prints every thread's Python stack to stderr and the command goes on: where a run that
         # seems hung is waiting (bench/ep_tokens.py sends it to a run past its limit before stopping it)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        except (OSError, ValueError):  # stderr is not a file (captured, as under pytest): no stacks to print
+            pass
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument (Parser.error printed it): the code, not an exception

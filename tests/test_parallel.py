@@ -497,3 +497,52 @@ def test_ep_tokens_stops_after_a_hang(tmp_path, monkeypatch):
     assert ep_tokens.main() == 1 and calls == ["tiny-k3", "tiny-k3"]  # the second preset is not run
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["error"] == "did not finish in 90 s" and rows[1]["error"] == "not run: tiny-k3 fused hung"
+
+
+def test_generate_frees_the_engine_before_the_process_group_is_torn_down(monkeypatch, capsys):
+    """A live CUDA graph that captured a collective keeps NCCL's teardown waiting forever (pytorch#115388; how
+    `generate --ep 2` hung on two H200s): the engine must be gone when EPGroup.destroy runs."""
+    import gc
+    import weakref
+
+    from megadecode import cli, ranks
+
+    engines, seen = [], []
+
+    class FakeGroup:
+        def destroy(self):
+            gc.collect()  # as EPGroup.destroy does
+            seen.append([e() is None for e in engines])
+
+    def agree(ep, fn, *a, **kw):
+        out = fn(*a, **kw)
+        engines.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(ranks, "join", lambda args: FakeGroup())
+    monkeypatch.setattr(ranks, "device", lambda args, ep: "cpu")
+    monkeypatch.setattr(ranks, "expert_parallel", lambda ep, cfg: None)
+    monkeypatch.setattr(cli, "agree", agree)
+    assert cli.main(["generate", "--model", "tiny-qwen3-moe", "--executor", "torch", "--greedy",
+                     "--max-new-tokens", "3", "--token-ids", "256,7", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["token_ids"]
+    assert seen == [[True]]
+
+
+def test_a_teardown_that_hangs_is_bounded(monkeypatch, capsys):
+    """EPGroup.destroy gives NCCL's teardown DESTROY_TIMEOUT_S, then warns and returns False; the command then exits
+    past it (cli.main, os._exit)."""
+    from megadecode.parallel import group
+
+    ep = group.EPGroup(rank=1, world=2, local_rank=1, backend="nccl", device=torch.device("cpu"), group=None,
+                       control=None, timeout_s=1.0)
+    monkeypatch.setattr(group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(group.dist, "destroy_process_group", lambda: time.sleep(30))
+    monkeypatch.setattr(group, "_stuck", False)
+    t = time.monotonic()
+    assert ep.destroy(wait_s=0.5) is False and time.monotonic() - t < 5
+    assert group.stuck_teardown()
+    assert "rank 1: the process group's teardown did not finish in 0 s" in capsys.readouterr().err  # 0.5 s, as %.0f
+    monkeypatch.setattr(group.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(group, "_stuck", False)
+    assert ep.destroy(wait_s=5) is True and not group.stuck_teardown()

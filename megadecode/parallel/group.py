@@ -11,7 +11,10 @@ scheduler's decisions; it waits up to CONTROL_TIMEOUT_S, since an idle server se
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,9 +41,43 @@ class EPGroup:
     control: object  # gloo, host objects
     timeout_s: float
 
-    def destroy(self) -> None:
-        if dist.is_initialized():
+    def destroy(self, wait_s: float | None = None) -> bool:
+        """Tear the groups down; False when NCCL's teardown did not finish within `wait_s` (default
+        DESTROY_TIMEOUT_S), which is then left to a thread and `stuck_teardown()` says so.
+
+        Call it after the engine is gone: a live CUDA graph that captured a collective keeps ncclCommDestroy
+        waiting forever (pytorch/pytorch#115388; `generate --ep 2` on two H200s hung there at 925f1f7).
+        """
+        global _stuck
+        if not dist.is_initialized():
+            return True
+        gc.collect()  # graphs held only by reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        done = threading.Event()
+
+        def teardown():
             dist.destroy_process_group()
+            done.set()
+
+        threading.Thread(target=teardown, name="megadecode-ep-teardown", daemon=True).start()
+        wait_s = DESTROY_TIMEOUT_S if wait_s is None else wait_s
+        if done.wait(wait_s):
+            return True
+        _stuck = True
+        print(f"megadecode: warning: rank {self.rank}: the process group's teardown did not finish in {wait_s:.0f} s "
+              "(NCCL); the process exits without it", file=sys.stderr, flush=True)
+        return False
+
+
+_stuck = False
+DESTROY_TIMEOUT_S = 30.0
+
+
+def stuck_teardown() -> bool:
+    """Whether a teardown (EPGroup.destroy) did not finish: the process must then end with os._exit, since the
+    interpreter's exit would wait for the communicator again."""
+    return _stuck
 
 
 def torchrun_env() -> dict[str, str] | None:

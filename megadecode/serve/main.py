@@ -139,14 +139,18 @@ def cmd_serve(args, argv) -> int:
     sock = bind(args.host, args.port) if ranks.leader() else None  # before the slow part: a taken port fails at once
     ep = ranks.join(args)
     try:
-        server = build_server(args, ep)
-        if not ranks.leader():
-            follow(server, ep)
-            return 0
-        return _serve(args, server, sock, build_app, tqdm, uvicorn)
-    finally:
+        return _run(args, ep, sock, build_app, tqdm, uvicorn)
+    finally:  # after the server is gone (_run returned): its engine's captured graphs would hold NCCL's teardown
         if ep is not None:
             ep.destroy()
+
+
+def _run(args, ep, sock, build_app, tqdm, uvicorn) -> int:
+    server = build_server(args, ep)
+    if not ranks.leader():
+        follow(server, ep)
+        return 0
+    return _serve(args, server, sock, build_app, tqdm, uvicorn)
 
 
 def _serve(args, server, sock, build_app, tqdm, uvicorn) -> int:
