@@ -114,6 +114,12 @@ def ld8(dtype: Constexpr, addr: Int64):
 
 
 @cute.jit
+def ld8raw(dtype: Constexpr, addr: Int64):
+    """8 consecutive 16-bit elements (16-byte aligned) as they are: a load whose conversion waits for its use."""
+    return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load()
+
+
+@cute.jit
 def ld4bf(addr: Int64):
     """4 consecutive bf16 (8-byte aligned) as fp32."""
     return cute.make_tensor(_g(addr, BFloat16, 8), cute.make_layout(4)).load().to(Float32)
