@@ -97,14 +97,24 @@ def mx8(packed: Int64, scales: Int64, k: Int32, wr: cute.Tensor):
     decoded into the 8-element register tensor wr: element k + j is nibble j of the little-endian word at byte
     k / 2 (even elements in the low nibbles), times the scale of block k / 32. The same values as
     quant.mxfp4.dequantize_mxfp4 (exact: a power-of-two scale times a 2-significant-bit value)."""
-    word = ldu32(packed + Int64(k // 2))
-    sc = e8m0(ldu8(scales + Int64(k // 32)))
+    mx8_word(ldu32(packed + Int64(k // 2)), e8m0(ldu8(scales + Int64(k // 32))), wr)
+
+
+@cute.jit
+def mx8_word(word: Uint32, sc: Float32, wr: cute.Tensor):
+    """The 8 weights of one packed MXFP4 word (nibble j: element j) times their block scale `sc`, into wr (mx8)."""
     # nibble j's magnitude bits (e1 e0 m) moved to fp32 bits 24..22 and its sign to bit 31 (_nib): that fp32 is the
     # e2m1 magnitude times 2**-126 (e = 0, m = 1 lands on the subnormal 2**-127: the kernel does not flush
     # subnormals), so times 2**126 it is the e2m1 value exactly and times the power-of-two scale the weight: the
     # same fp32 as e2m1(code) * sc, in 2 shifts, 2 logic ops and 2 multiplies instead of ~12 ops
     for j in cutlass.range_constexpr(8):
         wr[j] = from_bits(_nib(word, j)) * TWO126 * sc
+
+
+@cute.jit
+def ld4u32(addr: Int64):
+    """4 consecutive 32-bit words (16-byte aligned) in one load: an MXFP4 block of 32 weights (mx8_word each)."""
+    return cute.make_tensor(_g(addr, Uint32, 16), cute.make_layout(4)).load()
 
 
 @cute.jit

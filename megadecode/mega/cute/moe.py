@@ -19,10 +19,13 @@ from .base import (
     dot8,
     fa,
     ia,
+    e8m0,
+    ld4u32,
     ld8,
     ldf,
     ldi,
-    mx8,
+    ldu8,
+    mx8_word,
     prefetch_l2,
     silu,
     situ,
@@ -208,6 +211,44 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
 
 
 @cute.jit
+def up_mx_rows(gu: Int64, gus: Int64, gidx: Int64, uidx: Int64, rowb: Int64, D: Int32, xrow: cute.Tensor, fb: Int64,
+               lane: Int32, pn: Int32, accg: cute.Tensor, accu: cute.Tensor, wg: cute.Tensor, wu: cute.Tensor,
+               TT: Constexpr):
+    """A gate and an up MXFP4 row against the first TT of the pass's pn pairs (x rows at xrow): per lane one block of
+    32 weights per iteration (a 16-byte load and a scale byte per row), decoded 8 at a time."""
+    for k in cutlass.range(lane * 32, D, 1024):
+        gq = ld4u32(gu + gidx * rowb + Int64(k // 2))
+        uq = ld4u32(gu + uidx * rowb + Int64(k // 2))
+        gsc = e8m0(ldu8(gus + gidx * Int64(D // 32) + Int64(k // 32)))
+        usc = e8m0(ldu8(gus + uidx * Int64(D // 32) + Int64(k // 32)))
+        for s8 in cutlass.range_constexpr(4):
+            mx8_word(gq[s8], gsc, wg)
+            mx8_word(uq[s8], usc, wu)
+            gv = wg.load()
+            uv = wu.load()
+            for j in cutlass.range_constexpr(TT):
+                if j < pn:
+                    xv = ld8(Float32, fa(fb, xrow[j] + k + 8 * s8))
+                    accg[j] += dot8(gv, xv)
+                    accu[j] += dot8(uv, xv)
+
+
+@cute.jit
+def down_mx_row(dn: Int64, dns: Int64, widx: Int64, rowb: Int64, I: Int32, fb: Int64, h0: Int32, lane: Int32,
+                pn: Int32, acc: cute.Tensor, wr: cute.Tensor, TT: Constexpr):
+    """A down MXFP4 row against the first TT of the pass's pn pairs' h (rows of I from element h0), as up_mx_rows."""
+    for k in cutlass.range(lane * 32, I, 1024):
+        wq = ld4u32(dn + widx * rowb + Int64(k // 2))
+        wsc = e8m0(ldu8(dns + widx * Int64(I // 32) + Int64(k // 32)))
+        for s8 in cutlass.range_constexpr(4):
+            mx8_word(wq[s8], wsc, wr)
+            wv = wr.load()
+            for j in cutlass.range_constexpr(TT):
+                if j < pn:
+                    acc[j] += dot8(wv, ld8(Float32, fa(fb, h0 + j * I + k + 8 * s8)))
+
+
+@cute.jit
 def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
     """Gate and up rows of each selected expert against its tokens, GLU'd into h. Weights bf16 [E, 2I, D], or
@@ -269,6 +310,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     accu = cute.make_rmem_tensor(TB, Float32)
     wg = cute.make_rmem_tensor(8, Float32)
     wu = cute.make_rmem_tensor(8, Float32)
+    xrow = cute.make_rmem_tensor(TB, Int32)
     for u in cutlass.range(u0, u1 + 1):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
@@ -283,21 +325,28 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                     accu[j] = Float32(0.0)
                 gidx = Int64(e) * Int64(2 * I) + Int64(r)
                 uidx = gidx + Int64(I)
-                for k in cutlass.range(lane * 8, D, 256, unroll=4):
-                    if mx:
-                        mx8(gu + gidx * rowb, gus + gidx * Int64(D // 32), k, wg)
-                        mx8(gu + uidx * rowb, gus + uidx * Int64(D // 32), k, wu)
+                for j in cutlass.range_constexpr(TB):  # each pair's row of x, once per row (was per chunk)
+                    xrow[j] = x_off
+                    if j < pn:
+                        xrow[j] = x_off + ldi(ia(ib, ptok_off + p0 + j)) * D
+                if mx:
+                    # a lane takes one MXFP4 block per iteration: 32 weights of each row in one 16-byte load and
+                    # one scale (was a 4-byte word per 256 columns, each load waited on before the next: 256 B in
+                    # flight per warp). One pair (the common case of a decode step: ~1 token per selected expert)
+                    # has its own loop: the compiler predicates the tokens, so TB of them cost TB even when 1 is live
+                    if pn == 1:
+                        up_mx_rows(gu, gus, gidx, uidx, rowb, D, xrow, fb, lane, pn, accg, accu, wg, wu, 1)
                     else:
-                        wg.store(ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2))
-                        wu.store(ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2))
-                    gv = wg.load()
-                    uv = wu.load()
-                    for j in cutlass.range_constexpr(TB):
-                        if j < pn:
-                            t = ldi(ia(ib, ptok_off + p0 + j))
-                            xv = ld8(Float32, fa(fb, x_off + t * D + k))
-                            accg[j] += dot8(gv, xv)
-                            accu[j] += dot8(uv, xv)
+                        up_mx_rows(gu, gus, gidx, uidx, rowb, D, xrow, fb, lane, pn, accg, accu, wg, wu, TB)
+                else:
+                    for k in cutlass.range(lane * 8, D, 256, unroll=4):
+                        gv = ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2)
+                        uv = ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2)
+                        for j in cutlass.range_constexpr(TB):
+                            if j < pn:
+                                xv = ld8(Float32, fa(fb, xrow[j] + k))
+                                accg[j] += dot8(gv, xv)
+                                accu[j] += dot8(uv, xv)
                 for j in cutlass.range_constexpr(TB):
                     g = warp_sum(accg[j])
                     up = warp_sum(accu[j])
@@ -343,15 +392,17 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
                 for j in cutlass.range_constexpr(TB):
                     acc[j] = Float32(0.0)
                 widx = Int64(e) * Int64(D) + Int64(r)
-                for k in cutlass.range(lane * 8, I, 256, unroll=4):
-                    if mx:
-                        mx8(dn + widx * rowb, dns + widx * Int64(I // 32), k, wr)
+                if mx:  # one MXFP4 block of 32 weights per lane per iteration, one pair on its own (as EXPERT_UP)
+                    if pe - p0 == 1:
+                        down_mx_row(dn, dns, widx, rowb, I, fb, h_off + p0 * I, lane, pe - p0, acc, wr, 1)
                     else:
-                        wr.store(ld8(BFloat16, dn + widx * rowb + Int64(k) * 2))
-                    wv = wr.load()
-                    for j in cutlass.range_constexpr(TB):
-                        if p0 + j < pe:
-                            acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
+                        down_mx_row(dn, dns, widx, rowb, I, fb, h_off + p0 * I, lane, pe - p0, acc, wr, TB)
+                else:
+                    for k in cutlass.range(lane * 8, I, 256, unroll=4):
+                        wv = ld8(BFloat16, dn + widx * rowb + Int64(k) * 2)
+                        for j in cutlass.range_constexpr(TB):
+                            if p0 + j < pe:
+                                acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
                 for j in cutlass.range_constexpr(TB):
                     s = warp_sum(acc[j])
                     if lane == 0 and p0 + j < pe:
