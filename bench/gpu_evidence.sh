@@ -13,8 +13,9 @@
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
-#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (~3 min at
-#   07a1134) and `-m "not gpu"` (~6.5 min). Run them alone: a call shared with other jobs ran out of time at e12a610.
+#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (~4 min at
+#   bf18192, one worker) and `-m "not gpu"` (4 workers; in one it reached 48% in 575 s at bf18192). Run them alone: a
+#   call shared with other jobs ran out of time at e12a610.
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
 #   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
@@ -37,6 +38,8 @@ shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/evidence/device.log" 2>&1
 
 if [ "$MODE" = tests ]; then
+    # the tests not marked gpu in 4 workers (tests/conftest.py: one worker with a GPU otherwise, ~20 min for them)
+    case " $* " in *"not gpu"*) export MEGADECODE_TEST_WORKERS=${MEGADECODE_TEST_WORKERS:-4} ;; esac
     timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" tests/ 2>&1 \
         | tee "$OUT/evidence/pytest-gpu.log" | tail -45
     rc=${PIPESTATUS[0]}
