@@ -19,7 +19,8 @@
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
 #   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
-#   at batch 1 and 8, and k3-mini's batch-1 timeline (recording and image; the phase table printed). Then `tests -m gpu`.
+#   at batch 1 and 8, and k3-mini's batch-1 and batch-8 timelines (recordings and images; the phase tables printed).
+#   Then `tests -m gpu`.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
@@ -111,6 +112,9 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
         --out "$OUT/results/qwen3-30b-a3b-mega.json" 2>&1 | tail -5
     timeout "$(left)" python bench/mega_timeline.py --preset k3-mini --batch 1 --out "$OUT/evidence/k3-mini-timeline-b1" \
         > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b1.json" | tail -14
+    # batch 8 too: bf18192 was 11% slower there than 07a1134 with no batch-8 recording to say where
+    timeout "$(left)" python bench/mega_timeline.py --preset k3-mini --batch 8 --out "$OUT/evidence/k3-mini-timeline-b8" \
+        > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b8.json" | tail -14
     exit "$rc"
 fi
 if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GPU of the machine (2 on nvidia-h200-x2)
