@@ -39,7 +39,8 @@ def generate(model: str, executor: str, ep: int, tokens: int, timeout_s: float =
         time.sleep(2.0)
         os.killpg(p.pid, signal.SIGKILL)
         _, err = p.communicate()
-        return {"error": f"did not finish in {timeout_s:.0f} s", "stderr_tail": err.splitlines()[-STACK_LINES:]}
+        return {"error": f"did not finish in {timeout_s:.0f} s", "hung": True,
+                "stderr_tail": err.splitlines()[-STACK_LINES:]}
     if p.returncode != 0:
         return {"error": (err.strip().splitlines() or ["(no output)"])[-1]}
     return json.loads(out.strip().splitlines()[-1])
@@ -64,7 +65,7 @@ def main() -> int:
                 continue
             one = generate(preset, ex, 1, args.tokens, args.timeout)
             many = generate(preset, ex, args.ep, args.tokens, args.timeout)
-            if "did not finish" in str(one.get("error")) + str(many.get("error")):
+            if one.get("hung") or many.get("hung"):
                 hung = f"{preset} {ex}"
             err = one.get("error") or many.get("error")
             same = err is None and one["token_ids"] == many["token_ids"]

@@ -20,13 +20,15 @@ from megadecode.quant.fp8 import FP8Tensor, quantize_fp8  # noqa: E402
 from megadecode.reference.moe import experts_reference  # noqa: E402
 from megadecode.validate.catalog import get  # noqa: E402
 from megadecode.validate.matrix import run_matrix  # noqa: E402
+from megadecode.validate.tolerances import FLOORS  # noqa: E402
 
 TRITON_OK, needs_triton = triton_gate(F8.fp8_up_kernel)
 # fp32 activations: wdtype fp32 is exact up to summation order; fp16 splits x and h into hi + lo parts (~22 bits)
 TOL = {torch.float32: 2e-6, torch.float16: 2e-6}
 # fp32 x on the GPU takes the up kernel's SPLIT path (x as bf16 hi + lo on tensor cores, ~16 bits per product): the
-# harness states 6.1e-5 for it (triton-fp8-experts); measured on the H200 at 07a1134, 5.8e-6 of the largest output
-FP32_TOL = 3e-5 if DEVICE == "cuda" else 2e-6
+# harness's fp32 floor holds it (tolerances.FLOORS, 6.1e-5, what the triton-fp8-experts report states); measured on
+# the H200 at 07a1134, 5.8e-6 of the largest output. On the CPU (interpreter, fp32 dots) the tighter 2e-6 holds
+FP32_TOL = FLOORS["float32"].max_rel if DEVICE == "cuda" else 2e-6
 
 
 def _fp8(w, block):

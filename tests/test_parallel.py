@@ -467,7 +467,7 @@ def test_ep_tokens_reports_a_run_that_hangs(tmp_path, monkeypatch):
                         lambda cmd, **kw: real([sys.executable, "-c", script], **kw))
     t = time.monotonic()
     got = ep_tokens.generate("tiny-k3", "fused", 2, 4, timeout_s=1)
-    assert got["error"] == "did not finish in 1 s"
+    assert got["error"] == "did not finish in 1 s" and got["hung"] is True
     assert any("waiting_for_the_other_rank" in line for line in got["stderr_tail"])
     time.sleep(max(0.0, 7.5 - (time.monotonic() - t)))
     assert not marker.exists()  # the child was killed with its parent's group
@@ -490,7 +490,7 @@ def test_ep_tokens_stops_after_a_hang(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(ep_tokens, "generate", lambda model, ex, ep, n, timeout_s: calls.append(model) or (
-        {"token_ids": [[1]]} if ep == 1 else {"error": "did not finish in 90 s"}))
+        {"token_ids": [[1]]} if ep == 1 else {"error": "did not finish in 90 s", "hung": True}))
     out = tmp_path / "t.json"
     monkeypatch.setattr(sys, "argv", ["ep_tokens.py", "--presets", "tiny-k3,tiny-deepseek-v3", "--executors", "fused",
                                       "--out", str(out)])
