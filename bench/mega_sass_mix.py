@@ -31,10 +31,14 @@ def sass_of(op: str) -> str:
     K.BODIES = tuple(b for b in bodies if b[0] == op)
     if not K.BODIES:
         raise SystemExit(f"unknown opcode {op!r}; opcodes: {', '.join(b[0] for b in bodies)}")
+    # compile_for is cached: without clearing, every op after the first got the first op's kernel, and a later
+    # compile in the same process would get this one-opcode kernel
+    K.compile_for.cache_clear()
     try:
         cubin, _ = assemble(K.compile_for().__ptx__)
     finally:
         K.BODIES = bodies
+        K.compile_for.cache_clear()
     text, why = disassemble(cubin)
     if text is None:
         raise SystemExit(why)

@@ -80,3 +80,28 @@ def test_the_fit_recovers_a_made_up_cost_per_opcode():
     assert mv["fixed_us"] == pytest.approx(5.0, abs=0.01) and mv["gbps_per_cta"] == pytest.approx(2.0, rel=1e-2)
     assert mv["median_rel_err"] < 1e-3 and mv["instructions"] == sum(i.op == "MATVEC" for i in prog.instrs)
     assert all(d["measured_us"] == pytest.approx(3.0, abs=1e-3) for op, d in got.items() if op != "MATVEC b2")
+
+
+def test_sass_mix_compiles_each_opcode_alone_and_leaves_the_whole_kernel(monkeypatch):
+    """bench/mega_sass_mix.py builds the kernel with one opcode body at a time. compile_for is cached, so each op
+    must get its own build (the cache once handed every op after the first the first op's kernel), and a later
+    compile_for must be the whole kernel again."""
+    import functools
+    import types
+
+    cute_kernel = pytest.importorskip("megadecode.mega.cute_kernel")  # needs the cute extra (CuTe DSL)
+    import mega_sass_mix
+
+    from megadecode.mega import runtime
+    from megadecode.validate import audit
+
+    @functools.lru_cache(maxsize=4)
+    def fake_compile(plant=None):
+        return types.SimpleNamespace(__ptx__=",".join(b[0] for b in cute_kernel.BODIES))
+
+    monkeypatch.setattr(cute_kernel, "compile_for", fake_compile)
+    monkeypatch.setattr(runtime, "assemble", lambda ptx: (ptx, ""))
+    monkeypatch.setattr(audit, "disassemble", lambda cubin: (cubin, None))
+    assert mega_sass_mix.sass_of("MATVEC") == "MATVEC"
+    assert mega_sass_mix.sass_of("GLU") == "GLU"
+    assert cute_kernel.compile_for().__ptx__ == ",".join(b[0] for b in cute_kernel.BODIES)
