@@ -546,3 +546,39 @@ def test_a_teardown_that_hangs_is_bounded(monkeypatch, capsys):
     monkeypatch.setattr(group.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(group, "_stuck", False)
     assert ep.destroy(wait_s=5) is True and not group.stuck_teardown()
+
+
+def test_serve_frees_its_server_before_the_process_group_is_torn_down(monkeypatch):
+    """serve --ep N had the same teardown hang as generate (its engine's graphs alive at destroy): a rank's server
+    must be gone when EPGroup.destroy runs."""
+    import gc
+    import weakref
+
+    pytest.importorskip("uvicorn")  # the serve extra
+    from megadecode import cli, ranks
+    from megadecode.serve import main as serve_main
+
+    servers, seen = [], []
+
+    class Server:
+        pass
+
+    class FakeGroup:
+        def destroy(self):
+            gc.collect()
+            seen.append([s() is None for s in servers])
+
+    def build(args, ep):
+        s = Server()
+        servers.append(weakref.ref(s))
+        return s
+
+    monkeypatch.setattr(ranks, "must_spawn", lambda n: False)
+    monkeypatch.setattr(ranks, "leader", lambda: False)  # a follower rank: no socket, follow() then return
+    monkeypatch.setattr(ranks, "join", lambda args: FakeGroup())
+    monkeypatch.setattr(serve_main, "build_server", build)
+    monkeypatch.setattr(serve_main, "follow", lambda server, ep: 0)
+    argv = ["serve", "--model", "tiny-qwen3-moe", "--executor", "torch"]
+    args = cli.build_parser().parse_args(argv)
+    assert serve_main.cmd_serve(args, argv) == 0
+    assert seen == [[True]]
