@@ -10,6 +10,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh mega             # mega beside fused and graph
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh ep               # expert parallelism, >= 2 GPUs
+#   OUT=/path bash bench/gpu_evidence.sh sanitizer                                    # compute-sanitizer, megakernel
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -21,6 +22,9 @@
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
 #   at batch 1 and 8, and k3-mini's batch-1 and batch-8 timelines (recordings and images; the phase tables printed).
 #   Then `tests -m gpu`.
+# sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
+#   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
+#   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
@@ -117,6 +121,19 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
         > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b8.json" | tail -14
     exit "$rc"
 fi
+if [ "$MODE" = sanitizer ]; then  # issue 13, item 6: compute-sanitizer on the megakernel, tiny presets
+    rc=0
+    for t in memcheck initcheck synccheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(left)" compute-sanitizer --tool "$t" --error-exitcode 9 \
+            python bench/mega_check.py --presets tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3 --batches 1,3 --tokens 0 \
+            --ctas 16 --out "$OUT/evidence/mega-sanitize-$t.json" > "$OUT/evidence/mega-sanitize-$t.log" 2>&1
+        r=$?
+        echo "$t: exit $r; $(grep -E "ERROR SUMMARY" "$OUT/evidence/mega-sanitize-$t.log" | tail -1)"
+        grep -E "^diff" "$OUT/evidence/mega-sanitize-$t.log" | cut -c1-120
+        [ "$r" = 0 ] || rc=$r
+    done
+    exit "$rc"
+fi
 if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GPU of the machine (2 on nvidia-h200-x2)
     N=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m > "$OUT/evidence/topology.log" 2>&1
@@ -135,5 +152,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep | sanitizer" >&2
 exit 2

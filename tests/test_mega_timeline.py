@@ -4,6 +4,7 @@ a recording of another program is refused."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -105,3 +106,28 @@ def test_sass_mix_compiles_each_opcode_alone_and_leaves_the_whole_kernel(monkeyp
     assert mega_sass_mix.sass_of("MATVEC") == "MATVEC"
     assert mega_sass_mix.sass_of("GLU") == "GLU"
     assert cute_kernel.compile_for().__ptx__ == ",".join(b[0] for b in cute_kernel.BODIES)
+
+
+def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monkeypatch):
+    """bench/mega_check.py (the GPU's buffers against pyvm) exits 1 on a buffer over its tolerance, a repeat or
+    delayed build that differs, or a failed launch, so gpu_evidence.sh (kernel, sanitizer) can act on its status."""
+    import mega_check
+
+    good = {"instructions": 3, "first_launch_s": 0.1, "repeat_bitwise_equal": True, "delayed_runs": 3,
+            "delayed_bitwise_equal": True, "buffers": [{"buffer": "hidden", "rel": 1e-7}], "mismatched": []}
+    row = dict(good)
+    monkeypatch.setattr(mega_check, "diff_program", lambda preset, b, ctas, seed: dict(row))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    out = tmp_path / "m.json"
+    monkeypatch.setattr(sys, "argv", ["mega_check.py", "--presets", "tiny-k3", "--batches", "1", "--tokens", "0",
+                                      "--ctas", "4", "--out", str(out)])
+    assert mega_check.main() == 0
+    for bad in ({"mismatched": ["hidden"]}, {"repeat_bitwise_equal": False}, {"delayed_bitwise_equal": False}):
+        row = {**good, **bad}
+        assert mega_check.main() == 1, bad
+
+    def boom(*a):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(mega_check, "diff_program", boom)
+    assert mega_check.main() == 1 and "error" in json.loads(out.read_text())["diff"][0]
