@@ -74,8 +74,8 @@ def test_e8m0_bit_formula_of_the_kernel_decodes_every_scale_exactly():
 
 
 def test_mxfp4_subnormal_decode_of_mx8_equals_the_table_for_every_code_and_scale():
-    """mx8 moves a nibble's magnitude bits (e1 e0 m) to fp32 bits 24..22 and its sign to bit 31, multiplies by 2**126
-    (the kernel keeps subnormals: 0.5 comes through 2**-127) and then by the scale. The same, evaluated here in fp32,
+    """mx8_word moves a nibble's magnitude bits (e1 e0 m) to fp32 bits 24..22 and its sign to bit 31, multiplies by
+    2**126 (the kernel keeps subnormals: 0.5 comes through 2**-127) and then by the scale. The same, evaluated here in fp32,
     for all 8 nibble positions of a word, all 16 codes and every scale byte, equals quant.mxfp4's dequantization."""
     import numpy as np
     import torch
@@ -101,8 +101,8 @@ def test_mxfp4_subnormal_decode_of_mx8_equals_the_table_for_every_code_and_scale
 
 
 def test_kernel_keeps_fp32_subnormals():
-    """mx8's decode passes 0.5 through the subnormal 2**-127: no flush-to-zero on the kernel's fp32 multiplies, adds and
-    FMAs (the approximate ex2 / rcp of softmax and sigmoid may flush: they never see the decode's values)."""
+    """mx8_word's decode passes 0.5 through the subnormal 2**-127: no flush-to-zero on the kernel's fp32 multiplies,
+    adds and FMAs (the approximate ex2 / rcp of softmax and sigmoid may flush: they never see the decode's values)."""
     from megadecode.mega import cute_kernel as K
 
     ptx = K.compile_for().__ptx__

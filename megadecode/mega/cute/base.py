@@ -54,16 +54,11 @@ def sti(addr: Int64, v: Int32):
 
 
 @cute.jit
-def ldu32(addr: Int64) -> Uint32:
-    return cute.make_tensor(_g(addr, Uint32, 4), cute.make_layout(1))[0]
-
-
-@cute.jit
 def ldu8(addr: Int64) -> Uint32:
     return Uint32(cute.make_tensor(_g(addr, Uint8, 1), cute.make_layout(1))[0])
 
 
-TWO126 = 8.507059173023462e37  # 2**126, exact in fp32 (mx8)
+TWO126 = 8.507059173023462e37  # 2**126, exact in fp32 (mx8_word)
 
 
 @cute.jit
@@ -85,24 +80,17 @@ def e8m0(s: Uint32) -> Float32:
 
 @cute.jit
 def _nib(word: Uint32, j: Constexpr) -> Uint32:
-    """fp32 bits of nibble j's e2m1 code times 2**-126 (mx8): magnitude bits to 24..22, sign to 31."""
+    """fp32 bits of nibble j's e2m1 code times 2**-126 (mx8_word): magnitude bits to 24..22, sign to 31."""
     sh = 22 - 4 * j
     mag = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
     return (mag & Uint32(0x01C00000)) | ((word << Uint32(28 - 4 * j)) & Uint32(0x80000000))
 
 
 @cute.jit
-def mx8(packed: Int64, scales: Int64, k: Int32, wr: cute.Tensor):
-    """Weights k .. k + 7 (k a multiple of 8) of an MXFP4 row (packed bytes at `packed`, e8m0 scales at `scales`)
-    decoded into the 8-element register tensor wr: element k + j is nibble j of the little-endian word at byte
-    k / 2 (even elements in the low nibbles), times the scale of block k / 32. The same values as
-    quant.mxfp4.dequantize_mxfp4 (exact: a power-of-two scale times a 2-significant-bit value)."""
-    mx8_word(ldu32(packed + Int64(k // 2)), e8m0(ldu8(scales + Int64(k // 32))), wr)
-
-
-@cute.jit
 def mx8_word(word: Uint32, sc: Float32, wr: cute.Tensor):
-    """The 8 weights of one packed MXFP4 word (nibble j: element j) times their block scale `sc`, into wr (mx8)."""
+    """The 8 weights of one packed MXFP4 word (little-endian; nibble j: element j, even elements in the low nibbles)
+    times their block scale `sc`, into wr. The same values as quant.mxfp4.dequantize_mxfp4 (exact: a power-of-two
+    scale times a 2-significant-bit value)."""
     # nibble j's magnitude bits (e1 e0 m) moved to fp32 bits 24..22 and its sign to bit 31 (_nib): that fp32 is the
     # e2m1 magnitude times 2**-126 (e = 0, m = 1 lands on the subnormal 2**-127: the kernel does not flush
     # subnormals), so times 2**126 it is the e2m1 value exactly and times the power-of-two scale the weight: the
