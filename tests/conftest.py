@@ -22,9 +22,9 @@ import pytest  # noqa: E402
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per core, at most 4, on a CPU-only machine (2 cores in CI: the
     suite took 10 min 1 s in one process and 5 min 27 s in two, 1213 tests); one worker with a GPU, so that GPU
-    tests never share the device. MEGADECODE_TEST_WORKERS=N overrides both: the tests not marked `gpu` took ~20 min
-    in one worker on the H200 machine, and they only touch the GPU with tiny tensors (bench/gpu_evidence.sh runs them
-    in 4)."""
+    tests never share the device. MEGADECODE_TEST_WORKERS=N overrides both: the tests not marked `gpu` reached 48%
+    in 575 s in one worker on the H200 machine (bf18192), and they only touch the GPU with tiny tensors
+    (bench/gpu_evidence.sh runs them in 4)."""
     if os.environ.get("MEGADECODE_TEST_WORKERS"):
         return max(1, int(os.environ["MEGADECODE_TEST_WORKERS"]))
     if torch.cuda.is_available():
