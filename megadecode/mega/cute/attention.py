@@ -15,11 +15,12 @@ from .base import (
     NW,
     arg,
     argf,
+    args,
     dot8,
     fa,
     ia,
-    ld8,
     ld4bf,
+    ld8,
     ldf,
     ldi,
     rope_index,
@@ -58,6 +59,47 @@ def value_chunk(sm: cute.Tensor, tid: Int32, vbase: Int64, vstride: Int64, n: In
                 for i in cutlass.range_constexpr(4):
                     e = hh * W + cg * 4 + i
                     sm[ACC + e] = sm[ACC + e] * sm[AL + hh] + acc[hq * 4 + i]
+
+
+def split_bounds(s: Int32, S: Int32, pos: Int32):
+    """Positions [lo, hi) of split s of S over a cache of pos + 1 positions (GQA and MLA attention alike)."""
+    Lq = pos + 1
+    return s * Lq // S, (s + 1) * Lq // S
+
+
+@cute.jit
+def init_stats(sm: cute.Tensor, tid: Int32, M: Constexpr, L: Constexpr, NH: Int32):
+    """The online softmax's state for NH heads: running max -inf, running sum 0."""
+    for g in cutlass.range(tid, NH, NT):
+        sm[M + g] = Float32(NEG_INF)
+        sm[L + g] = Float32(0.0)
+
+
+@cute.jit
+def fold_chunk(sm: cute.Tensor, tid: Int32, vbase: Int64, vstride: Int64, n: Int32, W: Int32, NH: Int32,
+               SC: Constexpr, M: Constexpr, L: Constexpr, AL: Constexpr, ACC: Constexpr):
+    """A chunk's scores (at SC, written by every thread) folded into the online softmax and the value accumulators
+    of NH heads: softmax_chunk, then value_chunk over the chunk's n value rows from vbase, a barrier around each."""
+    cute.arch.sync_threads()
+    softmax_chunk(sm, tid, SC, M, L, AL, NH)
+    cute.arch.sync_threads()
+    value_chunk(sm, tid, vbase, vstride, n, W, NH, SC, ACC, AL)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def store_partial(sm: cute.Tensor, tid: Int32, part: Int32, hb: Int32, s: Int32, S: Int32, NH: Int32, W: Int32,
+                  M: Constexpr, L: Constexpr, ACC: Constexpr, fb: Int64):
+    """Split s's partial of heads hb .. hb + NH - 1 to the fp32 partials at `part` (per head and split: max, sum,
+    then W accumulators), for MERGE."""
+    for e in cutlass.range(tid, NH * (W + 2), NT):
+        g, j = e // (W + 2), e % (W + 2)
+        v = sm[M + g]
+        if j == 1:
+            v = sm[L + g]
+        if j >= 2:
+            v = sm[ACC + g * W + j - 2]
+        stf(Float32, fa(fb, part + ((hb + g) * S + s) * (W + 2) + j), v)
 
 
 @cute.jit
@@ -117,15 +159,11 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
             stf(BFloat16, kc + (crow + Int64(i + half)) * 2, k1)
         for dd in cutlass.range(tid, d, NT):
             stf(BFloat16, vc + (crow + Int64(dd)) * 2, ldf(Float32, fa(fb, vrow + dd)))
-    for g in cutlass.range(tid, G, NT):
-        sm[M + g] = Float32(NEG_INF)
-        sm[L + g] = Float32(0.0)
+    init_stats(sm, tid, M, L, G)
     for e in cutlass.range(tid, G * d, NT):
         sm[ACC + e] = Float32(0.0)
     cute.arch.sync_threads()
-    Lq = pos + 1
-    lo = s * Lq // S
-    hi = (s + 1) * Lq // S
+    lo, hi = split_bounds(s, S, pos)
     for c0 in cutlass.range(lo, hi, CH):
         n = cutlass.min(CH, hi - c0)
         for e in cutlass.range(tid, G * CH, NT):
@@ -138,20 +176,9 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
                     sc += dot8(ld8(BFloat16, krow + Int64(dd) * 2), sm8(sm, Q + g * d + dd))
                 sc = sc * scale
             sm[SC + e] = sc
-        cute.arch.sync_threads()
-        softmax_chunk(sm, tid, SC, M, L, AL, G)
-        cute.arch.sync_threads()
-        value_chunk(sm, tid, vc + ((Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(KH) + Int64(h)) * Int64(d) * 2,
-                    Int64(KH) * Int64(d) * 2, n, d, G, SC, ACC, AL)
-        cute.arch.sync_threads()
-    for e in cutlass.range(tid, G * (d + 2), NT):
-        g, j = e // (d + 2), e % (d + 2)
-        v = sm[M + g]
-        if j == 1:
-            v = sm[L + g]
-        if j >= 2:
-            v = sm[ACC + g * d + j - 2]
-        stf(Float32, fa(fb, part_off + ((b * H + h * G + g) * S + s) * (d + 2) + j), v)
+        fold_chunk(sm, tid, vc + ((Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(KH) + Int64(h)) * Int64(d) * 2,
+                   Int64(KH) * Int64(d) * 2, n, d, G, SC, M, L, AL, ACC)
+    store_partial(sm, tid, part_off, b * H + h * G, s, S, G, d, M, L, ACC, fb)
 
 
 @cute.jit
@@ -162,7 +189,7 @@ def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
     flags = arg(smi, 3)
     cache = taddr[arg(smi, ARG[A_]["cache"])]
     kva_off, kva_stride, norm_w = arg(smi, ARG[A_]["kva_off"]), arg(smi, ARG[A_]["kva_stride"]), taddr[arg(smi, ARG[A_]["norm_w"])]
-    C, R, b, Lmax = arg(smi, ARG[A_]["C"]), arg(smi, ARG[A_]["R"]), arg(smi, ARG[A_]["b"]), arg(smi, ARG[A_]["Lmax"])
+    C, R, b, Lmax = args(smi, A_, "C R b Lmax")
     eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
@@ -198,9 +225,8 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     A_ = "MLA_Q"
     flags = arg(smi, 3)
     wkv = taddr[arg(smi, ARG[A_]["wkv"])]
-    qb_off, qb_stride, qlat_off, qpe_off = arg(smi, ARG[A_]["qb_off"]), arg(smi, ARG[A_]["qb_stride"]), arg(smi, ARG[A_]["qlat_off"]), \
-        arg(smi, ARG[A_]["qpe_off"])
-    b, h, H, P, R, C, V = (arg(smi, ARG[A_][n]) for n in ("b", "h", "H", "P", "R", "C", "V"))
+    qb_off, qb_stride, qlat_off, qpe_off = args(smi, A_, "qb_off qb_stride qlat_off qpe_off")
+    b, h, H, P, R, C, V = args(smi, A_, "b h H P R C V")
     att, inv = argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     q = qb_off + b * qb_stride + h * (P + R)
@@ -228,8 +254,8 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     _warp, _lane = tid // 32, tid % 32
     A_ = "MLA_ATTN"
     cache = taddr[arg(smi, ARG[A_]["cache"])]
-    qlat_off, qpe_off, part_off = arg(smi, ARG[A_]["qlat_off"]), arg(smi, ARG[A_]["qpe_off"]), arg(smi, ARG[A_]["part_off"])
-    b, h0, HB, s, S, H, C, R, Lmax = (arg(smi, ARG[A_][n]) for n in ("b", "h0", "HB", "s", "S", "H", "C", "R", "Lmax"))
+    qlat_off, qpe_off, part_off = args(smi, A_, "qlat_off qpe_off part_off")
+    b, h0, HB, s, S, H, C, R, Lmax = args(smi, A_, "b h0 HB s S H C R Lmax")
     scale = argf(pb, idx, ARG[A_]["scale_bits"])
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
@@ -242,13 +268,9 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     for e in cutlass.range(tid, HB * R, NT):
         hh, r = e // R, e % R
         sm[QP + e] = ldf(Float32, fa(fb, qpe_off + (b * H + h0 + hh) * R + r))
-    for g in cutlass.range(tid, HB, NT):
-        sm[M + g] = Float32(NEG_INF)
-        sm[L + g] = Float32(0.0)
+    init_stats(sm, tid, M, L, HB)
     cute.arch.sync_threads()
-    Lq = pos + 1
-    lo = s * Lq // S
-    hi = (s + 1) * Lq // S
+    lo, hi = split_bounds(s, S, pos)
     for c0 in cutlass.range(lo, hi, CH):
         n = cutlass.min(CH, hi - c0)
         for e in cutlass.range(tid, HB * CH, NT):
@@ -263,17 +285,6 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
                     sc += dot8(ld8(BFloat16, row + Int64(C + k) * 2), sm8(sm, QP + hh * R + k))
                 sc = sc * scale
             sm[SC + e] = sc
-        cute.arch.sync_threads()
-        softmax_chunk(sm, tid, SC, M, L, AL, HB)
-        cute.arch.sync_threads()
-        value_chunk(sm, tid, cache + (Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(C + R) * 2, Int64(C + R) * 2, n,
-                    C, HB, SC, ACC, AL)
-        cute.arch.sync_threads()
-    for e in cutlass.range(tid, HB * (C + 2), NT):
-        hh, j = e // (C + 2), e % (C + 2)
-        v = sm[M + hh]
-        if j == 1:
-            v = sm[L + hh]
-        if j >= 2:
-            v = sm[ACC + hh * C + j - 2]
-        stf(Float32, fa(fb, part_off + ((b * H + h0 + hh) * S + s) * (C + 2) + j), v)
+        fold_chunk(sm, tid, cache + (Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(C + R) * 2, Int64(C + R) * 2, n,
+                   C, HB, SC, M, L, AL, ACC)
+    store_partial(sm, tid, part_off, b * H + h0, s, S, HB, C, M, L, ACC, fb)

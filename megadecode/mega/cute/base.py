@@ -207,6 +207,16 @@ def arg(smi: cute.Tensor, j: Constexpr) -> Int32:
     return smi[ROW_S + j]
 
 
+def args(smi: cute.Tensor, op: str, names: str) -> tuple:
+    """The named words of the current instruction of opcode `op` (isa.OPS' argument names, space-separated), in order."""
+    return tuple(arg(smi, ARG[op][n]) for n in names.split())
+
+
+def tensors(taddr: cute.Tensor, smi: cute.Tensor, op: str, names: str) -> tuple:
+    """The base addresses of the named tensor arguments (words that index the tensor-address table)."""
+    return tuple(taddr[a] for a in args(smi, op, names))
+
+
 @cute.jit
 def argf(pb: Int64, idx: Int32, j: Constexpr) -> Float32:
     """Argument word j of instruction idx, as the fp32 whose bits it holds."""

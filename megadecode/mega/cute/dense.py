@@ -16,6 +16,7 @@ from .base import (
     TB,
     arg,
     argf,
+    args,
     dot8,
     fa,
     hash32,
@@ -251,7 +252,7 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
     _warp, _lane = tid // 32, tid % 32
     A_ = "SAMPLE"
     flags = arg(smi, 3)
-    logits_off, V, b = arg(smi, ARG[A_]["logits_off"]), arg(smi, ARG[A_]["V"]), arg(smi, ARG[A_]["b"])
+    logits_off, V, b = args(smi, A_, "logits_off V b")
     inv_t = argf(pb, idx, ARG[A_]["inv_temp_bits"])
     seed = ldi(ia(ib, arg(smi, ARG[A_]["seed_off"])))
     greedy = (flags & F_GREEDY) != 0

@@ -15,6 +15,7 @@ from .base import (
     NW,
     arg,
     argf,
+    args,
     fa,
     ia,
     ldf,
@@ -22,6 +23,7 @@ from .base import (
     sigmoid,
     silu,
     stf,
+    tensors,
     warp_sum,
 )
 
@@ -33,10 +35,10 @@ def op_attn_res(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     rms(src_s) * norm_w . query_w (one warp per source), softmax over the sources, weighted sum of the columns."""
     warp, lane = tid // 32, tid % 32
     A_ = "ATTN_RES"
-    src_off, nsrc, B, D = arg(smi, ARG[A_]["src_off"]), arg(smi, ARG[A_]["nsrc"]), arg(smi, ARG[A_]["B"]), arg(smi, ARG[A_]["D"])
-    qw, nw = taddr[arg(smi, ARG[A_]["query_w"])], taddr[arg(smi, ARG[A_]["norm_w"])]
+    src_off, nsrc, B, D = args(smi, A_, "src_off nsrc B D")
+    qw, nw = tensors(taddr, smi, A_, "query_w norm_w")
     eps = argf(pb, idx, ARG[A_]["eps_bits"])
-    out_off, b, c0, c1 = arg(smi, ARG[A_]["out_off"]), arg(smi, ARG[A_]["b"]), arg(smi, ARG[A_]["c0"]), arg(smi, ARG[A_]["c1"])
+    out_off, b, c0, c1 = args(smi, A_, "out_off b c0 c1")
     LG = 0  # the sources' logits, then their softmax weights
     for s in cutlass.range(warp, nsrc, NW):
         row = src_off + (s * B + b) * D
@@ -90,11 +92,11 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     written once. Shared memory: 6K + max(NT, K) + 4 words (kernel_check.check_program)."""
     warp, lane = tid // 32, tid % 32
     A_ = "KDA_STEP"
-    qkv_off, f_off, gate_off, beta_off = arg(smi, ARG[A_]["qkv_off"]), arg(smi, ARG[A_]["f_off"]), arg(smi, ARG[A_]["gate_off"]), arg(smi, ARG[A_]["beta_off"])
-    conv_w, conv_state, rec = taddr[arg(smi, ARG[A_]["conv_w"])], taddr[arg(smi, ARG[A_]["conv_state"])], taddr[arg(smi, ARG[A_]["rec_state"])]
-    a_log, dt_bias, onorm = taddr[arg(smi, ARG[A_]["a_log"])], taddr[arg(smi, ARG[A_]["dt_bias"])], taddr[arg(smi, ARG[A_]["onorm_w"])]
-    out_off, b, h, H = arg(smi, ARG[A_]["out_off"]), arg(smi, ARG[A_]["b"]), arg(smi, ARG[A_]["h"]), arg(smi, ARG[A_]["H"])
-    K, W = arg(smi, ARG[A_]["K"]), arg(smi, ARG[A_]["W"])
+    qkv_off, f_off, gate_off, beta_off = args(smi, A_, "qkv_off f_off gate_off beta_off")
+    conv_w, conv_state, rec = tensors(taddr, smi, A_, "conv_w conv_state rec_state")
+    a_log, dt_bias, onorm = tensors(taddr, smi, A_, "a_log dt_bias onorm_w")
+    out_off, b, h, H = args(smi, A_, "out_off b h H")
+    K, W = args(smi, A_, "K W")
     eps = argf(pb, idx, ARG[A_]["eps_bits"])
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     HK = H * K

@@ -16,10 +16,11 @@ from .base import (
     TB,
     arg,
     argf,
+    args,
     dot8,
+    e8m0,
     fa,
     ia,
-    e8m0,
     ld4u32,
     ld8,
     ldf,
@@ -66,10 +67,10 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     warp, lane = tid // 32, tid % 32
     A_ = "ROUTE"
     flags = arg(smi, 3)
-    logits_off, E, A, B = arg(smi, ARG[A_]["logits_off"]), arg(smi, ARG[A_]["E"]), arg(smi, ARG[A_]["A"]), arg(smi, ARG[A_]["B"])
-    bias_w, G, TG = arg(smi, ARG[A_]["bias_w"]), arg(smi, ARG[A_]["n_group"]), arg(smi, ARG[A_]["topk_group"])
+    logits_off, E, A, B = args(smi, A_, "logits_off E A B")
+    bias_w, G, TG = args(smi, A_, "bias_w n_group topk_group")
     scale = argf(pb, idx, ARG[A_]["scale_bits"])
-    ids_off, wts_off = arg(smi, ARG[A_]["ids_off"]), arg(smi, ARG[A_]["wts_off"])
+    ids_off, wts_off = args(smi, A_, "ids_off wts_off")
     sigmoid = (flags & F_SIGMOID) != 0
     nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
     region = 2 * E + 32
@@ -153,8 +154,8 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
             cute.arch.sync_warp()
     cute.arch.sync_threads()
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
-    nuniq_off, uniq_off, pstart_off = arg(smi, ARG[A_]["nuniq_off"]), arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
-    ptok_off, pslot_off, pairof_off = arg(smi, ARG[A_]["ptok_off"]), arg(smi, ARG[A_]["pslot_off"]), arg(smi, ARG[A_]["pairof_off"])
+    nuniq_off, uniq_off, pstart_off = args(smi, A_, "nuniq_off uniq_off pstart_off")
+    ptok_off, pslot_off, pairof_off = args(smi, A_, "ptok_off pslot_off pairof_off")
     n = B * A
     CNT, START = 0, E  # int words 0 .. 2E (below the instruction row at ROW_S)
     for j in cutlass.range(tid, n, NT):  # the picked ids, as exact small floats in the (now free) score space
@@ -265,10 +266,10 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     gus = gu
     if mx:
         gus = taddr[arg(smi, ARG[A_]["gus"])]
-    I, D, x_off, h_off = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["x_off"]), arg(smi, ARG[A_]["h_off"])
-    w, W = arg(smi, ARG[A_]["w"]), arg(smi, ARG[A_]["W"])
+    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
+    w, W = args(smi, A_, "w W")
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
-    uniq_off, pstart_off, ptok_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"]), arg(smi, ARG[A_]["ptok_off"])
+    uniq_off, pstart_off, ptok_off = args(smi, A_, "uniq_off pstart_off ptok_off")
     qst_off = arg(smi, ARG[A_]["qst_off"])
     for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's pass prefix (produced in this launch: coherent loads)
         smi[u] = ldi(ia(ib, qst_off + u))
@@ -371,11 +372,11 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     dns = dn
     if mx:
         dns = taddr[arg(smi, ARG[A_]["dns"])]
-    I, D, h_off, y_off, out_off = arg(smi, ARG[A_]["I"]), arg(smi, ARG[A_]["D"]), arg(smi, ARG[A_]["h_off"]), arg(smi, ARG[A_]["y_off"]), arg(smi, ARG[A_]["out_off"])
-    r0, r1, B, A = arg(smi, ARG[A_]["r0"]), arg(smi, ARG[A_]["r1"]), arg(smi, ARG[A_]["B"]), arg(smi, ARG[A_]["A"])
+    I, D, h_off, y_off, out_off = args(smi, A_, "I D h_off y_off out_off")
+    r0, r1, B, A = args(smi, A_, "r0 r1 B A")
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
-    uniq_off, pstart_off = arg(smi, ARG[A_]["uniq_off"]), arg(smi, ARG[A_]["pstart_off"])
-    wts_off, pairof_off, shared_off = arg(smi, ARG[A_]["wts_off"]), arg(smi, ARG[A_]["pairof_off"]), arg(smi, ARG[A_]["shared_off"])
+    uniq_off, pstart_off = args(smi, A_, "uniq_off pstart_off")
+    wts_off, pairof_off, shared_off = args(smi, A_, "wts_off pairof_off shared_off")
     rowb = Int64(I) * 2
     if mx:
         rowb = Int64(I // 2)
