@@ -54,6 +54,17 @@ def test_co_residency_arithmetic():
         assert regs is not None and 32 <= regs <= 255
 
 
+def test_the_kernel_keeps_two_ctas_per_sm():
+    """264 CTAs on the H200 need <= 128 registers per thread: a loop that holds more in flight can tip ptxas over
+    (EXPERT_UP with 4 MXFP4 rows per warp at once compiled to 192, so default_ctas would halve the launch)."""
+    ptx = K.compile_for().__ptx__
+    cubin, report = assemble(ptx)
+    if cubin is None:
+        pytest.skip(f"no ptxas here: {report}")
+    regs = registers_per_thread(ptx)
+    assert ctas_per_sm(regs, K.NT, K.SMEM_BYTES) >= 2, f"{regs} registers per thread: 1 CTA per SM"
+
+
 def test_e8m0_bit_formula_of_the_kernel_decodes_every_scale_exactly():
     """cute/base.py e8m0: scale byte s -> fp32 bits s << 23 (s = 0: 2**-127, 255: NaN), against quant.mxfp4 for all
     256 bytes."""

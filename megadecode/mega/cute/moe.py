@@ -249,6 +249,54 @@ def down_mx_row(dn: Int64, dns: Int64, widx: Int64, rowb: Int64, I: Int32, fb: I
                     acc[j] += dot8(wv, ld8(Float32, fa(fb, h0 + j * I + k + 8 * s8)))
 
 
+# rows a warp streams at once in a single-pair MXFP4 pass (up_mx_rows1: gate and up each; down_mx_rows1); the
+# accumulators hold TB. EXPERT_UP at 4 rows took the kernel to 192 registers (1 CTA per SM)
+RW_UP, RW_DN = 2, 4
+assert max(RW_UP, RW_DN) <= TB
+
+
+@cute.jit
+def up_mx_rows1(gu: Int64, gus: Int64, gbase: Int64, rb: Int32, r1: Int32, I: Int32, rowb: Int64, D: Int32,
+                x0: Int32, fb: Int64, lane: Int32, accg: cute.Tensor, accu: cute.Tensor, wr: cute.Tensor):
+    """Gate and up MXFP4 rows rb, rb + NW, ... (RW_UP of them; a row past r1 reads row r1 - 1, not stored) of one
+    expert (rows from gbase) against one pair's x (from element x0). Per lane and iteration every row's block of 32
+    weights is loaded before the first is used, and each 8 values of x once for all the rows: the 07a1134 loop
+    waited for one row's block at a time (bf18192's timeline: 218 us per instruction, latency, not bytes)."""
+    for k in cutlass.range(lane * 32, D, 1024):
+        gq, uq, gsc, usc = [], [], [], []
+        for i in cutlass.range_constexpr(RW_UP):
+            g = gbase + Int64(cutlass.min(rb + i * NW, r1 - 1))
+            gq.append(ld4u32(gu + g * rowb + Int64(k // 2)))
+            uq.append(ld4u32(gu + (g + Int64(I)) * rowb + Int64(k // 2)))
+            gsc.append(ldu8(gus + g * Int64(D // 32) + Int64(k // 32)))
+            usc.append(ldu8(gus + (g + Int64(I)) * Int64(D // 32) + Int64(k // 32)))
+        for s8 in cutlass.range_constexpr(4):
+            xv = ld8(Float32, fa(fb, x0 + k + 8 * s8))
+            for i in cutlass.range_constexpr(RW_UP):
+                mx8_word(gq[i][s8], e8m0(gsc[i]), wr)
+                accg[i] += dot8(wr.load(), xv)
+                mx8_word(uq[i][s8], e8m0(usc[i]), wr)
+                accu[i] += dot8(wr.load(), xv)
+
+
+@cute.jit
+def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, rowb: Int64, I: Int32, fb: Int64,
+                  h0: Int32, lane: Int32, acc: cute.Tensor, wr: cute.Tensor):
+    """Down MXFP4 rows rb, rb + NW, ... (RW_DN of them, as up_mx_rows1) of one expert (rows from dbase) against one
+    pair's h (from element h0), every row's block loaded before the first is used."""
+    for k in cutlass.range(lane * 32, I, 1024):
+        wq, sc = [], []
+        for i in cutlass.range_constexpr(RW_DN):
+            w = dbase + Int64(cutlass.min(rb + i * NW, r1 - 1))
+            wq.append(ld4u32(dn + w * rowb + Int64(k // 2)))
+            sc.append(ldu8(dns + w * Int64(I // 32) + Int64(k // 32)))
+        for s8 in cutlass.range_constexpr(4):
+            hv = ld8(Float32, fa(fb, h0 + k + 8 * s8))
+            for i in cutlass.range_constexpr(RW_DN):
+                mx8_word(wq[i][s8], e8m0(sc[i]), wr)
+                acc[i] += dot8(wr.load(), hv)
+
+
 @cute.jit
 def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
@@ -320,42 +368,52 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
             r1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
             p0 = ps + (q - smi[u]) * TB
             pn = cutlass.min(pe - p0, TB)  # this pass's pairs
-            for r in cutlass.range(r0 + warp, r1, NW):
-                for j in cutlass.range_constexpr(TB):
-                    accg[j] = Float32(0.0)
-                    accu[j] = Float32(0.0)
-                gidx = Int64(e) * Int64(2 * I) + Int64(r)
-                uidx = gidx + Int64(I)
-                for j in cutlass.range_constexpr(TB):  # each pair's row of x, once per row (was per chunk)
-                    xrow[j] = x_off
-                    if j < pn:
-                        xrow[j] = x_off + ldi(ia(ib, ptok_off + p0 + j)) * D
-                if mx:
-                    # a lane takes one MXFP4 block per iteration: 32 weights of each row in one 16-byte load and
-                    # one scale (was a 4-byte word per 256 columns, each load waited on before the next: 256 B in
-                    # flight per warp). One pair (the common case of a decode step: ~1 token per selected expert)
-                    # has its own loop: the compiler predicates the tokens, so TB of them cost TB even when 1 is live
-                    if pn == 1:
-                        up_mx_rows(gu, gus, gidx, uidx, rowb, D, xrow, fb, lane, pn, accg, accu, wg, wu, 1)
-                    else:
+            if mx and pn == 1:  # a decode step's common case (~1 token per selected expert): RW_UP rows at once
+                x0 = x_off + ldi(ia(ib, ptok_off + p0)) * D
+                for rb in cutlass.range(r0 + warp, r1, NW * RW_UP):
+                    for i in cutlass.range_constexpr(RW_UP):
+                        accg[i] = Float32(0.0)
+                        accu[i] = Float32(0.0)
+                    up_mx_rows1(gu, gus, Int64(e) * Int64(2 * I), rb, r1, I, rowb, D, x0, fb, lane, accg, accu, wg)
+                    for i in cutlass.range_constexpr(RW_UP):
+                        g = warp_sum(accg[i])
+                        up = warp_sum(accu[i])
+                        if lane == 0 and rb + i * NW < r1:
+                            hv = silu(g) * up
+                            if use_situ:
+                                hv = situ(g, up)
+                            stf(Float32, fa(fb, h_off + p0 * I + rb + i * NW), hv)
+            else:
+                for r in cutlass.range(r0 + warp, r1, NW):
+                    for j in cutlass.range_constexpr(TB):
+                        accg[j] = Float32(0.0)
+                        accu[j] = Float32(0.0)
+                    gidx = Int64(e) * Int64(2 * I) + Int64(r)
+                    uidx = gidx + Int64(I)
+                    for j in cutlass.range_constexpr(TB):  # each pair's row of x, once per row (was per chunk)
+                        xrow[j] = x_off
+                        if j < pn:
+                            xrow[j] = x_off + ldi(ia(ib, ptok_off + p0 + j)) * D
+                    if mx:  # a lane takes one MXFP4 block of 32 weights per row and iteration (a pass of one
+                        # pair took the branch above: the compiler predicates the tokens, so TB cost TB when 1 is live)
                         up_mx_rows(gu, gus, gidx, uidx, rowb, D, xrow, fb, lane, pn, accg, accu, wg, wu, TB)
-                else:
-                    for k in cutlass.range(lane * 8, D, 256, unroll=4):
-                        gv = ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2)
-                        uv = ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2)
-                        for j in cutlass.range_constexpr(TB):
-                            if j < pn:
-                                xv = ld8(Float32, fa(fb, xrow[j] + k))
-                                accg[j] += dot8(gv, xv)
-                                accu[j] += dot8(uv, xv)
-                for j in cutlass.range_constexpr(TB):
-                    g = warp_sum(accg[j])
-                    up = warp_sum(accu[j])
-                    if lane == 0 and j < pn:
-                        hv = silu(g) * up
-                        if use_situ:
-                            hv = situ(g, up)
-                        stf(Float32, fa(fb, h_off + (p0 + j) * I + r), hv)
+                    else:
+                        for k in cutlass.range(lane * 8, D, 256, unroll=4):
+                            gv = ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2)
+                            uv = ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2)
+                            for j in cutlass.range_constexpr(TB):
+                                if j < pn:
+                                    xv = ld8(Float32, fa(fb, xrow[j] + k))
+                                    accg[j] += dot8(gv, xv)
+                                    accu[j] += dot8(uv, xv)
+                    for j in cutlass.range_constexpr(TB):
+                        g = warp_sum(accg[j])
+                        up = warp_sum(accu[j])
+                        if lane == 0 and j < pn:
+                            hv = silu(g) * up
+                            if use_situ:
+                                hv = situ(g, up)
+                            stf(Float32, fa(fb, h_off + (p0 + j) * I + r), hv)
 
 
 @cute.jit
@@ -388,16 +446,24 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
+        if mx and pe - ps == 1:  # one pair for this expert (a decode step's common case): RW_DN rows at once
+            for rb in cutlass.range(r0 + warp, r1, NW * RW_DN):
+                for i in cutlass.range_constexpr(RW_DN):
+                    acc[i] = Float32(0.0)
+                down_mx_rows1(dn, dns, Int64(e) * Int64(D), rb, r1, rowb, I, fb, h_off + ps * I, lane, acc, wr)
+                for i in cutlass.range_constexpr(RW_DN):
+                    s = warp_sum(acc[i])
+                    if lane == 0 and rb + i * NW < r1:
+                        stf(Float32, fa(fb, y_off + ps * D + rb + i * NW), s)
+            pe = ps  # done: no passes left for the loop below
         for p0 in cutlass.range(ps, pe, TB):
             for r in cutlass.range(r0 + warp, r1, NW):
                 for j in cutlass.range_constexpr(TB):
                     acc[j] = Float32(0.0)
                 widx = Int64(e) * Int64(D) + Int64(r)
-                if mx:  # one MXFP4 block of 32 weights per lane per iteration, one pair on its own (as EXPERT_UP)
-                    if pe - p0 == 1:
-                        down_mx_row(dn, dns, widx, rowb, I, fb, h_off + p0 * I, lane, pe - p0, acc, wr, 1)
-                    else:
-                        down_mx_row(dn, dns, widx, rowb, I, fb, h_off + p0 * I, lane, pe - p0, acc, wr, TB)
+                if mx:  # one MXFP4 block of 32 weights per lane per iteration (one pair took the branch above;
+                    # a last pass of one pair of several takes this loop)
+                    down_mx_row(dn, dns, widx, rowb, I, fb, h_off + p0 * I, lane, pe - p0, acc, wr, TB)
                 else:
                     for k in cutlass.range(lane * 8, I, 256, unroll=4):
                         wv = ld8(BFloat16, dn + widx * rowb + Int64(k) * 2)
