@@ -68,6 +68,69 @@ def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, 
                     acc[TT + j] += dot8(us[u], xv)
 
 
+WU = 2  # chunks of 256 columns per warp whose weight loads are issued together, TT tokens per pass (row_sums)
+WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' sums and x hold the extra chunks
+
+
+@cute.jit
+def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
+             gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
+             glu: Constexpr, NU: Constexpr):
+    """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
+    GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
+    weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
+    One chunk at a time (1 KB per warp) held a CTA near 9 GB/s at ~1 us of latency (the 07a1134 timeline's fit).
+    Chunks in k order, so the sums do not depend on NU; the columns past the last full group of NU chunks take the
+    one-chunk loop."""
+    wrow = w0 + Int64(r) * Int64(K) * 2
+    urow = w1 + Int64(r) * Int64(K) * 2
+    if cutlass.const_expr(not glu):
+        urow = w0 + Int64(cutlass.min(r + 1, r1 - 1)) * Int64(K) * 2  # the pair's second row
+    kmain = K - K % (256 * NU)
+    for k0 in cutlass.range(lane * 8, kmain, 256 * NU):
+        wq = []
+        uq = []
+        for u in cutlass.range_constexpr(NU):
+            wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
+            uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
+        rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
+    for k in cutlass.range(kmain + lane * 8, K, 256, unroll=4):
+        rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
+                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
+
+
+@cute.jit
+def store_rows(acc: cute.Tensor, acu: cute.Tensor, r: Int32, r1: Int32, t0: Int32, B: Int32, lane: Int32,
+               sm: cute.Tensor, fb: Int64, flags: Int32, norm, out_off: Int32, out_stride: Int32, out_col: Int32,
+               add0: Int32, add1: Int32, RS: Constexpr, TT: Constexpr, RP: Constexpr, glu: Constexpr):
+    """The warp's sums of row r (and r + 1 for MATVEC) for tokens t0 .. t0 + TT - 1 reduced over the lanes and
+    stored by lane 0: times rstd (a fused norm), GLU's silu(gate) * up, MATVEC's addends and residual."""
+    for q in cutlass.range_constexpr(RP):
+        rq = r + q
+        for j in cutlass.range_constexpr(TT):
+            s = warp_sum(acc[q * TT + j])  # every lane: a full-mask shuffle
+            su = Float32(0.0)
+            if cutlass.const_expr(glu):
+                su = warp_sum(acu[j])
+            if lane == 0 and t0 + j < B and rq < r1:
+                if norm:
+                    rs = sm[RS + t0 + j]
+                    s = s * rs
+                    su = su * rs
+                if cutlass.const_expr(glu):
+                    s = silu(s) * su
+                col = (t0 + j) * out_stride + out_col + rq
+                o = fa(fb, out_off + col)
+                if cutlass.const_expr(not glu):  # addends laid out like the output (kimi_k3's block sums)
+                    if add0 >= 0:
+                        s += ldf(Float32, fa(fb, add0 + col))
+                    if add1 >= 0:
+                        s += ldf(Float32, fa(fb, add1 + col))
+                if (flags & F_RESID) != 0:
+                    s = ldf(Float32, o) + s
+                stf(Float32, o, s)
+
+
 @cute.jit
 def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
             tid: Int32, glu: Constexpr):
@@ -121,64 +184,41 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     # 3.3 TB/s of weights), and twice the weight loads are in flight per warp. The second row of a warp's pair at
     # the tile's end (odd tiles) reads row r again and is not stored. GLU keeps one row (two weights per row).
     RP = 1 if glu else 2
-    WU = 2  # chunks of 256 columns whose weights are loaded together (below)
     TT = TB if glu else 2 * TB  # tokens per pass over the rows: MATVEC reads each weight once up to 8 tokens
-    acc = cute.make_rmem_tensor(TT * RP, Float32)
-    acu = cute.make_rmem_tensor(TT, Float32)
-    xa = cute.make_rmem_tensor(TT, Int64)  # each token's row of x (and of x2): 64-bit bases, once per tile
-    xb = cute.make_rmem_tensor(TT, Int64)
-    for t0 in cutlass.range(0, B, TT):
-        for j in cutlass.range_constexpr(TT):
-            xa[j] = fa(fb, x_off + (t0 + j) * x_stride)
-            xb[j] = fa(fb, x2_off + (t0 + j) * x_stride)
+    if B == 1:
+        # one token (a batch-1 step, the headline case): WU1 chunks' weight loads in flight per warp, in the
+        # registers the other tokens' sums and x take at TT tokens (07a1134's fit: ~10 GB/s per CTA with 2 chunks
+        # in flight, bytes in flight per SM being the limit). Same k order per row, so the same sums
+        acc1 = cute.make_rmem_tensor(RP, Float32)
+        acu1 = cute.make_rmem_tensor(1, Float32)
+        xa1 = cute.make_rmem_tensor(1, Int64)
+        xb1 = cute.make_rmem_tensor(1, Int64)
+        xa1[0] = fa(fb, x_off)
+        xb1[0] = fa(fb, x2_off)
         for r in cutlass.range(r0 + warp * RP, r1, NW * RP):
-            for j in cutlass.range_constexpr(TT * RP):
-                acc[j] = Float32(0.0)
+            for j in cutlass.range_constexpr(RP):
+                acc1[j] = Float32(0.0)
+            acu1[0] = Float32(0.0)
+            row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1, glu, WU1)
+            store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride, out_col,
+                       add0, add1, RS, 1, RP, glu)
+    else:
+        acc = cute.make_rmem_tensor(TT * RP, Float32)
+        acu = cute.make_rmem_tensor(TT, Float32)
+        xa = cute.make_rmem_tensor(TT, Int64)  # each token's row of x (and of x2): 64-bit bases, once per tile
+        xb = cute.make_rmem_tensor(TT, Int64)
+        for t0 in cutlass.range(0, B, TT):
             for j in cutlass.range_constexpr(TT):
-                acu[j] = Float32(0.0)
-            wrow = w0 + Int64(r) * Int64(K) * 2
-            urow = w1 + Int64(r) * Int64(K) * 2
-            if cutlass.const_expr(not glu):
-                urow = w0 + Int64(cutlass.min(r + 1, r1 - 1)) * Int64(K) * 2  # the pair's second row
-            # WU chunks of 256 columns per iteration, their weight loads issued together before the tokens' branches
-            # split the block: 2 x WU x 16 B per lane in flight. One chunk at a time (1 KB per warp) held a CTA near
-            # 9 GB/s at ~1 us of latency (the 07a1134 timeline's fit: 2.4 TB/s over 264 CTAs). Same k order, so the
-            # same sums; the columns past the last full group of WU chunks take the one-chunk loop.
-            kmain = K - K % (256 * WU)
-            for k0 in cutlass.range(lane * 8, kmain, 256 * WU):
-                wq = []
-                uq = []
-                for u in cutlass.range_constexpr(WU):
-                    wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
-                    uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
-                rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
-            for k in cutlass.range(kmain + lane * 8, K, 256, unroll=4):
-                rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
-                         gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
-            for q in cutlass.range_constexpr(RP):
-                rq = r + q
+                xa[j] = fa(fb, x_off + (t0 + j) * x_stride)
+                xb[j] = fa(fb, x2_off + (t0 + j) * x_stride)
+            for r in cutlass.range(r0 + warp * RP, r1, NW * RP):
+                for j in cutlass.range_constexpr(TT * RP):
+                    acc[j] = Float32(0.0)
                 for j in cutlass.range_constexpr(TT):
-                    s = warp_sum(acc[q * TT + j])  # every lane: a full-mask shuffle
-                    su = Float32(0.0)
-                    if cutlass.const_expr(glu):
-                        su = warp_sum(acu[j])
-                    if lane == 0 and t0 + j < B and rq < r1:
-                        if norm:
-                            rs = sm[RS + t0 + j]
-                            s = s * rs
-                            su = su * rs
-                        if cutlass.const_expr(glu):
-                            s = silu(s) * su
-                        col = (t0 + j) * out_stride + out_col + rq
-                        o = fa(fb, out_off + col)
-                        if cutlass.const_expr(not glu):  # addends laid out like the output (kimi_k3's block sums)
-                            if add0 >= 0:
-                                s += ldf(Float32, fa(fb, add0 + col))
-                            if add1 >= 0:
-                                s += ldf(Float32, fa(fb, add1 + col))
-                        if (flags & F_RESID) != 0:
-                            s = ldf(Float32, o) + s
-                        stf(Float32, o, s)
+                    acu[j] = Float32(0.0)
+                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU)
+                store_rows(acc, acu, r, r1, t0, B, lane, sm, fb, flags, norm, out_off, out_stride, out_col, add0,
+                           add1, RS, TT, RP, glu)
     if cutlass.const_expr(not glu):
         if (flags & F_WRITE_NORMED) != 0 and r0 == 0:
             normed_off = arg(smi, ARG[op]["normed_off"])
