@@ -305,6 +305,8 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
                               ("EXPERT_UP", {"D": 48}, "D = 48 is not a multiple of 32"),  # 8 | 48, not a block
                               ("MATVEC", {"x_off": None}, r"x_off = \d+ is not a multiple of 4 fp32"),
                               ("KDA_STEP", {"K": 4096}, "KDA head dim 4096"),
+                              ("ATTN_RES", {"D": 60}, "D = 60 is not a multiple of 8"),
+                              ("ATTN_RES", {"src_off": None}, r"src_off = \d+ is not a multiple of 4 fp32"),
                               ("ROUTE", {"E": 1000}, "1000 experts")):
         prog = lower(cfg, w, cache, 2, 8)
         ins = next(i for i in prog.instrs if i.op == op)

@@ -38,10 +38,11 @@ MXFP4_ARGS = {("EXPERT_UP", "gu"), ("EXPERT_UP", "gus"), ("EXPERT_DOWN", "dn"), 
 
 # (opcode, argument) -> the multiple the kernel's 8-wide loops need (MXFP4 rows: a whole 32-weight block)
 LENGTHS = {("MATVEC", "K"): 8, ("GLU", "K"): 8, ("ATTN_GQA", "d"): 8, ("MLA_KV", "C"): 8, ("MLA_KV", "R"): 8,
-           ("MLA_ATTN", "C"): 8, ("MLA_ATTN", "R"): 8, ("EXPERT_UP", "D"): 8, ("EXPERT_DOWN", "I"): 8}
+           ("MLA_ATTN", "C"): 8, ("MLA_ATTN", "R"): 8, ("EXPERT_UP", "D"): 8, ("EXPERT_DOWN", "I"): 8,
+           ("ATTN_RES", "D"): 8}
 # fp32 activation offsets and strides the vector loops load 8 at a time from (16-byte alignment: multiples of 4)
 ALIGNED = {"MATVEC": ("x_off", "x_stride", "x2_off"), "GLU": ("x_off", "x_stride", "x2_off"),
-           "EXPERT_UP": ("x_off", "D"), "EXPERT_DOWN": ("h_off", "I")}
+           "EXPERT_UP": ("x_off", "D"), "EXPERT_DOWN": ("h_off", "I"), "ATTN_RES": ("src_off", "D")}
 
 
 class KernelLimit(ValueError):
