@@ -85,6 +85,15 @@ def softplus(x: Float32) -> Float32:
     return y
 
 
+SR = 8  # KDA_STEP: rows of the recurrent state a thread loads together (one column, every parts-th row)
+
+
+def state_row(i0: Int32, u: int, parts: Int32, K: Int32) -> Int32:
+    """Row u of a group of SR state rows from i0 (stride parts); past the last row, row K - 1 (loaded, not used)."""
+    i = i0 + u * parts
+    return cutlass.min(i, K - 1)
+
+
 @cute.jit
 def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                 tid: Int32):
@@ -155,8 +164,14 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     for jj in cutlass.range(tid, parts * K, NT):
         part, j = jj // K, jj % K
         acc = Float32(0.0)
-        for i in cutlass.range(part, K, parts):
-            acc += sm[MX + K + i] * sm[DC + i] * ldf(Float32, S + (Int64(i) * Int64(K) + Int64(j)) * 4)
+        for i0 in cutlass.range(part, K, parts * SR):  # SR rows' loads in flight (was one L2 / HBM trip per row)
+            sv = []
+            for u in cutlass.range_constexpr(SR):  # a row past K reads row i0 again and is not used
+                sv.append(ldf(Float32, S + (Int64(state_row(i0, u, parts, K)) * Int64(K) + Int64(j)) * 4))
+            for u in cutlass.range_constexpr(SR):
+                i = i0 + u * parts
+                if i < K:
+                    acc += sm[MX + K + i] * sm[DC + i] * sv[u]
         sm[PP + jj] = acc
     cute.arch.sync_threads()
     beta = sm[SC + 2]
@@ -171,11 +186,16 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         part, j = jj // K, jj % K
         dl = sm[DL + j]
         acc = Float32(0.0)
-        for i in cutlass.range(part, K, parts):
-            a = S + (Int64(i) * Int64(K) + Int64(j)) * 4
-            s = ldf(Float32, a) * sm[DC + i] + sm[MX + K + i] * dl
-            stf(Float32, a, s)
-            acc += sm[MX + i] * s
+        for i0 in cutlass.range(part, K, parts * SR):  # SR rows loaded before any is stored
+            sv = []
+            for u in cutlass.range_constexpr(SR):
+                sv.append(ldf(Float32, S + (Int64(state_row(i0, u, parts, K)) * Int64(K) + Int64(j)) * 4))
+            for u in cutlass.range_constexpr(SR):
+                i = i0 + u * parts
+                if i < K:
+                    s = sv[u] * sm[DC + i] + sm[MX + K + i] * dl
+                    stf(Float32, S + (Int64(i) * Int64(K) + Int64(j)) * 4, s)
+                    acc += sm[MX + i] * s
         sm[PP + jj] = acc
     cute.arch.sync_threads()
     for j in cutlass.range(tid, K, NT):
