@@ -222,6 +222,12 @@ def main() -> None:
                "instructions": len(rows), "step_us": step_us,
                "work_us_by_op": {k: v / 1e3 for k, v in busy.most_common()},
                "wait_us_total": sum(r["start"] - r["wait"] for r in rows) / 1e3}
+    if "qst" in prog.i32:  # the last MoE layer's routing (the buffers are reused per layer): pairs per selected
+        # expert, to tie EXPERT_UP / EXPERT_DOWN times to their passes (pairs / TB per expert)
+        nu = int(rt.view("nuniq")[0])
+        summary["last_moe_routing"] = {"nuniq": nu, "pstart": rt.view("pstart")[:nu + 1].tolist(),
+                                       "qst": rt.view("qst")[:nu + 1].tolist(),
+                                       "uniq": rt.view("uniq")[:nu].tolist()}
     with open(args.out + ".json", "w") as f:
         json.dump({"summary": summary, "rows": rows}, f)
     render(rows, args.out + ".png", f"{args.preset} batch {args.batch}: one megakernel step, {step_us:.0f} us")
