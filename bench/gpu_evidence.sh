@@ -14,9 +14,11 @@
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
-#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (~4 min at
-#   bf18192, one worker) and `-m "not gpu"` (4 workers; in one it reached 48% in 575 s at bf18192). Run them alone: a
-#   call shared with other jobs ran out of time at e12a610.
+#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (235 s at
+#   bf18192, one worker; not done in 250 s at bb54d81) and `-m "not gpu"` (8 workers: 1217 of 1313 in 320 s at
+#   bb54d81; in one worker 48% in 575 s at bf18192). Give each its own call with the default BUDGET: a call shared
+#   with other jobs ran out of time at e12a610, and one running both parts at bb54d81 finished neither.
+#   Never write to $OUT/evidence.tar.gz after this script: it is the archive (an empty one overwrote ee57544's).
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
 #   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
@@ -46,6 +48,8 @@ if [ "$MODE" = tests ]; then
     # the tests not marked gpu in 4 workers (tests/conftest.py: one worker with a GPU otherwise; in one worker
     # they reached 48% in 575 s at bf18192)
     case " $* " in *"not gpu"*) export MEGADECODE_TEST_WORKERS=${MEGADECODE_TEST_WORKERS:-4} ;; esac
+    # unbuffered: a run cut by `timeout` keeps the results it printed (bb54d81's -m gpu, cut at 250 s, left none)
+    export PYTHONUNBUFFERED=1
     timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" tests/ 2>&1 \
         | tee "$OUT/evidence/pytest-gpu.log" | tail -45
     rc=${PIPESTATUS[0]}
