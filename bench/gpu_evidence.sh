@@ -11,6 +11,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh ep               # expert parallelism, >= 2 GPUs
 #   OUT=/path bash bench/gpu_evidence.sh sanitizer                                    # compute-sanitizer, megakernel
+#   OUT=/path bash bench/gpu_evidence.sh ncu                                          # Nsight Compute, megakernel
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -27,6 +28,9 @@
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
+# ncu: Nsight Compute on one k3-mini megakernel step at batch 1 and 8 (warp stall reasons, issue and memory
+#   throughput, per-SASS-line source counters as CSV), to tell latency from issue in MATVEC at batch 8 and in the
+#   MXFP4 expert loops (docs/megakernel.md, "At ee57544"). Not yet run: its time on the H200 is not known.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
@@ -126,6 +130,24 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
         > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b8.json" | tail -14
     exit "$rc"
 fi
+if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one k3-mini step, batch 1 and 8
+    # (the 3rd launch of mega_timeline.py's timeline build: compile and warm first); CSV pages, the report deleted
+    for B in 1 8; do
+        R="$OUT/evidence/mega-k3-mini-b$B"
+        timeout "$(left)" ncu --clock-control none --kernel-name regex:mega_kernel --launch-skip 2 --launch-count 1 \
+            --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+            --section MemoryWorkloadAnalysis --section SpeedOfLight --section SourceCounters -o "$R" \
+            python bench/mega_timeline.py --preset k3-mini --batch "$B" --out "$OUT/evidence/ncu-timeline-b$B" \
+            > "$R.log" 2>&1
+        echo "ncu batch $B: exit $? ($(tail -1 "$R.log" | cut -c1-120))"
+        ncu --import "$R.ncu-rep" --page details --csv > "$R-details.csv" 2>> "$R.log" && \
+            grep -E "Stall|Issue|Eligible|Active Warps|Throughput|Memory \[%\]|Duration" "$R-details.csv" | cut -c1-160 | head -40
+        ncu --import "$R.ncu-rep" --page source --print-source sass --csv > "$R-sass.csv" 2>> "$R.log"
+        echo "sass page: exit $? $(wc -l < "$R-sass.csv") lines"
+        rm -f "$R.ncu-rep" "$OUT/evidence/ncu-timeline-b$B.json"
+    done
+    exit 0
+fi
 if [ "$MODE" = sanitizer ]; then  # issue 13, item 6: compute-sanitizer on the megakernel, tiny presets
     rc=0
     for t in memcheck initcheck synccheck; do
@@ -157,5 +179,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep | sanitizer" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep | sanitizer | ncu" >&2
 exit 2
