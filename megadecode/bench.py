@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -80,27 +81,44 @@ def distinct_experts(engine: Engine, tokens: torch.Tensor) -> list[int]:
 
 
 def time_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int, seed: int):
-    """Median ms per decode step, and the distinct experts per layer of one more step."""
+    """Median ms per decode step, the distinct experts per layer of one more step, and the wall time of the first
+    step (its compiles and captures included: the cold start's second part), in seconds."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    first_s = None
+
+    def decode(tokens):
+        nonlocal first_s
+        if first_s is not None:
+            return engine.decode(tokens)
+        t0 = time.perf_counter()
+        out = engine.decode(tokens)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        return out
+
     with torch.inference_mode():
         for ts in engine.cache.layers.values():
             for x in ts:
                 x.normal_(generator=gen)
         engine.lengths = [context] * batch
         tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        torch.cuda.synchronize()
         for _ in range(warmup):
-            tokens = engine.decode(tokens).argmax(-1)
+            tokens = decode(tokens).argmax(-1)
         events = []
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            logits = engine.decode(tokens)
+            logits = decode(tokens)
             end.record()
             events.append((start, end))
             tokens = logits.argmax(-1)
         torch.cuda.synchronize()
     ms = statistics.median(s.elapsed_time(e) for s, e in events)
-    return ms, distinct_experts(engine, tokens)
+    return ms, distinct_experts(engine, tokens), first_s
+
+
+_BUILT: set[str] = set()  # executors whose engine this process has built (compiles are cached per process)
 
 
 def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parallel=None, ep=None) -> dict:
@@ -110,8 +128,18 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
         return Engine(cfg, weights, executor=executor, max_batch=batch,
                       max_seq_len=args.context + args.warmup + args.steps + 8, parallel=parallel)
 
+    first_in_process = executor not in _BUILT
+    t0 = time.perf_counter()
     engine = engine_of()
-    ms, experts = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    _BUILT.add(executor)
+    ms, experts, first_s = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed)
+    # the cold start: the engine's construction and its first decode step, wall clock (kernel compiles included
+    # where this process had not built this executor before: `first_in_process`; on-disk caches such as Triton's
+    # are not cleared, so a compile cached there from an earlier process is not in it)
+    row.update(cold_start_s=build_s + first_s, engine_build_s=build_s, first_step_s=first_s,
+               first_in_process=first_in_process)
     nbytes = step_bytes(cfg, experts, batch, args.context, engine.cache.bytes_per_token(),
                         torch.empty((), dtype=engine.dtype).element_size(),
                         engine.cache.state_bytes_per_sequence())
@@ -126,7 +154,7 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
         torch.cuda.empty_cache()
         parallel.comm = False
         try:
-            quiet, _ = time_decode(engine_of(), batch, args.context, args.warmup, args.steps, args.seed)
+            quiet, _, _ = time_decode(engine_of(), batch, args.context, args.warmup, args.steps, args.seed)
         finally:
             parallel.comm = True
         moe_layers = sum(cfg.moe_layers)
