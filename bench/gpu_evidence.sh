@@ -12,6 +12,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh ep               # expert parallelism, >= 2 GPUs
 #   OUT=/path bash bench/gpu_evidence.sh sanitizer                                    # compute-sanitizer, megakernel
 #   OUT=/path bash bench/gpu_evidence.sh ncu                                          # Nsight Compute, megakernel
+#   OUT=/path bash bench/gpu_evidence.sh timelines                                    # more megakernel timelines
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -130,6 +131,15 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
         > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b8.json" | tail -14
     exit "$rc"
 fi
+if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b
+    # and tiny-k3 at batch 1, for ROUTE's time against E, A and the sigmoid (its marks, where the kernel stamps them)
+    for pb in qwen3-30b-a3b:1 tiny-k3:1 qwen3-30b-a3b:8; do
+        p=${pb%:*}; b=${pb#*:}
+        timeout "$(left)" python bench/mega_timeline.py --preset "$p" --batch "$b" --out "$OUT/evidence/$p-timeline-b$b" \
+            > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/$p-timeline-b$b.json" | tail -16
+    done
+    exit 0
+fi
 if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one k3-mini step, batch 1 and 8
     # (the 3rd launch of mega_timeline.py's timeline build: compile and warm first); CSV pages, the report deleted
     for B in 1 8; do
@@ -179,5 +189,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep | sanitizer | ncu" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep | sanitizer | ncu | timelines" >&2
 exit 2
