@@ -45,6 +45,11 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 trap 'tar -czf "$FINAL/evidence.tar.gz" -C "$OUT" evidence results' EXIT
 mkdir -p "$OUT/evidence" "$OUT/results" "$FINAL"
 M="python -m megadecode.cli"
+# one megakernel step's per-SM timeline (recording and image in evidence/), then its by-opcode table and marks
+timeline() {  # preset batch
+    timeout "$(left)" python bench/mega_timeline.py --preset "$1" --batch "$2" --out "$OUT/evidence/$1-timeline-b$2" \
+        > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/$1-timeline-b$2.json" | tail -16
+}
 MODE=${1:-tests}
 shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/evidence/device.log" 2>&1
@@ -124,20 +129,16 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
         --out "$OUT/results/k3-mini-mega.json" 2>&1 | tail -5
     timeout "$(left)" $M bench --preset qwen3-30b-a3b --executor fused,mega --batch 1,8 --steps 10 --warmup 2 \
         --out "$OUT/results/qwen3-30b-a3b-mega.json" 2>&1 | tail -5
-    timeout "$(left)" python bench/mega_timeline.py --preset k3-mini --batch 1 --out "$OUT/evidence/k3-mini-timeline-b1" \
-        > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b1.json" | tail -14
+    timeline k3-mini 1
     # batch 8 too: bf18192 was 11% slower there than 07a1134 with no batch-8 recording to say where
-    timeout "$(left)" python bench/mega_timeline.py --preset k3-mini --batch 8 --out "$OUT/evidence/k3-mini-timeline-b8" \
-        > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/k3-mini-timeline-b8.json" | tail -14
+    timeline k3-mini 8
     exit "$rc"
 fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b
     # and tiny-k3 at batch 1, for ROUTE's time against E, A and the sigmoid (its marks, where the kernel stamps them)
-    for pb in qwen3-30b-a3b:1 tiny-k3:1 qwen3-30b-a3b:8; do
-        p=${pb%:*}; b=${pb#*:}
-        timeout "$(left)" python bench/mega_timeline.py --preset "$p" --batch "$b" --out "$OUT/evidence/$p-timeline-b$b" \
-            > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/$p-timeline-b$b.json" | tail -16
-    done
+    timeline qwen3-30b-a3b 1
+    timeline tiny-k3 1
+    timeline qwen3-30b-a3b 8
     exit 0
 fi
 if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one k3-mini step, batch 1 and 8
