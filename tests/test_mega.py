@@ -9,7 +9,7 @@ import torch
 
 from megadecode.cache import KVCache
 from megadecode.engine import Engine
-from megadecode.mega.isa import F_MXFP4, PASS, ROW, Instr, Wait, bits_f32, f32_bits, up_chunks
+from megadecode.mega.isa import F_MXFP4, PASS, ROW, Instr, Wait, bits_f32, f32_bits, up_chunks, up_passes
 from megadecode.mega.lower import Unsupported, lower
 from megadecode.mega.pyvm import DeadlockError, PyVM, WaitViolation
 from megadecode.mega.schedule import report, schedule
@@ -87,6 +87,37 @@ def test_pyvm_experts_with_several_passes_match_torch():
     assert int(pairs.max()) > PASS
     qoff = machine.prog.i32["qst"][0]
     assert machine.i32[qoff:qoff + n + 1].diff().tolist() == (-(-pairs // PASS)).tolist()
+
+
+def test_pyvm_mxfp4_experts_take_one_pair_a_pass_and_match_torch():
+    """K3's MXFP4 experts: EXPERT_UP's passes hold one (expert, token) pair each (isa.up_passes: the pass prefix is
+    ROUTE's pair prefix), so an expert picked by several tokens is walked once per pair, and the step still matches
+    torch. Batch 16 on tiny-k3: some expert holds several pairs."""
+    cfg = preset_config("tiny-k3")
+    w = random_weights(cfg, "cpu", torch.float32, 2)
+    batch = 16
+    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
+    vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
+    prompts = [[3 + i, 7][: 1 + i % 2] for i in range(batch)]
+    tok = ref.prefill(prompts).argmax(-1)
+    vm.prefill(prompts)
+    vm.executor.check_races = True
+    la, lb = ref.decode(tok), vm.decode(tok)
+    assert ((la - lb).abs().max() / la.abs().max()).item() < 1e-4
+    machine = vm.executor.vm(batch)
+    ups = [ins for ins in machine.prog.instrs if ins.op == "EXPERT_UP"]
+    assert ups and all(ins.flags & F_MXFP4 and up_passes(ins.flags) == (1, "pstart_off") for ins in ups)
+    (off, _), n = machine.prog.i32["pstart"], int(machine.i32[machine.prog.i32["nuniq"][0]])
+    pstart = machine.i32[off:off + n + 1].tolist()
+    assert max(b - a for a, b in zip(pstart, pstart[1:])) > 1
+    # the last layer's items cover every (pair, row) unit once
+    I, last = cfg.moe_intermediate_size, [ins for ins in ups if ins.layer == ups[-1].layer]
+    seen = torch.zeros(pstart[-1] * I, dtype=torch.int32)
+    for ins in last:
+        for u, q, r0, r1 in up_chunks(pstart, I, ins.args["w"], ins.args["W"]):
+            seen[(pstart[u] + q) * I + r0:(pstart[u] + q) * I + r1] += 1
+    assert bool((seen == 1).all())
+    assert up_passes(0) == (PASS, "qst_off")
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

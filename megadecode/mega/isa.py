@@ -68,8 +68,9 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # (also each expert's passes of PASS pairs, as a prefix: qst[u] = sum over u' < u of ceil(pairs(u') / PASS))
     "ROUTE": (6, ("logits_off", "E", "A", "B", "bias_w", "n_group", "topk_group", "scale_bits", "ids_off",
                   "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off", "qst_off")),
-    # h[pair, i] = glu(gate_up[e] . x_t) for the units [w * N / W, (w + 1) * N / W) of N = qst[nuniq] * I: unit
-    # qst[u] * I + q * I + r is row r of expert u against its pairs [q * PASS, (q + 1) * PASS) (`up_chunks`)
+    # h[pair, i] = glu(gate_up[e] . x_t) for the units [w * N / W, (w + 1) * N / W) of N = pre[nuniq] * I: unit
+    # pre[u] * I + q * I + r is row r of expert u against its pairs [q * P, (q + 1) * P) (`up_chunks`), P and the
+    # pass prefix `pre` by `up_passes`: bf16 qst (PASS pairs a pass), MXFP4 pstart (one pair a pass)
     "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
                       "ptok_off", "gus", "qst_off")),
     # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
@@ -101,11 +102,21 @@ for _name, (_, _args) in OPS.items():
     assert len(_args) <= ARGS, (_name, len(_args))
 
 
+def up_passes(flags: int) -> tuple[int, str]:
+    """EXPERT_UP's pairs per pass and the argument holding its pass prefix. MXFP4 experts take one (expert, token)
+    pair per pass, so the prefix is ROUTE's pair prefix `pstart`: every pass runs the kernel's single-pair loop,
+    which streams several rows per warp, and a row serving several pairs is read once per pair (the repeats from
+    L2). With PASS pairs a pass (ee57544's H200 timeline, k3-mini batch 8) an item holding passes of 2-4 pairs took
+    2.3-3.6x the time of a single-pair item for the same rows, and the phase waited for it. bf16 experts keep PASS
+    pairs a pass (`qst`): their loop reads each weight once for all of a pass's pairs."""
+    return (1, "pstart_off") if flags & F_MXFP4 else (PASS, "qst_off")
+
+
 def up_chunks(qst: list[int], I: int, w: int, W: int) -> list[tuple[int, int, int, int]]:
     """EXPERT_UP's share of work item w of W: (u, q, r0, r1) = rows [r0, r1) of selected expert u against its
-    pairs' pass q. The N = qst[-1] * I units (rows of a pass) are split evenly, so an item's weight rows and
-    decode work are the same for every w to within one row, whatever the pairs per expert (the kernel walks the
-    same chunks, `mega/cute/moe.py`)."""
+    pairs' pass q, `qst` the pass prefix (`up_passes`). The N = qst[-1] * I units (rows of a pass) are split
+    evenly, so an item's weight rows and decode work are the same for every w to within one row, whatever the
+    pairs per expert (the kernel walks the same chunks, `mega/cute/moe.py`)."""
     N = qst[-1] * I
     lo, hi = w * N // W, (w + 1) * N // W
     out = []

@@ -27,6 +27,7 @@ from .isa import (
     PASS,
     bits_f32,
     up_chunks,
+    up_passes,
 )
 
 
@@ -217,10 +218,11 @@ class VMOps:
     def op_expert_up(self, ins, a):
         I, D = a["I"], a["D"]
         n, uniq, pstart = self._groups(a)
-        qst = self.ri(a["qst_off"], n + 1).tolist()
-        for u, q, r0, r1 in up_chunks(qst, I, a["w"], a["W"]):
-            p0 = pstart[u] + q * PASS
-            pairs = range(p0, min(pstart[u + 1], p0 + PASS))
+        P, pre_arg = up_passes(ins.flags)  # pairs per pass and the pass prefix (MXFP4: one pair a pass)
+        pre = self.ri(a[pre_arg], n + 1).tolist()
+        for u, q, r0, r1 in up_chunks(pre, I, a["w"], a["W"]):
+            p0 = pstart[u] + q * P
+            pairs = range(p0, min(pstart[u + 1], p0 + P))
             toks = self.ri(a["ptok_off"] + p0, len(pairs)).tolist()
             x = torch.stack([self.rf(a["x_off"] + t * D, D) for t in toks])
             g = x @ self._rows_of(ins, a["gu"], a["gus"], uniq[u], r0, r1).T

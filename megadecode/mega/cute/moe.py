@@ -217,44 +217,6 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                     p += 1
 
 
-@cute.jit
-def up_mx_rows(gu: Int64, gus: Int64, gidx: Int64, uidx: Int64, rowb: Int64, D: Int32, xrow: cute.Tensor, fb: Int64,
-               lane: Int32, pn: Int32, accg: cute.Tensor, accu: cute.Tensor, wg: cute.Tensor, wu: cute.Tensor,
-               TT: Constexpr):
-    """A gate and an up MXFP4 row against the first TT of the pass's pn pairs (x rows at xrow): per lane one block of
-    32 weights per iteration (a 16-byte load and a scale byte per row), decoded 8 at a time."""
-    for k in cutlass.range(lane * 32, D, 1024):
-        gq = ld4u32(gu + gidx * rowb + Int64(k // 2))
-        uq = ld4u32(gu + uidx * rowb + Int64(k // 2))
-        gsc = e8m0(ldu8(gus + gidx * Int64(D // 32) + Int64(k // 32)))
-        usc = e8m0(ldu8(gus + uidx * Int64(D // 32) + Int64(k // 32)))
-        for s8 in cutlass.range_constexpr(4):
-            mx8_word(gq[s8], gsc, wg)
-            mx8_word(uq[s8], usc, wu)
-            gv = wg.load()
-            uv = wu.load()
-            for j in cutlass.range_constexpr(TT):
-                if j < pn:
-                    xv = ld8(Float32, fa(fb, xrow[j] + k + 8 * s8))
-                    accg[j] += dot8(gv, xv)
-                    accu[j] += dot8(uv, xv)
-
-
-@cute.jit
-def down_mx_row(dn: Int64, dns: Int64, widx: Int64, rowb: Int64, I: Int32, fb: Int64, h0: Int32, lane: Int32,
-                pn: Int32, acc: cute.Tensor, wr: cute.Tensor, TT: Constexpr):
-    """A down MXFP4 row against the first TT of the pass's pn pairs' h (rows of I from element h0), as up_mx_rows."""
-    for k in cutlass.range(lane * 32, I, 1024):
-        wq = ld4u32(dn + widx * rowb + Int64(k // 2))
-        wsc = e8m0(ldu8(dns + widx * Int64(I // 32) + Int64(k // 32)))
-        for s8 in cutlass.range_constexpr(4):
-            mx8_word(wq[s8], wsc, wr)
-            wv = wr.load()
-            for j in cutlass.range_constexpr(TT):
-                if j < pn:
-                    acc[j] += dot8(wv, ld8(Float32, fa(fb, h0 + j * I + k + 8 * s8)))
-
-
 # rows a warp streams at once in a single-pair MXFP4 pass (up_mx_rows1: gate and up each; down_mx_rows1); the
 # accumulators hold TB. EXPERT_UP at 4 rows took the kernel to 192 registers (1 CTA per SM)
 RW_UP, RW_DN = 2, 4
@@ -324,9 +286,15 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     w, W = args(smi, A_, "w W")
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
     uniq_off, pstart_off, ptok_off = args(smi, A_, "uniq_off pstart_off ptok_off")
-    qst_off = arg(smi, ARG[A_]["qst_off"])
-    for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's pass prefix (produced in this launch: coherent loads)
-        smi[u] = ldi(ia(ib, qst_off + u))
+    # the pass prefix (isa.up_passes): bf16 ROUTE's qst, PASS pairs a pass; MXFP4 its pair prefix pstart, one pair a
+    # pass, so that every MXFP4 pass takes the single-pair loop (passes of 2-4 pairs took 2.3-3.6x as long, ee57544)
+    pre_off = arg(smi, ARG[A_]["qst_off"])
+    PP = Int32(TB)
+    if mx:
+        pre_off = pstart_off
+        PP = Int32(1)
+    for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's prefix (produced in this launch: coherent loads)
+        smi[u] = ldi(ia(ib, pre_off + u))
     cute.arch.sync_threads()
     N = Int64(smi[nuniq]) * Int64(I)
     lo = Int64(w) * N // Int64(W)
@@ -364,7 +332,6 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     accg = cute.make_rmem_tensor(TB, Float32)
     accu = cute.make_rmem_tensor(TB, Float32)
     wg = cute.make_rmem_tensor(8, Float32)
-    wu = cute.make_rmem_tensor(8, Float32)
     xrow = cute.make_rmem_tensor(TB, Int32)
     for u in cutlass.range(u0, u1 + 1):
         e = ldi(ia(ib, uniq_off + u))
@@ -372,9 +339,9 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
         for q in cutlass.range(smi[u], smi[u + 1]):
             r0 = Int32(cutlass.max(lo - Int64(q) * Int64(I), Int64(0)))
             r1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
-            p0 = ps + (q - smi[u]) * TB
-            pn = cutlass.min(pe - p0, TB)  # this pass's pairs
-            if mx and pn == 1:  # a decode step's common case (~1 token per selected expert): RW_UP rows at once
+            p0 = ps + (q - smi[u]) * PP
+            pn = cutlass.min(pe - p0, PP)  # this pass's pairs
+            if mx:  # one pair (isa.up_passes): RW_UP rows at once
                 x0 = x_off + ldi(ia(ib, ptok_off + p0)) * D
                 for rb in cutlass.range(r0 + warp, r1, NW * RW_UP):
                     for i in cutlass.range_constexpr(RW_UP):
@@ -400,18 +367,14 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                         xrow[j] = x_off
                         if j < pn:
                             xrow[j] = x_off + ldi(ia(ib, ptok_off + p0 + j)) * D
-                    if mx:  # a lane takes one MXFP4 block of 32 weights per row and iteration (a pass of one
-                        # pair took the branch above: the compiler predicates the tokens, so TB cost TB when 1 is live)
-                        up_mx_rows(gu, gus, gidx, uidx, rowb, D, xrow, fb, lane, pn, accg, accu, wg, wu, TB)
-                    else:
-                        for k in cutlass.range(lane * 8, D, 256, unroll=4):
-                            gv = ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2)
-                            uv = ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2)
-                            for j in cutlass.range_constexpr(TB):
-                                if j < pn:
-                                    xv = ld8(Float32, fa(fb, xrow[j] + k))
-                                    accg[j] += dot8(gv, xv)
-                                    accu[j] += dot8(uv, xv)
+                    for k in cutlass.range(lane * 8, D, 256, unroll=4):  # bf16 (MXFP4 took the branch above)
+                        gv = ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2)
+                        uv = ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2)
+                        for j in cutlass.range_constexpr(TB):
+                            if j < pn:
+                                xv = ld8(Float32, fa(fb, xrow[j] + k))
+                                accg[j] += dot8(gv, xv)
+                                accu[j] += dot8(uv, xv)
                     for j in cutlass.range_constexpr(TB):
                         g = warp_sum(accg[j])
                         up = warp_sum(accu[j])
@@ -452,30 +415,28 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
-        if mx and pe - ps == 1:  # one pair for this expert (a decode step's common case): RW_DN rows at once
-            for rb in cutlass.range(r0 + warp, r1, NW * RW_DN):
-                for i in cutlass.range_constexpr(RW_DN):
-                    acc[i] = Float32(0.0)
-                down_mx_rows1(dn, dns, Int64(e) * Int64(D), rb, r1, rowb, I, fb, h_off + ps * I, lane, acc, wr)
-                for i in cutlass.range_constexpr(RW_DN):
-                    s = warp_sum(acc[i])
-                    if lane == 0 and rb + i * NW < r1:
-                        stf(Float32, fa(fb, y_off + ps * D + rb + i * NW), s)
+        if mx:  # MXFP4: each pair on its own, RW_DN rows at once (a row serving several pairs is read again, from
+            # L1 / L2: the loop over several pairs a pass, one row per warp at a time, was the slow path at batch 8)
+            for p in cutlass.range(ps, pe):
+                for rb in cutlass.range(r0 + warp, r1, NW * RW_DN):
+                    for i in cutlass.range_constexpr(RW_DN):
+                        acc[i] = Float32(0.0)
+                    down_mx_rows1(dn, dns, Int64(e) * Int64(D), rb, r1, rowb, I, fb, h_off + p * I, lane, acc, wr)
+                    for i in cutlass.range_constexpr(RW_DN):
+                        s = warp_sum(acc[i])
+                        if lane == 0 and rb + i * NW < r1:
+                            stf(Float32, fa(fb, y_off + p * D + rb + i * NW), s)
             pe = ps  # done: no passes left for the loop below
         for p0 in cutlass.range(ps, pe, TB):
             for r in cutlass.range(r0 + warp, r1, NW):
                 for j in cutlass.range_constexpr(TB):
                     acc[j] = Float32(0.0)
                 widx = Int64(e) * Int64(D) + Int64(r)
-                if mx:  # one MXFP4 block of 32 weights per lane per iteration (one pair took the branch above;
-                    # a last pass of one pair of several takes this loop)
-                    down_mx_row(dn, dns, widx, rowb, I, fb, h_off + p0 * I, lane, pe - p0, acc, wr, TB)
-                else:
-                    for k in cutlass.range(lane * 8, I, 256, unroll=4):
-                        wv = ld8(BFloat16, dn + widx * rowb + Int64(k) * 2)
-                        for j in cutlass.range_constexpr(TB):
-                            if p0 + j < pe:
-                                acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
+                for k in cutlass.range(lane * 8, I, 256, unroll=4):  # bf16 (MXFP4 took the branch above)
+                    wv = ld8(BFloat16, dn + widx * rowb + Int64(k) * 2)
+                    for j in cutlass.range_constexpr(TB):
+                        if p0 + j < pe:
+                            acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
                 for j in cutlass.range_constexpr(TB):
                     s = warp_sum(acc[j])
                     if lane == 0 and p0 + j < pe:
