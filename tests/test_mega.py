@@ -338,7 +338,8 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
                               ("KDA_STEP", {"K": 4096}, "KDA head dim 4096"),
                               ("ATTN_RES", {"D": 60}, "D = 60 is not a multiple of 8"),
                               ("ATTN_RES", {"src_off": None}, r"src_off = \d+ is not a multiple of 4 fp32"),
-                              ("ROUTE", {"E": 1000}, "1000 experts")):
+                              ("ROUTE", {"E": 1000}, "1000 experts"),
+                              ("EXPERT_DOWN", {"B": 64, "A": 32}, "64 x 32 .token, expert. pairs")):
         prog = lower(cfg, w, cache, 2, 8)
         ins = next(i for i in prog.instrs if i.op == op)
         ins.args.update({k: ins.args[k] + 2 if v is None else v for k, v in change.items()})  # None: misalign by 2

@@ -250,12 +250,12 @@ def up_mx_rows1(gu: Int64, gus: Int64, gbase: Int64, rb: Int32, r1: Int32, I: In
 @cute.jit
 def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, rowb: Int64, I: Int32, fb: Int64,
                   h0: Int32, lane: Int32, acc: cute.Tensor, wr: cute.Tensor):
-    """Down MXFP4 rows rb, rb + NW, ... (RW_DN of them, as up_mx_rows1) of one expert (rows from dbase) against one
-    pair's h (from element h0), every row's block loaded before the first is used."""
+    """Down MXFP4 rows rb, rb + 1, ... (RW_DN of them; a row past r1 reads row r1 - 1, not stored) of one expert
+    (rows from dbase) against one pair's h (from element h0), every row's block loaded before the first is used."""
     for k in cutlass.range(lane * 32, I, 1024):
         wq, sc = [], []
         for i in cutlass.range_constexpr(RW_DN):
-            w = dbase + Int64(cutlass.min(rb + i * NW, r1 - 1))
+            w = dbase + Int64(cutlass.min(rb + i, r1 - 1))
             wq.append(ld4u32(dn + w * rowb + Int64(k // 2)))
             sc.append(ldu8(dns + w * Int64(I // 32) + Int64(k // 32)))
         for s8 in cutlass.range_constexpr(4):
@@ -412,21 +412,34 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     for u in cutlass.range(nuniq):  # every selected expert's rows into L2 first
         e = ldi(ia(ib, uniq_off + u))
         prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * rowb, Int64(r1 - r0) * rowb, tid, NT)
+    if mx:
+        # MXFP4: the units are (pair, group of RW_DN consecutive rows), over every pair of every selected expert at
+        # once, dealt to the warps; each group's RW_DN rows are loaded together and its pair's h once for them. A
+        # row serving several pairs is read again (L1 / L2). Was: expert after expert, its rows over the 8 warps
+        # (with ~14 rows an instruction, 1-2 rows per warp): 16 experts x 3 dependent round trips in a row at batch
+        # 1 (ee57544's timeline: 150 us an instruction, 2.3 GB/s per CTA)
+        gpp = (r1 - r0 + RW_DN - 1) // RW_DN  # groups per pair
+        npairs = ldi(ia(ib, pstart_off + nuniq))
+        for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
+            e = ldi(ia(ib, uniq_off + u))
+            for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
+                smi[p] = e
+        cute.arch.sync_threads()
+        for g in cutlass.range(warp, npairs * gpp, NW):
+            p = g // gpp
+            rb = r0 + (g % gpp) * RW_DN
+            for i in cutlass.range_constexpr(RW_DN):
+                acc[i] = Float32(0.0)
+            down_mx_rows1(dn, dns, Int64(smi[p]) * Int64(D), rb, r1, rowb, I, fb, h_off + p * I, lane, acc, wr)
+            for i in cutlass.range_constexpr(RW_DN):
+                s = warp_sum(acc[i])
+                if lane == 0 and rb + i < r1:
+                    stf(Float32, fa(fb, y_off + p * D + rb + i), s)
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
-        if mx:  # MXFP4: each pair on its own, RW_DN rows at once (a row serving several pairs is read again, from
-            # L1 / L2: the loop over several pairs a pass, one row per warp at a time, was the slow path at batch 8)
-            for p in cutlass.range(ps, pe):
-                for rb in cutlass.range(r0 + warp, r1, NW * RW_DN):
-                    for i in cutlass.range_constexpr(RW_DN):
-                        acc[i] = Float32(0.0)
-                    down_mx_rows1(dn, dns, Int64(e) * Int64(D), rb, r1, rowb, I, fb, h_off + p * I, lane, acc, wr)
-                    for i in cutlass.range_constexpr(RW_DN):
-                        s = warp_sum(acc[i])
-                        if lane == 0 and rb + i * NW < r1:
-                            stf(Float32, fa(fb, y_off + p * D + rb + i * NW), s)
-            pe = ps  # done: no passes left for the loop below
+        if mx:
+            pe = ps  # done above: no passes for the bf16 loop below
         for p0 in cutlass.range(ps, pe, TB):
             for r in cutlass.range(r0 + warp, r1, NW):
                 for j in cutlass.range_constexpr(TB):
