@@ -84,41 +84,49 @@ def test_e8m0_bit_formula_of_the_kernel_decodes_every_scale_exactly():
         assert torch.equal(got, ref[s]) or (s == 255 and got.isnan() and ref[s].isnan()), s
 
 
-def test_mxfp4_subnormal_decode_of_mx8_equals_the_table_for_every_code_and_scale():
-    """mx8_word moves a nibble's magnitude bits (e1 e0 m) to fp32 bits 24..22 and its sign to bit 31, multiplies by
-    2**126 (the kernel keeps subnormals: 0.5 comes through 2**-127) and then by the scale. The same, evaluated here in fp32,
-    for all 8 nibble positions of a word, all 16 codes and every scale byte, equals quant.mxfp4's dequantization."""
+def test_mxfp4_fp16_decode_of_e2m1x8_times_its_block_scale_equals_the_table_for_every_code_and_scale():
+    """e2m1x8 moves nibble j's magnitude bits (e1 e0 m) to 9..11 and its sign to 15, nibble j + 4's by the same shifts to
+    the high fp16 half (base.E2M1X8_SHIFTS and masks, which the kernel uses): each half is the e2m1 value times
+    2**-14, fp16's subnormals carrying e = 0. mx_scale multiplies a block's sum by 2**14 and the e8m0 scale. The same,
+    evaluated here in numpy, for all 4 nibble pairs of a word, all 16 codes in both halves and every scale byte,
+    equals quant.mxfp4's dequantization (a one-term block sum, so the products are exact)."""
     import numpy as np
     import torch
 
-    from megadecode.mega.cute.base import TWO126
+    from megadecode.mega.cute.base import E2M1X8_MAG, E2M1X8_SHIFTS, E2M1X8_SIGN
     from megadecode.quant.mxfp4 import E2M1_VALUES, e8m0_to_float
 
-    assert float(np.float32(TWO126)) == 2.0 ** 126
     scales = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).numpy().astype(np.float32)
-    for j in range(8):
+    for j, (sm, ss) in enumerate(E2M1X8_SHIFTS):
         for c in range(16):
-            word = np.uint32(c << (4 * j)) | np.uint32(0x5A5A5A5A & ~(0xF << (4 * j)))  # other nibbles: noise
-            sh = 22 - 4 * j
-            mag = (word << np.uint32(sh)) if sh >= 0 else (word >> np.uint32(-sh))
-            bits = (mag & np.uint32(0x01C00000)) | ((word << np.uint32(28 - 4 * j)) & np.uint32(0x80000000))
-            v = np.array([bits], dtype=np.uint32).view(np.float32)[0]
-            with np.errstate(over="ignore", invalid="ignore"):
-                got = v * np.float32(TWO126) * scales
-                want = np.float32(E2M1_VALUES[c]) * scales
-            same = (got == want) | (np.isnan(got) & np.isnan(want))
-            assert same.all(), (j, c, np.flatnonzero(~same)[:4])
-            assert np.signbit(got[127]) == np.signbit(want[127]), (j, c)
+            for c4 in (c, 15 - c):
+                word = np.uint32((c << (4 * j)) | (c4 << (4 * j + 16)))
+                word |= np.uint32(0x5A5A5A5A & ~((0xF << (4 * j)) | (0xF << (4 * j + 16))))  # other nibbles: noise
+                mag = (word << np.uint32(sm)) if sm >= 0 else (word >> np.uint32(-sm))
+                sgn = (word << np.uint32(ss)) if ss > 0 else word
+                h = (mag & np.uint32(E2M1X8_MAG)) | (sgn & np.uint32(E2M1X8_SIGN))
+                lo, hi = np.array([h], dtype=np.uint32).view(np.float16).astype(np.float32)
+                for v, code in ((lo, c), (hi, c4)):
+                    assert v == np.float32(E2M1_VALUES[code]) * np.float32(2.0 ** -14), (j, code)
+                    assert np.signbit(v) == np.signbit(np.float32(E2M1_VALUES[code])), (j, code)
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        got = v * np.float32(16384.0) * scales
+                        want = np.float32(E2M1_VALUES[code]) * scales
+                    same = (got == want) | (np.isnan(got) & np.isnan(want))
+                    assert same.all(), (j, code, np.flatnonzero(~same)[:4])
 
 
 def test_kernel_keeps_fp32_subnormals():
-    """mx8_word's decode passes 0.5 through the subnormal 2**-127: no flush-to-zero on the kernel's fp32 multiplies,
-    adds and FMAs (the approximate ex2 / rcp of softmax and sigmoid may flush: they never see the decode's values)."""
+    """The MXFP4 decode keeps subnormals: e2m1x8's fp16 halves carry e = 0 as fp16 subnormals (converted without
+    flush), and e8m0's byte 0 is the fp32 subnormal 2**-127; no flush-to-zero on the kernel's fp32 multiplies, adds
+    and FMAs (the approximate ex2 / rcp of softmax and sigmoid may flush: they never see the decode's values)."""
     from megadecode.mega import cute_kernel as K
 
     ptx = K.compile_for().__ptx__
     assert re.search(r"\bmul(\.rn)?\.f32", ptx)
+    assert re.search(r"\bcvt\.f32\.f16\b", ptx)
     assert not re.search(r"\b(mul|fma|add|sub)(\.\w+)*\.ftz", ptx)
+    assert not re.search(r"\bcvt(\.\w+)*\.ftz(\.\w+)*\.f32\.f16", ptx)
 
 
 def test_kernel_check_constants_are_the_kernels():

@@ -58,9 +58,6 @@ def ldu8(addr: Int64) -> Uint32:
     return Uint32(cute.make_tensor(_g(addr, Uint8, 1), cute.make_layout(1))[0])
 
 
-TWO126 = 8.507059173023462e37  # 2**126, exact in fp32 (mx8_word)
-
-
 @cute.jit
 def from_bits(b: Uint32) -> Float32:
     """The fp32 whose bits are b."""
@@ -78,25 +75,40 @@ def e8m0(s: Uint32) -> Float32:
     return from_bits(bits)
 
 
-@cute.jit
-def _nib(word: Uint32, j: Constexpr) -> Uint32:
-    """fp32 bits of nibble j's e2m1 code times 2**-126 (mx8_word): magnitude bits to 24..22, sign to 31."""
-    sh = 22 - 4 * j
-    mag = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
-    return (mag & Uint32(0x01C00000)) | ((word << Uint32(28 - 4 * j)) & Uint32(0x80000000))
+# e2m1x8: per pair of nibbles (j, j + 4) the left shifts (negative: right) that take the magnitude bits 4j..4j+2 to
+# 9..11 and the sign bit 4j+3 to 15 (nibble j + 4's to 25..27 and 31, the high fp16 half), and the masks after them
+E2M1X8_SHIFTS = tuple((9 - 4 * j, 12 - 4 * j) for j in range(4))
+E2M1X8_MAG, E2M1X8_SIGN = 0x0E000E00, 0x80008000
 
 
 @cute.jit
-def mx8_word(word: Uint32, sc: Float32, wr: cute.Tensor):
-    """The 8 weights of one packed MXFP4 word (little-endian; nibble j: element j, even elements in the low nibbles)
-    times their block scale `sc`, into wr. The same values as quant.mxfp4.dequantize_mxfp4 (exact: a power-of-two
-    scale times a 2-significant-bit value)."""
-    # nibble j's magnitude bits (e1 e0 m) moved to fp32 bits 24..22 and its sign to bit 31 (_nib): that fp32 is the
-    # e2m1 magnitude times 2**-126 (e = 0, m = 1 lands on the subnormal 2**-127: the kernel does not flush
-    # subnormals), so times 2**126 it is the e2m1 value exactly and times the power-of-two scale the weight: the
-    # same fp32 as e2m1(code) * sc, in 2 shifts, 2 logic ops and 2 multiplies instead of ~12 ops
-    for j in cutlass.range_constexpr(8):
-        wr[j] = from_bits(_nib(word, j)) * TWO126 * sc
+def h2f(h: Uint32):
+    """The two fp16 halves of h (low, high) as fp32, exactly."""
+    return cute.arch.inline_ptx("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.f32.f16 {$w0}, lo; "
+                                "cvt.f32.f16 {$w1}, hi; }", write_only_types=[Float32, Float32], read_only_args=[h])
+
+
+@cute.jit
+def e2m1x8(word: Uint32, wr: cute.Tensor):
+    """The 8 e2m1 codes of one packed MXFP4 word (nibble j: element j) times 2**-14, exactly, into wr: nibbles j and
+    j + 4 become the two fp16 halves of one register (magnitude bits e1 e0 m to 11..9, the sign to 15, with the same
+    two shifts for both halves), which is the e2m1 value times 2**-14 (fp16's subnormals carry e = 0), then each
+    half is converted. 4 operations per weight with the multiply, where the fp32 subnormal decode of ee57544 took 8: the block scale (and the
+    2**14) is applied once to a block's sum instead (`mx_scale`)."""
+    for j in cutlass.range_constexpr(4):
+        sm, ss = E2M1X8_SHIFTS[j]
+        mag = (word << Uint32(sm)) if cutlass.const_expr(sm >= 0) else (word >> Uint32(-sm))
+        sgn = (word << Uint32(ss)) if cutlass.const_expr(ss > 0) else word
+        lo, hi = h2f((mag & Uint32(E2M1X8_MAG)) | (sgn & Uint32(E2M1X8_SIGN)))
+        wr[j] = lo
+        wr[j + 4] = hi
+
+
+@cute.jit
+def mx_scale(s: Float32, sc: Uint32) -> Float32:
+    """A block's sum of e2m1x8 weights times inputs, times 2**14 and its e8m0 scale byte: both powers of two, so
+    exact where no overflow or underflow."""
+    return s * Float32(16384.0) * e8m0(sc)
 
 
 @cute.jit

@@ -18,7 +18,7 @@ from .base import (
     argf,
     args,
     dot8,
-    e8m0,
+    e2m1x8,
     fa,
     ia,
     ld4u32,
@@ -26,7 +26,7 @@ from .base import (
     ldf,
     ldi,
     ldu8,
-    mx8_word,
+    mx_scale,
     prefetch_l2,
     silu,
     situ,
@@ -238,13 +238,23 @@ def up_mx_rows1(gu: Int64, gus: Int64, gbase: Int64, rb: Int32, r1: Int32, I: In
             uq.append(ld4u32(gu + (g + Int64(I)) * rowb + Int64(k // 2)))
             gsc.append(ldu8(gus + g * Int64(D // 32) + Int64(k // 32)))
             usc.append(ldu8(gus + (g + Int64(I)) * Int64(D // 32) + Int64(k // 32)))
+        pg, pu = [], []  # each row's block sums, scaled once per block (mx_scale)
         for s8 in cutlass.range_constexpr(4):
             xv = ld8(Float32, fa(fb, x0 + k + 8 * s8))
             for i in cutlass.range_constexpr(RW_UP):
-                mx8_word(gq[i][s8], e8m0(gsc[i]), wr)
-                accg[i] += dot8(wr.load(), xv)
-                mx8_word(uq[i][s8], e8m0(usc[i]), wr)
-                accu[i] += dot8(wr.load(), xv)
+                e2m1x8(gq[i][s8], wr)
+                g = dot8(wr.load(), xv)
+                e2m1x8(uq[i][s8], wr)
+                u = dot8(wr.load(), xv)
+                if cutlass.const_expr(s8 == 0):
+                    pg.append(g)
+                    pu.append(u)
+                else:
+                    pg[i] = pg[i] + g
+                    pu[i] = pu[i] + u
+        for i in cutlass.range_constexpr(RW_UP):
+            accg[i] += mx_scale(pg[i], gsc[i])
+            accu[i] += mx_scale(pu[i], usc[i])
 
 
 @cute.jit
@@ -258,11 +268,18 @@ def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, row
             w = dbase + Int64(cutlass.min(rb + i, r1 - 1))
             wq.append(ld4u32(dn + w * rowb + Int64(k // 2)))
             sc.append(ldu8(dns + w * Int64(I // 32) + Int64(k // 32)))
+        ps = []  # each row's block sum, scaled once per block (mx_scale)
         for s8 in cutlass.range_constexpr(4):
             hv = ld8(Float32, fa(fb, h0 + k + 8 * s8))
             for i in cutlass.range_constexpr(RW_DN):
-                mx8_word(wq[i][s8], e8m0(sc[i]), wr)
-                acc[i] += dot8(wr.load(), hv)
+                e2m1x8(wq[i][s8], wr)
+                d = dot8(wr.load(), hv)
+                if cutlass.const_expr(s8 == 0):
+                    ps.append(d)
+                else:
+                    ps[i] = ps[i] + d
+        for i in cutlass.range_constexpr(RW_DN):
+            acc[i] += mx_scale(ps[i], sc[i])
 
 
 @cute.jit
