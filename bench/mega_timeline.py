@@ -163,6 +163,29 @@ def report(path: str) -> None:
         span = sum(d["span_us"] for d in ds)
         print(f"  {op:<11} {len(ds):>3} {span:>8.0f} us {sum(d['bytes'] for d in ds) / (span * 1e-6) / HBM:>5.0%}"
               f" {sum(d['imbalance_us'] for d in ds):>7.0f} us")
+    for op, segs in marked_segments(rec["rows"]).items():
+        print(f"\n{op}: marks of its body (base.mark; mean us between start, the marks and the end): "
+              + "  ".join(f"{name} {us:.1f}" for name, us in segs))
+
+
+# what each opcode's marks stamp (cute/moe.py op_route); the segment names end at the mark of the same index
+MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair lists")}
+
+
+def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """Per opcode with marks in the recording: the mean time from the work start to mark 0, between consecutive
+    marks, and from the last to the end, over its instructions whose marks were all stamped."""
+    out = {}
+    for op, names in MARKS.items():
+        spans = []
+        for r in rows:
+            m = [x for x in r.get("marks") or [] if x is not None]
+            if r["op"] == op and len(m) == len(names) - 1:
+                t = [r["start"], *m, r["end"]]
+                spans.append([(b - a) / 1e3 for a, b in zip(t, t[1:])])
+        if spans:
+            out[op] = [(n, sum(s[i] for s in spans) / len(spans)) for i, n in enumerate(names)]
+    return out
 
 
 def main() -> None:

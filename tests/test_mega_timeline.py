@@ -50,6 +50,39 @@ def test_phases_add_up_what_was_recorded():
     assert [d["start_us"] for d in ph] == sorted(d["start_us"] for d in ph)
 
 
+def test_body_marks_split_an_instruction_into_its_segments():
+    """ROUTE's 4 marks (cute/moe.py, base.mark) give 5 segments: start -> mark 0 -> ... -> mark 3 -> end, averaged
+    over the instructions with every mark stamped; instructions without marks (a build without them) are left out."""
+    _, rec = _recording()
+    routes = [r for r in rec["rows"] if r["op"] == "ROUTE"]
+    assert len(routes) >= 2
+    for k, r in enumerate(routes):
+        r["marks"] = [r["start"] + 100 * (j + 1) * (k + 1) for j in range(4)]
+        r["end"] = r["start"] + 1000 * (k + 1)
+    routes[-1]["marks"] = [None] * 4
+    segs = dict(mega_timeline.marked_segments(rec["rows"])["ROUTE"])
+    n = len(routes) - 1
+    mean_k = sum(k + 1 for k in range(n)) / n
+    assert list(segs) == list(mega_timeline.MARKS["ROUTE"])
+    for name in list(segs)[:4]:
+        assert segs[name] == pytest.approx(0.1 * mean_k)
+    assert segs["pair lists"] == pytest.approx(0.6 * mean_k)
+    assert "MATVEC" not in mega_timeline.marked_segments(rec["rows"])
+
+
+def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
+    """The kernel's timeline layout and ROUTE's marks as mega_timeline reads them: TLW words per instruction, and
+    as many mark calls in op_route as MARKS names segments, less one."""
+    import re
+
+    from megadecode.mega.isa import TLW
+
+    src = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute/moe.py").read_text()
+    body = src[src.index("def op_route"):src.index("def up_mx_rows1")]
+    assert sorted(int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body)) == [0, 1, 2, 3]
+    assert len(mega_timeline.MARKS["ROUTE"]) == 5 and TLW == 8
+
+
 def test_a_recording_of_another_program_is_refused():
     _, rec = _recording()
     rec["rows"][3]["name"] = "L9.something[0]"
@@ -131,3 +164,28 @@ def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monke
 
     monkeypatch.setattr(mega_check, "diff_program", boom)
     assert mega_check.main() == 1 and "error" in json.loads(out.read_text())["diff"][0]
+
+
+def test_timeline_rows_read_tlw_words_and_the_marks_stamped():
+    """MegaRuntime.timeline_rows (on a CPU runtime, its buffer filled by hand as the kernel would): times relative
+    to the earliest wait, marks None where not stamped."""
+    from megadecode.mega.isa import TLW
+    from megadecode.mega.runtime import MegaRuntime
+
+    from megadecode.weights import random_weights
+
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    prog = schedule(lower(cfg, w, KVCache(cfg, 1, 24, "cpu", torch.bfloat16), 1, 8), 8)
+    rt = MegaRuntime(prog, "cpu", timeline=True)
+    t = rt.tl.view(-1, TLW)
+    n = t.shape[0]
+    assert n == len(prog.instrs)
+    t[:, 0] = torch.arange(n) * 10 + 100
+    t[:, 1] = t[:, 0] + 2
+    t[:, 2] = t[:, 0] + 9
+    t[:, 3] = torch.arange(n) % 5
+    t[3, 4:6] = torch.tensor([104, 106])
+    rows = rt.timeline_rows()
+    assert rows[0]["wait"] == 0 and rows[1]["start"] == 12 and rows[2]["end"] == 29 and rows[4]["sm"] == 4
+    assert rows[3]["marks"] == [4, 6, None, None] and rows[0]["marks"] == [None] * 4

@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, hash32, prefetch_row  # noqa: E402,F401
+from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32, prefetch_row  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
@@ -103,7 +103,8 @@ def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
                 i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
                 timeline: Int32, delay_ns: Int32):
-    """`timeline` != 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM] in tl.
+    """`timeline` != 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM, and up to 4
+    marks its body stamps (base.mark)] in tl, TLW words each.
     `delay_ns` > 0: thread 0 sleeps a random 0..delay_ns before the instruction's stores and after its signal."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -115,6 +116,12 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     ib = i32.iterator.toint()
     # the launch number (written before the launch): read with acquire like every other read of the counters
     epoch = cute.arch.load(ctr.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
+    if tid == 0:  # where base.mark stamps (timeline builds; 0: no marks); read after the first instruction's barrier
+        tla = Int64(0)
+        if timeline != 0:
+            tla = tl.iterator.toint()
+        smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
+        smi[TL_S + 1] = Int32(tla >> Int64(32))
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
@@ -154,10 +161,10 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
         if tid == 0:
             if timeline != 0:
-                tl[4 * idx] = t_wait
-                tl[4 * idx + 1] = t_start
-                tl[4 * idx + 2] = cute.arch.globaltimer()
-                tl[4 * idx + 3] = Int64(cute.arch.smid())
+                tl[TLW * idx] = t_wait
+                tl[TLW * idx + 1] = t_start
+                tl[TLW * idx + 2] = cute.arch.globaltimer()
+                tl[TLW * idx + 3] = Int64(cute.arch.smid())
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 2)
         cute.arch.sync_threads()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 ROW = 40  # int32 per instruction
 PASS = 4  # tokens (or expert pairs) per pass of the kernel's dot-product loops (its TB)
 HEADER = 13
+TLW = 8  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body marks
 ARGS = ROW - HEADER
 
 # flags

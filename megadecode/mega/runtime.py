@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from .isa import TLW
 from .kernel_check import check_program
 from .program import Program
 
@@ -142,7 +143,7 @@ class MegaRuntime:
         self.taddr = torch.tensor([t.tensor.data_ptr() for t in prog.tensors], dtype=torch.int64, device=self.device)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
         self.timeline, self.delay_ns = int(timeline), int(delay_ns)
-        self.tl = torch.zeros(4 * len(prog.instrs) if timeline else 4, dtype=torch.int64, device=self.device)
+        self.tl = torch.zeros(TLW * len(prog.instrs) if timeline else TLW, dtype=torch.int64, device=self.device)
         self._compiled = None
 
     def view(self, name: str) -> torch.Tensor:
@@ -188,10 +189,11 @@ class MegaRuntime:
         """The last launch's per-instruction times (ns, relative to the earliest wait start) and SMs."""
         if not self.timeline:
             raise ValueError("this runtime was made without timeline=True")
-        t = self.tl.view(-1, 4).cpu()
+        t = self.tl.view(-1, TLW).cpu()
         t0 = int(t[:, 0].min())
         return [{"instr": i, "name": ins.name, "op": ins.op, "layer": ins.layer, "sm": int(t[i, 3]),
-                 "wait": int(t[i, 0]) - t0, "start": int(t[i, 1]) - t0, "end": int(t[i, 2]) - t0}
+                 "wait": int(t[i, 0]) - t0, "start": int(t[i, 1]) - t0, "end": int(t[i, 2]) - t0,
+                 "marks": [int(m) - t0 if m else None for m in t[i, 4:].tolist()]}
                 for i, ins in enumerate(self.prog.instrs)]
 
     def check(self) -> None:

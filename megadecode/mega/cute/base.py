@@ -7,7 +7,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, Uint32
 
-from ..isa import HEADER, OPS, PASS, ROW
+from ..isa import HEADER, OPS, PASS, ROW, TLW
 
 NT = 256  # threads per CTA
 NW = NT // 32
@@ -17,6 +17,7 @@ SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
 SMEM_I = 2048  # int32 words (8 KiB)
 SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
+TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -39,6 +40,17 @@ def ldi(addr: Int64) -> Int32:
 @cute.jit
 def ldi64(addr: Int64) -> Int64:
     return cute.make_tensor(_g(addr, Int64, 8), cute.make_layout(1))[0]
+
+
+@cute.jit
+def mark(smi: cute.Tensor, idx: Int32, k: Constexpr):
+    """In a timeline build, stamp mark k (0..3) of instruction idx with the globaltimer (ns): the calling thread's
+    progress through its body, for `MegaRuntime.timeline_rows`' "marks". A no-op otherwise. One thread calls it."""
+    lo = Int64(smi[TL_S]) & Int64(0xFFFFFFFF)
+    base = (Int64(smi[TL_S + 1]) << Int64(32)) | lo
+    if base != Int64(0):
+        t = cute.make_tensor(_g(base + Int64(TLW * idx + 4 + k) * 8, Int64, 8), cute.make_layout(1))
+        t[0] = Int64(cute.arch.globaltimer())
 
 
 @cute.jit

@@ -26,6 +26,7 @@ from .base import (
     ldf,
     ldi,
     ldu8,
+    mark,
     mx_scale,
     prefetch_l2,
     silu,
@@ -102,6 +103,8 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                     sm[SCW + e] = pv
                     sm[CHW + e] = pv
             cute.arch.sync_warp()
+            if tid == 0:
+                mark(smi, idx, 0)  # timeline builds: thread 0's token's scores done
             if G > 1:  # expert groups: keep the topk_group groups with the best top-2 sums
                 gs = E // G
                 gsc = Float32(NEG_INF)
@@ -146,6 +149,8 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                     sm[PK + a] = sm[SCW + bi]
                     sm[CHW + bi] = Float32(NEG_INF)
                 cute.arch.sync_warp()
+            if tid == 0:
+                mark(smi, idx, 1)  # its A picks done
             if lane == 0:
                 tot = Float32(0.0)
                 for a in cutlass.range(A):
@@ -159,6 +164,8 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                     stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
             cute.arch.sync_warp()
     cute.arch.sync_threads()
+    if tid == 0:
+        mark(smi, idx, 2)  # every token's picks and weights (the warps' last token)
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
     nuniq_off, uniq_off, pstart_off = args(smi, A_, "nuniq_off uniq_off pstart_off")
     ptok_off, pslot_off, pairof_off = args(smi, A_, "ptok_off pslot_off pairof_off")
@@ -206,6 +213,8 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
         sti(ia(ib, qst_off + tu), tq)
         sti(ia(ib, nuniq_off), tu)
     cute.arch.sync_threads()
+    if tid == 0:
+        mark(smi, idx, 3)  # the counts, scans and expert table; the pair lists follow
     for e in cutlass.range(tid, E, NT):
         if smi[CNT + e] > 0:
             p = smi[START + e]
