@@ -37,6 +37,7 @@ from .base import (
     warp_max,
     warp_sum,
 )
+from .dense import WU1, row_sums
 
 
 @cute.jit
@@ -359,6 +360,9 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     accu = cute.make_rmem_tensor(TB, Float32)
     wg = cute.make_rmem_tensor(8, Float32)
     xrow = cute.make_rmem_tensor(TB, Int32)
+    acc1 = cute.make_rmem_tensor(1, Float32)
+    acu1 = cute.make_rmem_tensor(1, Float32)
+    xa1 = cute.make_rmem_tensor(1, Int64)
     for u in cutlass.range(u0, u1 + 1):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
@@ -382,6 +386,23 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                             if use_situ:
                                 hv = situ(g, up)
                             stf(Float32, fa(fb, h_off + p0 * I + rb + i * NW), hv)
+            elif pn == 1:  # bf16, one pair (a decode step's common case): MATVEC's batch-1 GLU loop (row_sums), WU1
+                # chunks of the gate and up rows in flight per lane; the general loop below predicates TB tokens and
+                # waits on one chunk at a time. The same chunks in the same k order per lane, so the same sums
+                xa1[0] = fa(fb, x_off + ldi(ia(ib, ptok_off + p0)) * D)
+                gbase = gu + Int64(e) * Int64(2 * I) * rowb
+                for r in cutlass.range(r0 + warp, r1, NW):
+                    acc1[0] = Float32(0.0)
+                    acu1[0] = Float32(0.0)
+                    row_sums(acc1, acu1, gbase, gbase + Int64(I) * rowb, r, r1, D, lane, gu, xa1, xa1, Int32(0),
+                             Int32(1), False, False, 1, True, WU1)
+                    g = warp_sum(acc1[0])
+                    up = warp_sum(acu1[0])
+                    if lane == 0:
+                        hv = silu(g) * up
+                        if use_situ:
+                            hv = situ(g, up)
+                        stf(Float32, fa(fb, h_off + p0 * I + r), hv)
             else:
                 for r in cutlass.range(r0 + warp, r1, NW):
                     for j in cutlass.range_constexpr(TB):
