@@ -86,8 +86,9 @@ def check_program(prog: Program) -> None:
             # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
             raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
                               f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
-        if op == "EXPERT_DOWN" and mx and a["B"] * a["A"] > ROW_S:
-            # (MXFP4: its pair -> expert table, one shared int word per (token, slot) pair)
+        if op == "EXPERT_DOWN" and a["B"] * a["A"] > ROW_S:
+            # (its pair -> expert table, one shared int word per (token, slot) pair: MXFP4 always, bf16 when every
+            # selected expert holds one pair)
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (EXPERT_DOWN's pair table takes "
                               f"one of the {ROW_S} shared int words below the instruction row each)")
         if op == "ATTN_RES" and a["nsrc"] > SMEM_F:

@@ -456,9 +456,40 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
         rowb = Int64(I // 2)
     acc = cute.make_rmem_tensor(TB, Float32)
     wr = cute.make_rmem_tensor(8, Float32)
+    acc1 = cute.make_rmem_tensor(2, Float32)
+    acu1 = cute.make_rmem_tensor(1, Float32)
+    xa1 = cute.make_rmem_tensor(1, Int64)
     for u in cutlass.range(nuniq):  # every selected expert's rows into L2 first
         e = ldi(ia(ib, uniq_off + u))
         prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * rowb, Int64(r1 - r0) * rowb, tid, NT)
+    npairs = ldi(ia(ib, pstart_off + nuniq))
+    # flat: every pair on its own, the (pair, rows) units of all selected experts dealt to the warps at once. MXFP4
+    # always; bf16 when no expert holds two pairs (then no weight row is read twice; with several pairs an expert, the
+    # bf16 loop below reads each row once for up to TB of them)
+    flat = mx or npairs == nuniq
+    if flat:
+        for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
+            e = ldi(ia(ib, uniq_off + u))
+            for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
+                smi[p] = e
+        cute.arch.sync_threads()
+    if flat and not mx:
+        # bf16: units (pair, 2 adjacent rows), MATVEC's batch-1 loop (row_sums, WU1 chunks of both rows in flight per
+        # lane) against the pair's h; the same chunks in the same k order per lane as the loop below, so the same sums
+        gp2 = (r1 - r0 + 1) // 2
+        for g in cutlass.range(warp, npairs * gp2, NW):
+            p = g // gp2
+            r = r0 + (g % gp2) * 2
+            acc1[0] = Float32(0.0)
+            acc1[1] = Float32(0.0)
+            xa1[0] = fa(fb, h_off + p * I)
+            w0 = dn + Int64(smi[p]) * Int64(D) * rowb
+            row_sums(acc1, acu1, w0, w0, r, r1, I, lane, dn, xa1, xa1, Int32(0), Int32(1), False, False, 1, False,
+                     WU1)
+            for q in cutlass.range_constexpr(2):
+                s = warp_sum(acc1[q])
+                if lane == 0 and r + q < r1:
+                    stf(Float32, fa(fb, y_off + p * D + r + q), s)
     if mx:
         # MXFP4: the units are (pair, group of RW_DN consecutive rows), over every pair of every selected expert at
         # once, dealt to the warps; each group's RW_DN rows are loaded together and its pair's h once for them. A
@@ -466,12 +497,6 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
         # (with ~14 rows an instruction, 1-2 rows per warp): 16 experts x 3 dependent round trips in a row at batch
         # 1 (ee57544's timeline: 150 us an instruction, 2.3 GB/s per CTA)
         gpp = (r1 - r0 + RW_DN - 1) // RW_DN  # groups per pair
-        npairs = ldi(ia(ib, pstart_off + nuniq))
-        for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
-            e = ldi(ia(ib, uniq_off + u))
-            for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
-                smi[p] = e
-        cute.arch.sync_threads()
         for g in cutlass.range(warp, npairs * gpp, NW):
             p = g // gpp
             rb = r0 + (g % gpp) * RW_DN
@@ -485,7 +510,7 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     for u in cutlass.range(nuniq):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
-        if mx:
+        if flat:
             pe = ps  # done above: no passes for the bf16 loop below
         for p0 in cutlass.range(ps, pe, TB):
             for r in cutlass.range(r0 + warp, r1, NW):
