@@ -79,8 +79,12 @@ def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
 
     src = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute/moe.py").read_text()
     body = src[src.index("def op_route"):src.index("def up_mx_rows1")]
-    assert sorted(int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body)) == [0, 1, 2, 3]
-    assert len(mega_timeline.MARKS["ROUTE"]) == 5 and TLW == 8
+    marks = sorted(int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body))
+    assert marks == list(range(len(mega_timeline.MARKS["ROUTE"]) - 1))
+    # the kernel's own timeline words and base.mark's slots (4 + k) fit the TLW words a row has
+    kernel = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute_kernel.py").read_text()
+    assert {int(i) for i in re.findall(r"tl\[TLW \* idx \+ (\d)\]", kernel)} == {1, 2, 3}
+    assert "tl[TLW * idx] = " in kernel and 4 + max(marks) < TLW
 
 
 def test_a_recording_of_another_program_is_refused():
