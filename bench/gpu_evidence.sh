@@ -16,9 +16,9 @@
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
-#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (235 s at
-#   bf18192, one worker; not done in 250 s at bb54d81) and `-m "not gpu"` (8 workers: 1217 of 1313 in 320 s at
-#   bb54d81; in one worker 48% in 575 s at bf18192). Give each its own call with the default BUDGET: a call shared
+#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (263 s at
+#   5936e56, one worker) and `-m "not gpu"` (14 workers, the default: 243 s at 5936e56; 8 workers did 1217 of 1313
+#   in 320 s at bb54d81). Give each its own call with the default BUDGET: a call shared
 #   with other jobs ran out of time at e12a610, and one running both parts at bb54d81 finished neither.
 #   Never write to $OUT/evidence.tar.gz after this script: it is the archive (an empty one overwrote ee57544's).
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
@@ -31,7 +31,8 @@
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
 # ncu: Nsight Compute on one k3-mini megakernel step at batch 1 and 8 (warp stall reasons, issue and memory
 #   throughput, per-SASS-line source counters as CSV), to tell latency from issue in MATVEC at batch 8 and in the
-#   MXFP4 expert loops (docs/megakernel.md, "At ee57544"). Not yet run: its time on the H200 is not known.
+#   MXFP4 expert loops (docs/megakernel.md, "At ee57544"); 195 s at 5936e56. bench/ncu_loops.py groups the SASS
+#   page's stall samples by innermost loop.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
@@ -55,9 +56,9 @@ shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/evidence/device.log" 2>&1
 
 if [ "$MODE" = tests ]; then
-    # the tests not marked gpu in 4 workers (tests/conftest.py: one worker with a GPU otherwise; in one worker
-    # they reached 48% in 575 s at bf18192)
-    case " $* " in *"not gpu"*) export MEGADECODE_TEST_WORKERS=${MEGADECODE_TEST_WORKERS:-4} ;; esac
+    # the tests not marked gpu in 14 workers of the machine's 16 cores (tests/conftest.py: one worker with a GPU
+    # otherwise; in one worker they reached 48% in 575 s at bf18192, in 14 they all ran in 243 s at 5936e56)
+    case " $* " in *"not gpu"*) export MEGADECODE_TEST_WORKERS=${MEGADECODE_TEST_WORKERS:-14} ;; esac
     # unbuffered: a run cut by `timeout` keeps the results it printed (bb54d81's -m gpu, cut at 250 s, left none)
     export PYTHONUNBUFFERED=1
     timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" tests/ 2>&1 \
@@ -152,9 +153,10 @@ if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute
             > "$R.log" 2>&1
         echo "ncu batch $B: exit $? ($(tail -1 "$R.log" | cut -c1-120))"
         ncu --import "$R.ncu-rep" --page details --csv > "$R-details.csv" 2>> "$R.log" && \
-            grep -E "Stall|Issue|Eligible|Active Warps|Throughput|Memory \[%\]|Duration" "$R-details.csv" | cut -c1-160 | head -40
+            python bench/ncu_loops.py --details "$R-details.csv" | grep -E "Throughput|Duration|Spilling|Hit Rate|Issued|Eligible|Warp Cycles"
         ncu --import "$R.ncu-rep" --page source --print-source sass --csv > "$R-sass.csv" 2>> "$R.log"
         echo "sass page: exit $? $(wc -l < "$R-sass.csv") lines"
+        python bench/ncu_loops.py "$R-sass.csv" --top 12  # stall samples by innermost loop
         rm -f "$R.ncu-rep" "$OUT/evidence/ncu-timeline-b$B.json"
     done
     exit 0
