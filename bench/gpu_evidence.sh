@@ -24,8 +24,9 @@
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
 #   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
-#   at batch 1 and 8, and k3-mini's batch-1 and batch-8 timelines (recordings and images; the phase tables printed).
-#   Then `tests -m gpu`.
+#   at batch 1 and 8 (both presets in one process, which compiles the kernel once), and k3-mini's batch-1 and batch-8
+#   timelines in one more process (recordings and images; the phase tables printed). 473 s at 5936e56, when each
+#   bench and each timeline was its own process. Then `tests -m gpu` in its own call.
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
@@ -46,10 +47,15 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 trap 'tar -czf "$FINAL/evidence.tar.gz" -C "$OUT" evidence results' EXIT
 mkdir -p "$OUT/evidence" "$OUT/results" "$FINAL"
 M="python -m megadecode.cli"
-# one megakernel step's per-SM timeline (recording and image in evidence/), then its by-opcode table and marks
-timeline() {  # preset batch
-    timeout "$(left)" python bench/mega_timeline.py --preset "$1" --batch "$2" --out "$OUT/evidence/$1-timeline-b$2" \
-        > /dev/null 2>&1 && python bench/mega_timeline.py --from "$OUT/evidence/$1-timeline-b$2.json" | tail -16
+# megakernel steps' per-SM timelines (recordings and images in evidence/), all in one process (the kernel compiles
+# once per process: ~70 s of each recording's call at 5936e56 was the compile), then each one's by-opcode table
+timeline() {  # presets batches (comma lists: every preset at every batch)
+    timeout "$(left)" python bench/mega_timeline.py --preset "$1" --batch "$2" \
+        --out "$OUT/evidence/{preset}-timeline-b{batch}" > /dev/null 2>&1
+    for P in ${1//,/ }; do for B in ${2//,/ }; do
+        R="$OUT/evidence/$P-timeline-b$B.json"
+        if [ -f "$R" ]; then python bench/mega_timeline.py --from "$R" | tail -16; else echo "no recording: $P batch $B"; fi
+    done; done
 }
 MODE=${1:-tests}
 shift || true
@@ -126,20 +132,25 @@ if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer 
     rc=$?
     grep -E "^(diff|e2e)" "$OUT/evidence/mega-check.log" | cut -c1-160
     echo "mega_check exit $rc"
-    timeout "$(left)" $M bench --preset k3-mini --executor fused,mega --batch 1,8 --steps 10 --warmup 2 \
-        --out "$OUT/results/k3-mini-mega.json" 2>&1 | tail -5
-    timeout "$(left)" $M bench --preset qwen3-30b-a3b --executor fused,mega --batch 1,8 --steps 10 --warmup 2 \
-        --out "$OUT/results/qwen3-30b-a3b-mega.json" 2>&1 | tail -5
-    timeline k3-mini 1
+    # both presets in one process, which compiles the megakernel once (k3-mini's first mega row carries the cold
+    # start; qwen3's says first_in_process: false). Each result file's command is its own `megadecode bench` line
+    timeout "$(left)" python - "$OUT" > "$OUT/evidence/bench-mega.log" 2>&1 <<'PY'
+import sys
+from megadecode.cli import main
+codes = [main(["bench", "--preset", preset, "--executor", "fused,mega", "--batch", "1,8", "--steps", "10",
+               "--warmup", "2", "--out", f"{sys.argv[1]}/results/{preset}-mega.json"])
+         for preset in ("k3-mini", "qwen3-30b-a3b")]
+sys.exit(max(codes))
+PY
+    echo "bench exit $?"; grep -E "^(k3-mini|qwen3-30b-a3b) |^wrote" "$OUT/evidence/bench-mega.log"
+    tail -2 "$OUT/evidence/bench-mega.log"
     # batch 8 too: bf18192 was 11% slower there than 07a1134 with no batch-8 recording to say where
-    timeline k3-mini 8
+    timeline k3-mini 1,8
     exit "$rc"
 fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b
     # and tiny-k3 at batch 1, for ROUTE's time against E, A and the sigmoid (its marks, where the kernel stamps them)
-    timeline qwen3-30b-a3b 1
-    timeline tiny-k3 1
-    timeline qwen3-30b-a3b 8
+    timeline qwen3-30b-a3b,tiny-k3 1,8
     exit 0
 fi
 if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one k3-mini step, batch 1 and 8

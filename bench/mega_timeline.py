@@ -188,17 +188,19 @@ def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="a preset, or several comma-separated")
+    ap.add_argument("--batch", default="1", help="a batch size, or several comma-separated")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--out", default="mega-timeline")
+    ap.add_argument("--out", default="mega-timeline",
+                    help="the recording's path without .json / .png; with several presets or batches it must hold "
+                         "{preset} and / or {batch} to tell them apart")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
     ap.add_argument("--png", help="with --from: also draw the recording's per-SM image to this file")
     ap.add_argument("--fit", nargs="+", metavar="RECORDING",
                     help="the cost model against these recordings, per opcode (no GPU)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.fit:
         recs = []
         for path in args.fit:
@@ -220,18 +222,30 @@ def main() -> None:
             render(rec["rows"], args.png, f"{s['preset']} batch {s['batch']}: one megakernel step, "
                                           f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""))
         return
-    cfg = preset_config(args.preset)
+    runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
+    outs = [args.out.format(preset=p, batch=b) for p, b in runs]
+    if len(set(outs)) < len(runs):
+        ap.error(f"--out {args.out!r} names {len(set(outs))} file(s) for {len(runs)} recordings: put {{preset}} "
+                 "and / or {batch} in it")
+    for (preset, batch), out in zip(runs, outs):  # one process: the kernel compiles once for all of them
+        record(preset, batch, args.context, out)
+
+
+def record(preset: str, batch: int, context: int, out: str) -> None:
+    """One megakernel step of `preset` at `batch` with a timeline: out.json (summary and per-instruction rows) and
+    out.png (the per-SM image); the summary printed."""
+    cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
-    cache = KVCache(cfg, args.batch, args.context + 8, "cuda", torch.bfloat16)
+    cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
     for parts in cache.layers.values():
         for t in parts:
             t.normal_()
     ctas = default_ctas(torch.device("cuda"))
-    prog = schedule(lower(cfg, w, cache, args.batch, ctas), ctas)
+    prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
     rt = MegaRuntime(prog, "cuda", timeline=True)
-    rt.view("tokens").copy_(torch.arange(args.batch))
-    rt.view("positions").fill_(args.context)
-    rt.view("slots").copy_(torch.arange(args.batch))
+    rt.view("tokens").copy_(torch.arange(batch))
+    rt.view("positions").fill_(context)
+    rt.view("slots").copy_(torch.arange(batch))
     for _ in range(3):  # compile, warm
         rt.launch()
     torch.cuda.synchronize()
@@ -241,7 +255,7 @@ def main() -> None:
     busy = Counter()
     for r in rows:
         busy[r["op"]] += r["end"] - r["start"]
-    summary = {"preset": args.preset, "batch": args.batch, "context": args.context, "ctas": ctas,
+    summary = {"preset": preset, "batch": batch, "context": context, "ctas": ctas,
                "instructions": len(rows), "step_us": step_us,
                "work_us_by_op": {k: v / 1e3 for k, v in busy.most_common()},
                "wait_us_total": sum(r["start"] - r["wait"] for r in rows) / 1e3}
@@ -251,10 +265,12 @@ def main() -> None:
         summary["last_moe_routing"] = {"nuniq": nu, "pstart": rt.view("pstart")[:nu + 1].tolist(),
                                        "qst": rt.view("qst")[:nu + 1].tolist(),
                                        "uniq": rt.view("uniq")[:nu].tolist()}
-    with open(args.out + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump({"summary": summary, "rows": rows}, f)
-    render(rows, args.out + ".png", f"{args.preset} batch {args.batch}: one megakernel step, {step_us:.0f} us")
+    render(rows, out + ".png", f"{preset} batch {batch}: one megakernel step, {step_us:.0f} us")
     print(json.dumps(summary, indent=1))
+    del rt, prog, cache, w
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -193,3 +193,21 @@ def test_timeline_rows_read_tlw_words_and_the_marks_stamped():
     rows = rt.timeline_rows()
     assert rows[0]["wait"] == 0 and rows[1]["start"] == 12 and rows[2]["end"] == 29 and rows[4]["sm"] == 4
     assert rows[3]["marks"] == [4, 6, None, None] and rows[0]["marks"] == [None] * 4
+
+
+def test_one_process_records_every_preset_and_batch_asked_for(monkeypatch, capsys):
+    """`--preset a,b --batch 1,8` records each (preset, batch) in one process (the kernel compiles once per process:
+    gpu_evidence.sh's timelines paid one compile per recording), each to its own file from the {preset} / {batch}
+    template; a template that would write two recordings to one file is refused before any GPU work."""
+    calls = []
+    monkeypatch.setattr(mega_timeline, "record", lambda *a: calls.append(a))
+    mega_timeline.main(["--preset", "qwen3-30b-a3b,tiny-k3", "--batch", "1,8", "--out", "ev/{preset}-b{batch}"])
+    assert calls == [("qwen3-30b-a3b", 1, 1024, "ev/qwen3-30b-a3b-b1"), ("qwen3-30b-a3b", 8, 1024, "ev/qwen3-30b-a3b-b8"),
+                     ("tiny-k3", 1, 1024, "ev/tiny-k3-b1"), ("tiny-k3", 8, 1024, "ev/tiny-k3-b8")]
+    calls.clear()
+    mega_timeline.main(["--preset", "k3-mini", "--batch", "1", "--out", "ev/one"])  # one recording: any name
+    assert calls == [("k3-mini", 1, 1024, "ev/one")]
+    calls.clear()
+    with pytest.raises(SystemExit):
+        mega_timeline.main(["--preset", "k3-mini", "--batch", "1,8", "--out", "ev/k3-mini-b{preset}"])
+    assert calls == [] and "put {preset}" in capsys.readouterr().err
