@@ -66,12 +66,11 @@ def test_up_chunks_split_every_expert_pass_row_once_in_equal_shares():
         assert max(sizes) - min(sizes) <= 1
 
 
-def test_pyvm_experts_with_several_passes_match_torch():
-    """Batch 16 on 8 experts with 2 picks each: 32 pairs, so some expert holds more than PASS pairs and EXPERT_UP
-    walks several passes of it (split across items)."""
-    cfg = preset_config("tiny-qwen3-moe")
+def _pyvm_step_matches_torch(preset: str, batch: int, tol: float):
+    """One fp32 decode step of `preset` at `batch` (prompts of 1 and 2 tokens) in pyvm, with its race checks, against
+    the torch executor within relative tolerance `tol`; returns the config and the batch's machine."""
+    cfg = preset_config(preset)
     w = random_weights(cfg, "cpu", torch.float32, 2)
-    batch = 16
     ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
     vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
     prompts = [[3 + i, 7][: 1 + i % 2] for i in range(batch)]
@@ -79,9 +78,15 @@ def test_pyvm_experts_with_several_passes_match_torch():
     vm.prefill(prompts)
     vm.executor.check_races = True
     la, lb = ref.decode(tok), vm.decode(tok)
-    assert ((la - lb).abs().max() / la.abs().max()).item() < 1e-5
+    assert ((la - lb).abs().max() / la.abs().max()).item() < tol
+    return cfg, vm.executor.vm(batch)
+
+
+def test_pyvm_experts_with_several_passes_match_torch():
+    """Batch 16 on 8 experts with 2 picks each: 32 pairs, so some expert holds more than PASS pairs and EXPERT_UP
+    walks several passes of it (split across items)."""
+    _, machine = _pyvm_step_matches_torch("tiny-qwen3-moe", 16, 1e-5)
     # the last MoE layer's routing, as ROUTE left it: some expert has more pairs than one pass takes
-    machine = vm.executor.vm(batch)
     (off, _), n = machine.prog.i32["pstart"], int(machine.i32[machine.prog.i32["nuniq"][0]])
     pairs = machine.i32[off:off + n + 1].diff()
     assert int(pairs.max()) > PASS
@@ -93,18 +98,7 @@ def test_pyvm_mxfp4_experts_take_one_pair_a_pass_and_match_torch():
     """K3's MXFP4 experts: EXPERT_UP's passes hold one (expert, token) pair each (isa.up_passes: the pass prefix is
     ROUTE's pair prefix), so an expert picked by several tokens is walked once per pair, and the step still matches
     torch. Batch 16 on tiny-k3: some expert holds several pairs."""
-    cfg = preset_config("tiny-k3")
-    w = random_weights(cfg, "cpu", torch.float32, 2)
-    batch = 16
-    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
-    vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
-    prompts = [[3 + i, 7][: 1 + i % 2] for i in range(batch)]
-    tok = ref.prefill(prompts).argmax(-1)
-    vm.prefill(prompts)
-    vm.executor.check_races = True
-    la, lb = ref.decode(tok), vm.decode(tok)
-    assert ((la - lb).abs().max() / la.abs().max()).item() < 1e-4
-    machine = vm.executor.vm(batch)
+    cfg, machine = _pyvm_step_matches_torch("tiny-k3", 16, 1e-4)
     ups = [ins for ins in machine.prog.instrs if ins.op == "EXPERT_UP"]
     assert ups and all(ins.flags & F_MXFP4 and up_passes(ins.flags) == (1, "pstart_off") for ins in ups)
     (off, _), n = machine.prog.i32["pstart"], int(machine.i32[machine.prog.i32["nuniq"][0]])
