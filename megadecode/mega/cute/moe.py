@@ -76,21 +76,28 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     sigmoid = (flags & F_SIGMOID) != 0
     nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
     region = 2 * E + 32
-    if warp < nwu:
-        SCW = warp * region  # the token's weights (probabilities or sigmoid scores)
-        CHW = SCW + E  # the choice values (-inf once picked or masked)
-        PK = CHW + E  # the picked weights
-        for t in cutlass.range(warp, B, nwu):
+    SCW = warp * region  # the warp's token's weights (probabilities or sigmoid scores)
+    CHW = SCW + E  # the choice values (-inf once picked or masked)
+    PK = CHW + E  # the picked weights
+    for t0 in cutlass.range(0, B, nwu):  # rounds of up to nwu tokens: a score region and a warp each
+        nr = cutlass.min(nwu, B - t0)
+        if sigmoid:  # the round's sigmoid scores by every thread of the CTA (was the token's warp alone: at E = 896
+            # 28 logits and bias values per lane, 4 loads in flight at a time, while 7 warps waited)
+            for q in cutlass.range(tid, nr * E, NT, unroll=4):
+                r = q // E
+                e = q - r * E
+                lg = ldf(Float32, fa(fb, logits_off + (t0 + r) * E + e))
+                sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
+                sm[r * region + e] = sv
+                ch = sv
+                if bias_w >= 0:
+                    ch = sv + ldf(Float32, taddr[bias_w] + Int64(e) * 4)
+                sm[r * region + E + e] = ch
+            cute.arch.sync_threads()
+        if warp < nr:
+            t = t0 + warp
             lrow = logits_off + t * E
-            if sigmoid:
-                for e in cutlass.range(lane, E, 32, unroll=4):  # 4 logits' loads in flight
-                    sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-ldf(Float32, fa(fb, lrow + e))))
-                    sm[SCW + e] = sv
-                    ch = sv
-                    if bias_w >= 0:
-                        ch = sv + ldf(Float32, taddr[bias_w] + Int64(e) * 4)
-                    sm[CHW + e] = ch
-            else:
+            if not sigmoid:  # softmax: the token's warp (a max and a sum over its row)
                 mx = Float32(NEG_INF)
                 for e in cutlass.range(lane, E, 32, unroll=4):
                     mx = cute.arch.fmax(mx, ldf(Float32, fa(fb, lrow + e)))
@@ -164,7 +171,7 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
                         v = v / tot
                     stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
             cute.arch.sync_warp()
-    cute.arch.sync_threads()
+        cute.arch.sync_threads()  # the round's regions are free again
     if tid == 0:
         mark(smi, idx, 2)  # every token's picks and weights (the warps' last token)
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
