@@ -9,7 +9,19 @@ import torch
 
 from megadecode.cache import KVCache
 from megadecode.engine import Engine
-from megadecode.mega.isa import F_MXFP4, PASS, ROW, Instr, Wait, bits_f32, f32_bits, up_chunks, up_passes
+from megadecode.mega.isa import (
+    F_MXFP4,
+    F_PAIR1,
+    PAIR1_MAX_B,
+    PASS,
+    ROW,
+    Instr,
+    Wait,
+    bits_f32,
+    f32_bits,
+    up_chunks,
+    up_passes,
+)
 from megadecode.mega.lower import Unsupported, lower
 from megadecode.mega.pyvm import DeadlockError, PyVM, WaitViolation
 from megadecode.mega.schedule import report, schedule
@@ -94,13 +106,16 @@ def test_pyvm_experts_with_several_passes_match_torch():
     assert machine.i32[qoff:qoff + n + 1].diff().tolist() == (-(-pairs // PASS)).tolist()
 
 
-def test_pyvm_mxfp4_experts_take_one_pair_a_pass_and_match_torch():
-    """K3's MXFP4 experts: EXPERT_UP's passes hold one (expert, token) pair each (isa.up_passes: the pass prefix is
-    ROUTE's pair prefix), so an expert picked by several tokens is walked once per pair, and the step still matches
-    torch. Batch 16 on tiny-k3: some expert holds several pairs."""
-    cfg, machine = _pyvm_step_matches_torch("tiny-k3", 16, 1e-4)
+@pytest.mark.parametrize("preset,batch,flag,tol", [("tiny-k3", 16, F_MXFP4, 1e-4),
+                                                    ("tiny-qwen3-moe", PAIR1_MAX_B, F_PAIR1, 1e-5)])
+def test_pyvm_experts_take_one_pair_a_pass_and_match_torch(preset, batch, flag, tol):
+    """K3's MXFP4 experts, and bf16 experts up to PAIR1_MAX_B tokens (F_PAIR1): EXPERT_UP's passes hold one
+    (expert, token) pair each (isa.up_passes: the pass prefix is ROUTE's pair prefix), so an expert picked by
+    several tokens is walked once per pair, and the step still matches torch. The batch leaves some expert with
+    several pairs; one token more than PAIR1_MAX_B, bf16 experts take PASS pairs a pass again."""
+    cfg, machine = _pyvm_step_matches_torch(preset, batch, tol)
     ups = [ins for ins in machine.prog.instrs if ins.op == "EXPERT_UP"]
-    assert ups and all(ins.flags & F_MXFP4 and up_passes(ins.flags) == (1, "pstart_off") for ins in ups)
+    assert ups and all(ins.flags & flag and up_passes(ins.flags) == (1, "pstart_off") for ins in ups)
     (off, _), n = machine.prog.i32["pstart"], int(machine.i32[machine.prog.i32["nuniq"][0]])
     pstart = machine.i32[off:off + n + 1].tolist()
     assert max(b - a for a, b in zip(pstart, pstart[1:])) > 1
@@ -112,6 +127,10 @@ def test_pyvm_mxfp4_experts_take_one_pair_a_pass_and_match_torch():
             seen[(pstart[u] + q) * I + r0:(pstart[u] + q) * I + r1] += 1
     assert bool((seen == 1).all())
     assert up_passes(0) == (PASS, "qst_off")
+    if flag == F_PAIR1:  # past PAIR1_MAX_B the bf16 passes hold up to PASS pairs
+        w = random_weights(cfg, "cpu", torch.float32, 2)
+        big = Engine(cfg, w, executor="pyvm", max_batch=batch + 1, max_seq_len=64).executor.vm(batch + 1)
+        assert not any(ins.flags & F_PAIR1 for ins in big.prog.instrs if ins.op == "EXPERT_UP")
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

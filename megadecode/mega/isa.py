@@ -44,6 +44,7 @@ F_MXFP4 = 256  # EXPERT_UP / EXPERT_DOWN: MXFP4 experts (packed e2m1 tensor + e8
 F_SITU = 512  # EXPERT_UP: SiTU-GLU (Kimi K3's routed experts); else SwiGLU
 F_STORE = 1024  # EXPERT_DOWN: write the weighted sum of the experts (K3's latent z); else add it to `out`
 F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's NoPE MLA)
+F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`)
 
 # opcodes, with their argument names (in row order)
 OPS: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -103,14 +104,19 @@ for _name, (_, _args) in OPS.items():
     assert len(_args) <= ARGS, (_name, len(_args))
 
 
+PAIR1_MAX_B = 8  # bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch
+
+
 def up_passes(flags: int) -> tuple[int, str]:
-    """EXPERT_UP's pairs per pass and the argument holding its pass prefix. MXFP4 experts take one (expert, token)
-    pair per pass, so the prefix is ROUTE's pair prefix `pstart`: every pass runs the kernel's single-pair loop,
-    which streams several rows per warp, and a row serving several pairs is read once per pair (the repeats from
-    L2). With PASS pairs a pass (ee57544's H200 timeline, k3-mini batch 8) an item holding passes of 2-4 pairs took
-    2.3-3.6x the time of a single-pair item for the same rows, and the phase waited for it. bf16 experts keep PASS
-    pairs a pass (`qst`): their loop reads each weight once for all of a pass's pairs."""
-    return (1, "pstart_off") if flags & F_MXFP4 else (PASS, "qst_off")
+    """EXPERT_UP's pairs per pass and the argument holding its pass prefix. MXFP4 experts, and bf16 ones under
+    F_PAIR1, take one (expert, token) pair per pass, so the prefix is ROUTE's pair prefix `pstart`: every pass runs
+    the kernel's single-pair loop, which streams several rows per warp, and a row serving several pairs is read once
+    per pair (the repeats from L2). With PASS pairs a pass an item holding passes of several pairs waits on the
+    general loop and the phase waits for that item: MXFP4 at k3-mini batch 8, 2.3-3.6x the time of a single-pair
+    item for the same rows (ee57544's H200 timeline); bf16 at qwen3-30b-a3b batch 8, 1.8x / 2.0x for passes of 2 / 3
+    pairs (5936e56's). Other bf16 experts keep PASS pairs a pass (`qst`): the general loop reads each weight once
+    for all of a pass's pairs, which is the better trade when experts hold many pairs (PAIR1_MAX_B)."""
+    return (1, "pstart_off") if flags & (F_MXFP4 | F_PAIR1) else (PASS, "qst_off")
 
 
 def up_chunks(qst: list[int], I: int, w: int, W: int) -> list[tuple[int, int, int, int]]:

@@ -19,11 +19,13 @@ from .isa import (
     F_INTERLEAVED,
     F_MXFP4,
     F_NOPE,
+    F_PAIR1,
     F_RENORM,
     F_SHARED,
     F_SIGMOID,
     F_SITU,
     F_STORE,
+    PAIR1_MAX_B,
     f32_bits,
 )
 
@@ -231,6 +233,8 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     dn_name = f"{m}.experts.down_proj" + (".weight_packed" if quant else "")
     wbytes = 0.53125 if quant else b.wbytes  # MXFP4: 4.25 bits per weight
     gu, gus = b.t(gu_name), b.t(f"{m}.experts.gate_up_proj.weight_scale") if quant else -1
+    if not quant and B <= PAIR1_MAX_B:  # isa.up_passes: bf16 experts one pair a pass at small batches
+        flags_up |= F_PAIR1
     for w in range(W):
         b.add("EXPERT_UP", i, f"L{i}.up[{w}]", flags_up, bytes_=int(2 * I * D * wbytes * sel / W), gu=gu, I=I,
               D=D, x_off=b.f32[x][0], h_off=b.f32["h"][0], w=w, W=W, nuniq_off=b.i32["nuniq"][0],

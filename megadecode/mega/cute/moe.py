@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from ..isa import F_MXFP4, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE
+from ..isa import F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE
 from .base import (
     ARG,
     NEG_INF,
@@ -320,11 +320,12 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     w, W = args(smi, A_, "w W")
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
     uniq_off, pstart_off, ptok_off = args(smi, A_, "uniq_off pstart_off ptok_off")
-    # the pass prefix (isa.up_passes): bf16 ROUTE's qst, PASS pairs a pass; MXFP4 its pair prefix pstart, one pair a
-    # pass, so that every MXFP4 pass takes the single-pair loop (passes of 2-4 pairs took 2.3-3.6x as long, ee57544)
+    # the pass prefix (isa.up_passes): bf16 ROUTE's qst, PASS pairs a pass; MXFP4 and F_PAIR1 its pair prefix
+    # pstart, one pair a pass, so that every pass takes a single-pair loop (passes of 2-4 pairs took 2.3-3.6x as
+    # long, ee57544; bf16 at qwen3 batch 8, 1.8-2.0x, 5936e56)
     pre_off = arg(smi, ARG[A_]["qst_off"])
     PP = Int32(TB)
-    if mx:
+    if mx or (flags & F_PAIR1) != 0:
         pre_off = pstart_off
         PP = Int32(1)
     for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's prefix (produced in this launch: coherent loads)
