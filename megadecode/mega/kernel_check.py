@@ -86,6 +86,9 @@ def check_program(prog: Program) -> None:
             # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
             raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
                               f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
+        if op == "ROUTE" and 2 * a["B"] * a["A"] > SMEM_F:
+            raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (ROUTE's picks and their ranks "
+                              f"take 2 shared fp32 words each, of {SMEM_F})")
         if op == "EXPERT_DOWN" and a["B"] * a["A"] > ROW_S:
             # (its pair -> expert table, one shared int word per (token, slot) pair: MXFP4 always, bf16 when every
             # selected expert holds one pair)
