@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("cutlass", reason="the megakernel needs nvidia-cutlass-dsl (the test extra installs it)")
 
 from megadecode.mega import cute_kernel as K  # noqa: E402
-from megadecode.mega.runtime import assemble, ctas_per_sm, registers_per_thread  # noqa: E402
+from megadecode.mega.runtime import assemble, ctas_per_sm, cubin_registers, registers_per_thread  # noqa: E402
 from megadecode.validate.mega_audit import audit_megakernel  # noqa: E402
 
 
@@ -63,6 +63,35 @@ def test_the_kernel_keeps_two_ctas_per_sm():
         pytest.skip(f"no ptxas here: {report}")
     regs = registers_per_thread(ptx)
     assert ctas_per_sm(regs, K.NT, K.SMEM_BYTES) >= 2, f"{regs} registers per thread: 1 CTA per SM"
+    # what the runtime's residency check reads instead of running ptxas again: the DSL's own cubin's count
+    assert cubin_registers(K.compile_for().artifacts.CUBIN) == regs == cubin_registers(cubin)
+
+
+def test_cubin_registers_reads_the_regcount_attribute_and_refuses_what_is_not_a_cubin():
+    """EIATTR_REGCOUNT in a hand-made ELF64 .nv.info section (other attributes around it skipped by their
+    formats); None for no cubin, a non-ELF, a truncated ELF and a cubin without the attribute."""
+    import struct
+
+    def elf(info: bytes) -> bytes:
+        names = b"\0.shstrtab\0.nv.info\0"
+        body = names + info
+        shoff = 64 + len(body)
+        head = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0,
+                                                                           64, 0, 0, 64, 3, 1)
+        sh = [bytes(64),
+              struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, 64, len(names), 0, 0, 1, 0),
+              struct.pack("<IIQQQQIIQQ", 11, 0x70000000, 0, 0, 64 + len(names), len(info), 0, 0, 4, 0)]
+        return head + body + b"".join(sh)
+
+    other = bytes([0x04, 0x11]) + struct.pack("<H", 8) + struct.pack("<II", 13, 104)  # EIATTR_FRAME_SIZE
+    nval = bytes([0x01, 0x0A])  # a 2-byte attribute
+    hval = bytes([0x03, 0x1B]) + struct.pack("<H", 255)
+    regc = bytes([0x04, 0x2F]) + struct.pack("<H", 8) + struct.pack("<II", 13, 128)
+    assert cubin_registers(elf(other + nval + hval + regc)) == 128
+    assert cubin_registers(elf(other + hval)) is None
+    assert cubin_registers(None) is None
+    assert cubin_registers(b"not an elf at all") is None
+    assert cubin_registers(elf(other + regc)[:80]) is None
 
 
 def test_e8m0_bit_formula_of_the_kernel_decodes_every_scale_exactly():

@@ -188,7 +188,8 @@ def current_stream_arg():
 @functools.lru_cache(maxsize=4)
 def compile_for(plant: str = ""):
     """cute.compile the launcher with fake tensors: no GPU needed. The PTX is in `.__ptx__` (what the static audit
-    and the occupancy calculation read; the dump goes to a temporary directory). `plant`: one of PLANTS, a
+    and the occupancy calculation read; the dump goes to a temporary directory), the DSL's cubin in
+    `.artifacts.CUBIN`. `plant`: one of PLANTS, a
     deliberate ordering mistake the audit must catch (never launched)."""
     global PLANT
     from cutlass.cute.runtime import make_fake_compact_tensor as fk
@@ -201,6 +202,7 @@ def compile_for(plant: str = ""):
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
     PLANT = plant
     try:
-        return cute.compile(launch, *args, options=f"--gpu-arch={ARCH} --keep-ptx --dump-dir={dump}", no_cache=True)
+        return cute.compile(launch, *args, options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
+                            no_cache=True)
     finally:
         PLANT = ""

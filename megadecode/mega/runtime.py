@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 
@@ -104,6 +105,44 @@ def registers_per_thread(ptx: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def cubin_registers(cubin: bytes | None) -> int | None:
+    """Registers per thread of the (largest) kernel in an sm_90 cubin, from its ELF `.nv.info` sections'
+    EIATTR_REGCOUNT entries (format 0x04, attribute 0x2f, 8 bytes: the kernel's symbol index, its register count):
+    the count the driver launches with, read without running ptxas again. None when absent or not an ELF."""
+    if not cubin or cubin[:4] != b"\x7fELF" or cubin[4] != 2:  # ELF64 only
+        return None
+    try:
+        shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+        def section(i):  # (name offset, offset, size) of section header i
+            h = struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+            return h[0], h[4], h[5]
+
+        names = section(shstrndx)[1]
+        regs = []
+        for i in range(shnum):
+            name_off, off, size = section(i)
+            name = cubin[names + name_off:cubin.index(b"\0", names + name_off)]
+            if not name.startswith(b".nv.info"):
+                continue
+            p = off
+            while p + 4 <= off + size:
+                fmt, attr = cubin[p], cubin[p + 1]
+                if fmt == 0x04:  # EIFMT_SVAL: a 2-byte length, then the value
+                    n = struct.unpack_from("<H", cubin, p + 2)[0]
+                    if attr == 0x2F and n == 8:
+                        regs.append(struct.unpack_from("<I", cubin, p + 8)[0])
+                    p += 4 + n
+                elif fmt in (0x01, 0x02, 0x03):  # EIFMT_NVAL / BVAL / HVAL: 4 bytes in all
+                    p += 4 if fmt != 0x01 else 2
+                else:
+                    break
+    except (struct.error, ValueError, IndexError):
+        return None
+    return max(regs) if regs else None
+
+
 def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
     """CTAs of the kernel that fit on one sm_90 SM at once: registers (64K per SM, allocated per warp in units of
     256), shared memory (228 KiB per SM, 1 KiB reserved per CTA), threads (2048). Unknown registers: 1 (255
@@ -161,8 +200,12 @@ class MegaRuntime:
             import cutlass.cute as cute
 
             K = kernel_module()
-            _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
-                                     options=f"--gpu-arch={K.ARCH}")
+            dump = tempfile.mkdtemp(prefix="megadecode-cute-")
+            try:  # the cubin kept: check_residency reads the launched kernel's register count from it
+                _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
+                                         options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}")
+            finally:
+                shutil.rmtree(dump, ignore_errors=True)
         if self._compiled is None:
             self._compiled = _COMPILED
             self.check_residency()
@@ -172,8 +215,10 @@ class MegaRuntime:
         """All CTAs must be resident at once (a CTA spinning on a counter would otherwise wait for a CTA that
         never starts): refuse a launch larger than the GPU holds."""
         K = kernel_module()
-        ptx = K.compile_for().__ptx__  # the same kernel, compiled without a GPU, keeps its PTX
-        per_sm = ctas_per_sm(registers_per_thread(ptx), K.NT, K.SMEM_BYTES)
+        regs = cubin_registers(getattr(getattr(self._compiled, "artifacts", None), "CUBIN", None))
+        if regs is None:  # no cubin kept: the same kernel compiled without a GPU, its PTX through ptxas
+            regs = registers_per_thread(K.compile_for().__ptx__)
+        per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.num_ctas > per_sm * sms:
             raise ValueError(f"the megakernel launches {self.num_ctas} CTAs; this GPU holds {per_sm} per SM x {sms} "
