@@ -200,12 +200,11 @@ class MegaRuntime:
             import cutlass.cute as cute
 
             K = kernel_module()
+            # the cubin kept: check_residency reads the launched kernel's register count from it. The dump
+            # directory stays (as compile_for's does): whether the executor reads its files later is not known
             dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-            try:  # the cubin kept: check_residency reads the launched kernel's register count from it
-                _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
-                                         options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}")
-            finally:
-                shutil.rmtree(dump, ignore_errors=True)
+            _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
+                                     options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}")
         if self._compiled is None:
             self._compiled = _COMPILED
             self.check_residency()
