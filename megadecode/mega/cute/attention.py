@@ -257,7 +257,7 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     cute.arch.sync_threads()
     for cc in cutlass.range(tid, C, NT):
         acc = Float32(0.0)
-        for p in cutlass.range(P, unroll=8):
+        for p in cutlass.range(P, unroll=32):  # 32 loads in flight (was 8: P = 128 made 16 dependent trips a column)
             acc += sm[p] * ldf(BFloat16, wkv + (Int64(h * (P + V) + p) * Int64(C) + Int64(cc)) * 2)
         stf(Float32, fa(fb, qlat_off + (b * H + h) * C + cc), acc)
     half = R // 2
@@ -284,11 +284,11 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     QL, QP, SC, ACC = 0, 4096, 4608, 5120
     M, L, AL = 9216, 9232, 9248
     PT = 9264  # value_chunk's position-slice sums (up to SMEM_F: 3024 words, so only when HB x C <= 1512)
-    for e in cutlass.range(tid, HB * C, NT):
+    for e in cutlass.range(tid, HB * C, NT, unroll=8):  # 8 loads in flight (was one: 16 trips at HB x C = 4096)
         hh, cc = e // C, e % C
         sm[QL + e] = ldf(Float32, fa(fb, qlat_off + (b * H + h0 + hh) * C + cc))
         sm[ACC + e] = Float32(0.0)
-    for e in cutlass.range(tid, HB * R, NT):
+    for e in cutlass.range(tid, HB * R, NT, unroll=2):
         hh, r = e // R, e % R
         sm[QP + e] = ldf(Float32, fa(fb, qpe_off + (b * H + h0 + hh) * R + r))
     init_stats(sm, tid, M, L, HB)

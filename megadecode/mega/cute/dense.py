@@ -253,15 +253,17 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     gate_off = arg(smi, ARG[A]["gate_off"])  # >= 0: kimi_k3's output gate, sigmoid per (head, value) element
     obase = out_off + b * out_stride + h * dv
     base = part_off + (b * H + h) * S * (d + 2)
+    # the splits' loads 8 at a time (was one: 3 x S dependent trips, S = 16 splits; K3's MLA MERGE took 23 us an
+    # instruction at k3-mini batch 1 on the H200 at 5936e56); the same operations in the same order
     mx = Float32(NEG_INF)
-    for s in cutlass.range(S):
+    for s in cutlass.range(S, unroll=8):
         mx = cute.arch.fmax(mx, ldf(Float32, fa(fb, base + s * (d + 2))))
     den = Float32(0.0)
-    for s in cutlass.range(S):
+    for s in cutlass.range(S, unroll=8):
         den += cute.math.exp(ldf(Float32, fa(fb, base + s * (d + 2))) - mx) * ldf(Float32, fa(fb, base + s * (d + 2) + 1))
     for dd in cutlass.range(tid, d, NT):
         num = Float32(0.0)
-        for s in cutlass.range(S):
+        for s in cutlass.range(S, unroll=8):
             num += cute.math.exp(ldf(Float32, fa(fb, base + s * (d + 2))) - mx) * \
                 ldf(Float32, fa(fb, base + s * (d + 2) + 2 + dd))
         o = num / den
@@ -274,7 +276,7 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     if wuv >= 0:  # MLA: the head's value up-projection W_UV [dv, C] on the merged latent
         cute.arch.sync_threads()
         w = taddr[wuv]
-        for v in cutlass.range(warp, dv, NW):
+        for v in cutlass.range(warp, dv, NW, unroll=2):  # two rows' loads in flight
             wrow = w + Int64(h * (P + dv) + P + v) * Int64(d) * 2
             acc = Float32(0.0)
             for k in cutlass.range(lane * 8, d, 256):
