@@ -353,6 +353,7 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
                               ("ATTN_RES", {"src_off": None}, r"src_off = \d+ is not a multiple of 4 fp32"),
                               ("ROUTE", {"E": 1000}, "1000 experts"),
                               ("ROUTE", {"B": 512, "A": 16}, "512 x 16 .token, expert. pairs .ROUTE"),
+                              ("MLA_ATTN", {"HB": 9}, "9 heads in one MLA attention instruction"),
                               ("EXPERT_DOWN", {"B": 64, "A": 32}, "64 x 32 .token, expert. pairs")):
         prog = lower(cfg, w, cache, 2, 8)
         ins = next(i for i in prog.instrs if i.op == op)

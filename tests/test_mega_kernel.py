@@ -159,7 +159,8 @@ def test_kernel_keeps_fp32_subnormals():
 
 
 def test_kernel_check_constants_are_the_kernels():
-    from megadecode.mega.cute import base
-    from megadecode.mega.kernel_check import NT, SMEM_F
+    from megadecode.mega.cute import attention, base
+    from megadecode.mega.kernel_check import MLA_HB, NT, SMEM_F
 
     assert (NT, SMEM_F) == (base.NT, base.SMEM_F)
+    assert MLA_HB == attention.MLA_HB

@@ -13,6 +13,7 @@ from .program import Program
 
 NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
 SMEM_F = 12288  # fp32 words of shared memory per CTA (cute/base.py)
+MLA_HB = 8  # the most heads an MLA_ATTN instruction may hold (cute/attention.py: its score sums per thread)
 ROW_S = 2048 - 64  # int32 shared words below the instruction's row (cute/base.py SMEM_I - 64)
 
 BF16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
@@ -86,6 +87,8 @@ def check_program(prog: Program) -> None:
             # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
             raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
                               f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
+        if op == "MLA_ATTN" and a["HB"] > MLA_HB:
+            raise KernelLimit(f"{where}: {a['HB']} heads in one MLA attention instruction (at most {MLA_HB})")
         if op == "ROUTE" and 2 * a["B"] * a["A"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (ROUTE's picks and their ranks "
                               f"take 2 shared fp32 words each, of {SMEM_F})")
