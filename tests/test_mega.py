@@ -394,3 +394,64 @@ def test_mega_executor_runs_an_unvalidated_family_only_when_asked(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="runs on a CUDA GPU"):
             Engine(cfg, w, executor="mega", max_batch=1, max_seq_len=16)
+
+
+def test_tc_input_is_the_input_times_the_norm_weight_rounded_to_bf16():
+    from megadecode.mega.isa import tc_input
+
+    x = torch.randn(3, 64) * 7
+    g = torch.randn(64).to(torch.bfloat16)
+    want = (x * g.float()).to(torch.bfloat16).float()
+    assert torch.equal(tc_input(x, g), want)
+    assert torch.equal(tc_input(x), x.to(torch.bfloat16).float())
+    assert not torch.equal(tc_input(x), x)  # the rounding is there
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_tensor_core_rows_flag_bf16_rows_from_two_tokens(preset):
+    """Builder.tc: F_TC on the MATVEC / GLU of a bf16 program from batch 2 whose K is a multiple of TC_K (most of the
+    tiny presets' rows, so mega_check's batches 3 and 16 run the tensor-core loop on the GPU), never at batch 1 or on
+    fp32 rows."""
+    from megadecode.mega.isa import F_TC, TC_K
+
+    for batch, want in ((1, False), (3, True), (16, True)):
+        *_, prog = _bf16_program(preset, batch)
+        rows = [i for i in prog.instrs if i.op in ("MATVEC", "GLU")]
+        fit = [i for i in rows if i.args["K"] % TC_K == 0]  # tiny-k3's KDA gate projections have K = 16
+        assert len(fit) > len(rows) // 2
+        assert all(bool(i.flags & F_TC) == (want and i in fit) for i in rows), batch
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.float32, 0)
+    prog = lower(cfg, w, KVCache(cfg, 4, 64, "cpu", torch.float32), 3, 8)
+    assert not any(i.flags & F_TC for i in prog.instrs)
+
+
+def test_pyvm_tensor_core_rows_round_the_input_to_bf16_and_stay_close_to_torch():
+    """A bf16 tiny-qwen3 step at batch 3 in pyvm: under F_TC its rows multiply the bf16-rounded input (isa.tc_input),
+    so its logits differ from the same program with F_TC cleared, by a bf16 rounding's size, and both stay within
+    bf16 tolerance of torch's bf16 step."""
+    from megadecode.mega.isa import F_TC
+
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, "cpu", torch.bfloat16, 3)
+    batch = 3
+    prompts = [[3 + i, 7] for i in range(batch)]
+    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
+    tok = ref.prefill(prompts).argmax(-1)
+    la = ref.decode(tok).float()
+    out = []
+    for clear in (False, True):
+        vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
+        vm.prefill(prompts)
+        machine = vm.executor.vm(batch)
+        tc = [i for i in machine.prog.instrs if i.flags & F_TC]
+        assert tc
+        if clear:
+            for i in tc:
+                i.flags &= ~F_TC
+        out.append(vm.decode(tok).float())
+    scale = la.abs().max()
+    assert ((out[0] - la).abs().max() / scale).item() < 5e-2
+    assert ((out[1] - la).abs().max() / scale).item() < 5e-2
+    d = ((out[0] - out[1]).abs().max() / scale).item()
+    assert 1e-6 < d < 5e-2, d

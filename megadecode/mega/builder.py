@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .isa import F_NORM, F_RESID, F_WRITE_NORMED, Instr, Wait, f32_bits
+from .isa import F_NORM, F_RESID, F_TC, F_WRITE_NORMED, TC_K, Instr, Wait, f32_bits
 from .program import Tensor
 
 
@@ -109,6 +109,7 @@ class Builder:
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         rows = max(rows or self.rows_per_tile(N), min(N, MIN_ROWS))
         flags = (F_NORM if norm else 0) | (F_RESID if resid else 0) | (F_WRITE_NORMED if write_normed else 0)
+        flags |= self.tc(K, w)
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
             ins = self.add("MATVEC", layer, f"L{layer}.{name}[{r0}:{r1}]", flags,
@@ -118,6 +119,14 @@ class Builder:
                      normed_off=self.f32[write_normed][0] if write_normed else -1, x2_off=self.off(x2),
                      add0_off=self.off(add0), add1_off=self.off(add1))
             ins.prefetch = self.range16(w, r0 * K, (r1 - r0) * K)
+
+    def tc(self, K: int, *weights: str) -> int:
+        """F_TC for bf16 rows of K columns at this batch: the tensor-core loop from 2 tokens, where the CUDA-core
+        loop issues ~0.4 instructions per weight byte a token (5936e56's Nsight Compute: MATVEC's 8-token loop, 823
+        SASS instructions per 2 KB of weights a warp, 43% of the step's stall samples at k3-mini batch 8). Only for
+        bf16 weights (what the kernel runs): fp32 programs (pyvm's exact CPU tests) keep fp32 inputs."""
+        bf16 = all(self.weights[w].dtype == torch.bfloat16 for w in weights)
+        return F_TC if self.B >= 2 and K % TC_K == 0 and bf16 else 0
 
     def off(self, name: str | None) -> int:
         return self.f32[name][0] if name else -1
@@ -130,7 +139,7 @@ class Builder:
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
-            ins = self.add("GLU", layer, f"L{layer}.{name}[{r0}:{r1}]", F_NORM if norm else 0,
+            ins = self.add("GLU", layer, f"L{layer}.{name}[{r0}:{r1}]", (F_NORM if norm else 0) | self.tc(K, wg, wu),
                      bytes_=2 * (r1 - r0) * K * self.wbytes, flops=4 * (r1 - r0) * K * self.B,
                      wg=self.t(wg), wu=self.t(wu), K=K, x_off=xo, x_stride=xs, out_off=oo, out_stride=os_,
                      out_col=0, r0=r0, r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,

@@ -45,6 +45,8 @@ F_SITU = 512  # EXPERT_UP: SiTU-GLU (Kimi K3's routed experts); else SwiGLU
 F_STORE = 1024  # EXPERT_DOWN: write the weighted sum of the experts (K3's latent z); else add it to `out`
 F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's NoPE MLA)
 F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`)
+F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
+TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
 
 # opcodes, with their argument names (in row order)
 OPS: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -201,3 +203,15 @@ class Instr:
         waits = " ".join(f"wait c{w.counter}>={w.need}/{w.per_launch}" for w in self.waits)
         sig = f" -> c{self.signal}" if self.signal >= 0 else ""
         return f"{self.name or self.op:<24} {self.op:<11} {waits}{sig}  {self.bytes / 1e3:.1f} kB"
+
+
+def tc_input(x, g=None):
+    """What F_TC multiplies with the bf16 rows: the (fp32) input rows times the norm weight g when the instruction
+    norms (before the rstd, which multiplies the sums), rounded to bf16 to nearest even; fp32 values of a torch
+    tensor. The kernel's mma.sync m16n8k16 takes bf16 operands and sums the exact products in fp32, so this rounding
+    is the contract pyvm holds the kernel to: only the sums' order differs."""
+    import torch
+
+    xg = x.float() * g.float() if g is not None else x.float()
+    return xg.to(torch.bfloat16).float()
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .isa import F_MXFP4
+from .isa import F_MXFP4, F_TC, TC_K
 from .program import Program
 
 NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
@@ -89,6 +89,9 @@ def check_program(prog: Program) -> None:
                               f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
         if op == "MLA_ATTN" and a["HB"] > MLA_HB:
             raise KernelLimit(f"{where}: {a['HB']} heads in one MLA attention instruction (at most {MLA_HB})")
+        if op in ("MATVEC", "GLU") and ins.flags & F_TC and (a["K"] % TC_K or a["B"] < 2):
+            raise KernelLimit(f"{where}: F_TC (tensor-core rows) needs K a multiple of {TC_K} and 2 tokens or more; "
+                              f"K = {a['K']}, B = {a['B']}")
         if op == "ROUTE" and 2 * a["B"] * a["A"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (ROUTE's picks and their ranks "
                               f"take 2 shared fp32 words each, of {SMEM_F})")

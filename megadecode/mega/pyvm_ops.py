@@ -23,9 +23,11 @@ from .isa import (
     F_SIGMOID,
     F_SITU,
     F_STORE,
+    F_TC,
     F_WRITE_NORMED,
     PASS,
     bits_f32,
+    tc_input,
     up_chunks,
     up_passes,
 )
@@ -97,18 +99,29 @@ class VMOps:
                 y_t = self.rf(a["out_off"] + col, n) + y_t
             self.wf(a["out_off"] + col, y_t)
 
+    def _rows_times(self, ins, a, w: torch.Tensor) -> torch.Tensor:
+        """The instruction's input rows times the weight rows w (its [r0, r1) slice): in fp32 after the norm, or
+        under F_TC as the tensor-core loop computes them, the input (times the norm weight) rounded to bf16
+        (isa.tc_input), the rstd applied to the sums."""
+        if not ins.flags & F_TC:
+            return self._normed(ins, a) @ w.float().T
+        x = self._rows_in(a)
+        if not ins.flags & F_NORM:
+            return tc_input(x) @ w.float().T
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + bits_f32(a["eps_bits"]))
+        return (tc_input(x, self.T[a["norm_w"]]) @ w.float().T) * rstd
+
     def op_matvec(self, ins, a):
-        x = self._normed(ins, a)
-        W = self.T[a["w"]][a["r0"]:a["r1"]].float()
-        self._write_rows(a, x @ W.T, bool(ins.flags & F_RESID))
+        W = self.T[a["w"]][a["r0"]:a["r1"]]
+        self._write_rows(a, self._rows_times(ins, a, W), bool(ins.flags & F_RESID))
         if ins.flags & F_WRITE_NORMED and a["r0"] == 0:
+            x = self._normed(ins, a)
             for t in range(a["B"]):
                 self.wf(a["normed_off"] + t * a["K"], x[t])
 
     def op_glu(self, ins, a):
-        x = self._normed(ins, a)
-        g = x @ self.T[a["wg"]][a["r0"]:a["r1"]].float().T
-        u = x @ self.T[a["wu"]][a["r0"]:a["r1"]].float().T
+        g = self._rows_times(ins, a, self.T[a["wg"]][a["r0"]:a["r1"]])
+        u = self._rows_times(ins, a, self.T[a["wu"]][a["r0"]:a["r1"]])
         self._write_rows(a, F.silu(g) * u, False)
 
     def op_attn_gqa(self, ins, a):

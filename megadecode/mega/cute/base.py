@@ -101,6 +101,27 @@ def h2f(h: Uint32):
 
 
 @cute.jit
+def bf16x2(lo: Float32, hi: Float32) -> Uint32:
+    """lo and hi rounded to bf16 (nearest even) and packed, lo in the low half: an mma operand register's pair of
+    consecutive k (the lower k in the low half, as two bf16 weights are in memory)."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
+                                read_only_args=[hi, lo])
+
+
+@cute.jit
+def mma_bf16(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
+             c2: Float32, c3: Float32):
+    """One warp-wide mma.sync m16n8k16 (bf16 operands, fp32 sums): this lane's 4 sums of C + A B, where lane
+    (g = lane / 4, t = lane % 4) holds A[g, 2t..2t+1] (a0), A[g + 8, 2t..] (a1), A[g, 2t + 8..] (a2),
+    A[g + 8, 2t + 8..] (a3), B[2t..2t+1, g] (b0), B[2t + 8.., g] (b1), and C / D[g, 2t..2t+1], [g + 8, 2t..2t+1]."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, "
+        "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
 def e2m1x8(word: Uint32, wr: cute.Tensor):
     """The 8 e2m1 codes of one packed MXFP4 word (nibble j: element j) times 2**-14, exactly, into wr: nibbles j and
     j + 4 become the two fp16 halves of one register (magnitude bits e1 e0 m to 11..9, the sign to 15, with the same

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_GREEDY, F_NORM, F_RESID, F_WRITE_NORMED
+from ..isa import F_GREEDY, F_NORM, F_RESID, F_TC, F_WRITE_NORMED, TC_K
 from .base import (
     ARG,
     NEG_INF,
@@ -17,14 +17,17 @@ from .base import (
     arg,
     argf,
     args,
+    bf16x2,
     dot8,
     fa,
     hash32,
     ia,
+    ld4u32,
     ld8,
     ld8raw,
     ldf,
     ldi,
+    mma_bf16,
     sigmoid,
     silu,
     sm8,
@@ -113,22 +116,137 @@ def store_rows(acc: cute.Tensor, acu: cute.Tensor, r: Int32, r1: Int32, t0: Int3
             if cutlass.const_expr(glu):
                 su = warp_sum(acu[j])
             if lane == 0 and t0 + j < B and rq < r1:
-                if norm:
-                    rs = sm[RS + t0 + j]
-                    s = s * rs
-                    su = su * rs
+                store_one(s, su, rq, t0 + j, sm, fb, flags, norm, out_off, out_stride, out_col, add0, add1, RS, glu)
+
+
+@cute.jit
+def store_one(s: Float32, su: Float32, rq: Int32, tok: Int32, sm: cute.Tensor, fb: Int64, flags: Int32, norm,
+              out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32, RS: Constexpr,
+              glu: Constexpr):
+    """Row rq's sum s (GLU: gate s and up su) for token tok, finished and stored: times rstd (a fused norm), GLU's
+    silu(gate) * up, MATVEC's addends and residual."""
+    if norm:
+        rs = sm[RS + tok]
+        s = s * rs
+        su = su * rs
+    if cutlass.const_expr(glu):
+        s = silu(s) * su
+    col = tok * out_stride + out_col + rq
+    o = fa(fb, out_off + col)
+    if cutlass.const_expr(not glu):  # addends laid out like the output (kimi_k3's block sums)
+        if add0 >= 0:
+            s += ldf(Float32, fa(fb, add0 + col))
+        if add1 >= 0:
+            s += ldf(Float32, fa(fb, add1 + col))
+    if (flags & F_RESID) != 0:
+        s = ldf(Float32, o) + s
+    stf(Float32, o, s)
+
+
+@cute.jit
+def tc_step(acc: cute.Tensor, ra: Int64, rb: Int64, ua: Int64, ub: Int64, kb: Int32, t: Int32, xrow: Int64,
+            x2row: Int64, gaddr: Int64, norm, has_x2, msk: Uint32, UC: Constexpr, glu: Constexpr):
+    """UC consecutive TC_K steps from kb of a warp's 16 rows (ra: row g's bytes, rb: row g + 8's; GLU's up rows
+    ua / ub) against 8 tokens on the tensor cores. In step u lane (g, t) takes the 8 consecutive k at
+    kb + 32u + 8t in one 16-byte load per row, for 2 mma.sync m16n8k16 whose k are mapped to physical k alike for
+    the weights and the input (a sum over k does not depend on which mma holds which k): k + 0..3 are logical k
+    2t, 2t + 1, 2t + 8, 2t + 9 of the first, k + 4..7 of the second. The weights' loads of the UC steps are issued
+    first, then each step's input: x (+ x2) times the norm weight, rounded to bf16 (isa.tc_input), zeroed past the
+    batch (msk)."""
+    wa, wb, wua, wub = [], [], [], []
+    for u in cutlass.range_constexpr(UC):
+        k = kb + 32 * u + 8 * t
+        wa.append(ld4u32(ra + Int64(k) * 2))
+        wb.append(ld4u32(rb + Int64(k) * 2))
+        if cutlass.const_expr(glu):
+            wua.append(ld4u32(ua + Int64(k) * 2))
+            wub.append(ld4u32(ub + Int64(k) * 2))
+    for u in cutlass.range_constexpr(UC):
+        k = kb + 32 * u + 8 * t
+        xv = ld8(Float32, xrow + Int64(k) * 4)
+        if has_x2:
+            xv = xv + ld8(Float32, x2row + Int64(k) * 4)
+        if norm:
+            xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
+        p = [bf16x2(xv[2 * i], xv[2 * i + 1]) & msk for i in range(4)]
+        for h in cutlass.range_constexpr(2):  # the step's two mma: words 2h, 2h + 1 of each row's load
+            c = mma_bf16(wa[u][2 * h], wb[u][2 * h], wa[u][2 * h + 1], wb[u][2 * h + 1], p[2 * h], p[2 * h + 1],
+                         acc[0], acc[1], acc[2], acc[3])
+            for i in cutlass.range_constexpr(4):
+                acc[i] = c[i]
+            if cutlass.const_expr(glu):
+                c = mma_bf16(wua[u][2 * h], wub[u][2 * h], wua[u][2 * h + 1], wub[u][2 * h + 1], p[2 * h],
+                             p[2 * h + 1], acc[4], acc[5], acc[6], acc[7])
+                for i in cutlass.range_constexpr(4):
+                    acc[4 + i] = c[i]
+
+
+TC_UC = 2  # MATVEC's TC_K steps whose weight loads are issued together (64 B a lane, 2 KB a warp); GLU half
+# (gate and up rows: as many bytes). 4 at once took the kernel to 158-162 registers (1 CTA per SM)
+
+
+@cute.jit
+def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp: Int32, lane: Int32, gaddr: Int64,
+            fb: Int64, x_off: Int32, x2_off: Int32, x_stride: Int32, norm, has_x2, sm: cute.Tensor, flags: Int32,
+            out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32, RS: Constexpr,
+            glu: Constexpr):
+    """Rows [r0, r1) against the batch on the tensor cores (F_TC): 8 tokens a pass (the mma's N), 16 rows a warp
+    (its M), K in TC_K steps (tc_step). When a round's row groups leave warps free (an instruction of fewer than
+    8 x 16 rows), each row group's steps are split over ks warps (k slices), whose sums meet in shared memory (words
+    0 .. 2048) and are added in slice order: fixed slices and a fixed order, so the result does not depend on
+    timing. Lane (g, t) ends with rows g and g + 8 of its group against tokens 2t and 2t + 1 and stores them."""
+    g, t = lane // 4, lane % 4
+    nrg = (r1 - r0 + 15) // 16
+    nsteps = K // TC_K
+    acc = cute.make_rmem_tensor(8, Float32)  # the mma sums: rows (gate) 0..3, GLU's up rows 4..7
+    for t0 in cutlass.range(0, B, 8):
+        msk = Uint32(0xFFFFFFFF)
+        if t0 + g >= B:
+            msk = Uint32(0)  # the B operand's column g is past the batch: zeros (a valid row loaded)
+        tok = cutlass.min(t0 + g, B - 1)
+        xrow = fa(fb, x_off + tok * x_stride)
+        x2row = fa(fb, x2_off + tok * x_stride)
+        for rb0 in cutlass.range(0, nrg, NW):  # rounds of up to NW row groups (every warp the same rounds)
+            nr = cutlass.min(NW, nrg - rb0)
+            ks = NW // nr  # k slices per row group
+            rg, sl = rb0 + warp % nr, warp // nr
+            for i in cutlass.range_constexpr(8):
+                acc[i] = Float32(0.0)
+            ra = r0 + rg * 16 + g
+            if sl < ks:
+                rowa = Int64(cutlass.min(ra, r1 - 1)) * Int64(K) * 2  # rows past r1 read row r1 - 1, not stored
+                rowb = Int64(cutlass.min(ra + 8, r1 - 1)) * Int64(K) * 2
+                s0, s1 = sl * nsteps // ks, (sl + 1) * nsteps // ks
+                UC = TC_UC
                 if cutlass.const_expr(glu):
-                    s = silu(s) * su
-                col = (t0 + j) * out_stride + out_col + rq
-                o = fa(fb, out_off + col)
-                if cutlass.const_expr(not glu):  # addends laid out like the output (kimi_k3's block sums)
-                    if add0 >= 0:
-                        s += ldf(Float32, fa(fb, add0 + col))
-                    if add1 >= 0:
-                        s += ldf(Float32, fa(fb, add1 + col))
-                if (flags & F_RESID) != 0:
-                    s = ldf(Float32, o) + s
-                stf(Float32, o, s)
+                    UC = TC_UC // 2
+                smain = s1 - (s1 - s0) % UC
+                for s in cutlass.range(s0, smain, UC):
+                    tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
+                            has_x2, msk, UC, glu)
+                for s in cutlass.range(smain, s1):  # the slice's last steps, one at a time
+                    tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
+                            has_x2, msk, 1, glu)
+            if ks > 1:  # uniform over the CTA
+                if sl < ks:
+                    for i in cutlass.range_constexpr(8):
+                        sm[((sl * nr + warp % nr) * 32 + lane) * 8 + i] = acc[i]
+                cute.arch.sync_threads()
+                if sl == 0:
+                    for i in cutlass.range_constexpr(8):
+                        tot = Float32(0.0)
+                        for q in cutlass.range(ks):
+                            tot += sm[((q * nr + warp % nr) * 32 + lane) * 8 + i]
+                        acc[i] = tot
+            if sl == 0:
+                for h in cutlass.range_constexpr(2):  # rows g, g + 8
+                    for j in cutlass.range_constexpr(2):  # tokens 2t, 2t + 1
+                        row, tk = ra + 8 * h, t0 + 2 * t + j
+                        if row < r1 and tk < B:
+                            store_one(acc[2 * h + j], acc[4 + 2 * h + j], row, tk, sm, fb, flags, norm, out_off,
+                                      out_stride, out_col, add0, add1, RS, glu)
+            if ks > 1:
+                cute.arch.sync_threads()  # the partials' words free again
 
 
 @cute.jit
@@ -202,6 +320,9 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
             row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1, glu, WU1)
             store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride, out_col,
                        add0, add1, RS, 1, RP, glu)
+    elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
+        tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
+                out_off, out_stride, out_col, add0, add1, RS, glu)
     else:
         acc = cute.make_rmem_tensor(TT * RP, Float32)
         acu = cute.make_rmem_tensor(TT, Float32)
