@@ -207,11 +207,15 @@ class Instr:
 
 def tc_input(x, g=None):
     """What F_TC multiplies with the bf16 rows: the (fp32) input rows times the norm weight g when the instruction
-    norms (before the rstd, which multiplies the sums), rounded to bf16 to nearest even; fp32 values of a torch
-    tensor. The kernel's mma.sync m16n8k16 takes bf16 operands and sums the exact products in fp32, so this rounding
-    is the contract pyvm holds the kernel to: only the sums' order differs."""
+    norms (before the rstd, which multiplies the sums), as the sum of two bf16 values, hi (the value rounded to
+    nearest even) and lo (the remainder, exact in fp32, rounded alike); fp32 values of a torch tensor. The kernel's
+    mma.sync m16n8k16 takes bf16 operands and sums the exact products in fp32, once against hi and once against lo,
+    so hi + lo is the input pyvm holds it to: within 2**-16 of the fp32 input relatively. One bf16 rounding alone
+    (hi) made the kernel's sums jump by a bf16 step wherever its fp32 input and pyvm's, equal up to the sums' order,
+    fell on two sides of a rounding boundary: 1.6e-3 / 3.4e-3 from pyvm over 4 decode steps of tiny-deepseek-v3 /
+    tiny-k3 at batch 4 on the H200 at 8511b25, against 1e-3 allowed."""
     import torch
 
     xg = x.float() * g.float() if g is not None else x.float()
-    return xg.to(torch.bfloat16).float()
-
+    hi = xg.to(torch.bfloat16).float()
+    return hi + (xg - hi).to(torch.bfloat16).float()

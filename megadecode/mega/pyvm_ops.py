@@ -101,7 +101,7 @@ class VMOps:
 
     def _rows_times(self, ins, a, w: torch.Tensor) -> torch.Tensor:
         """The instruction's input rows times the weight rows w (its [r0, r1) slice): in fp32 after the norm, or
-        under F_TC as the tensor-core loop computes them, the input (times the norm weight) rounded to bf16
+        under F_TC as the tensor-core loop computes them, the input (times the norm weight) as bf16 pairs hi + lo
         (isa.tc_input), the rstd applied to the sums."""
         if not ins.flags & F_TC:
             return self._normed(ins, a) @ w.float().T

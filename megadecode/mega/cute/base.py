@@ -101,11 +101,17 @@ def h2f(h: Uint32):
 
 
 @cute.jit
-def bf16x2(lo: Float32, hi: Float32) -> Uint32:
-    """lo and hi rounded to bf16 (nearest even) and packed, lo in the low half: an mma operand register's pair of
-    consecutive k (the lower k in the low half, as two bf16 weights are in memory)."""
-    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32],
-                                read_only_args=[hi, lo])
+def bf16x2_split(x0: Float32, x1: Float32):
+    """x0 and x1 as bf16 pairs hi + lo (words, x0 in the low halves, as bf16x2 packs them): hi the values rounded to
+    bf16 (nearest even), lo their remainders x - hi (exact in fp32) rounded to bf16 alike, so hi + lo is within
+    2**-16 of x relatively (isa.tc_input). A product summed over both pairs then barely depends on where x falls
+    against a bf16 rounding boundary."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 h, e0, e1; .reg .f32 f0, f1; cvt.rn.bf16x2.f32 h, {$r1}, {$r0}; shl.b32 e0, h, 16; "
+        "and.b32 e1, h, 0xFFFF0000; mov.b32 f0, e0; mov.b32 f1, e1; sub.rn.f32 f0, {$r0}, f0; "
+        "sub.rn.f32 f1, {$r1}, f1; "
+        "cvt.rn.bf16x2.f32 {$w1}, f1, f0; mov.b32 {$w0}, h; }",
+        write_only_types=[Uint32, Uint32], read_only_args=[x0, x1])
 
 
 @cute.jit

@@ -17,7 +17,7 @@ from .base import (
     arg,
     argf,
     args,
-    bf16x2,
+    bf16x2_split,
     dot8,
     fa,
     hash32,
@@ -151,8 +151,8 @@ def tc_step(acc: cute.Tensor, ra: Int64, rb: Int64, ua: Int64, ub: Int64, kb: In
     kb + 32u + 8t in one 16-byte load per row, for 2 mma.sync m16n8k16 whose k are mapped to physical k alike for
     the weights and the input (a sum over k does not depend on which mma holds which k): k + 0..3 are logical k
     2t, 2t + 1, 2t + 8, 2t + 9 of the first, k + 4..7 of the second. The weights' loads of the UC steps are issued
-    first, then each step's input: x (+ x2) times the norm weight, rounded to bf16 (isa.tc_input), zeroed past the
-    batch (msk)."""
+    first, then each step's input: x (+ x2) times the norm weight, split into bf16 pairs hi + lo (isa.tc_input:
+    within 2**-16 of the fp32 input), zeroed past the batch (msk); each k half's mma runs against hi, then lo."""
     wa, wb, wua, wub = [], [], [], []
     for u in cutlass.range_constexpr(UC):
         k = kb + 32 * u + 8 * t
@@ -168,17 +168,22 @@ def tc_step(acc: cute.Tensor, ra: Int64, rb: Int64, ua: Int64, ub: Int64, kb: In
             xv = xv + ld8(Float32, x2row + Int64(k) * 4)
         if norm:
             xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
-        p = [bf16x2(xv[2 * i], xv[2 * i + 1]) & msk for i in range(4)]
-        for h in cutlass.range_constexpr(2):  # the step's two mma: words 2h, 2h + 1 of each row's load
-            c = mma_bf16(wa[u][2 * h], wb[u][2 * h], wa[u][2 * h + 1], wb[u][2 * h + 1], p[2 * h], p[2 * h + 1],
-                         acc[0], acc[1], acc[2], acc[3])
-            for i in cutlass.range_constexpr(4):
-                acc[i] = c[i]
-            if cutlass.const_expr(glu):
-                c = mma_bf16(wua[u][2 * h], wub[u][2 * h], wua[u][2 * h + 1], wub[u][2 * h + 1], p[2 * h],
-                             p[2 * h + 1], acc[4], acc[5], acc[6], acc[7])
+        hi, lo = [], []  # the input as bf16 pairs hi + lo (base.bf16x2_split), both zeroed past the batch
+        for i in cutlass.range_constexpr(4):
+            ph, pl = bf16x2_split(xv[2 * i], xv[2 * i + 1])
+            hi.append(ph & msk)
+            lo.append(pl & msk)
+        for h in cutlass.range_constexpr(2):  # the step's two k halves: words 2h, 2h + 1 of each row's load
+            for p in (hi, lo):  # each half twice: against hi, then lo
+                c = mma_bf16(wa[u][2 * h], wb[u][2 * h], wa[u][2 * h + 1], wb[u][2 * h + 1], p[2 * h], p[2 * h + 1],
+                             acc[0], acc[1], acc[2], acc[3])
                 for i in cutlass.range_constexpr(4):
-                    acc[4 + i] = c[i]
+                    acc[i] = c[i]
+                if cutlass.const_expr(glu):
+                    c = mma_bf16(wua[u][2 * h], wub[u][2 * h], wua[u][2 * h + 1], wub[u][2 * h + 1], p[2 * h],
+                                 p[2 * h + 1], acc[4], acc[5], acc[6], acc[7])
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 + i] = c[i]
 
 
 TC_UC = 2  # MATVEC's TC_K steps whose weight loads are issued together (64 B a lane, 2 KB a warp); GLU half
