@@ -16,8 +16,8 @@
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
-#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (263 s at
-#   5936e56, one worker) and `-m "not gpu"` (14 workers, the default: 243 s at 5936e56; 8 workers did 1217 of 1313
+#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (202 s at
+#   45fda45, one worker) and `-m "not gpu"` (14 workers, the default: 244 s at 45fda45; 8 workers did 1217 of 1313
 #   in 320 s at bb54d81). Give each its own call with the default BUDGET: a call shared
 #   with other jobs ran out of time at e12a610, and one running both parts at bb54d81 finished neither.
 #   Never write to $OUT/evidence.tar.gz after this script: it is the archive (an empty one overwrote ee57544's).
@@ -25,8 +25,8 @@
 #   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
 #   at batch 1 and 8 (both presets in one process, which compiles the kernel once), and k3-mini's batch-1 and batch-8
-#   timelines in one more process (recordings and images; the phase tables printed). 473 s at 5936e56, when each
-#   bench and each timeline was its own process. Then `tests -m gpu` in its own call.
+#   timelines in one more process (recordings and images; the phase tables printed). 211 s at 610a13c (473 s at
+#   5936e56, when each bench and each timeline was its own process). Then `tests -m gpu` in its own call.
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
