@@ -142,8 +142,10 @@ codes = [main(["bench", "--preset", preset, "--executor", "fused,mega", "--batch
          for preset in ("k3-mini", "qwen3-30b-a3b")]
 sys.exit(max(codes))
 PY
-    echo "bench exit $?"; grep -E "^(k3-mini|qwen3-30b-a3b) |^wrote" "$OUT/evidence/bench-mega.log"
-    tail -2 "$OUT/evidence/bench-mega.log"
+    brc=$?
+    echo "bench exit $brc"; grep -E "^(k3-mini|qwen3-30b-a3b) |^wrote" "$OUT/evidence/bench-mega.log"
+    # the log's end only when the bench failed (it repeated the last row and its file line otherwise)
+    [ "$brc" -eq 0 ] || tail -5 "$OUT/evidence/bench-mega.log"
     # batch 8 too: bf18192 was 11% slower there than 07a1134 with no batch-8 recording to say where
     timeline k3-mini 1,8
     exit "$rc"
