@@ -67,6 +67,20 @@ def test_the_kernel_keeps_two_ctas_per_sm():
     assert cubin_registers(K.compile_for().artifacts.CUBIN) == regs == cubin_registers(cubin)
 
 
+def test_the_launches_compile_is_made_once_from_placeholders_and_keeps_the_register_count(monkeypatch):
+    """runtime.compiled_launcher: the one compile per process that the engine build (default_ctas) and every
+    runtime's launches share, made from placeholder tensors (here on the CPU: the compile needs no GPU). Its cubin
+    has the kernel's register count, the same as the audited compile's; a second call compiles nothing."""
+    from megadecode.mega import runtime as R
+
+    monkeypatch.setattr(R, "_COMPILED", None)
+    c = R.compiled_launcher("cpu")
+    assert R.cubin_registers(c.artifacts.CUBIN) == R.cubin_registers(K.compile_for().artifacts.CUBIN) is not None
+    calls = []
+    monkeypatch.setattr(K.cute, "compile", lambda *a, **k: calls.append(a))
+    assert R.compiled_launcher("cpu") is c and not calls
+
+
 def test_cubin_registers_reads_the_regcount_attribute_and_refuses_what_is_not_a_cubin():
     """EIATTR_REGCOUNT in a hand-made ELF64 .nv.info section (other attributes around it skipped by their
     formats); None for no cubin, a non-ELF, a truncated ELF and a cubin without the attribute."""

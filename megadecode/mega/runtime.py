@@ -43,15 +43,48 @@ def kernel_module():
     return K
 
 
-def _cute_args(rt: "MegaRuntime"):
+def _launch_args(rows, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, timeline, delay_ns, num_ctas):
+    """The launcher's arguments but the stream: the tensors with their layouts dynamic (so one compile serves
+    tensors of any size), the scalars as Int32."""
     from cutlass import Int32
     from cutlass.cute.runtime import from_dlpack
 
     def dyn(t):
         return from_dlpack(t, assumed_align=16).mark_layout_dynamic()
 
-    return (dyn(rt.rows), dyn(rt.qstart), dyn(rt.qorder), dyn(rt.ctr), dyn(rt.f32), dyn(rt.i32), dyn(rt.taddr),
-            dyn(rt.err), Int32(rt.max_spin), dyn(rt.tl), Int32(rt.timeline), Int32(rt.delay_ns), Int32(rt.num_ctas))
+    return (dyn(rows), dyn(qstart), dyn(qorder), dyn(ctr), dyn(f32), dyn(i32), dyn(taddr), dyn(err), Int32(max_spin),
+            dyn(tl), Int32(timeline), Int32(delay_ns), Int32(num_ctas))
+
+
+def _cute_args(rt: "MegaRuntime"):
+    return _launch_args(rt.rows, rt.qstart, rt.qorder, rt.ctr, rt.f32, rt.i32, rt.taddr, rt.err, rt.max_spin, rt.tl,
+                        rt.timeline, rt.delay_ns, rt.num_ctas)
+
+
+def compiled_launcher(device):
+    """The compiled launcher, once per process (the compile takes 20-30 s): on first use, from placeholder tensors
+    of the runtime's dtypes and ranks on `device`, layouts dynamic, so it serves every program. The engine build's
+    CTA count (`default_ctas`: the register count from its cubin) and every runtime's launches share it; the cold
+    start paid two compiles before (52.5 s for k3-mini on the H200 at 45fda45: 26.1 s of build, 26.5 s of first
+    step). The stream is an argument of each call, not of the compile."""
+    global _COMPILED
+    if _COMPILED is None:
+        from .isa import ROW
+
+        K = kernel_module()  # first: it sets the DSL's architecture before cutlass is imported
+
+        def z(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        args = _launch_args(z(2, ROW), z(9), z(64), z(64), z(4096, dtype=torch.float32), z(1024),
+                            z(16, dtype=torch.int64), z(ERR_WORDS), DEFAULT_MAX_SPIN, z(TLW, dtype=torch.int64), 0, 0,
+                            8)
+        # the cubin kept: default_ctas and check_residency read the kernel's register count from it. The dump
+        # directory stays (as compile_for's does): whether the executor reads its files later is not known
+        dump = tempfile.mkdtemp(prefix="megadecode-cute-")
+        _COMPILED = K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0),
+                                 options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}")
+    return _COMPILED
 
 
 def _ptxas() -> tuple[str | None, bool]:
@@ -193,20 +226,10 @@ class MegaRuntime:
         return self.i32[off:off + n]
 
     def compile(self):
-        """The compiled launcher: once per process, for tensors of any size (layouts marked dynamic), so it serves
-        every program."""
-        global _COMPILED
-        if _COMPILED is None:
-            import cutlass.cute as cute
-
-            K = kernel_module()
-            # the cubin kept: check_residency reads the launched kernel's register count from it. The dump
-            # directory stays (as compile_for's does): whether the executor reads its files later is not known
-            dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-            _COMPILED = cute.compile(K.launch, *_cute_args(self), K.current_stream_arg(),
-                                     options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}")
+        """The compiled launcher (`compiled_launcher`: once per process, it serves every program), residency
+        checked on first use."""
         if self._compiled is None:
-            self._compiled = _COMPILED
+            self._compiled = compiled_launcher(self.device)
             self.check_residency()
         return self._compiled
 
