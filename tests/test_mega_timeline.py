@@ -145,23 +145,47 @@ def test_sass_mix_compiles_each_opcode_alone_and_leaves_the_whole_kernel(monkeyp
     assert cute_kernel.compile_for().__ptx__ == ",".join(b[0] for b in cute_kernel.BODIES)
 
 
-def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monkeypatch):
+def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monkeypatch, capsys):
     """bench/mega_check.py (the GPU's buffers against pyvm) exits 1 on a buffer over its tolerance, a repeat or
-    delayed build that differs, or a failed launch, so gpu_evidence.sh (kernel, sanitizer) can act on its status."""
+    delayed build that differs, a failed launch, or decode logits off pyvm's, so gpu_evidence.sh (kernel, sanitizer)
+    can act on its status. Its verdicts are the GPU tests' (mega_gpu.diff_failures / e2e_failures): at 8511b25 it
+    exited 0 on logits 1.1e-2 from pyvm that the GPU test failed at 1e-3."""
     import mega_check
+
+    from megadecode.validate.mega_gpu import BUFFER_TOL, E2E_PYVM_TOL
 
     good = {"instructions": 3, "first_launch_s": 0.1, "repeat_bitwise_equal": True, "delayed_runs": 3,
             "delayed_bitwise_equal": True, "buffers": [{"buffer": "hidden", "rel": 1e-7}], "mismatched": []}
     row = dict(good)
-    monkeypatch.setattr(mega_check, "diff_program", lambda preset, b, ctas, seed: dict(row))
+    monkeypatch.setattr(mega_check, "diff_program",
+                        lambda preset, b, ctas, seed: {**row, "preset": preset, "batch": b})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
     out = tmp_path / "m.json"
     monkeypatch.setattr(sys, "argv", ["mega_check.py", "--presets", "tiny-k3", "--batches", "1", "--tokens", "0",
                                       "--ctas", "4", "--out", str(out)])
     assert mega_check.main() == 0
-    for bad in ({"mismatched": ["hidden"]}, {"repeat_bitwise_equal": False}, {"delayed_bitwise_equal": False}):
+    for bad in ({"mismatched": ["hidden"]}, {"repeat_bitwise_equal": False}, {"delayed_bitwise_equal": False},
+                {"buffers": [{"buffer": "cache.1.0", "rel": BUFFER_TOL * 1.2}]},
+                {"buffers": [{"buffer": "logits", "rel": float("nan")}]}):
         row = {**good, **bad}
         assert mega_check.main() == 1, bad
+    assert "FAIL diff tiny-k3 b=1: over" in capsys.readouterr().out
+
+    row = dict(good)  # the decode steps against pyvm
+    vp_good = {"worst": 1e-6, "median": 1e-7, "frac_over": 0.0, "clear_token_mismatches": 0, "finite": True}
+    vt = {"worst": 0.5, "median": 1e-2, "frac_over": 0.25, "clear_token_mismatches": 0}
+    greedy = {"equal": 8, "tokens": 8, "first_divergence": [None]}
+    e2e = {"vs_pyvm": vp_good}
+    monkeypatch.setattr(mega_check, "end_to_end", lambda preset, b, tokens, seed: {
+        "preset": preset, "batch": b, "steps": 4, "vs_torch_bf16": vt, "smallest_routing_margin": 1e-4,
+        "torch_bf16": greedy, "torch_fp32": greedy, **e2e})
+    monkeypatch.setattr(sys, "argv", ["mega_check.py", "--presets", "tiny-k3", "--batches", "1", "--tokens", "8",
+                                      "--ctas", "4", "--out", str(out)])
+    assert mega_check.main() == 0  # torch's statistical agreement (half a logit off, routing ties) is read only
+    for bad in ({"worst": E2E_PYVM_TOL * 11}, {"finite": False}, {"clear_token_mismatches": 1}):
+        e2e = {"vs_pyvm": {**vp_good, **bad}}
+        assert mega_check.main() == 1, bad
+    assert "FAIL e2e tiny-k3 b=4: logits 1.1e-02 from pyvm" in capsys.readouterr().out
 
     def boom(*a):
         raise RuntimeError("launch failed")
