@@ -105,6 +105,13 @@ def test_checksum_sees_any_change():
     t2 = t.clone()
     t2[[3, 4]] = t2[[4, 3]]  # a swap keeps every plain sum
     assert checksum(t2) != s
+    # a swap of two values whose bytes sum alike (1.0 is 00 00 80 3f, this one 3f 80 00 00): the position-linear sum
+    # alone kept it (the swap above hit such a pair in about 1 run in 300)
+    t2 = t.clone()
+    t2[3], t2[4] = 1.0, torch.tensor([0x0000803F], dtype=torch.int32).view(torch.float32)[0]
+    s2 = checksum(t2)
+    t2[[3, 4]] = t2[[4, 3]]
+    assert checksum(t2)[0] == s2[0] and checksum(t2) != s2
     t2 = t.clone()
     t2[999] = torch.nextafter(t2[999], torch.tensor(10.0))
     assert checksum(t2) != s
