@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .experts import ExpertShard
+from .vocab import VocabShard, gather_logits
 
 ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
 MODES = (ALL_GATHER, REDUCE_SCATTER)
@@ -149,6 +150,11 @@ class ExpertParallel:
         x = partial.float().contiguous()
         fn = gather_combine if self.mode_for(x.shape[0], x.shape[1]) == ALL_GATHER else scatter_combine
         return fn(x, self.world, self.group)
+
+    def gather_logits(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
+        """This rank's logits [T, rows held] of a vocabulary of `vocab` -> the whole [T, V] on every rank
+        (parallel/vocab.py)."""
+        return gather_logits(local, VocabShard(vocab, self.world, self.rank), self.group, self.comm)
 
     def check_same(self, t: torch.Tensor, what: str) -> None:
         """Raise RuntimeError unless `t` (e.g. the generated token ids) is the same on every rank: ranks run the same
