@@ -15,7 +15,7 @@ import torch
 from megadecode import cli, ranks
 from megadecode.checkpoint import CheckpointError, _Reader, load_weights
 from megadecode.engine import Engine
-from megadecode.parallel import combine, launch
+from megadecode.parallel import combine, group, launch
 from megadecode.parallel.combine import ExpertParallel
 from megadecode.parallel.experts import ExpertShard
 from megadecode.parallel.vocab import VocabShard, shard_rows
@@ -92,7 +92,7 @@ def test_gathered_logits_are_the_single_process_logits_and_comm_off_keeps_shapes
     want = x @ w.T
     for world in (2, 4):
         parts = [x @ shard_rows(w, VocabShard(V, world, r)).T for r in range(world)]
-        monkeypatch.setattr(combine, "_all_gather", lambda out, part, group: out.copy_(torch.cat(parts)))
+        monkeypatch.setattr(group, "all_gather_rows", lambda out, part, g: out.copy_(torch.cat(parts)))
         for r in range(world):
             got = gather_logits(parts[r], VocabShard(V, world, r), None)
             assert got.shape == (T, V) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)

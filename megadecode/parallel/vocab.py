@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import group as group_
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -73,8 +75,6 @@ def gather_logits(local: torch.Tensor, shard: VocabShard, group, comm: bool = Tr
     """This rank's logits [T, per_rank] -> the whole [T, V] on every rank (one all-gather, fp32). `comm` False
     (bench's communication-off run): no collective, this rank's slice in place and zeros elsewhere (same shapes,
     wrong values)."""
-    from .combine import _all_gather
-
     T, P = local.shape
     x = local.float().contiguous()
     if not comm:
@@ -82,5 +82,5 @@ def gather_logits(local: torch.Tensor, shard: VocabShard, group, comm: bool = Tr
         out[:, shard.rank * P:(shard.rank + 1) * P] = x
         return out[:, :shard.vocab]
     parts = torch.empty((shard.world * T, P), dtype=x.dtype, device=x.device)
-    _all_gather(parts, x, group)
+    group_.all_gather_rows(parts, x, group)
     return parts.view(shard.world, T, P).permute(1, 0, 2).reshape(T, shard.world * P)[:, :shard.vocab]
