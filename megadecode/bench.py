@@ -13,10 +13,11 @@ by at least one sequence of the batch (counted per layer on one extra eager step
 cache the batch attends to. Embedding rows are negligible and left out. floor = bytes / HBM_READ_BPS,
 MBU = floor / measured.
 
-Expert parallelism (`--ep N`, one GPU per rank): every rank times the same steps. Bytes per GPU: the trunk, lm_head
-and the cache (replicated: every rank runs the whole trunk for the whole batch) plus the rank's own selected
-experts; the row reports the largest over the ranks (the GPU the step waits for), and MBU against it. Communication:
-the same steps again with the combines skipped (parallel/combine.py `comm = False`: same compute, wrong sums), and
+Expert parallelism (`--ep N`, one GPU per rank): every rank times the same steps. Bytes per GPU: the trunk and the
+cache (replicated: every rank runs the whole trunk for the whole batch), the rank's rows of an untied lm_head
+(parallel/vocab.py) and its own selected experts; the row reports the largest over the ranks (the GPU the step
+waits for), and MBU against it. Communication: the same steps again with the combines and the logits' all-gather
+skipped (parallel/combine.py `comm = False`: same compute, wrong sums), and
 `comm_ms_per_layer` = (ms - ms without communication) / MoE layers, `comm_share` = that time over the step.
 """
 

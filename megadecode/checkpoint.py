@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,7 +24,8 @@ from .layouts import (
 from .parallel.experts import ExpertShard
 from .presets import preset_hf_config
 from .quant.fp8 import FP8, SCALE_DTYPES, dequantize_fp8, quantize_fp8
-from .weights import param_specs, random_experts, random_tensor
+from .parallel.vocab import VocabShard, pad_rows, shard_rows
+from .weights import param_specs, random_experts, random_tensor, vocab_shard
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -177,6 +179,23 @@ def _missing(ckpt: Path, cfg: ModelConfig, name: str, spec) -> CheckpointError:
     return CheckpointError(f"checkpoint {ckpt} is missing tensor {name!r} (shape {list(spec.shape)}{also})")
 
 
+def _lm_head_rows(ckpt: Path, cfg: ModelConfig, spec, src: Source, read, reader: _Reader,
+                  v: VocabShard) -> torch.Tensor:
+    """A rank's rows of the lm_head (vocab-parallel, parallel/vocab.py), padded to spec's shape: a single stored
+    tensor is read as a slice of those rows alone; one in parts, or in FP8 (whose block scales span the rows), is
+    assembled whole and sliced."""
+    whole = replace(spec, shape=(cfg.vocab_size, *spec.shape[1:]))
+    if src.parts == 1 and list(src.pieces) == [(None, 0)]:
+        piece = src.pieces[(None, 0)]
+        shape = reader.shape(piece)
+        if tuple(shape) != whole.shape:
+            raise CheckpointError(f"tensor {piece!r} has shape {list(shape)}, expected {list(whole.shape)}")
+        t = reader(piece, None, (v.lo, v.hi))
+        if t.dtype != FP8:
+            return pad_rows(t, v)
+    return shard_rows(_assemble(ckpt, cfg, "lm_head.weight", whole, src, read, reader, None), v)
+
+
 def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read, reader: _Reader,
               shard: ExpertShard | None) -> torch.Tensor:
     """Our tensor `name` from its pieces: as stored, stacked over experts, and/or concatenated along dim 0. Stacked
@@ -229,7 +248,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     (quantization_config fp8): the routed experts stay FP8 (values + fp32 block scales), every other FP8 weight
     is dequantized here (quant/fp8.py) and cast to `dtype`. With `check_finite`, NaN/inf is an error naming the
     tensor. With `shard` (expert parallelism) the stacked routed experts hold the rank's experts only, and no other
-    expert's tensor is read (per-expert tensors: not opened; stacked ones: their rows sliced lazily).
+    expert's tensor is read (per-expert tensors: not opened; stacked ones: their rows sliced lazily); an untied
+    lm_head holds the rank's rows (parallel/vocab.py), read as a slice.
     """
     ckpt = Path(ckpt)
     cfg = cfg or load_config(ckpt)
@@ -275,9 +295,13 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
         return read
 
     weights = {}
+    vshard = vocab_shard(cfg, shard)
     for name, spec in specs.items():
         read = (lambda n, rows=None, q=spec.quant: reader(n, q, rows)) if spec.quant else read_float(name)
-        t = _assemble(ckpt, cfg, name, spec, sources[name], read, reader, shard)
+        if name == "lm_head.weight" and vshard is not None:
+            t = _lm_head_rows(ckpt, cfg, spec, sources[name], read, reader, vshard)
+        else:
+            t = _assemble(ckpt, cfg, name, spec, sources[name], read, reader, shard)
         if tuple(t.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
         if spec.quant:

@@ -11,7 +11,8 @@ FP8 checkpoints (cfg.expert_quant "fp8", megadecode/quant/fp8.py): routed expert
 [E, 2*I/bn, ceil(D/bk)] (transformers' FP8Experts names), likewise `down_proj`; every other weight is
 dequantized at load and held in the model dtype.
 Expert parallelism (megadecode/parallel): with a shard, every stacked expert tensor holds the rank's own experts
-only, [E / world, ...] (experts shard.lo .. shard.hi - 1 of the model); everything else is the whole tensor.
+only, [E / world, ...] (experts shard.lo .. shard.hi - 1 of the model), and an untied lm_head the rank's rows
+(parallel/vocab.py: [ceil(V / world), D], zero rows past the vocabulary); everything else is the whole tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .config import ModelConfig
 from .parallel.experts import ExpertShard
+from .parallel.vocab import VocabShard, shard_rows, split_lm_head
 from .quant.fp8 import FP8, FP8_MAX, scale_shape
 
 
@@ -72,15 +74,28 @@ def _kda(a: str, cfg: ModelConfig) -> list[ParamSpec]:
             ParamSpec(f"{a}.o_proj.weight", (D, HK), "linear")]
 
 
+def vocab_shard(cfg: ModelConfig, shard: ExpertShard | None) -> VocabShard | None:
+    """The rank's rows of the lm_head under expert parallelism (parallel/vocab.py), None where it is held whole."""
+    if shard is None or not split_lm_head(cfg, shard.world):
+        return None
+    return VocabShard(cfg.vocab_size, shard.world, shard.rank)
+
+
+def _lm_head_rows(cfg: ModelConfig, shard: ExpertShard | None) -> int:
+    v = vocab_shard(cfg, shard)
+    return cfg.vocab_size if v is None else v.per_rank
+
+
 def param_specs(cfg: ModelConfig, shard: ExpertShard | None = None) -> dict[str, ParamSpec]:
-    """The weight table of `cfg`; with `shard`, stacked routed experts hold that rank's experts only."""
+    """The weight table of `cfg`; with `shard`, stacked routed experts hold that rank's experts only, and an untied
+    lm_head the rank's rows (`vocab_shard`, zero rows past the vocabulary)."""
     if shard is not None and shard.num_experts != cfg.num_experts:
         raise ValueError(f"the expert shard splits {shard.num_experts} experts; the model has {cfg.num_experts}")
     D, H = cfg.hidden_size, cfg.num_heads
     specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab_size, D), "embed"),
              ParamSpec("model.norm.weight", (D,), "norm")]
     if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, D), "linear"))
+        specs.append(ParamSpec("lm_head.weight", (_lm_head_rows(cfg, shard), D), "linear"))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         specs += [ParamSpec(f"{p}.input_layernorm.weight", (D,), "norm"),
@@ -255,18 +270,22 @@ def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: in
                    shard: ExpertShard | None = None) -> dict[str, torch.Tensor]:
     """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU). Stacked
     routed experts are drawn expert by expert (`random_experts`); with `shard`, only the rank's own experts are
-    kept, with the values the whole model holds for them."""
+    kept, with the values the whole model holds for them, and of an untied lm_head the rank's rows."""
     gen = torch.Generator(device=device).manual_seed(seed)
     lo, hi = (0, None) if shard is None else (shard.lo, shard.hi)
-    return {name: random_experts(s, gen, device, dtype, lo, hi) if s.stacked else random_tensor(s, gen, device, dtype)
-            for name, s in param_specs(cfg).items()}
+    out = {name: random_experts(s, gen, device, dtype, lo, hi) if s.stacked else random_tensor(s, gen, device, dtype)
+           for name, s in param_specs(cfg).items()}
+    v = vocab_shard(cfg, shard)
+    if v is not None:  # drawn whole (the stream passes every row), the rank's rows kept
+        out["lm_head.weight"] = shard_rows(out["lm_head.weight"], v)
+    return out
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, shard: ExpertShard | None = None) -> dict[str, int]:
     """Bytes of weights by role: `trunk` (everything read every step except experts and lm_head),
     `expert` (one routed expert of one layer; MXFP4 experts count their packed bytes + scales, 4.25 bits per
     weight; FP8 experts 1 byte per weight + their fp32 block scales), `lm_head`, and `total` (every weight held in
-    memory, the embedding table included; with `shard`, a rank's: its own experts only)."""
+    memory, the embedding table included; with `shard`, a rank's: its own experts and lm_head rows only)."""
     trunk = lm = total = 0
     expert_by_layer: dict[str, int] = {}
     for s in param_specs(cfg, shard).values():

@@ -61,6 +61,7 @@ def generate(ep, preset: str, executor: str = "torch", new_tokens: int = NEW_TOK
     specs = param_specs(cfg)
     stacked = {n: list(t.shape) for n, t in engine.executor.weights.items() if specs[n].stacked}
     return {"tokens": res.token_ids, "logprobs": res.logprobs, "stacked": stacked,
+            "lm_head": list(engine.executor.weights["lm_head.weight"].shape),
             "numel": sum(t.numel() for t in engine.executor.weights.values())}
 
 

@@ -28,10 +28,17 @@ PRESETS = ep_workers.PRESETS
 
 # ---- whole runs: 2 and 4 ranks against one process ----------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def one_process(preset: str, executor: str = "torch", new_tokens: int = ep_workers.NEW_TOKENS) -> list[list[int]]:
+def _one_process(preset: str, executor: str, new_tokens: int):
     engine = Engine.from_pretrained(preset, executor=executor, max_batch=len(ep_workers.PROMPTS), max_seq_len=32)
-    res = engine.generate(ep_workers.PROMPTS, new_tokens, SamplingParams(greedy=True), stop_at_eos=False)
-    return res.token_ids
+    return engine.generate(ep_workers.PROMPTS, new_tokens, SamplingParams(greedy=True), stop_at_eos=False)
+
+
+def one_process(preset: str, executor: str = "torch", new_tokens: int = ep_workers.NEW_TOKENS) -> list[list[int]]:
+    return _one_process(preset, executor, new_tokens).token_ids
+
+
+def one_process_logprobs(preset: str) -> list[list[float]]:
+    return _one_process(preset, "torch", ep_workers.NEW_TOKENS).logprobs
 
 
 def _run_ranks(tmp_path: Path, world: int, *scenarios: str) -> tuple[int, list[dict]]:
@@ -41,18 +48,27 @@ def _run_ranks(tmp_path: Path, world: int, *scenarios: str) -> tuple[int, list[d
 
 
 def _check_tokens_and_shards(results: list[dict], world: int) -> None:
+    """Every rank's greedy tokens are one process's; it holds its experts and its lm_head rows (ceil(V / world),
+    the tiny presets' V = 259 splitting unevenly: zero rows pad the last rank's), nothing of the others'. Logprobs
+    come from the gathered logits, so they match one process's to rounding."""
     for preset in PRESETS:
         cfg = preset_config(preset)
         per_rank = cfg.num_experts // world
         want = one_process(preset)
+        want_lp = one_process_logprobs(preset)
+        V, D = cfg.vocab_size, cfg.hidden_size
+        rows = -(-V // world)
         for r, res in enumerate(results):
             got = res["tokens"][preset]
             assert got["tokens"] == want, (preset, r)
+            assert all(abs(a - b) < 1e-4 for x, y in zip(got["logprobs"], want_lp) for a, b in zip(x, y)), (preset, r)
             assert all(shape[0] == per_rank for shape in got["stacked"].values()), (preset, r)
+            assert got["lm_head"] == [rows, D], (preset, r)
             whole = sum(math.prod(s.shape) for s in param_specs(cfg).values())
             others = sum((cfg.num_experts - per_rank) * math.prod(s.shape[1:])
                          for s in param_specs(cfg).values() if s.stacked)
-            assert got["numel"] == whole - others, (preset, r)  # the other ranks' experts are nowhere
+            # the other ranks' experts and lm_head rows are nowhere
+            assert got["numel"] == whole - others - (V - rows) * D, (preset, r)
 
 
 def test_two_ranks_match_one_process(tmp_path, tiny_ckpt):

@@ -15,9 +15,10 @@ import torch
 from megadecode import cli, ranks
 from megadecode.checkpoint import CheckpointError, _Reader, load_weights
 from megadecode.engine import Engine
-from megadecode.parallel import combine, launch
+from megadecode.parallel import combine, group, launch
 from megadecode.parallel.combine import ExpertParallel
 from megadecode.parallel.experts import ExpertShard
+from megadecode.parallel.vocab import VocabShard, shard_rows
 from megadecode.presets import preset_config, preset_hf_config
 from megadecode.reference.latent_moe import latent_experts
 from megadecode.reference.moe import experts_grouped, experts_reference
@@ -30,6 +31,76 @@ import ep_workers  # noqa: E402
 from interp import DEVICE  # noqa: E402
 
 PRESETS = ep_workers.PRESETS
+
+# ---- the lm_head's rows a rank holds (parallel/vocab.py) ------------------------------------------------------------
+def test_vocab_shard_splits_rows_evenly_padding_the_last_rank():
+    from megadecode.parallel.vocab import pad_rows
+
+    assert [(s.lo, s.hi, s.per_rank) for s in (VocabShard(8, 4, r) for r in range(4))] == \
+        [(0, 2, 2), (2, 4, 2), (4, 6, 2), (6, 8, 2)]
+    assert [(s.lo, s.hi) for s in (VocabShard(259, 4, r) for r in range(4))] == \
+        [(0, 65), (65, 130), (130, 195), (195, 259)]  # 65 rows each, the last rank's 64 and one zero row
+    assert (VocabShard(5, 4, 3).lo, VocabShard(5, 4, 3).hi) == (5, 5)  # a rank of padding only
+    with pytest.raises(ValueError, match="cannot split a vocabulary of 3"):
+        VocabShard(3, 4, 0)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        VocabShard(8, 2, 2)
+    full = torch.arange(259 * 3, dtype=torch.float32).view(259, 3)
+    last = shard_rows(full, VocabShard(259, 4, 3))
+    assert last.shape == (65, 3) and torch.equal(last[:64], full[195:]) and not last[64].any()
+    assert torch.equal(pad_rows(full[195:], VocabShard(259, 4, 3)), last)
+    with pytest.raises(ValueError, match="lm_head has 258 rows, the vocabulary 259"):
+        shard_rows(full[:258], VocabShard(259, 4, 0))
+
+
+def test_rank_weights_hold_their_lm_head_rows_and_bytes(tiny_ckpt):
+    """param_specs / random_weights / load_weights / weight_bytes with an expert shard: the untied lm_head is the
+    rank's rows of the single-process model's (values equal), zero rows past the vocabulary; its bytes per rank
+    1 / world (rounded up); one rank keeps it whole; a tied lm_head (the embedding) stays whole."""
+    from dataclasses import replace
+
+    cfg = preset_config("tiny-deepseek-v3")
+    V, D = cfg.vocab_size, cfg.hidden_size
+    whole = random_weights(cfg)["lm_head.weight"]
+    ckpt = tiny_ckpt("tiny-deepseek-v3")
+    _, loaded_whole = load_weights(ckpt, cfg)
+    for world in (1, 2, 4):
+        rows = -(-V // world)
+        for r in range(world):
+            shard = ExpertShard(cfg.num_experts, world, r)
+            v = VocabShard(V, world, r)
+            assert param_specs(cfg, shard)["lm_head.weight"].shape == (rows, D)
+            for w, ref in ((random_weights(cfg, shard=shard), whole),
+                           (load_weights(ckpt, cfg, shard=shard)[1], loaded_whole["lm_head.weight"])):
+                got = w["lm_head.weight"]
+                assert got.shape == (rows, D)
+                assert torch.equal(got[:v.hi - v.lo], ref[v.lo:v.hi]) and not got[v.hi - v.lo:].any()
+        assert weight_bytes(cfg, 2, ExpertShard(cfg.num_experts, world, 0))["lm_head"] == rows * D * 2
+    tied = replace(cfg, tie_word_embeddings=True)
+    specs = param_specs(tied, ExpertShard(cfg.num_experts, 2, 1))
+    assert "lm_head.weight" not in specs and specs["model.embed_tokens.weight"].shape == (V, D)
+
+
+def test_gathered_logits_are_the_single_process_logits_and_comm_off_keeps_shapes(monkeypatch):
+    """The lm_head op of a rank with its rows and the all-gather (here a stand-in that hands back every rank's slice
+    in rank order, as the collective does) gives the single-process logits, whatever the split; with the
+    collectives off (bench's communication-off run) the shape stays [T, V], this rank's slice in place."""
+    from megadecode.parallel.vocab import gather_logits
+
+    V, D, T = 259, 16, 3
+    x, w = torch.randn(T, D), torch.randn(V, D)
+    want = x @ w.T
+    for world in (2, 4):
+        parts = [x @ shard_rows(w, VocabShard(V, world, r)).T for r in range(world)]
+        monkeypatch.setattr(group, "all_gather_rows", lambda out, part, g: out.copy_(torch.cat(parts)))
+        for r in range(world):
+            got = gather_logits(parts[r], VocabShard(V, world, r), None)
+            assert got.shape == (T, V) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        off = gather_logits(parts[1], VocabShard(V, world, 1), None, comm=False)
+        P = -(-V // world)
+        assert off.shape == (T, V) and torch.equal(off[:, P:2 * P], parts[1][:, :min(2 * P, V) - P])
+        assert not off[:, :P].any() and not off[:, 2 * P:].any()
+
 
 # ---- which experts a rank owns ------------------------------------------------------------------------------------
 def test_shard_owns_contiguous_blocks_and_maps_ids():
@@ -144,7 +215,7 @@ def test_a_token_with_no_local_pair_gets_zeros():
 @pytest.mark.parametrize("preset", [*PRESETS, "tiny-qwen3-moe-fp8"])
 def test_random_weights_of_a_rank_are_the_slice_and_nothing_more(preset, monkeypatch):
     """A rank draws the values the whole model holds for its experts, never a whole expert stack (every draw of a
-    stacked tensor is one expert), and holds E / world experts per layer."""
+    stacked tensor is one expert), and holds E / world experts per layer, and its rows of the lm_head."""
     from megadecode import weights as W
 
     cfg = preset_config(preset)
@@ -159,6 +230,8 @@ def test_random_weights_of_a_rank_are_the_slice_and_nothing_more(preset, monkeyp
             mine = random_weights(cfg, shard=shard)
             for name, spec in param_specs(cfg).items():
                 want = full[name][shard.lo:shard.hi] if spec.stacked else full[name]
+                if name == "lm_head.weight":  # its rows (parallel/vocab.py)
+                    want = shard_rows(want, VocabShard(cfg.vocab_size, world, r))
                 assert mine[name].shape == want.shape and torch.equal(mine[name].view(torch.uint8),
                                                                       want.view(torch.uint8)), name
             held = sum(t.numel() * t.element_size() for t in mine.values())
@@ -197,6 +270,10 @@ def test_checkpoint_rank_reads_only_its_experts(layout, tiny_ckpt, tmp_path, mon
     _, mine = load_weights(ckpt, shard=shard)
     for name, spec in param_specs(cfg).items():
         want = full[name][shard.lo:shard.hi] if spec.stacked else full[name]
+        if name == "lm_head.weight":  # its rows, read as a slice (parallel/vocab.py)
+            v = VocabShard(cfg.vocab_size, 2, 1)
+            want = shard_rows(want, v)
+            assert ("lm_head.weight", (v.lo, v.hi)) in reads
         assert torch.equal(mine[name], want), name
     expert_reads = [(n, rows) for n, rows in reads if ".experts." in n]
     assert expert_reads

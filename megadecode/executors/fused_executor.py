@@ -30,9 +30,11 @@ are in scope (`length_free`) one graph per batch size serves every cache length:
 from device memory, and the host's kv_len is the cache's length, which only sizes the split.
 
 Expert parallelism (`parallel`): the EXPERTS and LATENT_MOE variants run over this rank's experts and their fp32
-partial sums are combined over the ranks (executors/parallel_moe.py); every other op is replicated, unchanged.
+partial sums are combined over the ranks (executors/parallel_moe.py); an lm_head split by rows (parallel/vocab.py)
+runs torch_ops' LM_HEAD, its rows and the logits' all-gather; every other op is replicated, unchanged.
 
-Sampling in the step (`set_sampling`): for greedy or temperature sampling (top_p == 1) the LM_HEAD op runs
+Sampling in the step (`set_sampling`; not with an lm_head split by rows): for greedy or temperature sampling
+(top_p == 1) the LM_HEAD op runs
 kernels/lm_head.py's lm_head_sample instead of F.linear, so the captured step also returns the next tokens and
 their logprobs (`sampled`), with the noise seed read from a device tensor (`seed`) that the caller rewrites
 before each step. Engine.generate uses it when the executor offers it; top-p keeps sampling.sample.
@@ -97,7 +99,8 @@ class FusedExecutor(GraphExecutor):
         """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
         (None). Greedy and temperature sampling only (top_p == 1), batch <= SAMPLE_IN_STEP_MAX_BATCH; returns
         whether the step samples. Captured graphs are dropped when the choice changes (it is part of the graph)."""
-        ok = params is not None and (params.greedy or params.top_p == 1.0) and batch <= SAMPLE_IN_STEP_MAX_BATCH
+        ok = (params is not None and (params.greedy or params.top_p == 1.0) and batch <= SAMPLE_IN_STEP_MAX_BATCH
+              and not self._lm_head_split())
         new = params if ok else None
         if new != self.sampling:
             # drop the graphs and their memory pool: capturing into the pool of freed graphs trips the caching
@@ -106,6 +109,13 @@ class FusedExecutor(GraphExecutor):
             self._pool = None
             self.sampling = new
         return new is not None
+
+    def _lm_head_split(self) -> bool:
+        """Whether this rank holds only its rows of the lm_head (expert parallelism, parallel/vocab.py): the step
+        then runs torch_ops' LM_HEAD (its rows, then the all-gather), neither lm_head_sample nor the lm_head
+        variant, which read a whole lm_head."""
+        return self.parallel is not None and any(
+            op.kind == LM_HEAD and self.weights[op.weights[0]].shape[0] != self.cfg.vocab_size for op in self.plan.ops)
 
     def _step_fn(self, step: Step) -> torch.Tensor:
         ctx = self.run_ops(step)
@@ -151,7 +161,9 @@ class FusedExecutor(GraphExecutor):
             if op.kind not in picks:
                 picks[op.kind] = self._pick(op.kind, step.num_tokens)
             v = picks[op.kind]
-            if op.kind == LM_HEAD and self.sampling is not None:
+            if op.kind == LM_HEAD and self._lm_head_split():
+                OP_IMPLS[op.kind](ctx, op)
+            elif op.kind == LM_HEAD and self.sampling is not None:
                 from ..kernels.lm_head import lm_head_sample
 
                 tok, lp, logits = lm_head_sample(ctx.buf[op.inputs[0]], self.weights[op.weights[0]], self.sampling,

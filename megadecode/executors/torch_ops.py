@@ -206,7 +206,13 @@ def _latent_moe(ctx, op):
 
 
 def _lm_head(ctx, op):
-    ctx.buf["logits"] = F.linear(ctx.buf[op.inputs[0]], ctx.w[op.weights[0]]).float()
+    """The logits; under expert parallelism with the lm_head split by rows (parallel/vocab.py), this rank's slice
+    and one all-gather of the others'."""
+    w = ctx.w[op.weights[0]]
+    logits = F.linear(ctx.buf[op.inputs[0]], w).float()
+    if ctx.parallel is not None and w.shape[0] != ctx.cfg.vocab_size:  # weights.vocab_shard's rows
+        logits = ctx.parallel.gather_logits(logits, ctx.cfg.vocab_size)
+    ctx.buf["logits"] = logits
 
 
 def _add_rmsnorm(ctx, op):

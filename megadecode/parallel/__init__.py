@@ -3,6 +3,7 @@ routed experts split across ranks, the trunk replicated.
 
     experts.py   which experts a rank owns (contiguous blocks of E / world) and its view of the router's picks
     combine.py   the sum of the ranks' partial expert outputs, deterministic, in two communication modes
+    vocab.py     the lm_head split by rows over the ranks, and the all-gather of the logits
     group.py     the process group from torchrun's environment, its timeout, and agreeing on failures
     launch.py    the command line starting its own ranks when it is not run under torchrun
 

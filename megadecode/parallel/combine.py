@@ -42,16 +42,12 @@ import torch
 import torch.distributed as dist
 
 from .experts import ExpertShard
+from .group import all_gather_rows
+from .vocab import VocabShard, gather_logits
 
 ALL_GATHER, REDUCE_SCATTER = "all-gather", "reduce-scatter"
 MODES = (ALL_GATHER, REDUCE_SCATTER)
 MODES_DIR = Path(__file__).resolve().parent / "configs"
-
-
-def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """out [W * T, N] = the ranks' x [T, N] in rank order (all_gather_into_tensor, renamed in newer torch)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
 
 
 def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
@@ -66,7 +62,7 @@ def gather_combine(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """The all-gather mode: every rank's partial to every rank, summed here in rank order."""
     T, N = x.shape
     out = torch.empty((world * T, N), dtype=x.dtype, device=x.device)
-    _all_gather(out, x, group)
+    all_gather_rows(out, x, group)
     return sum_in_rank_order(out.view(world, T, N))
 
 
@@ -81,7 +77,7 @@ def scatter_combine(x: torch.Tensor, world: int, group) -> torch.Tensor:
     dist.all_to_all_single(recv, send, group=group)  # recv block s: rank s's partial of this rank's rows
     mine = sum_in_rank_order(recv.view(world, rows, N))
     out = torch.empty_like(send)
-    _all_gather(out, mine, group)
+    all_gather_rows(out, mine, group)
     return out[:T]
 
 
@@ -150,6 +146,11 @@ class ExpertParallel:
         fn = gather_combine if self.mode_for(x.shape[0], x.shape[1]) == ALL_GATHER else scatter_combine
         return fn(x, self.world, self.group)
 
+    def gather_logits(self, local: torch.Tensor, vocab: int) -> torch.Tensor:
+        """This rank's logits [T, rows held] of a vocabulary of `vocab` -> the whole [T, V] on every rank
+        (parallel/vocab.py)."""
+        return gather_logits(local, VocabShard(vocab, self.world, self.rank), self.group, self.comm)
+
     def check_same(self, t: torch.Tensor, what: str) -> None:
         """Raise RuntimeError unless `t` (e.g. the generated token ids) is the same on every rank: ranks run the same
         steps on the same activations, so they must agree (a check, after the run, that they stayed in step)."""
@@ -157,7 +158,7 @@ class ExpertParallel:
             return
         x = t.contiguous()
         out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather(out, x, self.group)
+        all_gather_rows(out, x, self.group)
         parts = out.view(self.world, *x.shape)
         bad = [r for r in range(self.world) if not torch.equal(parts[r], parts[0])]
         if bad:

@@ -141,6 +141,13 @@ def init(ep: int, device: str, timeout_s: float) -> EPGroup | None:
     return EPGroup(r, world, local, backend, dev, dist.group.WORLD, control, timeout_s)
 
 
+def all_gather_rows(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """out [W * T, N] = the ranks' x [T, N] in rank order (all_gather_into_tensor, renamed in newer torch): the
+    combine's and the logits' one collective."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
 def agree(ep: EPGroup | None, fn, *args, **kw):
     """fn(*args, **kw) on every rank; if it raised on any rank, every rank raises RankFailed with the first failing
     rank's message (prefixed with its rank when that is not rank 0), so no rank goes on to wait for one that has
