@@ -13,6 +13,7 @@
 #   OUT=/path bash bench/gpu_evidence.sh sanitizer                                    # compute-sanitizer, megakernel
 #   OUT=/path bash bench/gpu_evidence.sh ncu                                          # Nsight Compute, megakernel
 #   OUT=/path bash bench/gpu_evidence.sh timelines                                    # more megakernel timelines
+#   OUT=/path bash bench/gpu_evidence.sh try                                          # a kernel change, quickly
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -150,6 +151,18 @@ PY
     timeline k3-mini 1,8
     exit "$rc"
 fi
+if [ "$MODE" = try ]; then  # a kernel change measured before the whole suite is spent on it (~2 min with the start):
+    # mega_check on TRY_PRESETS (default tiny-k3, whose experts are MXFP4; exit status its own) at batch 3 and 16,
+    # and k3-mini's timelines at batch 1 and 8 (the by-opcode table to set beside the last kernel run's). Not
+    # evidence for landing: that is `kernel`, then `tests`
+    timeout "$(left)" python bench/mega_check.py --presets "${TRY_PRESETS:-tiny-k3}" --batches 3,16 \
+        --tokens 0 --out "$OUT/evidence/mega-check-try.json" > "$OUT/evidence/mega-check-try.log" 2>&1
+    rc=$?
+    grep -E "^(diff|FAIL)" "$OUT/evidence/mega-check-try.log" | cut -c1-160
+    echo "mega_check exit $rc"
+    timeline k3-mini 1,8
+    exit "$rc"
+fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b
     # and tiny-k3 at batch 1, for ROUTE's time against E, A and the sigmoid (its marks, where the kernel stamps them)
     timeline qwen3-30b-a3b,tiny-k3 1,8
@@ -208,5 +221,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | ep | sanitizer | ncu | timelines" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | try | ep | sanitizer | ncu | timelines" >&2
 exit 2
