@@ -53,22 +53,24 @@ def split_lm_head(cfg, world: int) -> bool:
     return world > 1 and not cfg.tie_word_embeddings
 
 
+def _padded(rows: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """A new [per_rank, D] tensor: `rows`, then zero rows."""
+    out = torch.zeros((shard.per_rank, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    out[:rows.shape[0]] = rows
+    return out
+
+
 def shard_rows(full: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """Rows [lo, hi) of the whole lm_head [V, D], padded with zero rows to [per_rank, D]."""
+    """Rows [lo, hi) of the whole lm_head [V, D], padded with zero rows to [per_rank, D] (a copy: the whole tensor
+    is not kept alive by a view)."""
     if full.shape[0] != shard.vocab:
         raise ValueError(f"lm_head has {full.shape[0]} rows, the vocabulary {shard.vocab}")
-    out = torch.zeros((shard.per_rank, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    out[:shard.hi - shard.lo] = full[shard.lo:shard.hi]
-    return out
+    return _padded(full[shard.lo:shard.hi], shard)
 
 
 def pad_rows(part: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """A rank's rows as read from a checkpoint ([hi - lo, D]), padded with zero rows to [per_rank, D]."""
-    if part.shape[0] == shard.per_rank:
-        return part
-    out = torch.zeros((shard.per_rank, *part.shape[1:]), dtype=part.dtype, device=part.device)
-    out[:part.shape[0]] = part
-    return out
+    return part if part.shape[0] == shard.per_rank else _padded(part, shard)
 
 
 def gather_logits(local: torch.Tensor, shard: VocabShard, group, comm: bool = True) -> torch.Tensor:
