@@ -9,6 +9,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 from ..isa import F_INTERLEAVED, F_NOPE
 from .base import (
     ARG,
+    _g,
     CH,
     NEG_INF,
     NT,
@@ -22,6 +23,7 @@ from .base import (
     ia,
     ld4bf,
     ld8,
+    ld8raw,
     ldf,
     ldi,
     rope_index,
@@ -122,6 +124,99 @@ def store_partial(sm: cute.Tensor, tid: Int32, part: Int32, hb: Int32, s: Int32,
 
 
 @cute.jit
+def ld4raw(addr: Int64):
+    """4 consecutive bf16 (8-byte aligned) as they are: converted where they are used."""
+    return cute.make_tensor(_g(addr, BFloat16, 8), cute.make_layout(4)).load()
+
+
+@cute.jit
+def fold_lanes(v: list, lane: Int32, offsets: Constexpr) -> list:
+    """Sums of the values v (a power-of-2 count) over the lanes that differ in the bits of `offsets` (each a power
+    of 2), spread over those lanes: each step halves the list, the lane with the step's bit set keeping the upper
+    half (so after steps o1, o2, ... a lane's value k is the sum of original value k + sum of half_i * bit_i).
+    One shuffle per value kept, not one per value and lane as a warp_sum per value would take. The lanes' sums
+    are added in a fixed tree, so the result does not depend on timing."""
+    for o in cutlass.range_constexpr(len(offsets)):
+        off = offsets[o]
+        half = len(v) // 2
+        up = (lane & off) != 0
+        nv = []
+        for k in cutlass.range_constexpr(half):
+            send = Float32(cutlass.select_(up, v[k], v[k + half]))
+            keep = Float32(cutlass.select_(up, v[k + half], v[k]))
+            nv.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+        v = nv
+    return v
+
+
+@cute.jit
+def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rstride: Int64, c0: Int32, n: Int32,
+              d: Int32, G: Int32, scale: Float32, Q: Constexpr, SC: Constexpr, M: Constexpr, L: Constexpr,
+              AL: Constexpr, ACC: Constexpr):
+    """One chunk of n <= CH cache positions from c0 folded into the online softmax of G <= 16 q heads of one KV
+    head (d <= 128, a multiple of 8): the chunk's keys and values are loaded at once at the top (32 KB at d = 128:
+    16 B of keys and 8 x 8 B of values a thread, all in flight together), then used from registers. Keys: 4
+    threads a position, each 8-dim pieces qd, qd + 4, ... against every head's q (shared memory), the 4 partial
+    sums of the 16 heads folded over those 4 lanes (fold_lanes). Values: a thread 4 dims of 8 positions (slice ps:
+    ps, ps + 8, ...), per group of 4 heads its 16 weighted sums folded over the 8 slices' lanes. Was (value_chunk
+    and a score loop of two 128-dim dots a thread): the loads of each step issued after the last one's arithmetic,
+    ~12 dependent memory trips an instruction, 20 us an instruction at qwen3-30b-a3b batch 1 (H200, 3c9e242's
+    timeline). Positions past n read position n - 1 (clamped: every load is valid and unconditional, so all are
+    issued before any use) and score -inf."""
+    warp, lane = tid // 32, tid % 32
+    # keys: position kp, dims kd + 32u (u = 0..3), clamped to the last 8 (rows shorter than 128: unused pieces)
+    kp, qd = tid // 4, tid % 4
+    krow = kc + rowb + Int64(c0 + cutlass.min(kp, n - 1)) * rstride
+    kq = []
+    for u in cutlass.range_constexpr(4):
+        kq.append(ld8raw(BFloat16, krow + Int64(cutlass.min(qd * 8 + 32 * u, d - 8)) * 2))
+    # values: dims cg * 4 .. + 4 (cg = 4 * warp + lane // 8), positions ps + 8 j (ps = lane % 8)
+    ps, cg = lane % 8, warp * 4 + lane // 8
+    vcol = Int64(cutlass.min(cg * 4, d - 4)) * 2
+    vq = []
+    for j in cutlass.range_constexpr(8):
+        vq.append(ld4raw(vc + rowb + Int64(c0 + cutlass.min(ps + 8 * j, n - 1)) * rstride + vcol))
+    acc = cute.make_rmem_tensor(16, Float32)
+    for i in cutlass.range_constexpr(16):
+        acc[i] = Float32(0.0)
+    for u in cutlass.range_constexpr(4):
+        dd = qd * 8 + 32 * u
+        if dd < d:
+            kf = kq[u].to(Float32)
+            for hg in cutlass.range_constexpr(4):
+                if hg * 4 < G:  # uniform: rows past G are read (inside Q) and never stored
+                    for hq in cutlass.range_constexpr(4):
+                        acc[hg * 4 + hq] += dot8(kf, sm8(sm, Q + (hg * 4 + hq) * d + dd))
+    sc = fold_lanes([acc[i] for i in range(16)], lane, (2, 1))  # heads 4 qd .. 4 qd + 3
+    for k in cutlass.range_constexpr(4):
+        g = qd * 4 + k
+        if g < G:
+            v = Float32(NEG_INF)
+            if kp < n:
+                v = sc[k] * scale
+            sm[SC + g * CH + kp] = v
+    cute.arch.sync_threads()
+    softmax_chunk(sm, tid, SC, M, L, AL, G)
+    cute.arch.sync_threads()
+    for hg in cutlass.range((G + 3) // 4):
+        for i in cutlass.range_constexpr(16):
+            acc[i] = Float32(0.0)
+        for j in cutlass.range_constexpr(8):
+            vf = vq[j].to(Float32)
+            for hq in cutlass.range_constexpr(4):
+                wgt = sm[SC + (hg * 4 + hq) * CH + ps + 8 * j]  # 0 past n (exp(-inf)); rows past G unused
+                for i in cutlass.range_constexpr(4):
+                    acc[hq * 4 + i] += wgt * vf[i]
+        o = fold_lanes([acc[i] for i in range(16)], lane, (4, 2, 1))
+        g = hg * 4 + 2 * ((lane >> 2) & 1) + ((lane >> 1) & 1)  # the lane's head of the group (fold_lanes)
+        if g < G and cg * 4 < d:
+            for k in cutlass.range_constexpr(2):
+                e = g * d + cg * 4 + 2 * (lane & 1) + k
+                sm[ACC + e] = sm[ACC + e] * sm[AL + g] + o[k]
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                 tid: Int32):
     warp, lane = tid // 32, tid % 32
@@ -139,19 +234,30 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     half = d // 2
     Q, SC, ACC = 0, 2048, 3072
     M, L, AL, TMP = 5120, 5136, 5152, 5168
-    PT = 5184  # value_chunk's position-slice sums (up to SMEM_F)
     base = qkv_off + b * qkv_stride
-    for g in cutlass.range(warp, G, NW):  # q heads: RMSNorm. 4 loads in flight per lane (was one at a time, and
-        # the row loaded twice: ~8 dependent trips at d = 128); the row kept in shared memory for the scale pass
+    rowb = (Int64(slot) * Int64(Lmax) * Int64(KH) + Int64(h)) * Int64(d) * 2  # position 0's row of this KV head
+    rstride = Int64(KH) * Int64(d) * 2
+    lo, hi = split_bounds(s, S, pos)
+    # the split's key and value rows into L2 while the q heads are normed and rotated (the cache was written by
+    # earlier launches; the token's own row, written below by this instruction, only refreshed in L2 by it)
+    lpr = (d * 2 + 127) // 128
+    for e in cutlass.range(tid, 2 * (hi - lo) * lpr, NT):
+        p, r = e // (2 * lpr), e % (2 * lpr)
+        cb = kc
+        if r >= lpr:
+            cb = vc
+        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];",
+                             read_only_args=[cb + rowb + Int64(lo + p) * rstride + Int64(r % lpr) * 128])
+    for g in cutlass.range(warp, G, NW):  # q heads: RMSNorm, each lane's elements and norm weights loaded together
         qrow = base + (h * G + g) * d
         ss = Float32(0.0)
         for dd in cutlass.range(lane, d, 32, unroll=4):
             x = ldf(Float32, fa(fb, qrow + dd))
-            sm[Q + g * d + dd] = x
+            sm[Q + g * d + dd] = x * ldf(BFloat16, qn + Int64(dd) * 2)
             ss += x * x
         rs = cute.math.rsqrt(warp_sum(ss) / Float32(d) + eps)
         for dd in cutlass.range(lane, d, 32, unroll=4):  # the lane's own elements: no barrier needed
-            sm[Q + g * d + dd] = sm[Q + g * d + dd] * rs * ldf(BFloat16, qn + Int64(dd) * 2)
+            sm[Q + g * d + dd] = sm[Q + g * d + dd] * rs
     if warp == 0:  # the k row's rstd
         krow = base + (H + h) * d
         ss = Float32(0.0)
@@ -185,21 +291,8 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     for e in cutlass.range(tid, G * d, NT):
         sm[ACC + e] = Float32(0.0)
     cute.arch.sync_threads()
-    lo, hi = split_bounds(s, S, pos)
     for c0 in cutlass.range(lo, hi, CH):
-        n = cutlass.min(CH, hi - c0)
-        for e in cutlass.range(tid, G * CH, NT):
-            g, p = e // CH, e % CH
-            sc = Float32(NEG_INF)
-            if p < n:
-                krow = kc + ((Int64(slot) * Int64(Lmax) + Int64(c0 + p)) * Int64(KH) + Int64(h)) * Int64(d) * 2
-                sc = Float32(0.0)
-                for dd in cutlass.range(0, d, 8, unroll=8):  # 8 rows' loads in flight, not one L2 trip each
-                    sc += dot8(ld8(BFloat16, krow + Int64(dd) * 2), sm8(sm, Q + g * d + dd))
-                sc = sc * scale
-            sm[SC + e] = sc
-        fold_chunk(sm, tid, vc + ((Int64(slot) * Int64(Lmax) + Int64(c0)) * Int64(KH) + Int64(h)) * Int64(d) * 2,
-                   Int64(KH) * Int64(d) * 2, n, d, G, SC, M, L, AL, ACC, PT)
+        gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL, ACC)
     store_partial(sm, tid, part_off, b * H + h * G, s, S, G, d, M, L, ACC, fb)
 
 
