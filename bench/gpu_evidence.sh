@@ -128,7 +128,7 @@ if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside
     exit 0
 fi
 if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer against pyvm, then its speed and timeline
-    timeout "$(left)" python bench/mega_check.py --presets tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3 --batches 1,3,16 \
+    timeout "$(left)" python bench/mega_check.py --presets tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3,tiny-k3-wide --batches 1,3,16 \
         --tokens 16 --out "$OUT/evidence/mega-check-h200.json" > "$OUT/evidence/mega-check.log" 2>&1
     rc=$?
     grep -E "^(diff|e2e)" "$OUT/evidence/mega-check.log" | cut -c1-160

@@ -465,3 +465,20 @@ def test_pyvm_tensor_core_rows_take_the_input_as_two_bf16_and_stay_close_to_torc
     assert ((out[1] - la).abs().max() / scale).item() < 5e-2
     d = ((out[0] - out[1]).abs().max() / scale).item()
     assert d < 1e-4, d
+
+
+def test_the_wide_mxfp4_case_lowers_to_rows_of_several_chunks():
+    """mega_gpu.CASES' tiny-k3-wide (the GPU checks' MXFP4 rows longer than one 1024-weight chunk, neither a
+    multiple of it): its config overrides tiny-k3's, and its program passes the kernel's pre-launch check."""
+    from megadecode.mega.kernel_check import check_program
+    from megadecode.validate.mega_gpu import case_config
+    from megadecode.weights import random_weights
+
+    cfg = case_config("tiny-k3-wide")
+    assert (cfg.latent_size, cfg.moe_intermediate_size) == (1056, 2080)
+    assert case_config("tiny-k3").latent_size == 32
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    prog = schedule(lower(cfg, w, KVCache(cfg, 3, 64, "cpu", torch.bfloat16), 3, 16), 16)
+    check_program(prog)
+    ups = [i for i in prog.instrs if i.op == "EXPERT_UP"]
+    assert ups and all(i.args["D"] == 1056 and i.args["I"] == 2080 for i in ups)

@@ -24,7 +24,7 @@ def _unvalidated(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3-wide"])  # + MXFP4 rows of several chunks (mega_gpu.CASES)
 def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
     r = diff_program(preset, batch, ctas=16, seed=batch, delay_runs=1)
     assert not diff_failures(r), diff_failures(r)  # every buffer within mega_gpu.BUFFER_TOL, repeats bitwise equal
