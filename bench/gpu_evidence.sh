@@ -152,10 +152,10 @@ PY
     exit "$rc"
 fi
 if [ "$MODE" = try ]; then  # a kernel change measured before the whole suite is spent on it (~2 min with the start):
-    # mega_check on TRY_PRESETS (default tiny-k3, whose experts are MXFP4; exit status its own) at batch 3 and 16,
-    # and k3-mini's timelines at batch 1 and 8 (the by-opcode table to set beside the last kernel run's). Not
+    # mega_check on TRY_PRESETS (default tiny-k3 and tiny-k3-wide, MXFP4 rows of one and of several chunks)
+    # at batch 3 and 16, and k3-mini's timelines at batch 1 and 8 (the by-opcode table to set beside the last kernel run's). Not
     # evidence for landing: that is `kernel`, then `tests`
-    timeout "$(left)" python bench/mega_check.py --presets "${TRY_PRESETS:-tiny-k3}" --batches 3,16 \
+    timeout "$(left)" python bench/mega_check.py --presets "${TRY_PRESETS:-tiny-k3,tiny-k3-wide}" --batches 3,16 \
         --tokens 0 --out "$OUT/evidence/mega-check-try.json" > "$OUT/evidence/mega-check-try.log" 2>&1
     rc=$?
     grep -E "^(diff|FAIL)" "$OUT/evidence/mega-check-try.log" | cut -c1-160
