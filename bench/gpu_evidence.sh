@@ -128,7 +128,7 @@ if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside
     exit 0
 fi
 if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer against pyvm, then its speed and timeline
-    timeout "$(left)" python bench/mega_check.py --presets tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3,tiny-k3-wide --batches 1,3,16 \
+    timeout "$(left)" python bench/mega_check.py --presets tiny-qwen3-moe,tiny-qwen3-gqa,tiny-deepseek-v3,tiny-k3,tiny-k3-wide --batches 1,3,16 \
         --tokens 16 --out "$OUT/evidence/mega-check-h200.json" > "$OUT/evidence/mega-check.log" 2>&1
     rc=$?
     grep -E "^(diff|e2e)" "$OUT/evidence/mega-check.log" | cut -c1-160
@@ -147,20 +147,22 @@ PY
     echo "bench exit $brc"; grep -E "^(k3-mini|qwen3-30b-a3b) |^wrote" "$OUT/evidence/bench-mega.log"
     # the log's end only when the bench failed (it repeated the last row and its file line otherwise)
     [ "$brc" -eq 0 ] || tail -5 "$OUT/evidence/bench-mega.log"
-    # batch 8 too: bf18192 was 11% slower there than 07a1134 with no batch-8 recording to say where
-    timeline k3-mini 1,8
+    # batch 8 too: bf18192 was 11% slower there than 07a1134 with no batch-8 recording to say where.
+    # KERNEL_TIMELINES: the presets recorded (default k3-mini; add qwen3-30b-a3b for a change to its phases)
+    timeline "${KERNEL_TIMELINES:-k3-mini}" 1,8
     exit "$rc"
 fi
 if [ "$MODE" = try ]; then  # a kernel change measured before the whole suite is spent on it (~2 min with the start):
     # mega_check on TRY_PRESETS (default tiny-k3 and tiny-k3-wide, MXFP4 rows of one and of several chunks)
-    # at batch 3 and 16, and k3-mini's timelines at batch 1 and 8 (the by-opcode table to set beside the last kernel run's). Not
+    # at batch 3 and 16, and TRY_TIMELINE's (default k3-mini) timelines at batch 1 and 8 (the by-opcode table to set
+    # beside the last kernel run's). Not
     # evidence for landing: that is `kernel`, then `tests`
     timeout "$(left)" python bench/mega_check.py --presets "${TRY_PRESETS:-tiny-k3,tiny-k3-wide}" --batches 3,16 \
         --tokens 0 --out "$OUT/evidence/mega-check-try.json" > "$OUT/evidence/mega-check-try.log" 2>&1
     rc=$?
     grep -E "^(diff|FAIL)" "$OUT/evidence/mega-check-try.log" | cut -c1-160
     echo "mega_check exit $rc"
-    timeline k3-mini 1,8
+    timeline "${TRY_TIMELINE:-k3-mini}" 1,8
     exit "$rc"
 fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b

@@ -482,3 +482,31 @@ def test_the_wide_mxfp4_case_lowers_to_rows_of_several_chunks():
     check_program(prog)
     ups = [i for i in prog.instrs if i.op == "EXPERT_UP"]
     assert ups and all(i.args["D"] == 1056 and i.args["I"] == 2080 for i in ups)
+
+
+def test_the_gqa_case_has_qwen3s_attention_shape_and_wider_heads_are_refused_before_launch():
+    """mega_gpu.CASES' tiny-qwen3-gqa: head_dim 128 and 16 q heads a KV head (the GQA body's full thread layout,
+    cute/attention.py gqa_chunk), a program that passes the kernel's check; head_dim 256 or 32 q heads a KV head
+    are refused by name before any launch (the body covers 128 dims and 16 heads)."""
+    from megadecode.config import config_from_hf
+    from megadecode.mega.kernel_check import KernelLimit, check_program
+    from megadecode.presets import preset_hf_config
+    from megadecode.validate.mega_gpu import case_config
+    from megadecode.weights import random_weights
+
+    cfg = case_config("tiny-qwen3-gqa")
+    assert (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads) == (128, 16)
+
+    def program(c):
+        w = random_weights(c, "cpu", torch.bfloat16, 0)
+        return schedule(lower(c, w, KVCache(c, 2, 128, "cpu", torch.bfloat16), 2, 16), 16)
+
+    prog = program(cfg)
+    check_program(prog)
+    attn = [i for i in prog.instrs if i.op == "ATTN_GQA"]
+    assert attn and all(i.args["d"] == 128 and i.args["H"] == 32 and i.args["KH"] == 2 for i in attn)
+    base = preset_hf_config("tiny-qwen3-moe")
+    for over, msg in (({"head_dim": 256}, "head_dim 256"), ({"num_attention_heads": 64, "num_key_value_heads": 2,
+                                                             "head_dim": 32}, "32 q heads")):
+        with pytest.raises(KernelLimit, match=msg):
+            check_program(program(config_from_hf({**base, **over})))

@@ -24,14 +24,15 @@ def _unvalidated(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
-@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3-wide"])  # + MXFP4 rows of several chunks (mega_gpu.CASES)
+# + mega_gpu.CASES: MXFP4 rows of several chunks, qwen3-30b-a3b's GQA shape (head_dim 128, 16 q heads a KV head)
+@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3-wide", "tiny-qwen3-gqa"])
 def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
     r = diff_program(preset, batch, ctas=16, seed=batch, delay_runs=1)
     assert not diff_failures(r), diff_failures(r)  # every buffer within mega_gpu.BUFFER_TOL, repeats bitwise equal
     assert all(x["equal"] for x in r["buffers"] if "equal" in x)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + ["tiny-qwen3-gqa"])
 def test_decode_matches_pyvm_and_is_close_to_torch(preset):
     """4 teacher-forced decode steps of 4 sequences: every row-step within 1e-3 of pyvm (the same math: fp32
     activations, bf16 caches); against the bf16 torch executor the median row-step within 3e-2, at most a quarter

@@ -15,6 +15,11 @@ from .program import Tensor
 # gate and up each). A 1-row instruction kept 7 of 8 warps idle and paid the fixed costs (wait, norm, barriers,
 # signal) per row: K3's 128-row KDA projections made 128 instructions of 18 us each on the H200 (e0a2aa7).
 MIN_ROWS = 16
+# At batch 1, 8: the kernel splits an instruction's columns over the warps its row pairs leave free (cute/dense.py
+# op_rows, slices of >= 1024 columns), so an 8-row tile keeps every warp busy with half the trips per warp, and a
+# phase of 2048 rows (qwen3-30b-a3b's o_proj) takes 256 CTAs instead of 128 (was 8.4 us an instruction on 128 CTAs,
+# H200, 3c9e242's timeline)
+MIN_ROWS_B1 = 8
 
 
 class Builder:
@@ -107,7 +112,7 @@ class Builder:
         N, K = W.shape
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
-        rows = max(rows or self.rows_per_tile(N), min(N, MIN_ROWS))
+        rows = max(rows or self.rows_per_tile(N), min(N, MIN_ROWS_B1 if self.B == 1 else MIN_ROWS))
         flags = (F_NORM if norm else 0) | (F_RESID if resid else 0) | (F_WRITE_NORMED if write_normed else 0)
         flags |= self.tc(K, w)
         for r0 in range(0, N, rows):

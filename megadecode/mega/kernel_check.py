@@ -79,8 +79,11 @@ def check_program(prog: Program) -> None:
                 raise KernelLimit(f"{where}: {name} = {a[name]} is not a multiple of 4 fp32 (16-byte vector loads)")
         if op in ("MATVEC", "GLU") and a["B"] > 64:
             raise KernelLimit(f"{where}: {a['B']} rows (the norm's per-row scales hold 64)")
-        if op == "MERGE" and a["wuv"] >= 0 and (a["d"] % 8 or a["d"] > SMEM_F):
-            raise KernelLimit(f"{where}: latent width {a['d']} (a multiple of 8, at most {SMEM_F})")
+        if op == "MERGE" and a["wuv"] >= 0 and (a["d"] % 8 or a["d"] > SMEM_F - 128):
+            # (the merged latent in shared words 0 .. d; the splits' maxima and weights in the last 128)
+            raise KernelLimit(f"{where}: latent width {a['d']} (a multiple of 8, at most {SMEM_F - 128})")
+        if op == "MERGE" and a["S"] > 64:
+            raise KernelLimit(f"{where}: {a['S']} attention splits (MERGE's split weights take 64 shared words)")
         if op == "KDA_STEP" and 6 * a["K"] + max(NT, a["K"]) + 4 > SMEM_F:
             raise KernelLimit(f"{where}: KDA head dim {a['K']} does not fit the step's shared memory")
         if op == "ROUTE" and 2 * a["E"] + 3 * 8 > ROW_S:
@@ -100,5 +103,10 @@ def check_program(prog: Program) -> None:
             # selected expert holds one pair)
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (EXPERT_DOWN's pair table takes "
                               f"one of the {ROW_S} shared int words below the instruction row each)")
+        if op == "ATTN_GQA" and (a["d"] > 128 or a["H"] // a["KH"] > 16):
+            # (cute/attention.py gqa_chunk: a thread's 4 key pieces of 8 dims and 4 value dims of 32 groups cover
+            # 128 dims; its 16 score sums, one per q head of the KV head)
+            raise KernelLimit(f"{where}: head_dim {a['d']} with {a['H'] // a['KH']} q heads a KV head (GQA "
+                              f"attention takes head_dim <= 128 and <= 16 q heads a KV head)")
         if op == "ATTN_RES" and a["nsrc"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['nsrc']} AttnRes sources")

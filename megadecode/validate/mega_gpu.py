@@ -50,9 +50,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # Cases beyond the presets: tiny-k3 with MXFP4 expert rows longer than one 1024-weight chunk, neither a multiple of
-# it (the experts' loops stream chunks through shared memory, mx_stream: a last chunk of 32 weights, lane 0 alone;
-# 33 and 65 scale bytes a row, so a row's scales start anywhere in their 16-byte blocks). tiny-k3's rows are 32.
-CASES = {"tiny-k3-wide": ("tiny-k3", {"latent_size": 1056, "moe_intermediate_size": 2080})}
+# it (the experts' loops walk a row by chunks of 1024 weights: a last chunk of 32 weights, lane 0 alone; 33 and 65
+# scale bytes a row, so a row's scales start anywhere in their 16-byte blocks). tiny-k3's rows are 32.
+# tiny-qwen3-gqa: tiny-qwen3-moe with qwen3-30b-a3b's attention shape (head_dim 128, 16 q heads a KV head here,
+# 8 there), what GQA attention's thread layout (cute/attention.py gqa_chunk) is built for; tiny-qwen3-moe's
+# head_dim 16 and 2 q heads a KV head take its clamped pieces and partial head groups.
+CASES = {"tiny-k3-wide": ("tiny-k3", {"latent_size": 1056, "moe_intermediate_size": 2080}),
+         "tiny-qwen3-gqa": ("tiny-qwen3-moe", {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128})}
 
 
 def case_config(name: str):

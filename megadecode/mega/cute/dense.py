@@ -79,6 +79,14 @@ WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' 
 def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
              gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
              glu: Constexpr, NU: Constexpr):
+    """row_sums_range over all K columns."""
+    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU)
+
+
+@cute.jit
+def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32,
+                   kb: Int32, ke: Int32, lane: Int32, gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32,
+                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr):
     """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
     GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
     weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
@@ -89,15 +97,15 @@ def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32,
     urow = w1 + Int64(r) * Int64(K) * 2
     if cutlass.const_expr(not glu):
         urow = w0 + Int64(cutlass.min(r + 1, r1 - 1)) * Int64(K) * 2  # the pair's second row
-    kmain = K - K % (256 * NU)
-    for k0 in cutlass.range(lane * 8, kmain, 256 * NU):
+    kmain = ke - (ke - kb) % (256 * NU)  # columns [kb, ke) (multiples of 8) of rows of K
+    for k0 in cutlass.range(kb + lane * 8, kmain, 256 * NU):
         wq = []
         uq = []
         for u in cutlass.range_constexpr(NU):
             wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
             uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
         rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
-    for k in cutlass.range(kmain + lane * 8, K, 256, unroll=4):
+    for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
         rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
                  gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
 
@@ -318,13 +326,53 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
         xb1 = cute.make_rmem_tensor(1, Int64)
         xa1[0] = fa(fb, x_off)
         xb1[0] = fa(fb, x2_off)
-        for r in cutlass.range(r0 + warp * RP, r1, NW * RP):
-            for j in cutlass.range_constexpr(RP):
-                acc1[j] = Float32(0.0)
-            acu1[0] = Float32(0.0)
-            row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1, glu, WU1)
-            store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride, out_col,
-                       add0, add1, RS, 1, RP, glu)
+        nu = (r1 - r0 + RP - 1) // RP  # the warps' row units (MATVEC: pairs)
+        ks = 1
+        if nu < NW:  # fewer units than warps: each unit's columns split over ks warps, each slice >= 1024 columns
+            ks = cutlass.min(NW // nu, cutlass.max(K // 1024, 1))
+        if ks == 1:
+            for r in cutlass.range(r0 + warp * RP, r1, NW * RP):
+                for j in cutlass.range_constexpr(RP):
+                    acc1[j] = Float32(0.0)
+                acu1[0] = Float32(0.0)
+                row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1,
+                         glu, WU1)
+                store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
+                           out_col, add0, add1, RS, 1, RP, glu)
+        else:
+            # k slices (an instruction of fewer rows than warps x RP, the builder's 8-row tiles at batch 1: twice
+            # the CTAs on a phase, half the dependent trips per warp). Slice sl of unit u: columns
+            # [sl K / ks, (sl + 1) K / ks) in multiples of 8; the slices' sums meet in shared memory words
+            # 0 .. NW * (RP + 1) and are added in slice order: fixed slices and order, the result timing-free
+            u, sl = warp % nu, warp // nu
+            r = r0 + u * RP
+            if sl < ks:  # uniform over the warp
+                for j in cutlass.range_constexpr(RP):
+                    acc1[j] = Float32(0.0)
+                acu1[0] = Float32(0.0)
+                kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
+                row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
+                               has_x2, 1, glu, WU1)
+                for j in cutlass.range_constexpr(RP):
+                    tot = warp_sum(acc1[j])
+                    if lane == 0:
+                        sm[(sl * nu + u) * (RP + 1) + j] = tot
+                if cutlass.const_expr(glu):
+                    tot = warp_sum(acu1[0])
+                    if lane == 0:
+                        sm[(sl * nu + u) * (RP + 1) + RP] = tot
+            cute.arch.sync_threads()
+            if sl == 0 and lane == 0:
+                for j in cutlass.range_constexpr(RP):
+                    t = Float32(0.0)
+                    tu = Float32(0.0)
+                    for q in cutlass.range(ks):
+                        t += sm[(q * nu + u) * (RP + 1) + j]
+                        tu += sm[(q * nu + u) * (RP + 1) + RP]
+                    if r + j < r1:
+                        store_one(t, tu, r + j, Int32(0), sm, fb, flags, norm, out_off, out_stride, out_col, add0,
+                                  add1, RS, glu)
+            cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSP) free again
     elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
         tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
                 out_off, out_stride, out_col, add0, add1, RS, glu)
@@ -379,19 +427,29 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
     gate_off = arg(smi, ARG[A]["gate_off"])  # >= 0: kimi_k3's output gate, sigmoid per (head, value) element
     obase = out_off + b * out_stride + h * dv
     base = part_off + (b * H + h) * S * (d + 2)
-    # the splits' loads 8 at a time (was one: 3 x S dependent trips, S = 16 splits; K3's MLA MERGE took 23 us an
-    # instruction at k3-mini batch 1 on the H200 at 5936e56); the same operations in the same order
+    # each split's max and sum loaded once, by thread s (one trip), its weight exp(max_s - max) into shared memory;
+    # then each element's S partials loaded 16 at a time. Was: every thread loaded the S maxima twice and the sums,
+    # 8 at a time (~6 dependent trips at S = 16: 4.4 us an instruction at qwen3-30b-a3b batch 1, H200, 3c9e242's
+    # timeline). The same operations in the same order (max, then den and num summed over s ascending)
+    MS, WS = SMEM_F - 128, SMEM_F - 64  # S <= 64 (Builder.splits)
+    for s in cutlass.range(tid, S, NT):
+        sm[MS + s] = ldf(Float32, fa(fb, base + s * (d + 2)))
+        sm[WS + s] = ldf(Float32, fa(fb, base + s * (d + 2) + 1))
+    cute.arch.sync_threads()
     mx = Float32(NEG_INF)
-    for s in cutlass.range(S, unroll=8):
-        mx = cute.arch.fmax(mx, ldf(Float32, fa(fb, base + s * (d + 2))))
+    for s in cutlass.range(S):
+        mx = cute.arch.fmax(mx, sm[MS + s])
     den = Float32(0.0)
-    for s in cutlass.range(S, unroll=8):
-        den += cute.math.exp(ldf(Float32, fa(fb, base + s * (d + 2))) - mx) * ldf(Float32, fa(fb, base + s * (d + 2) + 1))
+    for s in cutlass.range(S):
+        den += cute.math.exp(sm[MS + s] - mx) * sm[WS + s]
+    cute.arch.sync_threads()  # every thread has read the sums: their words take the weights
+    for s in cutlass.range(tid, S, NT):
+        sm[WS + s] = cute.math.exp(sm[MS + s] - mx)
+    cute.arch.sync_threads()
     for dd in cutlass.range(tid, d, NT):
         num = Float32(0.0)
-        for s in cutlass.range(S, unroll=8):
-            num += cute.math.exp(ldf(Float32, fa(fb, base + s * (d + 2))) - mx) * \
-                ldf(Float32, fa(fb, base + s * (d + 2) + 2 + dd))
+        for s in cutlass.range(S, unroll=16):
+            num += sm[WS + s] * ldf(Float32, fa(fb, base + s * (d + 2) + 2 + dd))
         o = num / den
         if wuv < 0:
             if gate_off >= 0:
