@@ -17,9 +17,9 @@
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
-#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (202 s at
-#   45fda45, one worker) and `-m "not gpu"` (14 workers, the default: 244 s at 45fda45; 8 workers did 1217 of 1313
-#   in 320 s at bb54d81). Give each its own call with the default BUDGET: a call shared
+#   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (230 s at
+#   17edcea, one worker) and `-m "not gpu"` (14 workers, the default: 264 s at aca6454, but at 17edcea two runs with
+#   BUDGET 330 and 280 were cut at ~99%). Give each its own call with the default BUDGET (560): a call shared
 #   with other jobs ran out of time at e12a610, and one running both parts at bb54d81 finished neither.
 #   Never write to $OUT/evidence.tar.gz after this script: it is the archive (an empty one overwrote ee57544's).
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
@@ -68,7 +68,11 @@ if [ "$MODE" = tests ]; then
     case " $* " in *"not gpu"*) export MEGADECODE_TEST_WORKERS=${MEGADECODE_TEST_WORKERS:-14} ;; esac
     # unbuffered: a run cut by `timeout` keeps the results it printed (bb54d81's -m gpu, cut at 250 s, left none)
     export PYTHONUNBUFFERED=1
-    timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" tests/ 2>&1 \
+    # the whole of tests/ unless paths are named (17edcea: `tests -m "not gpu" tests/test_mega.py ...` ran the whole
+    # suite, tests/ being appended to the named files, and ran out of time)
+    WHERE=tests/
+    for a in "$@"; do case "$a" in tests/*) WHERE="" ;; esac; done
+    timeout "$(left)" python -m pytest -q -p no:cacheprovider -rfEs --durations=20 "$@" $WHERE 2>&1 \
         | tee "$OUT/evidence/pytest-gpu.log" | tail -45
     rc=${PIPESTATUS[0]}
     exit "$rc"
