@@ -467,18 +467,22 @@ def test_pyvm_tensor_core_rows_take_the_input_as_two_bf16_and_stay_close_to_torc
     assert d < 1e-4, d
 
 
+def _bf16_cfg_program(cfg, batch: int, max_len: int, ctas: int = 16):
+    """A config's bf16 program (random weights, a cache of max_len), scheduled on ctas CTAs."""
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    return schedule(lower(cfg, w, KVCache(cfg, batch, max_len, "cpu", torch.bfloat16), batch, ctas), ctas)
+
+
 def test_the_wide_mxfp4_case_lowers_to_rows_of_several_chunks():
     """mega_gpu.CASES' tiny-k3-wide (the GPU checks' MXFP4 rows longer than one 1024-weight chunk, neither a
     multiple of it): its config overrides tiny-k3's, and its program passes the kernel's pre-launch check."""
     from megadecode.mega.kernel_check import check_program
     from megadecode.validate.mega_gpu import case_config
-    from megadecode.weights import random_weights
 
     cfg = case_config("tiny-k3-wide")
     assert (cfg.latent_size, cfg.moe_intermediate_size) == (1056, 2080)
     assert case_config("tiny-k3").latent_size == 32
-    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
-    prog = schedule(lower(cfg, w, KVCache(cfg, 3, 64, "cpu", torch.bfloat16), 3, 16), 16)
+    prog = _bf16_cfg_program(cfg, 3, 64)
     check_program(prog)
     ups = [i for i in prog.instrs if i.op == "EXPERT_UP"]
     assert ups and all(i.args["D"] == 1056 and i.args["I"] == 2080 for i in ups)
@@ -492,16 +496,10 @@ def test_the_gqa_case_has_qwen3s_attention_shape_and_wider_heads_are_refused_bef
     from megadecode.mega.kernel_check import KernelLimit, check_program
     from megadecode.presets import preset_hf_config
     from megadecode.validate.mega_gpu import case_config
-    from megadecode.weights import random_weights
 
     cfg = case_config("tiny-qwen3-gqa")
     assert (cfg.head_dim, cfg.num_heads // cfg.num_kv_heads) == (128, 16)
-
-    def program(c):
-        w = random_weights(c, "cpu", torch.bfloat16, 0)
-        return schedule(lower(c, w, KVCache(c, 2, 128, "cpu", torch.bfloat16), 2, 16), 16)
-
-    prog = program(cfg)
+    prog = _bf16_cfg_program(cfg, 2, 128)
     check_program(prog)
     attn = [i for i in prog.instrs if i.op == "ATTN_GQA"]
     assert attn and all(i.args["d"] == 128 and i.args["H"] == 32 and i.args["KH"] == 2 for i in attn)
@@ -509,4 +507,4 @@ def test_the_gqa_case_has_qwen3s_attention_shape_and_wider_heads_are_refused_bef
     for over, msg in (({"head_dim": 256}, "head_dim 256"), ({"num_attention_heads": 64, "num_key_value_heads": 2,
                                                              "head_dim": 32}, "32 q heads")):
         with pytest.raises(KernelLimit, match=msg):
-            check_program(program(config_from_hf({**base, **over})))
+            check_program(_bf16_cfg_program(config_from_hf({**base, **over}), 2, 128))

@@ -26,6 +26,7 @@ from .base import (
     ld8raw,
     ldf,
     ldi,
+    prefetch_line,
     rope_index,
     rope_pair,
     sm8,
@@ -246,8 +247,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         cb = kc
         if r >= lpr:
             cb = vc
-        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];",
-                             read_only_args=[cb + rowb + Int64(lo + p) * rstride + Int64(r % lpr) * 128])
+        prefetch_line(cb + rowb + Int64(lo + p) * rstride + Int64(r % lpr) * 128)
     for g in cutlass.range(warp, G, NW):  # q heads: RMSNorm, each lane's elements and norm weights loaded together
         qrow = base + (h * G + g) * d
         ss = Float32(0.0)

@@ -185,11 +185,17 @@ def dot8(a, b) -> Float32:
 
 
 @cute.jit
+def prefetch_line(addr: Int64):
+    """prefetch.global.L2 of the 128-byte line holding addr."""
+    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
+
+
+@cute.jit
 def prefetch_l2(base: Int64, nbytes: Int64, first: Int32, stride: Int32):
     """prefetch.global.L2 of every 128-byte line of [base, base + nbytes), lines first, first + stride, ..."""
     lines = Int32((nbytes + 127) // 128)
     for line in cutlass.range(first, lines, stride):
-        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[base + Int64(line) * 128])
+        prefetch_line(base + Int64(line) * 128)
 
 
 @cute.jit
