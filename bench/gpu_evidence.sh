@@ -14,6 +14,7 @@
 #   OUT=/path bash bench/gpu_evidence.sh ncu                                          # Nsight Compute, megakernel
 #   OUT=/path bash bench/gpu_evidence.sh timelines                                    # more megakernel timelines
 #   OUT=/path bash bench/gpu_evidence.sh try                                          # a kernel change, quickly
+#   OUT=/path bash bench/gpu_evidence.sh probe                                        # batch-1 marks, prefetch modes
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -169,6 +170,30 @@ if [ "$MODE" = try ]; then  # a kernel change measured before the whole suite is
     timeline "${TRY_TIMELINE:-k3-mini}" 1,8
     exit "$rc"
 fi
+if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min with the start): mega_check on the
+    # PROBE_PRESETS at batch 1 and 3 (the marks and the prefetch switch change the kernel), then PROBE_TIMELINES'
+    # (default qwen3-30b-a3b and k3-mini) batch-1 timelines with the L2 prefetch of the next instruction's weights,
+    # none, and the current one's (mega_timeline --prefetch; the same program and buffers, one process), each
+    # recording's tables: step time with and without the timeline, the MATVEC marks per projection. Not evidence for
+    # landing: that is `kernel`, then `tests`
+    timeout "$(left)" python bench/mega_check.py --presets "${PROBE_PRESETS:-tiny-qwen3-moe,tiny-qwen3-gqa,tiny-k3}" \
+        --batches 1,3 --tokens 0 --out "$OUT/evidence/mega-check-probe.json" > "$OUT/evidence/mega-check-probe.log" 2>&1
+    rc=$?
+    grep -E "^(diff|FAIL)" "$OUT/evidence/mega-check-probe.log" | cut -c1-160
+    echo "mega_check exit $rc"
+    P=${PROBE_TIMELINES:-qwen3-30b-a3b,k3-mini}
+    timeout "$(left)" python bench/mega_timeline.py --preset "$P" --batch "${PROBE_BATCH:-1}" \
+        --prefetch "${PROBE_PREFETCH:-next,none,current}" --out "$OUT/evidence/{preset}-b{batch}-{prefetch}" \
+        > "$OUT/evidence/probe-timeline.log" 2>&1
+    echo "timelines exit $?"; tail -3 "$OUT/evidence/probe-timeline.log"
+    for R in "$OUT"/evidence/*-b*-*.json; do
+        case "$R" in *mega-check*) continue ;; esac
+        echo "== $(basename "$R" .json)"
+        python bench/mega_timeline.py --from "$R" | grep -v -E "^L[0-9]|^(model|lm_head|embed)" | tail -40
+        rm -f "${R%.json}.png"
+    done
+    exit "$rc"
+fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b
     # and tiny-k3 at batch 1, for ROUTE's time against E, A and the sigmoid (its marks, where the kernel stamps them)
     timeline qwen3-30b-a3b,tiny-k3 1,8
@@ -227,5 +252,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | try | ep | sanitizer | ncu | timelines" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | try | probe | ep | sanitizer | ncu | timelines" >&2
 exit 2

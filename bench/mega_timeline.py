@@ -26,7 +26,7 @@ import torch
 from megadecode.cache import KVCache
 from megadecode.executors.mega_executor import default_ctas
 from megadecode.mega.lower import lower
-from megadecode.mega.runtime import MegaRuntime
+from megadecode.mega.runtime import PREFETCH, MegaRuntime
 from megadecode.mega.schedule import schedule
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
@@ -150,7 +150,8 @@ def report(path: str) -> None:
         rec = json.load(f)
     ph = phases(rec)
     s = rec["summary"]
-    print(f"{s['preset']} batch {s['batch']} context {s['context']}, {s['ctas']} CTAs, step {s['step_us']:.0f} us")
+    print(f"{s['preset']} batch {s['batch']} context {s['context']}, {s['ctas']} CTAs, step {s['step_us']:.0f} us"
+          + (f" (without the timeline: {s['launch_us']:.0f} us)" if s.get("launch_us") else ""))
     print(f"{'phase':<18} {'op':<11} {'n':>4} {'MB':>8} {'span us':>8} {'HBM':>5} {'mean us':>8} {'max us':>7}")
     for d in ph:
         print(f"{d['phase']:<18} {d['op']:<11} {d['instructions']:>4} {d['bytes'] / 1e6:>8.1f} {d['span_us']:>8.1f} "
@@ -163,29 +164,46 @@ def report(path: str) -> None:
         span = sum(d["span_us"] for d in ds)
         print(f"  {op:<11} {len(ds):>3} {span:>8.0f} us {sum(d['bytes'] for d in ds) / (span * 1e-6) / HBM:>5.0%}"
               f" {sum(d['imbalance_us'] for d in ds):>7.0f} us")
-    for op, segs in marked_segments(rec["rows"]).items():
-        print(f"\n{op}: marks of its body (base.mark; mean us between start, the marks and the end): "
-              + "  ".join(f"{name} {us:.1f}" for name, us in segs))
+    marked = marked_segments(rec["rows"])
+    if marked:
+        print("\nmarks of the bodies (base.mark; mean us between the work start, the marks and the end; n: "
+              "instructions)")
+    for op, segs in marked.items():
+        n = sum(1 for r in rec["rows"] if (op == r["op"] or op.startswith(r["op"] + " ")
+                                           and r["name"].split("[")[0].split(".", 1)[-1] == op.split(" ", 1)[1])
+                and len([x for x in r.get("marks") or [] if x is not None]) == len(segs) - 1)
+        print(f"  {op:<22} n {n:>4}: " + "  ".join(f"{name} {us:.1f}" for name, us in segs))
+    wait = [r["start"] - r["wait"] for r in rec["rows"]]
+    work = [r["end"] - r["start"] for r in rec["rows"]]
+    print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed "
+          f"(prefetch {s.get('prefetch', 'next')})")
 
 
-# what each opcode's marks stamp (cute/moe.py op_route); the segment names end at the mark of the same index
-MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair lists")}
+# what each opcode's marks stamp (cute/moe.py op_route, cute/dense.py op_rows at batch 1); the segment names end at
+# the mark of the same index. MATVEC and GLU are reported per projection (the name's part before "[")
+MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair lists"),
+         "MATVEC": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
+         "GLU": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal")}
+PER_NAME = ("MATVEC", "GLU")
 
 
 def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
-    """Per opcode with marks in the recording: the mean time from the work start to mark 0, between consecutive
-    marks, and from the last to the end, over its instructions whose marks were all stamped."""
-    out = {}
-    for op, names in MARKS.items():
-        spans = []
-        for r in rows:
-            m = [x for x in r.get("marks") or [] if x is not None]
-            if r["op"] == op and len(m) == len(names) - 1:
-                t = [r["start"], *m, r["end"]]
-                spans.append([(b - a) / 1e3 for a, b in zip(t, t[1:])])
-        if spans:
-            out[op] = [(n, sum(s[i] for s in spans) / len(spans)) for i, n in enumerate(names)]
-    return out
+    """Per opcode (MATVEC and GLU: per projection, "MATVEC o_proj") with marks in the recording: the mean time from
+    the work start to mark 0, between consecutive marks, and from the last to the end, over its instructions whose
+    marks were all stamped."""
+    spans: dict[str, list] = {}
+    for r in rows:
+        names = MARKS.get(r["op"])
+        m = [x for x in r.get("marks") or [] if x is not None]
+        if names is None or len(m) != len(names) - 1:
+            continue
+        key = r["op"]
+        if key in PER_NAME:
+            key = f"{key} {r['name'].split('[')[0].split('.', 1)[-1]}"
+        t = [r["start"], *m, r["end"]]
+        spans.setdefault(key, []).append([(b - a) / 1e3 for a, b in zip(t, t[1:])])
+    return {key: [(n, sum(s[i] for s in sp) / len(sp)) for i, n in enumerate(MARKS[key.split()[0]])]
+            for key, sp in spans.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="mega-timeline",
                     help="the recording's path without .json / .png; with several presets or batches it must hold "
                          "{preset} and / or {batch} to tell them apart")
+    ap.add_argument("--prefetch", default="next",
+                    help="the L2 prefetch during waits (runtime.PREFETCH: next, none, current), or several "
+                         "comma-separated (one recording each of the same program: --out must hold {prefetch})")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
     ap.add_argument("--png", help="with --from: also draw the recording's per-SM image to this file")
     ap.add_argument("--fit", nargs="+", metavar="RECORDING",
@@ -222,18 +243,23 @@ def main(argv: list[str] | None = None) -> None:
             render(rec["rows"], args.png, f"{s['preset']} batch {s['batch']}: one megakernel step, "
                                           f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""))
         return
+    modes = args.prefetch.split(",")
+    for m in modes:
+        if m not in PREFETCH:
+            ap.error(f"--prefetch {m!r}: one of {', '.join(PREFETCH)}")
     runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
-    outs = [args.out.format(preset=p, batch=b) for p, b in runs]
-    if len(set(outs)) < len(runs):
-        ap.error(f"--out {args.out!r} names {len(set(outs))} file(s) for {len(runs)} recordings: put {{preset}} "
-                 "and / or {batch} in it")
+    outs = [[args.out.format(preset=p, batch=b, prefetch=m) for m in modes] for p, b in runs]
+    if len({o for os_ in outs for o in os_}) < len(runs) * len(modes):
+        ap.error(f"--out {args.out!r} does not name a file per recording: put {{preset}}, {{batch}} and / or "
+                 "{prefetch} in it")
     for (preset, batch), out in zip(runs, outs):  # one process: the kernel compiles once for all of them
-        record(preset, batch, args.context, out)
+        record(preset, batch, args.context, out, modes)
 
 
-def record(preset: str, batch: int, context: int, out: str) -> None:
-    """One megakernel step of `preset` at `batch` with a timeline: out.json (summary and per-instruction rows) and
-    out.png (the per-SM image); the summary printed."""
+def record(preset: str, batch: int, context: int, outs: list[str], modes: list[str] = ("next",)) -> None:
+    """One megakernel step of `preset` at `batch` with a timeline per prefetch mode (the same program and buffers):
+    out.json (summary and per-instruction rows) and out.png (the per-SM image) for each out of `outs`; the summaries
+    printed."""
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
     cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
@@ -242,7 +268,14 @@ def record(preset: str, batch: int, context: int, out: str) -> None:
             t.normal_()
     ctas = default_ctas(torch.device("cuda"))
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rt = MegaRuntime(prog, "cuda", timeline=True)
+    for out, mode in zip(outs, modes):
+        _record_one(prog, preset, batch, context, ctas, out, mode)
+    del prog, cache, w
+    torch.cuda.empty_cache()
+
+
+def _runtime(prog, batch: int, context: int, **kw) -> MegaRuntime:
+    rt = MegaRuntime(prog, "cuda", **kw)
     rt.view("tokens").copy_(torch.arange(batch))
     rt.view("positions").fill_(context)
     rt.view("slots").copy_(torch.arange(batch))
@@ -250,13 +283,34 @@ def record(preset: str, batch: int, context: int, out: str) -> None:
         rt.launch()
     torch.cuda.synchronize()
     rt.check()
+    return rt
+
+
+def launch_us(prog, batch: int, context: int, mode: str, n: int = 20) -> float:
+    """The median time of n launches of the build without a timeline (CUDA events around each)."""
+    rt = _runtime(prog, batch, context, prefetch=mode)
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        rt.launch()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    rt.check()
+    return sorted(ts)[n // 2]
+
+
+def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str, mode: str) -> None:
+    rt = _runtime(prog, batch, context, timeline=True, prefetch=mode)
     rows = rt.timeline_rows()
     step_us = max(r["end"] for r in rows) / 1e3
     busy = Counter()
     for r in rows:
         busy[r["op"]] += r["end"] - r["start"]
-    summary = {"preset": preset, "batch": batch, "context": context, "ctas": ctas,
+    summary = {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "prefetch": mode,
                "instructions": len(rows), "step_us": step_us,
+               "launch_us": launch_us(prog, batch, context, mode),  # without the timeline, median of 20
                "work_us_by_op": {k: v / 1e3 for k, v in busy.most_common()},
                "wait_us_total": sum(r["start"] - r["wait"] for r in rows) / 1e3}
     if "qst" in prog.i32:  # the last MoE layer's routing (the buffers are reused per layer): pairs per selected
@@ -269,8 +323,7 @@ def record(preset: str, batch: int, context: int, out: str) -> None:
         json.dump({"summary": summary, "rows": rows}, f)
     render(rows, out + ".png", f"{preset} batch {batch}: one megakernel step, {step_us:.0f} us")
     print(json.dumps(summary, indent=1))
-    del rt, prog, cache, w
-    torch.cuda.empty_cache()
+    del rt
 
 
 if __name__ == "__main__":

@@ -226,12 +226,45 @@ def test_one_process_records_every_preset_and_batch_asked_for(monkeypatch, capsy
     calls = []
     monkeypatch.setattr(mega_timeline, "record", lambda *a: calls.append(a))
     mega_timeline.main(["--preset", "qwen3-30b-a3b,tiny-k3", "--batch", "1,8", "--out", "ev/{preset}-b{batch}"])
-    assert calls == [("qwen3-30b-a3b", 1, 1024, "ev/qwen3-30b-a3b-b1"), ("qwen3-30b-a3b", 8, 1024, "ev/qwen3-30b-a3b-b8"),
-                     ("tiny-k3", 1, 1024, "ev/tiny-k3-b1"), ("tiny-k3", 8, 1024, "ev/tiny-k3-b8")]
+    nx = ["next"]
+    assert calls == [("qwen3-30b-a3b", 1, 1024, ["ev/qwen3-30b-a3b-b1"], nx),
+                     ("qwen3-30b-a3b", 8, 1024, ["ev/qwen3-30b-a3b-b8"], nx),
+                     ("tiny-k3", 1, 1024, ["ev/tiny-k3-b1"], nx), ("tiny-k3", 8, 1024, ["ev/tiny-k3-b8"], nx)]
     calls.clear()
     mega_timeline.main(["--preset", "k3-mini", "--batch", "1", "--out", "ev/one"])  # one recording: any name
-    assert calls == [("k3-mini", 1, 1024, "ev/one")]
+    assert calls == [("k3-mini", 1, 1024, ["ev/one"], nx)]
+    calls.clear()
+    # prefetch modes: one program, a recording per mode
+    mega_timeline.main(["--preset", "k3-mini", "--batch", "1", "--prefetch", "next,none", "--out", "ev/b1-{prefetch}"])
+    assert calls == [("k3-mini", 1, 1024, ["ev/b1-next", "ev/b1-none"], ["next", "none"])]
     calls.clear()
     with pytest.raises(SystemExit):
         mega_timeline.main(["--preset", "k3-mini", "--batch", "1,8", "--out", "ev/k3-mini-b{preset}"])
     assert calls == [] and "put {preset}" in capsys.readouterr().err
+    for bad in (["--prefetch", "next,none", "--out", "ev/x"], ["--prefetch", "sometimes", "--out", "ev/x"]):
+        with pytest.raises(SystemExit):
+            mega_timeline.main(["--preset", "k3-mini", "--batch", "1", *bad])
+        assert calls == []
+
+
+def test_matvec_marks_are_reported_per_projection():
+    """Batch-1 MATVEC rows carry 4 marks (cute/dense.py op_rows): reported per projection name, 5 segments each."""
+    _, rec = _recording(batch=1)
+    mv = [r for r in rec["rows"] if r["op"] == "MATVEC"]
+    for r in mv:
+        r["marks"] = [r["start"] + 100 * (j + 1) for j in range(4)]
+        r["end"] = r["start"] + 1000
+    segs = mega_timeline.marked_segments(rec["rows"])
+    kinds = {r["name"].split("[")[0].split(".", 1)[1] for r in mv}
+    assert {f"MATVEC {k}" for k in kinds} == {k for k in segs if k.startswith("MATVEC")}
+    for k in kinds:
+        assert [round(us, 6) for _, us in segs[f"MATVEC {k}"]] == [0.1, 0.1, 0.1, 0.1, 0.6]
+
+
+def test_runtime_refuses_an_unknown_prefetch_mode():
+    from megadecode.mega.runtime import PREFETCH, MegaRuntime
+
+    prog, _ = _recording()
+    assert PREFETCH["next"] == 0  # the default build's behaviour is mode 0 of the kernel's timeline bits 1-2
+    with pytest.raises(ValueError, match="prefetch 'sometimes'"):
+        MegaRuntime(prog, "cpu", prefetch="sometimes")

@@ -103,8 +103,10 @@ def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
                 i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
                 timeline: Int32, delay_ns: Int32):
-    """`timeline` != 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM, and up to 4
-    marks its body stamps (base.mark)] in tl, TLW words each.
+    """`timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM, and up to 4
+    marks its body stamps (base.mark)] in tl, TLW words each. Bits 1-2, the L2 prefetch of static weights
+    (`runtime.PREFETCH`, a measurement switch; results do not depend on it): 0 the next instruction's during the
+    wait (the default), 1 none, 2 the current instruction's during its own wait.
     `delay_ns` > 0: thread 0 sleeps a random 0..delay_ns before the instruction's stores and after its signal."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -118,7 +120,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     epoch = cute.arch.load(ctr.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
     if tid == 0:  # where base.mark stamps (timeline builds; 0: no marks); read after the first instruction's barrier
         tla = Int64(0)
-        if timeline != 0:
+        if (timeline & 1) != 0:
             tla = tl.iterator.toint()
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
@@ -126,11 +128,12 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
-        if tid >= 64:  # warps 2.. stream the static weights into L2 before the wait: the next instruction's
-            # (this one's were requested while the previous one ran; the first of the queue's now)
-            if qi == qstart[bid]:
+        pmode = (timeline >> 1) & 3
+        if tid >= 64 and pmode != 1:  # warps 2.. stream the static weights into L2 before the wait: the next
+            # instruction's (this one's were requested while the previous one ran; the first of the queue's now)
+            if qi == qstart[bid] or pmode == 2:
                 prefetch_row(prog, taddr, idx, tid - 64, NT - 64)
-            if qi + 1 < qstart[bid + 1]:
+            if qi + 1 < qstart[bid + 1] and pmode == 0:
                 prefetch_row(prog, taddr, qorder[qi + 1], tid - 64, NT - 64)
         t_wait = Int64(0)
         if tid == 0:
@@ -160,7 +163,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                 else:
                     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
         if tid == 0:
-            if timeline != 0:
+            if (timeline & 1) != 0:
                 tl[TLW * idx] = t_wait
                 tl[TLW * idx + 1] = t_start
                 tl[TLW * idx + 2] = cute.arch.globaltimer()

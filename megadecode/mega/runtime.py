@@ -27,6 +27,10 @@ from .program import Program
 # spin iterations before a wait reports a timeout (~1-2 s of polling); MEGADECODE_MAX_SPIN overrides
 DEFAULT_MAX_SPIN = int(os.environ.get("MEGADECODE_MAX_SPIN", 1 << 20))
 ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] target
+# the L2 prefetch of static weights before each wait (the kernel's `timeline` argument, bits 1-2): a measurement
+# switch, the results do not depend on it. "next": warps 2.. prefetch the next instruction's weights while thread 0
+# waits (the default); "none"; "current": the instruction's own, during its own wait
+PREFETCH = {"next": 0, "none": 1, "current": 2}
 
 
 _COMPILED = None
@@ -58,7 +62,7 @@ def _launch_args(rows, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, 
 
 def _cute_args(rt: "MegaRuntime"):
     return _launch_args(rt.rows, rt.qstart, rt.qorder, rt.ctr, rt.f32, rt.i32, rt.taddr, rt.err, rt.max_spin, rt.tl,
-                        rt.timeline, rt.delay_ns, rt.num_ctas)
+                        rt.timeline | (PREFETCH[rt.prefetch] << 1), rt.delay_ns, rt.num_ctas)
 
 
 def compiled_launcher(device):
@@ -190,9 +194,13 @@ def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
 
 class MegaRuntime:
     def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN, *, timeline: bool = False,
-                 delay_ns: int = 0):
+                 delay_ns: int = 0, prefetch: str = "next"):
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
-        `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal."""
+        `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
+        `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only)."""
+        if prefetch not in PREFETCH:
+            raise ValueError(f"prefetch {prefetch!r}: one of {sorted(PREFETCH)}")
+        self.prefetch = prefetch
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")
         check_program(prog)  # dtypes, loop lengths, alignment, shared-memory bounds: refused here, not misread

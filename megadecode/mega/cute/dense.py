@@ -27,6 +27,7 @@ from .base import (
     ld8raw,
     ldf,
     ldi,
+    mark,
     mma_bf16,
     sigmoid,
     silu,
@@ -307,6 +308,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 tot += sm[RSP + t * S + q]
             sm[RS + t] = cute.math.rsqrt(tot / Float32(K) + eps)
         cute.arch.sync_threads()
+    if B == 1 and tid == 0:
+        mark(smi, idx, 0)  # timeline builds, batch 1: the arguments and the norm done (MARKS in mega_timeline)
     add0, add1 = Int32(-1), Int32(-1)
     if cutlass.const_expr(not glu):
         add0, add1 = arg(smi, ARG[op]["add0_off"]), arg(smi, ARG[op]["add1_off"])
@@ -337,8 +340,13 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 acu1[0] = Float32(0.0)
                 row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1,
                          glu, WU1)
+                if tid == 0 and r == r0:
+                    mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
                 store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
                            out_col, add0, add1, RS, 1, RP, glu)
+            if tid == 0:
+                mark(smi, idx, 2)  # thread 0's rows summed and stored (no slices: marks 2 and 3 together)
+                mark(smi, idx, 3)
         else:
             # k slices (an instruction of fewer rows than warps x RP, the builder's 8-row tiles at batch 1: twice
             # the CTAs on a phase, half the dependent trips per warp). Slice sl of unit u: columns
@@ -353,6 +361,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
                 row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
                                has_x2, 1, glu, WU1)
+                if tid == 0:
+                    mark(smi, idx, 1)  # thread 0's slice summed
                 for j in cutlass.range_constexpr(RP):
                     tot = warp_sum(acc1[j])
                     if lane == 0:
@@ -362,6 +372,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     if lane == 0:
                         sm[(sl * nu + u) * (RP + 1) + RP] = tot
             cute.arch.sync_threads()
+            if tid == 0:
+                mark(smi, idx, 2)  # every slice summed
             if sl == 0 and lane == 0:
                 for j in cutlass.range_constexpr(RP):
                     t = Float32(0.0)
@@ -372,6 +384,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     if r + j < r1:
                         store_one(t, tu, r + j, Int32(0), sm, fb, flags, norm, out_off, out_stride, out_col, add0,
                                   add1, RS, glu)
+            if tid == 0:
+                mark(smi, idx, 3)  # its unit's rows stored
             cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSP) free again
     elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
         tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
