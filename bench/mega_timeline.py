@@ -26,7 +26,7 @@ import torch
 from megadecode.cache import KVCache
 from megadecode.executors.mega_executor import default_ctas
 from megadecode.mega.lower import lower
-from megadecode.mega.runtime import PREFETCH, MegaRuntime
+from megadecode.mega.runtime import DEFAULT_PREFETCH, PREFETCH, MegaRuntime
 from megadecode.mega.schedule import schedule
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
@@ -176,7 +176,7 @@ def report(path: str) -> None:
     wait = [r["start"] - r["wait"] for r in rec["rows"]]
     work = [r["end"] - r["start"] for r in rec["rows"]]
     print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed "
-          f"(prefetch {s.get('prefetch', 'next')})")
+          f"(prefetch {s.get('prefetch', 'next')})")  # recordings before 34419f2: next
 
 
 # what each opcode's marks stamp (cute/moe.py op_route, cute/dense.py op_rows at batch 1); the segment names end at
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="mega-timeline",
                     help="the recording's path without .json / .png; with several presets or batches it must hold "
                          "{preset} and / or {batch} to tell them apart")
-    ap.add_argument("--prefetch", default="next",
+    ap.add_argument("--prefetch", default=DEFAULT_PREFETCH,
                     help="the L2 prefetch during waits (runtime.PREFETCH: next, none, current), or several "
                          "comma-separated (one recording each of the same program: --out must hold {prefetch})")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         record(preset, batch, args.context, out, modes)
 
 
-def record(preset: str, batch: int, context: int, outs: list[str], modes: list[str] = ("next",)) -> None:
+def record(preset: str, batch: int, context: int, outs: list[str], modes: list[str] = (DEFAULT_PREFETCH,)) -> None:
     """One megakernel step of `preset` at `batch` with a timeline per prefetch mode (the same program and buffers):
     out.json (summary and per-instruction rows) and out.png (the per-SM image) for each out of `outs`; the summaries
     printed."""

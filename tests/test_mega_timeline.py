@@ -223,10 +223,12 @@ def test_one_process_records_every_preset_and_batch_asked_for(monkeypatch, capsy
     """`--preset a,b --batch 1,8` records each (preset, batch) in one process (the kernel compiles once per process:
     gpu_evidence.sh's timelines paid one compile per recording), each to its own file from the {preset} / {batch}
     template; a template that would write two recordings to one file is refused before any GPU work."""
+    from megadecode.mega.runtime import DEFAULT_PREFETCH
+
     calls = []
     monkeypatch.setattr(mega_timeline, "record", lambda *a: calls.append(a))
     mega_timeline.main(["--preset", "qwen3-30b-a3b,tiny-k3", "--batch", "1,8", "--out", "ev/{preset}-b{batch}"])
-    nx = ["next"]
+    nx = [DEFAULT_PREFETCH]
     assert calls == [("qwen3-30b-a3b", 1, 1024, ["ev/qwen3-30b-a3b-b1"], nx),
                      ("qwen3-30b-a3b", 8, 1024, ["ev/qwen3-30b-a3b-b8"], nx),
                      ("tiny-k3", 1, 1024, ["ev/tiny-k3-b1"], nx), ("tiny-k3", 8, 1024, ["ev/tiny-k3-b8"], nx)]
@@ -262,9 +264,9 @@ def test_matvec_marks_are_reported_per_projection():
 
 
 def test_runtime_refuses_an_unknown_prefetch_mode():
-    from megadecode.mega.runtime import PREFETCH, MegaRuntime
+    from megadecode.mega.runtime import DEFAULT_PREFETCH, PREFETCH, MegaRuntime
 
     prog, _ = _recording()
-    assert PREFETCH["next"] == 0  # the default build's behaviour is mode 0 of the kernel's timeline bits 1-2
+    assert PREFETCH["next"] == 0 and PREFETCH[DEFAULT_PREFETCH] == 1  # the kernel's timeline bits 1-2
     with pytest.raises(ValueError, match="prefetch 'sometimes'"):
         MegaRuntime(prog, "cpu", prefetch="sometimes")

@@ -106,7 +106,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     """`timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM, and up to 4
     marks its body stamps (base.mark)] in tl, TLW words each. Bits 1-2, the L2 prefetch of static weights
     (`runtime.PREFETCH`, a measurement switch; results do not depend on it): 0 the next instruction's during the
-    wait (the default), 1 none, 2 the current instruction's during its own wait.
+    wait, 1 none (the runtime's default: measured faster), 2 the current instruction's during its own wait.
     `delay_ns` > 0: thread 0 sleeps a random 0..delay_ns before the instruction's stores and after its signal."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()

@@ -29,8 +29,11 @@ DEFAULT_MAX_SPIN = int(os.environ.get("MEGADECODE_MAX_SPIN", 1 << 20))
 ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] target
 # the L2 prefetch of static weights before each wait (the kernel's `timeline` argument, bits 1-2): a measurement
 # switch, the results do not depend on it. "next": warps 2.. prefetch the next instruction's weights while thread 0
-# waits (the default); "none"; "current": the instruction's own, during its own wait
+# waits; "none" (the default since 34419f2's probe on the H200, launches without the timeline, median of 20: k3-mini
+# batch 1 3316 us against 3771 with "next", batch 8 9833 / 10282; qwen3-30b-a3b 5464 / 5562 and 17923 / 17997);
+# "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
 PREFETCH = {"next": 0, "none": 1, "current": 2}
+DEFAULT_PREFETCH = "none"
 
 
 _COMPILED = None
@@ -194,7 +197,7 @@ def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
 
 class MegaRuntime:
     def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN, *, timeline: bool = False,
-                 delay_ns: int = 0, prefetch: str = "next"):
+                 delay_ns: int = 0, prefetch: str = DEFAULT_PREFETCH):
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
         `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only)."""
