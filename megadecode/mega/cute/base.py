@@ -19,10 +19,6 @@ SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 NEG_INF = float("-inf")
-# op_rows at batch 1: the token's x staged in shared fp32 words [XS, XS + K) for K <= XS_MAX (below the norm's
-# words at SMEM_F - 128 and above the k slices' sums at 0 .. NW * 3)
-XS = 32
-XS_MAX = SMEM_F - 128 - XS
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
 
@@ -181,12 +177,6 @@ def ld4bf(addr: Int64):
 @cute.jit
 def sm8(sm: cute.Tensor, i: Int32):
     return cute.make_tensor(sm.iterator + i, cute.make_layout(8)).load()
-
-
-@cute.jit
-def st8(sm: cute.Tensor, i: Int32, v):
-    """8 fp32 values into shared words i .. i + 8 (i a multiple of 8)."""
-    cute.make_tensor(sm.iterator + i, cute.make_layout(8)).store(v)
 
 
 @cute.jit

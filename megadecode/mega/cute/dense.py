@@ -31,10 +31,7 @@ from .base import (
     mma_bf16,
     sigmoid,
     silu,
-    XS,
-    XS_MAX,
     sm8,
-    st8,
     stf,
     sti,
     warp_sum,
@@ -43,15 +40,12 @@ from .base import (
 
 @cute.jit
 def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, gaddr: Int64, xa: cute.Tensor,
-             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, sm: cute.Tensor,
-             xsm: Int32):
+             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr):
     """Chunks of 8 columns at k0, k0 + 256, ... (one per entry of wq / uq: raw 16-bit loads of a warp's row(s)) against
     its tokens: the norm weight folded into the rows once for every token (rstd after the sum), then each token's
     x (+ x2) dotted with both rows (GLU: gate and up), chunk after chunk in k order. Every chunk's rows are used in
     the first token's block, so the loads stay ahead of the tokens' branches (a load used only after them was sunk
-    to its use by the compiler, one chunk's loads in flight at a time). One token (TT = 1) with xsm >= 0: its x
-    (+ x2) is staged in shared memory from word xsm (op_rows at batch 1), so a group of chunks costs one global trip,
-    the weights' (x from global was a second trip after the first use of the weights, ~1.2 us: 34419f2's marks)."""
+    to its use by the compiler, one chunk's loads in flight at a time)."""
     WU = len(wq)
     ws = []
     us = []
@@ -68,19 +62,9 @@ def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, 
         if t0 + j < B:
             for u in cutlass.range_constexpr(WU):
                 k = k0 + u * 256
-                if cutlass.const_expr(TT == 1):
-                    so = xsm + k  # the staged x (+ x2); without staging (xsm < 0) word 0, not used
-                    if xsm < 0:
-                        so = Int32(0)
-                    xv = sm8(sm, so)
-                    if xsm < 0:
-                        xv = ld8(Float32, xa[j] + Int64(k) * 4)
-                        if has_x2:
-                            xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
-                else:
-                    xv = ld8(Float32, xa[j] + Int64(k) * 4)
-                    if has_x2:
-                        xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
+                xv = ld8(Float32, xa[j] + Int64(k) * 4)
+                if has_x2:
+                    xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
                 acc[j] += dot8(ws[u], xv)
                 if cutlass.const_expr(glu):
                     acu[j] += dot8(us[u], xv)
@@ -95,16 +79,15 @@ WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' 
 @cute.jit
 def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
              gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
-             glu: Constexpr, NU: Constexpr, sm: cute.Tensor, xsm: Int32):
+             glu: Constexpr, NU: Constexpr):
     """row_sums_range over all K columns."""
-    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU, sm,
-                   xsm)
+    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU)
 
 
 @cute.jit
 def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32,
                    kb: Int32, ke: Int32, lane: Int32, gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32,
-                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr, sm: cute.Tensor, xsm: Int32):
+                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr):
     """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
     GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
     weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
@@ -122,10 +105,10 @@ def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: 
         for u in cutlass.range_constexpr(NU):
             wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
             uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
-        rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, sm, xsm)
+        rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
     for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
         rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
-                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, sm, xsm)
+                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
 
 
 @cute.jit
@@ -302,12 +285,6 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
         gaddr = taddr[norm_w]
     RS = SMEM_F - 64  # rstd per token
     RSP = RS - 64  # partial sums of squares per (token, slice)
-    # batch 1: the token's x (+ x2) staged in shared memory from word XS (rows_mac reads it there: one global trip a
-    # group of chunks, the weights'), written by the norm's pass over x, or by a pass of its own without a norm;
-    # K > XS_MAX (k3-mini's o_proj, 12288) reads x from global as before
-    xsm = Int32(-1)
-    if B == 1 and K <= XS_MAX:
-        xsm = Int32(XS)
     if norm:
         # S warps per token when the batch leaves warps free (batch 1: all 8 on the one row, each a slice of K;
         # was one warp per token walking the whole row, an L2 round trip per 256 elements: ~14 us at K = 7168);
@@ -321,8 +298,6 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 if has_x2:
                     xv = xv + ld8(Float32, fa(fb, x2_off + t * x_stride + k))
                 ss += dot8(xv, xv)
-                if xsm >= 0:
-                    st8(sm, xsm + k, xv)
             ss = warp_sum(ss)
             if lane == 0:
                 sm[RSP + t * S + sl] = ss
@@ -332,13 +307,6 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
             for q in cutlass.range(S):
                 tot += sm[RSP + t * S + q]
             sm[RS + t] = cute.math.rsqrt(tot / Float32(K) + eps)
-        cute.arch.sync_threads()
-    elif xsm >= 0:
-        for k in cutlass.range(tid * 8, K, NT * 8):
-            xv = ld8(Float32, fa(fb, x_off + k))
-            if has_x2:
-                xv = xv + ld8(Float32, fa(fb, x2_off + k))
-            st8(sm, xsm + k, xv)
         cute.arch.sync_threads()
     if B == 1 and tid == 0:
         mark(smi, idx, 0)  # timeline builds, batch 1: the arguments and the norm done (MARKS in mega_timeline)
@@ -371,7 +339,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     acc1[j] = Float32(0.0)
                 acu1[0] = Float32(0.0)
                 row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1,
-                         glu, WU1, sm, xsm)
+                         glu, WU1)
                 if tid == 0 and r == r0:
                     mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
                 store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
@@ -392,7 +360,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 acu1[0] = Float32(0.0)
                 kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
                 row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
-                               has_x2, 1, glu, WU1, sm, xsm)
+                               has_x2, 1, glu, WU1)
                 if tid == 0:
                     mark(smi, idx, 1)  # thread 0's slice summed
                 for j in cutlass.range_constexpr(RP):
@@ -436,8 +404,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     acc[j] = Float32(0.0)
                 for j in cutlass.range_constexpr(TT):
                     acu[j] = Float32(0.0)
-                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU, sm,
-                         Int32(-1))
+                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU)
                 store_rows(acc, acu, r, r1, t0, B, lane, sm, fb, flags, norm, out_off, out_stride, out_col, add0,
                            add1, RS, TT, RP, glu)
     if cutlass.const_expr(not glu):
