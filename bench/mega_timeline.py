@@ -104,11 +104,47 @@ def phases(recording: dict) -> list[dict]:
         span_ns = max(r["end"] for r in rs) - min(r["start"] for r in rs)
         nbytes = sum(b for _, b in got)
         out.append({"phase": name, "op": rs[0]["op"], "instructions": len(rs), "bytes": nbytes,
-                    "start_us": min(r["start"] for r in rs) / 1e3, "span_us": span_ns / 1e3,
+                    "start_us": min(r["start"] for r in rs) / 1e3, "end_us": max(r["end"] for r in rs) / 1e3,
+                    "span_us": span_ns / 1e3,
                     "hbm_share": nbytes / (span_ns * 1e-9) / HBM if span_ns else 0.0,
                     "mean_us": sum(dur) / len(dur) / 1e3, "max_us": max(dur) / 1e3,
                     "imbalance_us": (max(dur) - sum(dur) / len(dur)) / 1e3})
     return sorted(out, key=lambda d: d["start_us"])
+
+
+def layer_kinds(ph: list[dict]) -> list[dict]:
+    """A layer's phases, averaged over the layers (phases named L<i>.<kind>, i >= 0), in the order they start: per
+    kind the layers it is in, its mean span, its mean instruction time, and the mean gap from the last end of an
+    earlier phase to its start (the dependency's hand-over: signal, wait, the next instruction's start)."""
+    by: dict[str, list] = {}
+    ends: list[float] = []
+    for d in sorted(ph, key=lambda d: d["start_us"]):
+        before = [e for e in ends if e <= d["start_us"]]
+        gap = d["start_us"] - max(before) if before else 0.0
+        ends.append(d["end_us"])
+        layer, _, kind = d["phase"].partition(".")
+        if layer[:1] == "L" and layer[1:].isdigit() and kind:
+            by.setdefault(kind, []).append((d, gap))
+    out = []
+    for kind, got in by.items():
+        n = len(got)
+        out.append({"kind": kind, "op": got[0][0]["op"], "layers": n,
+                    "first_start_us": min(d["start_us"] for d, _ in got),
+                    "order": sum(d["start_us"] - got[0][0]["start_us"] for d, _ in got) / n,
+                    "span_us": sum(d["span_us"] for d, _ in got) / n,
+                    "mean_us": sum(d["mean_us"] for d, _ in got) / n, "gap_us": sum(g for _, g in got) / n})
+    return out
+
+
+def layer_walls(ph: list[dict]) -> list[float]:
+    """Per layer (phases L<i>.*, i >= 0): the time from its first phase's start to its last phase's end, us."""
+    span: dict[str, list[float]] = {}
+    for d in ph:
+        layer = d["phase"].partition(".")[0]
+        if layer[:1] == "L" and layer[1:].isdigit():
+            lo, hi = span.get(layer, [d["start_us"], d["end_us"]])
+            span[layer] = [min(lo, d["start_us"]), max(hi, d["end_us"])]
+    return [hi - lo for lo, hi in span.values()]
 
 
 def fit(recordings: list[dict]) -> dict[str, dict]:
@@ -156,6 +192,16 @@ def report(path: str) -> None:
     for d in ph:
         print(f"{d['phase']:<18} {d['op']:<11} {d['instructions']:>4} {d['bytes'] / 1e6:>8.1f} {d['span_us']:>8.1f} "
               f"{d['hbm_share']:>5.0%} {d['mean_us']:>8.1f} {d['max_us']:>7.1f}")
+    lk = layer_kinds(ph)
+    if lk:
+        print(f"\na layer's phases, mean over the layers: {'kind':<14} {'op':<11} {'layers':>6} {'span us':>8} "
+              f"{'instr us':>8} {'gap us':>7}")
+        for d in lk:
+            print(f"{'':<41}{d['kind']:<14} {d['op']:<11} {d['layers']:>6} {d['span_us']:>8.1f} {d['mean_us']:>8.1f} "
+                  f"{d['gap_us']:>7.1f}")
+        walls = layer_walls(ph)
+        print(f"{'':<41}a layer from its first start to its last end: {sum(walls) / len(walls):.1f} us "
+              f"(mean of {len(walls)}; {sum(walls):.0f} us of the step)")
     by_op: dict[str, list] = {}
     for d in ph:
         by_op.setdefault(d["op"], []).append(d)
@@ -167,7 +213,7 @@ def report(path: str) -> None:
     marked = marked_segments(rec["rows"])
     if marked:
         print("\nmarks of the bodies (base.mark; mean us between the work start, the marks and the end; n: "
-              "instructions)")
+              "instructions, all layers)")
     for op, segs in marked.items():
         n = sum(1 for r in rec["rows"] if (op == r["op"] or op.startswith(r["op"] + " ")
                                            and r["name"].split("[")[0].split(".", 1)[-1] == op.split(" ", 1)[1])

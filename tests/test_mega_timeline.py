@@ -270,3 +270,37 @@ def test_runtime_refuses_an_unknown_prefetch_mode():
     assert PREFETCH["next"] == 0 and PREFETCH[DEFAULT_PREFETCH] == 1  # the kernel's timeline bits 1-2
     with pytest.raises(ValueError, match="prefetch 'sometimes'"):
         MegaRuntime(prog, "cpu", prefetch="sometimes")
+
+
+def test_a_layers_phases_are_averaged_over_the_layers():
+    """layer_kinds: per phase kind of the layers (L<i>.<kind>), the mean span and instruction time over the layers and
+    the gap from the last earlier end; layer_walls: each layer's first start to last end. Back-to-back instructions
+    leave no gap; a layer's wall is the sum of its instructions."""
+    prog, rec = _recording()
+    ph = mega_timeline.phases(rec)
+    kinds = mega_timeline.layer_kinds(ph)
+    layered = [d for d in ph if d["phase"].split(".")[0][1:].isdigit()]
+    assert {k["kind"] for k in kinds} == {d["phase"].split(".", 1)[1] for d in layered}
+    for k in kinds:
+        mine = [d for d in layered if d["phase"].split(".", 1)[1] == k["kind"]]
+        assert k["layers"] == len(mine)
+        assert k["span_us"] == pytest.approx(sum(d["span_us"] for d in mine) / len(mine))
+        assert k["mean_us"] == pytest.approx(sum(d["mean_us"] for d in mine) / len(mine))
+        assert k["gap_us"] == pytest.approx(0.0)
+    walls = mega_timeline.layer_walls(ph)
+    layers = sorted({ins.layer for ins in prog.instrs if ins.layer >= 0})
+    assert len(walls) == len(layers)
+    for layer, wall in zip(layers, walls):
+        durs = [1000 + i for i, ins in enumerate(prog.instrs) if ins.name.startswith(f"L{layer}.")]
+        assert wall == pytest.approx(sum(durs) / 1e3)
+    # a gap: every phase of layer 1 starts 5 us late
+    late = {r["instr"] for r in rec["rows"] if r["name"].startswith("L1.")}
+    first = min(r["start"] for r in rec["rows"] if r["instr"] in late)
+    for r in rec["rows"]:
+        if r["start"] >= first:
+            for key in ("wait", "start", "end"):
+                r[key] += 5000
+    gaps = {k["kind"]: k["gap_us"] for k in mega_timeline.layer_kinds(mega_timeline.phases(rec))}
+    n = {k["kind"]: k["layers"] for k in kinds}
+    first_kind = next(d["phase"].split(".", 1)[1] for d in layered if d["phase"].startswith("L1."))
+    assert gaps[first_kind] == pytest.approx(5.0 / n[first_kind])
