@@ -19,8 +19,8 @@
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
 #   does not fit one call; exit status that of pytest. The whole suite is two calls on the H200: `-m gpu` (230 s at
-#   17edcea, one worker) and `-m "not gpu"` (14 workers, the default: 264 s at aca6454, but at 17edcea two runs with
-#   BUDGET 330 and 280 were cut at ~99%). Give each its own call with the default BUDGET (560): a call shared
+#   17edcea, one worker) and `-m "not gpu"` (14 workers, the default: 264 s at aca6454, 390 s at 4c00d0d; at 17edcea
+#   two runs with BUDGET 330 and 280 were cut at ~99%). Give each its own call with the default BUDGET (560): a call shared
 #   with other jobs ran out of time at e12a610, and one running both parts at bb54d81 finished neither.
 #   Never write to $OUT/evidence.tar.gz after this script: it is the archive (an empty one overwrote ee57544's).
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
