@@ -15,6 +15,7 @@
 #   OUT=/path bash bench/gpu_evidence.sh timelines                                    # more megakernel timelines
 #   OUT=/path bash bench/gpu_evidence.sh try                                          # a kernel change, quickly
 #   OUT=/path bash bench/gpu_evidence.sh probe                                        # batch-1 marks, prefetch modes
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh land             # tests -m gpu, then kernel
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
 #   the GPU-only catches of the harness); pytest arguments select a part (`-m gpu`, `-m "not gpu"`) when the whole
@@ -170,6 +171,18 @@ if [ "$MODE" = try ]; then  # a kernel change measured before the whole suite is
     timeline "${TRY_TIMELINE:-k3-mini}" 1,8
     exit "$rc"
 fi
+if [ "$MODE" = land ]; then  # the GPU tests and the kernel's evidence in one call (471 s at 4c00d0d): `tests -m gpu`
+    # (226 s), then `kernel` with what is left (mega_check, the benches, then KERNEL_TIMELINES' timelines until the
+    # budget ends); each writes its own archive, $OUT/tests/evidence.tar.gz and $OUT/kernel/evidence.tar.gz. With
+    # `tests -m "not gpu"` in a call of its own (390 s at 4c00d0d), the whole of what landing a kernel change needs
+    BUDGET=$(( $(left) * 58 / 100 )) OUT="$FINAL/tests" bash "$0" tests -m gpu 2>&1 | tail -4
+    t=${PIPESTATUS[0]}
+    BUDGET=$(( $(left) - 5 )) OUT="$FINAL/kernel" bash "$0" kernel 2>&1 | grep -E "^(diff|e2e|mega_check|bench|k3-mini|qwen3)" | cut -c1-160
+    k=${PIPESTATUS[0]}
+    echo "tests -m gpu exit $t, kernel exit $k"
+    [ "$t" = 0 ] && [ "$k" = 0 ]
+    exit $?
+fi
 if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min with the start): mega_check on the
     # PROBE_PRESETS at batch 1 and 3 (the marks and the prefetch switch change the kernel), then PROBE_TIMELINES'
     # (default qwen3-30b-a3b and k3-mini) batch-1 timelines with the L2 prefetch of the next instruction's weights,
@@ -252,5 +265,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | try | probe | ep | sanitizer | ncu | timelines" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | land | try | probe | ep | sanitizer | ncu | timelines" >&2
 exit 2
