@@ -147,6 +147,38 @@ def layer_walls(ph: list[dict]) -> list[float]:
     return [hi - lo for lo, hi in span.values()]
 
 
+def compare(before: dict, after: dict) -> str:
+    """Two recordings of the same preset and batch, a layer's phases side by side (layer_kinds: mean span and
+    instruction time, us), then the layer's wall time and the step's: the table a kernel change is judged by."""
+    sb, sa = before["summary"], after["summary"]
+    if (sb["preset"], sb["batch"]) != (sa["preset"], sa["batch"]):
+        raise ValueError(f"recordings of {sb['preset']} batch {sb['batch']} and {sa['preset']} batch {sa['batch']}: "
+                         "compare one preset at one batch")
+    pb, pa = phases(before), phases(after)
+    kb = {d["kind"]: d for d in layer_kinds(pb)}
+    lines = [f"{sa['preset']} batch {sa['batch']}: before (prefetch {sb.get('prefetch', 'next')}) -> after (prefetch "
+             f"{sa.get('prefetch', 'next')})",
+             f"{'kind':<16} {'op':<11} {'span us':>15} {'delta':>7} {'instr us':>15}"]
+    for d in layer_kinds(pa):
+        o = kb.get(d["kind"])
+        if o is None:
+            lines.append(f"{d['kind']:<16} {d['op']:<11} {'-':>6} -> {d['span_us']:>6.1f} {'':>7} {'-':>6} -> "
+                         f"{d['mean_us']:>6.1f}")
+            continue
+        lines.append(f"{d['kind']:<16} {d['op']:<11} {o['span_us']:>6.1f} -> {d['span_us']:>6.1f} "
+                     f"{d['span_us'] - o['span_us']:>+7.1f} {o['mean_us']:>6.1f} -> {d['mean_us']:>6.1f}")
+    for k in kb.keys() - {d["kind"] for d in layer_kinds(pa)}:
+        lines.append(f"{k:<16} {kb[k]['op']:<11} {kb[k]['span_us']:>6.1f} ->      - (not in after)")
+    wb, wa = layer_walls(pb), layer_walls(pa)
+    if wb and wa:
+        lines.append(f"{'a layer':<28} {sum(wb) / len(wb):>6.1f} -> {sum(wa) / len(wa):>6.1f} "
+                     f"{sum(wa) / len(wa) - sum(wb) / len(wb):>+7.1f}")
+    lines.append(f"{'the step':<28} {sb['step_us']:>6.0f} -> {sa['step_us']:>6.0f} {sa['step_us'] - sb['step_us']:>+7.0f}"
+                 + (f"   without the timeline {sb['launch_us']:.0f} -> {sa['launch_us']:.0f}"
+                    if sb.get("launch_us") and sa.get("launch_us") else ""))
+    return "\n".join(lines)
+
+
 def fit(recordings: list[dict]) -> dict[str, dict]:
     """The cost model against the measured instruction times, per opcode and batch ("MATVEC b8"): the scheduler's
     prediction (CostModel) and a least-squares fit of duration = fixed + bytes / rate over every recorded instruction
@@ -265,9 +297,21 @@ def main(argv: list[str] | None = None) -> None:
                          "comma-separated (one recording each of the same program: --out must hold {prefetch})")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
     ap.add_argument("--png", help="with --from: also draw the recording's per-SM image to this file")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="two recordings of one preset and batch (no GPU): a layer's phases side by side")
     ap.add_argument("--fit", nargs="+", metavar="RECORDING",
                     help="the cost model against these recordings, per opcode (no GPU)")
     args = ap.parse_args(argv)
+    if args.compare:
+        recs = []
+        for path in args.compare:
+            with open(path) as f:
+                recs.append(json.load(f))
+        try:
+            print(f"before: {args.compare[0]}\nafter:  {args.compare[1]}\n" + compare(*recs))
+        except ValueError as e:
+            ap.error(str(e))
+        return
     if args.fit:
         recs = []
         for path in args.fit:

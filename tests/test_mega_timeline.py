@@ -304,3 +304,39 @@ def test_a_layers_phases_are_averaged_over_the_layers():
     n = {k["kind"]: k["layers"] for k in kinds}
     first_kind = next(d["phase"].split(".", 1)[1] for d in layered if d["phase"].startswith("L1."))
     assert gaps[first_kind] == pytest.approx(5.0 / n[first_kind])
+
+
+def test_compare_sets_a_layers_phases_side_by_side(tmp_path, capsys):
+    """--compare BEFORE AFTER: every phase kind of a layer with its span before and after and the difference; a
+    recording against itself differs by nothing, one 2 us slower phase shows as +2.0 (and in the layer and step
+    lines); recordings of two presets or batches are refused."""
+    _, before = _recording()
+    _, after = _recording()
+    table = mega_timeline.compare(before, after)
+    kinds = mega_timeline.layer_kinds(mega_timeline.phases(before))
+    assert all(f"{k['kind']:<16}" in table for k in kinds)
+    assert "+0.0" in table and "+2.0" not in table
+    # one instruction of one phase kind 2 us longer in every layer (the synthetic instructions run one after the
+    # other, so its phase's span grows by 2 us), everything after it shifted
+    kind = kinds[0]["kind"]
+    shift, seen = 0, set()
+    for r in after["rows"]:
+        r["wait"] += shift
+        r["start"] += shift
+        phase = r["name"].split("[")[0]
+        if phase.split(".", 1)[-1] == kind and phase[1:2].isdigit() and phase not in seen:
+            seen.add(phase)
+            shift += 2000
+        r["end"] += shift
+    after["summary"]["step_us"] += shift / 1e3
+    line = next(x for x in mega_timeline.compare(before, after).splitlines() if x.startswith(f"{kind:<16}"))
+    assert "+2.0" in line
+    paths = []
+    for name, rec in (("a", before), ("b", after)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(rec))
+    mega_timeline.main(["--compare", str(paths[0]), str(paths[1])])
+    assert "a layer" in capsys.readouterr().out
+    other = {**after, "summary": {**after["summary"], "batch": 8}}
+    with pytest.raises(ValueError, match="one preset at one batch"):
+        mega_timeline.compare(before, other)
