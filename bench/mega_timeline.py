@@ -6,7 +6,10 @@ the wait before it in grey. Random weights, cache filled with random values, eve
 
     python bench/mega_timeline.py --preset qwen3-30b-a3b --batch 1 --out $OUT/mega-timeline
 
-`--from FILE.json` (no GPU): the phases of a recorded step (and with `--png FILE` its image). `--fit FILE.json ...`
+`--from FILE.json` (no GPU): the phases of a recorded step (and with `--png FILE` its image), a layer's phases
+averaged over the layers, the marks of the bodies. `--compare BEFORE.json AFTER.json` (no GPU): a layer's phases of
+two recordings side by side. `--prefetch next,none,current`: one recording per L2 prefetch setting (runtime.PREFETCH)
+of the same program. `--fit FILE.json ...`
 (no GPU): the scheduler's cost model against the recorded instruction times, per opcode, with a fitted
 fixed cost and rate. The program is lowered again on meta tensors (same
 preset, batch and CTAs; checked instruction by instruction against the recording) for each instruction's HBM
