@@ -129,8 +129,9 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
         pmode = (timeline >> 1) & 3
-        if tid >= 64 and pmode != 1:  # warps 2.. stream the static weights into L2 before the wait: the next
-            # instruction's (this one's were requested while the previous one ran; the first of the queue's now)
+        if tid >= 64 and pmode != 1:  # warps 2.. stream static weights into L2 before the wait. Mode 0: the next
+            # instruction's (this one's were requested while the previous one ran; the first of the queue's now);
+            # mode 2: this one's; mode 1 (the runtime's default): none
             if qi == qstart[bid] or pmode == 2:
                 prefetch_row(prog, taddr, idx, tid - 64, NT - 64)
             if qi + 1 < qstart[bid + 1] and pmode == 0:
