@@ -164,6 +164,11 @@ def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monke
     monkeypatch.setattr(sys, "argv", ["mega_check.py", "--presets", "tiny-k3", "--batches", "1", "--tokens", "0",
                                       "--ctas", "4", "--out", str(out)])
     assert mega_check.main() == 0
+    # the evidence file: a buffer's row on one line, its difference at 3 significant digits
+    row = {**good, "buffers": [{"buffer": "hidden", "rel": 1.23456e-4}]}
+    assert mega_check.main() == 0
+    assert any(line.strip().startswith('{"buffer": "hidden", "rel": 0.000123}') for line in out.read_text().splitlines())
+    row = dict(good)
     for bad in ({"mismatched": ["hidden"]}, {"repeat_bitwise_equal": False}, {"delayed_bitwise_equal": False},
                 {"buffers": [{"buffer": "cache.1.0", "rel": BUFFER_TOL * 1.2}]},
                 {"buffers": [{"buffer": "logits", "rel": float("nan")}]}):
