@@ -132,8 +132,6 @@ def layer_kinds(ph: list[dict]) -> list[dict]:
     for kind, got in by.items():
         n = len(got)
         out.append({"kind": kind, "op": got[0][0]["op"], "layers": n,
-                    "first_start_us": min(d["start_us"] for d, _ in got),
-                    "order": sum(d["start_us"] - got[0][0]["start_us"] for d, _ in got) / n,
                     "span_us": sum(d["span_us"] for d, _ in got) / n,
                     "mean_us": sum(d["mean_us"] for d, _ in got) / n, "gap_us": sum(g for _, g in got) / n})
     return out
