@@ -157,10 +157,11 @@ def compare(before: dict, after: dict) -> str:
                          "compare one preset at one batch")
     pb, pa = phases(before), phases(after)
     kb = {d["kind"]: d for d in layer_kinds(pb)}
+    ka = layer_kinds(pa)
     lines = [f"{sa['preset']} batch {sa['batch']}: before (prefetch {sb.get('prefetch', 'next')}) -> after (prefetch "
              f"{sa.get('prefetch', 'next')})",
              f"{'kind':<16} {'op':<11} {'span us':>15} {'delta':>7} {'instr us':>15}"]
-    for d in layer_kinds(pa):
+    for d in ka:
         o = kb.get(d["kind"])
         if o is None:
             lines.append(f"{d['kind']:<16} {d['op']:<11} {'-':>6} -> {d['span_us']:>6.1f} {'':>7} {'-':>6} -> "
@@ -168,7 +169,7 @@ def compare(before: dict, after: dict) -> str:
             continue
         lines.append(f"{d['kind']:<16} {d['op']:<11} {o['span_us']:>6.1f} -> {d['span_us']:>6.1f} "
                      f"{d['span_us'] - o['span_us']:>+7.1f} {o['mean_us']:>6.1f} -> {d['mean_us']:>6.1f}")
-    for k in kb.keys() - {d["kind"] for d in layer_kinds(pa)}:
+    for k in kb.keys() - {d["kind"] for d in ka}:
         lines.append(f"{k:<16} {kb[k]['op']:<11} {kb[k]['span_us']:>6.1f} ->      - (not in after)")
     wb, wa = layer_walls(pb), layer_walls(pa)
     if wb and wa:
@@ -243,15 +244,13 @@ def report(path: str) -> None:
         span = sum(d["span_us"] for d in ds)
         print(f"  {op:<11} {len(ds):>3} {span:>8.0f} us {sum(d['bytes'] for d in ds) / (span * 1e-6) / HBM:>5.0%}"
               f" {sum(d['imbalance_us'] for d in ds):>7.0f} us")
+    counts = {key: len(sp) for key, sp in marked_spans(rec["rows"]).items()}
     marked = marked_segments(rec["rows"])
     if marked:
         print("\nmarks of the bodies (base.mark; mean us between the work start, the marks and the end; n: "
               "instructions, all layers)")
     for op, segs in marked.items():
-        n = sum(1 for r in rec["rows"] if (op == r["op"] or op.startswith(r["op"] + " ")
-                                           and r["name"].split("[")[0].split(".", 1)[-1] == op.split(" ", 1)[1])
-                and len([x for x in r.get("marks") or [] if x is not None]) == len(segs) - 1)
-        print(f"  {op:<22} n {n:>4}: " + "  ".join(f"{name} {us:.1f}" for name, us in segs))
+        print(f"  {op:<22} n {counts[op]:>4}: " + "  ".join(f"{name} {us:.1f}" for name, us in segs))
     wait = [r["start"] - r["wait"] for r in rec["rows"]]
     work = [r["end"] - r["start"] for r in rec["rows"]]
     print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed "
@@ -266,10 +265,9 @@ MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair l
 PER_NAME = ("MATVEC", "GLU")
 
 
-def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
-    """Per opcode (MATVEC and GLU: per projection, "MATVEC o_proj") with marks in the recording: the mean time from
-    the work start to mark 0, between consecutive marks, and from the last to the end, over its instructions whose
-    marks were all stamped."""
+def marked_spans(rows: list[dict]) -> dict[str, list[list[float]]]:
+    """Per opcode (MATVEC and GLU: per projection, "MATVEC o_proj"), each of its instructions whose marks were all
+    stamped: the us from the work start to mark 0, between consecutive marks, and from the last to the end."""
     spans: dict[str, list] = {}
     for r in rows:
         names = MARKS.get(r["op"])
@@ -281,8 +279,13 @@ def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
             key = f"{key} {r['name'].split('[')[0].split('.', 1)[-1]}"
         t = [r["start"], *m, r["end"]]
         spans.setdefault(key, []).append([(b - a) / 1e3 for a, b in zip(t, t[1:])])
+    return spans
+
+
+def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """marked_spans averaged over the instructions: per key, (segment name, mean us) in order."""
     return {key: [(n, sum(s[i] for s in sp) / len(sp)) for i, n in enumerate(MARKS[key.split()[0]])]
-            for key, sp in spans.items()}
+            for key, sp in marked_spans(rows).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
