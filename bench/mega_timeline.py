@@ -29,7 +29,7 @@ import torch
 from megadecode.cache import KVCache
 from megadecode.executors.mega_executor import default_ctas
 from megadecode.mega.lower import lower
-from megadecode.mega.runtime import DEFAULT_PREFETCH, PREFETCH, MegaRuntime
+from megadecode.mega.runtime import DEFAULT_PREFETCH, MegaRuntime, setting_bits
 from megadecode.mega.schedule import schedule
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
@@ -339,8 +339,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     modes = args.prefetch.split(",")
     for m in modes:
-        if m not in PREFETCH:
-            ap.error(f"--prefetch {m!r}: one of {', '.join(PREFETCH)}")
+        try:
+            setting_bits(m)
+        except ValueError as e:
+            ap.error(f"--{e}")
     runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
     outs = [[args.out.format(preset=p, batch=b, prefetch=m) for m in modes] for p, b in runs]
     if len({o for os_ in outs for o in os_}) < len(runs) * len(modes):

@@ -79,7 +79,7 @@ def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
 
     src = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute/moe.py").read_text()
     body = src[src.index("def op_route"):src.index("def up_mx_rows1")]
-    marks = sorted(int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body))
+    marks = sorted({int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body)})  # mark 3: either tables path
     assert marks == list(range(len(mega_timeline.MARKS["ROUTE"]) - 1))
     # the kernel's own timeline words and base.mark's slots (4 + k) fit the TLW words a row has
     kernel = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute_kernel.py").read_text()

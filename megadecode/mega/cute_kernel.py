@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32, prefetch_row  # noqa: E402,F401
+from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_row  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
@@ -124,11 +124,12 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             tla = tl.iterator.toint()
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
+        smi[TRY_S] = timeline >> 3
+    pmode = (timeline >> 1) & 3
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
-        pmode = (timeline >> 1) & 3
         if tid >= 64 and pmode != 1:  # warps 2.. stream static weights into L2 before the wait. Mode 0: the next
             # instruction's (this one's were requested while the previous one ran; the first of the queue's now);
             # mode 2: this one's; mode 1 (the runtime's default): none

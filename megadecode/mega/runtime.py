@@ -34,6 +34,18 @@ ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] 
 # "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
 PREFETCH = {"next": 0, "none": 1, "current": 2}
 DEFAULT_PREFETCH = "none"
+# a try build's switches (the `timeline` argument's bits 3..; the kernel keeps them in shared memory, TRY_S), named
+# after the prefetch mode: "none+down_flat". down_flat: EXPERT_DOWN's flat path for bf16 whatever the pairs;
+# expert_nopf: EXPERT_UP and EXPERT_DOWN without their L2 prefetch of the selected experts' rows
+TRIES = {"down_flat": 1, "expert_nopf": 2}
+
+
+def setting_bits(setting: str) -> int:
+    """The `timeline` argument's bits 1.. for a prefetch mode with optional tries ("none", "none+down_flat")."""
+    mode, *tries = setting.split("+")
+    if mode not in PREFETCH or any(t not in TRIES for t in tries):
+        raise ValueError(f"prefetch {setting!r}: one of {sorted(PREFETCH)}, each optionally with +{'/+'.join(TRIES)}")
+    return (PREFETCH[mode] << 1) | (sum(TRIES[t] for t in set(tries)) << 3)
 
 
 _COMPILED = None
@@ -65,7 +77,7 @@ def _launch_args(rows, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, 
 
 def _cute_args(rt: "MegaRuntime"):
     return _launch_args(rt.rows, rt.qstart, rt.qorder, rt.ctr, rt.f32, rt.i32, rt.taddr, rt.err, rt.max_spin, rt.tl,
-                        rt.timeline | (PREFETCH[rt.prefetch] << 1), rt.delay_ns, rt.num_ctas)
+                        rt.timeline | setting_bits(rt.prefetch), rt.delay_ns, rt.num_ctas)
 
 
 def compiled_launcher(device):
@@ -201,8 +213,7 @@ class MegaRuntime:
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
         `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only)."""
-        if prefetch not in PREFETCH:
-            raise ValueError(f"prefetch {prefetch!r}: one of {sorted(PREFETCH)}")
+        setting_bits(prefetch)  # a ValueError naming the choices
         self.prefetch = prefetch
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")

@@ -18,6 +18,8 @@ SMEM_I = 2048  # int32 words (8 KiB)
 SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
+FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
+TRY_S = SMEM_I - 2  # the kernel's `timeline` argument >> 3: switches of a try build
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -160,6 +162,12 @@ def ld4u32(addr: Int64):
 def ld8(dtype: Constexpr, addr: Int64):
     """8 consecutive elements (16-byte aligned for 16-bit types, 32-byte for fp32) as fp32."""
     return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load().to(Float32)
+
+
+@cute.jit
+def st8f(addr: Int64, v):
+    """Store 8 fp32 values (a TensorSSA of 8) to 8 consecutive fp32 elements (16-byte aligned)."""
+    cute.make_tensor(_g(addr, Float32, 16), cute.make_layout(8)).store(v)
 
 
 @cute.jit
