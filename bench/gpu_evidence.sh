@@ -186,9 +186,9 @@ fi
 if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min with the start): mega_check on the
     # PROBE_PRESETS at batch 1 and 3 (the marks and the prefetch switch change the kernel), then PROBE_TIMELINES'
     # (default qwen3-30b-a3b and k3-mini) batch-1 timelines with the L2 prefetch of the next instruction's weights,
-    # none, and the current one's (mega_timeline --prefetch; the same program and buffers, one process), each
-    # recording's tables: step time with and without the timeline, the MATVEC marks per projection. Not evidence for
-    # landing: that is `kernel`, then `tests`
+    # none, and the current one's, or PROBE_PREFETCH's settings (mega_timeline --prefetch; the same program and
+    # buffers, one process). 718c294's try (PROBE_PREFETCH=none,none+down_flat,none+expert_nopf, PROBE_BATCH=1,8,64,
+    # 4 presets in mega_check): 495 s with the start. Not evidence for landing: that is `kernel`, then `tests`
     timeout "$(left)" python bench/mega_check.py --presets "${PROBE_PRESETS:-tiny-qwen3-moe,tiny-qwen3-gqa,tiny-k3}" \
         --batches 1,3 --tokens 0 --out "$OUT/evidence/mega-check-probe.json" > "$OUT/evidence/mega-check-probe.log" 2>&1
     rc=$?
@@ -199,12 +199,21 @@ if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min 
         --prefetch "${PROBE_PREFETCH:-next,none,current}" --out "$OUT/evidence/{preset}-b{batch}-{prefetch}" \
         > "$OUT/evidence/probe-timeline.log" 2>&1
     echo "timelines exit $?"; tail -3 "$OUT/evidence/probe-timeline.log"
-    for R in "$OUT"/evidence/*-b*-*.json; do
-        case "$R" in *mega-check*) continue ;; esac
+    # with several settings (a try build's switches: PROBE_PREFETCH=none,none+name), each against the first, a
+    # layer's phases side by side (mega_timeline --compare); with one, each recording's tables
+    IFS=, read -r -a SETS <<< "${PROBE_PREFETCH:-next,none,current}"
+    for R in "$OUT"/evidence/*-b*-"${SETS[0]//+/_}".json; do
+        [ -f "$R" ] || continue
         echo "== $(basename "$R" .json)"
-        python bench/mega_timeline.py --from "$R" | grep -v -E "^L[0-9]|^(model|lm_head|embed)" | tail -40
-        rm -f "${R%.json}.png"
+        if [ "${#SETS[@]}" -eq 1 ]; then
+            python bench/mega_timeline.py --from "$R" | grep -v -E "^L[0-9]|^(model|lm_head|embed)" | tail -40
+        fi
+        for S in "${SETS[@]:1}"; do
+            A="${R%-"${SETS[0]//+/_}".json}-${S//+/_}.json"
+            [ -f "$A" ] && python bench/mega_timeline.py --compare "$R" "$A" | tail -n +3
+        done
     done
+    rm -f "$OUT"/evidence/*-b*-*.png
     exit "$rc"
 fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b

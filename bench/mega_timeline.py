@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             ap.error(f"--{e}")
     runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
-    outs = [[args.out.format(preset=p, batch=b, prefetch=m) for m in modes] for p, b in runs]
+    # "+" (a try switch) written "_" in file names: the device's file return refuses names with "+"
+    outs = [[args.out.format(preset=p, batch=b, prefetch=m.replace("+", "_")) for m in modes] for p, b in runs]
     if len({o for os_ in outs for o in os_}) < len(runs) * len(modes):
         ap.error(f"--out {args.out!r} does not name a file per recording: put {{preset}}, {{batch}} and / or "
                  "{prefetch} in it")

@@ -106,7 +106,8 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     """`timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM, and up to 4
     marks its body stamps (base.mark)] in tl, TLW words each. Bits 1-2, the L2 prefetch of static weights
     (`runtime.PREFETCH`, a measurement switch; results do not depend on it): 0 the next instruction's during the
-    wait, 1 none (the runtime's default: measured faster), 2 the current instruction's during its own wait.
+    wait, 1 none (the runtime's default: measured faster), 2 the current instruction's during its own wait. Bits 3..:
+    a try build's switches (`runtime.TRIES`), kept in shared memory (TRY_S) for the bodies under trial.
     `delay_ns` > 0: thread 0 sleeps a random 0..delay_ns before the instruction's stores and after its signal."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -124,7 +125,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             tla = tl.iterator.toint()
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
-        smi[TRY_S] = timeline >> 3
+        smi[TRY_S] = timeline >> 3  # a try build's switches (runtime.TRIES; none read in a landed build)
     pmode = (timeline >> 1) & 3
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]

@@ -34,17 +34,20 @@ ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] 
 # "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
 PREFETCH = {"next": 0, "none": 1, "current": 2}
 DEFAULT_PREFETCH = "none"
-# a try build's switches (the `timeline` argument's bits 3..; the kernel keeps them in shared memory, TRY_S), named
-# after the prefetch mode: "none+down_flat". down_flat: EXPERT_DOWN's flat path for bf16 whatever the pairs;
-# expert_nopf: EXPERT_UP and EXPERT_DOWN without their L2 prefetch of the selected experts' rows
-TRIES = {"down_flat": 1, "expert_nopf": 2}
+# a try build's switches, named after the prefetch mode ("none+name"): bits 3.. of the kernel's `timeline` argument,
+# which the kernel keeps in shared memory (cute/base.py TRY_S) for a body under trial to read, so that one compile
+# measures several variants side by side (`mega_timeline --prefetch none,none+name`). None in a landed build; 718c294
+# tried down_flat (EXPERT_DOWN's flat path for bf16 whatever the pairs) and expert_nopf (no L2 prefetch of the
+# selected experts' rows) this way: both taken, the first up to 2 pairs an expert (docs/megakernel.md)
+TRIES: dict[str, int] = {}
 
 
 def setting_bits(setting: str) -> int:
     """The `timeline` argument's bits 1.. for a prefetch mode with optional tries ("none", "none+down_flat")."""
     mode, *tries = setting.split("+")
     if mode not in PREFETCH or any(t not in TRIES for t in tries):
-        raise ValueError(f"prefetch {setting!r}: one of {sorted(PREFETCH)}, each optionally with +{'/+'.join(TRIES)}")
+        tail = f", each optionally with +{' / +'.join(TRIES)}" if TRIES else " (this build has no try switches)"
+        raise ValueError(f"prefetch {setting!r}: one of {sorted(PREFETCH)}{tail}")
     return (PREFETCH[mode] << 1) | (sum(TRIES[t] for t in set(tries)) << 3)
 
 

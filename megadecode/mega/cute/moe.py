@@ -15,7 +15,6 @@ from .base import (
     NW,
     SMEM_F,
     TB,
-    TRY_S,
     arg,
     argf,
     args,
@@ -30,7 +29,6 @@ from .base import (
     ldu8,
     mark,
     mx_scale,
-    prefetch_l2,
     silu,
     situ,
     stf,
@@ -435,18 +433,10 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     rowb = Int64(D) * 2  # bytes per weight row (MXFP4: D / 2 packed, D / 32 scales)
     if mx:
         rowb = Int64(D // 2)
-    upre = u1 + 1
-    if (smi[TRY_S] & 2) != 0:  # TRY bit 1 (expert_nopf): no L2 prefetch of the experts' rows
-        upre = u0
-    for u in cutlass.range(u0, upre):  # the share's rows into L2 first (known after ROUTE)
-        e = ldi(ia(ib, uniq_off + u))
-        for q in cutlass.range(smi[u], smi[u + 1]):
-            r0 = Int32(cutlass.max(lo - Int64(q) * Int64(I), Int64(0)))
-            r1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
-            if r0 < r1:
-                for half in cutlass.range_constexpr(2):
-                    first = (Int64(e) * Int64(2 * I) + Int64(half * I + r0)) * rowb
-                    prefetch_l2(gu + first, Int64(r1 - r0) * rowb, tid, NT)
+    # no L2 prefetch of the share's rows before the loops (was: every thread's prefetches of its share first, as
+    # EXPERT_DOWN's; without them, launches of 718c294 on the H200, median of 20: qwen3-30b-a3b batch 1 / 8 / 64
+    # 5345 -> 5115, 17515 -> 15475, 73344 -> 67688 us, k3-mini 3224 -> 3145, 10203 -> 9213, 72423 -> 68257: the
+    # prefetches only queued ahead of the loads that need the same bytes)
     accg = cute.make_rmem_tensor(TB, Float32)
     accu = cute.make_rmem_tensor(TB, Float32)
     wg = cute.make_rmem_tensor(8, Float32)
@@ -550,17 +540,13 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     acc1 = cute.make_rmem_tensor(2, Float32)
     acu1 = cute.make_rmem_tensor(1, Float32)
     xa1 = cute.make_rmem_tensor(1, Int64)
-    npre = nuniq
-    if (smi[TRY_S] & 2) != 0:  # TRY bit 1 (expert_nopf): no L2 prefetch of the experts' rows
-        npre = Int32(0)
-    for u in cutlass.range(npre):  # every selected expert's rows into L2 first
-        e = ldi(ia(ib, uniq_off + u))
-        prefetch_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * rowb, Int64(r1 - r0) * rowb, tid, NT)
     npairs = ldi(ia(ib, pstart_off + nuniq))
     # flat: every pair on its own, the (pair, rows) units of all selected experts dealt to the warps at once. MXFP4
-    # always; bf16 when no expert holds two pairs (then no weight row is read twice; with several pairs an expert, the
-    # bf16 loop below reads each row once for up to TB of them)
-    flat = mx or npairs == nuniq or (smi[TRY_S] & 1) != 0  # TRY bit 0: flat for bf16 whatever the pairs
+    # always; bf16 up to 2 pairs an expert on average (an expert's second pair reads its rows again, from L2), past
+    # that the bf16 loop below (expert after expert, each row read once for up to TB of its pairs). Measured at
+    # 718c294 (H200, qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the loop,
+    # 89 flat; batch 64 (4.1) 442 with the loop, 486 flat. Was: flat only when no expert held two pairs
+    flat = mx or npairs <= 2 * nuniq
     if flat:
         for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
             e = ldi(ia(ib, uniq_off + u))
