@@ -215,7 +215,8 @@ class MegaRuntime:
                  delay_ns: int = 0, prefetch: str = DEFAULT_PREFETCH):
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
-        `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only)."""
+        `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only), with a try
+        build's switches after it ("none+name", TRIES)."""
         setting_bits(prefetch)  # a ValueError naming the choices
         self.prefetch = prefetch
         if not prog.queues:
