@@ -244,13 +244,13 @@ def report(path: str) -> None:
         span = sum(d["span_us"] for d in ds)
         print(f"  {op:<11} {len(ds):>3} {span:>8.0f} us {sum(d['bytes'] for d in ds) / (span * 1e-6) / HBM:>5.0%}"
               f" {sum(d['imbalance_us'] for d in ds):>7.0f} us")
-    counts = {key: len(sp) for key, sp in marked_spans(rec["rows"]).items()}
-    marked = marked_segments(rec["rows"])
+    spans = marked_spans(rec["rows"])
+    marked = mean_segments(spans)
     if marked:
         print("\nmarks of the bodies (base.mark; mean us between the work start, the marks and the end; n: "
               "instructions, all layers)")
     for op, segs in marked.items():
-        print(f"  {op:<22} n {counts[op]:>4}: " + "  ".join(f"{name} {us:.1f}" for name, us in segs))
+        print(f"  {op:<22} n {len(spans[op]):>4}: " + "  ".join(f"{name} {us:.1f}" for name, us in segs))
     wait = [r["start"] - r["wait"] for r in rec["rows"]]
     work = [r["end"] - r["start"] for r in rec["rows"]]
     print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed "
@@ -282,10 +282,15 @@ def marked_spans(rows: list[dict]) -> dict[str, list[list[float]]]:
     return spans
 
 
-def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
-    """marked_spans averaged over the instructions: per key, (segment name, mean us) in order."""
+def mean_segments(spans: dict[str, list[list[float]]]) -> dict[str, list[tuple[str, float]]]:
+    """marked_spans' segments averaged over the instructions: per key, (segment name, mean us) in order."""
     return {key: [(n, sum(s[i] for s in sp) / len(sp)) for i, n in enumerate(MARKS[key.split()[0]])]
-            for key, sp in marked_spans(rows).items()}
+            for key, sp in spans.items()}
+
+
+def marked_segments(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """mean_segments of the recording's rows."""
+    return mean_segments(marked_spans(rows))
 
 
 def main(argv: list[str] | None = None) -> None:
