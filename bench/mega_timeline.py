@@ -261,7 +261,8 @@ def report(path: str) -> None:
 # the mark of the same index. MATVEC and GLU are reported per projection (the name's part before "[")
 MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair lists"),
          "MATVEC": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
-         "GLU": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal")}
+         "GLU": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
+         "ATTN_GQA": ("args+prefetch+q norm", "rope+cache write", "chunks", "partials", "barrier+signal")}
 PER_NAME = ("MATVEC", "GLU")
 
 

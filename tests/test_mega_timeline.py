@@ -71,16 +71,19 @@ def test_body_marks_split_an_instruction_into_its_segments():
 
 
 def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
-    """The kernel's timeline layout and ROUTE's marks as mega_timeline reads them: TLW words per instruction, and
-    as many mark calls in op_route as MARKS names segments, less one."""
+    """The kernel's timeline layout and ROUTE's and ATTN_GQA's marks as mega_timeline reads them: TLW words per
+    instruction, and as many mark calls in op_route (op_attn_gqa) as MARKS names segments, less one."""
     import re
 
     from megadecode.mega.isa import TLW
 
-    src = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute/moe.py").read_text()
-    body = src[src.index("def op_route"):src.index("def up_mx_rows1")]
-    marks = sorted({int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body)})  # mark 3: either tables path
-    assert marks == list(range(len(mega_timeline.MARKS["ROUTE"]) - 1))
+    root = Path(__file__).resolve().parent.parent / "megadecode/mega/cute"
+    for op, file, start, end in (("ROUTE", "moe.py", "def op_route", "def up_mx_rows1"),
+                                 ("ATTN_GQA", "attention.py", "def op_attn_gqa", "def op_mla_kv")):
+        src = (root / file).read_text()
+        body = src[src.index(start):src.index(end)]
+        marks = sorted({int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body)})  # ROUTE's 3: either path
+        assert marks == list(range(len(mega_timeline.MARKS[op]) - 1)), op
     # the kernel's own timeline words and base.mark's slots (4 + k) fit the TLW words a row has
     kernel = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute_kernel.py").read_text()
     assert {int(i) for i in re.findall(r"tl\[TLW \* idx \+ (\d)\]", kernel)} == {1, 2, 3}

@@ -26,6 +26,7 @@ from .base import (
     ld8raw,
     ldf,
     ldi,
+    mark,
     prefetch_line,
     rope_index,
     rope_pair,
@@ -268,6 +269,8 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
         if lane == 0:
             sm[TMP] = cute.math.rsqrt(ss / Float32(d) + eps)
     cute.arch.sync_threads()
+    if tid == 0:
+        mark(smi, idx, 0)  # timeline builds: the arguments, the split's L2 prefetch, q's norm and k's rstd done
     for e in cutlass.range(tid, G * half, NT):  # q heads: RoPE (pairs i, i + d/2)
         g, i = e // half, e % half
         x0, x1 = rope_pair(sm[Q + g * d + i], sm[Q + g * d + i + half], pos, ldf(Float32, inv + Int64(i) * 4),
@@ -291,9 +294,15 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     for e in cutlass.range(tid, G * d, NT):
         sm[ACC + e] = Float32(0.0)
     cute.arch.sync_threads()
+    if tid == 0:
+        mark(smi, idx, 1)  # RoPE, the cache write (the last split) and the softmax state done
     for c0 in cutlass.range(lo, hi, CH):
         gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL, ACC)
+    if tid == 0:
+        mark(smi, idx, 2)  # the split's chunks folded
     store_partial(sm, tid, part_off, b * H + h * G, s, S, G, d, M, L, ACC, fb)
+    if tid == 0:
+        mark(smi, idx, 3)  # thread 0's partials stored
 
 
 @cute.jit

@@ -14,6 +14,7 @@ from .base import (
     NW,
     SMEM_F,
     TB,
+    TRY_S,
     arg,
     argf,
     args,
@@ -41,20 +42,26 @@ from .base import (
 
 @cute.jit
 def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, gaddr: Int64, xa: cute.Tensor,
-             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr):
+             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, kend=None):
     """Chunks of 8 columns at k0, k0 + 256, ... (one per entry of wq / uq: raw 16-bit loads of a warp's row(s)) against
     its tokens: the norm weight folded into the rows once for every token (rstd after the sum), then each token's
     x (+ x2) dotted with both rows (GLU: gate and up), chunk after chunk in k order. Every chunk's rows are used in
     the first token's block, so the loads stay ahead of the tokens' branches (a load used only after them was sunk
-    to its use by the compiler, one chunk's loads in flight at a time)."""
+    to its use by the compiler, one chunk's loads in flight at a time). `kend` (a masked group, row_sums_range's
+    tail): chunks at or past kend were loaded from kend - 8 and add nothing."""
     WU = len(wq)
     ws = []
     us = []
+    ks = []
     for u in cutlass.range_constexpr(WU):
+        k = k0 + u * 256
+        if cutlass.const_expr(kend is not None):
+            k = cutlass.min(k, kend - 8)
+        ks.append(k)
         wv = wq[u].to(Float32)
         uv = uq[u].to(Float32)
         if norm:
-            gv = ld8(BFloat16, gaddr + Int64(k0 + u * 256) * 2)
+            gv = ld8(BFloat16, gaddr + Int64(k) * 2)
             wv = wv * gv
             uv = uv * gv
         ws.append(wv)
@@ -62,15 +69,24 @@ def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, 
     for j in cutlass.range_constexpr(TT):
         if t0 + j < B:
             for u in cutlass.range_constexpr(WU):
-                k = k0 + u * 256
-                xv = ld8(Float32, xa[j] + Int64(k) * 4)
+                xv = ld8(Float32, xa[j] + Int64(ks[u]) * 4)
                 if has_x2:
-                    xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
-                acc[j] += dot8(ws[u], xv)
-                if cutlass.const_expr(glu):
-                    acu[j] += dot8(us[u], xv)
+                    xv = xv + ld8(Float32, xb[j] + Int64(ks[u]) * 4)
+                if cutlass.const_expr(kend is None):
+                    rows_add(acc, acu, ws[u], us[u], xv, j, TT, glu)
                 else:
-                    acc[TT + j] += dot8(us[u], xv)
+                    if k0 + u * 256 < kend:
+                        rows_add(acc, acu, ws[u], us[u], xv, j, TT, glu)
+
+
+@cute.jit
+def rows_add(acc: cute.Tensor, acu: cute.Tensor, wv, uv, xv, j: Constexpr, TT: Constexpr, glu: Constexpr):
+    """Token j's sums += one chunk of the row(s) against its x (rows_mac)."""
+    acc[j] += dot8(wv, xv)
+    if cutlass.const_expr(glu):
+        acu[j] += dot8(uv, xv)
+    else:
+        acc[TT + j] += dot8(uv, xv)
 
 
 WU = 2  # chunks of 256 columns per warp whose weight loads are issued together, TT tokens per pass (row_sums)
@@ -80,21 +96,23 @@ WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' 
 @cute.jit
 def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
              gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
-             glu: Constexpr, NU: Constexpr):
+             glu: Constexpr, NU: Constexpr, tail):
     """row_sums_range over all K columns."""
-    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU)
+    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU,
+                   tail)
 
 
 @cute.jit
 def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32,
                    kb: Int32, ke: Int32, lane: Int32, gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32,
-                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr):
+                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr, tail):
     """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
     GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
     weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
     One chunk at a time (1 KB per warp) held a CTA near 9 GB/s at ~1 us of latency (the 07a1134 timeline's fit).
     Chunks in k order, so the sums do not depend on NU; the columns past the last full group of NU chunks take the
-    one-chunk loop."""
+    one-chunk loop, or with `tail` (try switch 1) one masked group of NU chunks (K = 768, an expert's down rows at
+    qwen3-30b-a3b: all 3 chunks' loads in flight at once instead of the loop's trips)."""
     wrow = w0 + Int64(r) * Int64(K) * 2
     urow = w1 + Int64(r) * Int64(K) * 2
     if cutlass.const_expr(not glu):
@@ -107,9 +125,20 @@ def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: 
             wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
             uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
         rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
-    for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
-        rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
-                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
+    if tail:
+        if kmain < ke:  # uniform over the warp
+            k0 = kmain + lane * 8
+            wq = []
+            uq = []
+            for u in cutlass.range_constexpr(NU):
+                kk = cutlass.min(k0 + u * 256, ke - 8)  # past ke: a valid column, its chunk adds nothing
+                wq.append(ld8raw(BFloat16, wrow + Int64(kk) * 2))
+                uq.append(ld8raw(BFloat16, urow + Int64(kk) * 2))
+            rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, ke)
+    else:
+        for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
+            rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
+                     gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
 
 
 @cute.jit
@@ -281,6 +310,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     if cutlass.const_expr(glu):
         w1 = taddr[arg(smi, ARG[op]["wu"])]
     norm = (flags & F_NORM) != 0
+    tail = (smi[TRY_S] & 1) != 0  # try switch 1 (runtime.TRIES "tail")
     gaddr = w0
     if norm:
         gaddr = taddr[norm_w]
@@ -340,7 +370,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     acc1[j] = Float32(0.0)
                 acu1[0] = Float32(0.0)
                 row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1,
-                         glu, WU1)
+                         glu, WU1, tail)
                 if tid == 0 and r == r0:
                     mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
                 store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
@@ -361,7 +391,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 acu1[0] = Float32(0.0)
                 kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
                 row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
-                               has_x2, 1, glu, WU1)
+                               has_x2, 1, glu, WU1, tail)
                 if tid == 0:
                     mark(smi, idx, 1)  # thread 0's slice summed
                 for j in cutlass.range_constexpr(RP):
@@ -405,7 +435,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     acc[j] = Float32(0.0)
                 for j in cutlass.range_constexpr(TT):
                     acu[j] = Float32(0.0)
-                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU)
+                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU, False)
                 store_rows(acc, acu, r, r1, t0, B, lane, sm, fb, flags, norm, out_off, out_stride, out_col, add0,
                            add1, RS, TT, RP, glu)
     if cutlass.const_expr(not glu):
