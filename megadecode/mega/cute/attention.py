@@ -15,6 +15,7 @@ from .base import (
     NT,
     NW,
     SMEM_F,
+    TRY_S,
     arg,
     argf,
     args,
@@ -243,7 +244,10 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     # the split's key and value rows into L2 while the q heads are normed and rotated (the cache was written by
     # earlier launches; the token's own row, written below by this instruction, only refreshed in L2 by it)
     lpr = (d * 2 + 127) // 128
-    for e in cutlass.range(tid, 2 * (hi - lo) * lpr, NT):
+    npf = 2 * (hi - lo) * lpr
+    if (smi[TRY_S] & 2) != 0:  # try switch 2 (runtime.TRIES "attn_nopf"): no L2 prefetch of the split's rows
+        npf = Int32(0)
+    for e in cutlass.range(tid, npf, NT):
         p, r = e // (2 * lpr), e % (2 * lpr)
         cb = kc
         if r >= lpr:

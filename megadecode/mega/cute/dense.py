@@ -42,26 +42,20 @@ from .base import (
 
 @cute.jit
 def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, gaddr: Int64, xa: cute.Tensor,
-             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, kend=None):
+             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr):
     """Chunks of 8 columns at k0, k0 + 256, ... (one per entry of wq / uq: raw 16-bit loads of a warp's row(s)) against
     its tokens: the norm weight folded into the rows once for every token (rstd after the sum), then each token's
     x (+ x2) dotted with both rows (GLU: gate and up), chunk after chunk in k order. Every chunk's rows are used in
     the first token's block, so the loads stay ahead of the tokens' branches (a load used only after them was sunk
-    to its use by the compiler, one chunk's loads in flight at a time). `kend` (a masked group, row_sums_range's
-    tail): chunks at or past kend were loaded from kend - 8 and add nothing."""
+    to its use by the compiler, one chunk's loads in flight at a time)."""
     WU = len(wq)
     ws = []
     us = []
-    ks = []
     for u in cutlass.range_constexpr(WU):
-        k = k0 + u * 256
-        if cutlass.const_expr(kend is not None):
-            k = cutlass.min(k, kend - 8)
-        ks.append(k)
         wv = wq[u].to(Float32)
         uv = uq[u].to(Float32)
         if norm:
-            gv = ld8(BFloat16, gaddr + Int64(k) * 2)
+            gv = ld8(BFloat16, gaddr + Int64(k0 + u * 256) * 2)
             wv = wv * gv
             uv = uv * gv
         ws.append(wv)
@@ -69,24 +63,15 @@ def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, 
     for j in cutlass.range_constexpr(TT):
         if t0 + j < B:
             for u in cutlass.range_constexpr(WU):
-                xv = ld8(Float32, xa[j] + Int64(ks[u]) * 4)
+                k = k0 + u * 256
+                xv = ld8(Float32, xa[j] + Int64(k) * 4)
                 if has_x2:
-                    xv = xv + ld8(Float32, xb[j] + Int64(ks[u]) * 4)
-                if cutlass.const_expr(kend is None):
-                    rows_add(acc, acu, ws[u], us[u], xv, j, TT, glu)
+                    xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
+                acc[j] += dot8(ws[u], xv)
+                if cutlass.const_expr(glu):
+                    acu[j] += dot8(us[u], xv)
                 else:
-                    if k0 + u * 256 < kend:
-                        rows_add(acc, acu, ws[u], us[u], xv, j, TT, glu)
-
-
-@cute.jit
-def rows_add(acc: cute.Tensor, acu: cute.Tensor, wv, uv, xv, j: Constexpr, TT: Constexpr, glu: Constexpr):
-    """Token j's sums += one chunk of the row(s) against its x (rows_mac)."""
-    acc[j] += dot8(wv, xv)
-    if cutlass.const_expr(glu):
-        acu[j] += dot8(uv, xv)
-    else:
-        acc[TT + j] += dot8(uv, xv)
+                    acc[TT + j] += dot8(us[u], xv)
 
 
 WU = 2  # chunks of 256 columns per warp whose weight loads are issued together, TT tokens per pass (row_sums)
@@ -96,23 +81,21 @@ WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' 
 @cute.jit
 def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
              gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
-             glu: Constexpr, NU: Constexpr, tail):
+             glu: Constexpr, NU: Constexpr):
     """row_sums_range over all K columns."""
-    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU,
-                   tail)
+    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU)
 
 
 @cute.jit
 def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32,
                    kb: Int32, ke: Int32, lane: Int32, gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32,
-                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr, tail):
+                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr):
     """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
     GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
     weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
     One chunk at a time (1 KB per warp) held a CTA near 9 GB/s at ~1 us of latency (the 07a1134 timeline's fit).
     Chunks in k order, so the sums do not depend on NU; the columns past the last full group of NU chunks take the
-    one-chunk loop, or with `tail` (try switch 1) one masked group of NU chunks (K = 768, an expert's down rows at
-    qwen3-30b-a3b: all 3 chunks' loads in flight at once instead of the loop's trips)."""
+    one-chunk loop."""
     wrow = w0 + Int64(r) * Int64(K) * 2
     urow = w1 + Int64(r) * Int64(K) * 2
     if cutlass.const_expr(not glu):
@@ -125,20 +108,9 @@ def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: 
             wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
             uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
         rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
-    if tail:
-        if kmain < ke:  # uniform over the warp
-            k0 = kmain + lane * 8
-            wq = []
-            uq = []
-            for u in cutlass.range_constexpr(NU):
-                kk = cutlass.min(k0 + u * 256, ke - 8)  # past ke: a valid column, its chunk adds nothing
-                wq.append(ld8raw(BFloat16, wrow + Int64(kk) * 2))
-                uq.append(ld8raw(BFloat16, urow + Int64(kk) * 2))
-            rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, ke)
-    else:
-        for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
-            rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
-                     gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
+    for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
+        rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
+                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
 
 
 @cute.jit
@@ -294,6 +266,37 @@ def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp
 
 
 @cute.jit
+def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride: Int32, has_x2, K: Int32, B: Int32,
+              eps: Float32, warp: Int32, lane: Int32, tid: Int32):
+    """RMSNorm's rstd of each token's x (+ x2) into shared memory words RS + t (every thread of the CTA calls it:
+    two barriers)."""
+    RS = SMEM_F - 64  # rstd per token
+    RSP = RS - 64  # partial sums of squares per (token, slice)
+    # S warps per token when the batch leaves warps free (batch 1: all 8 on the one row, each a slice of K;
+    # was one warp per token walking the whole row, an L2 round trip per 256 elements: ~14 us at K = 7168);
+    # fixed slices and a fixed-order sum, so the result does not depend on timing
+    S = NW // cutlass.min(B, NW)
+    sl = warp % S
+    for t in cutlass.range(warp // S, B, NW // S):
+        ss = Float32(0.0)
+        for k in cutlass.range((sl * 32 + lane) * 8, K, S * 256, unroll=4):
+            xv = ld8(Float32, fa(fb, x_off + t * x_stride + k))
+            if has_x2:
+                xv = xv + ld8(Float32, fa(fb, x2_off + t * x_stride + k))
+            ss += dot8(xv, xv)
+        ss = warp_sum(ss)
+        if lane == 0:
+            sm[RSP + t * S + sl] = ss
+    cute.arch.sync_threads()
+    for t in cutlass.range(tid, B, NT):
+        tot = Float32(0.0)
+        for q in cutlass.range(S):
+            tot += sm[RSP + t * S + q]
+        sm[RS + t] = cute.math.rsqrt(tot / Float32(K) + eps)
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
             tid: Int32, glu: Constexpr):
     warp, lane = tid // 32, tid % 32
@@ -310,35 +313,17 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     if cutlass.const_expr(glu):
         w1 = taddr[arg(smi, ARG[op]["wu"])]
     norm = (flags & F_NORM) != 0
-    tail = (smi[TRY_S] & 1) != 0  # try switch 1 (runtime.TRIES "tail")
     gaddr = w0
     if norm:
         gaddr = taddr[norm_w]
-    RS = SMEM_F - 64  # rstd per token
-    RSP = RS - 64  # partial sums of squares per (token, slice)
-    if norm:
-        # S warps per token when the batch leaves warps free (batch 1: all 8 on the one row, each a slice of K;
-        # was one warp per token walking the whole row, an L2 round trip per 256 elements: ~14 us at K = 7168);
-        # fixed slices and a fixed-order sum, so the result does not depend on timing
-        S = NW // cutlass.min(B, NW)
-        sl = warp % S
-        for t in cutlass.range(warp // S, B, NW // S):
-            ss = Float32(0.0)
-            for k in cutlass.range((sl * 32 + lane) * 8, K, S * 256, unroll=4):
-                xv = ld8(Float32, fa(fb, x_off + t * x_stride + k))
-                if has_x2:
-                    xv = xv + ld8(Float32, fa(fb, x2_off + t * x_stride + k))
-                ss += dot8(xv, xv)
-            ss = warp_sum(ss)
-            if lane == 0:
-                sm[RSP + t * S + sl] = ss
-        cute.arch.sync_threads()
-        for t in cutlass.range(tid, B, NT):
-            tot = Float32(0.0)
-            for q in cutlass.range(S):
-                tot += sm[RSP + t * S + q]
-            sm[RS + t] = cute.math.rsqrt(tot / Float32(K) + eps)
-        cute.arch.sync_threads()
+    RS = SMEM_F - 64  # rstd per token (norm_rstd)
+    # try switch 1 (runtime.TRIES "early"), batch 1: the first rows' sums before the norm (their weight loads at the
+    # body's start; the norm's rstd is applied at the store), then the norm, then the stores
+    early = Int32(0)
+    if B == 1:
+        early = smi[TRY_S] & 1
+    if norm and early == 0:
+        norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
     if B == 1 and tid == 0:
         mark(smi, idx, 0)  # timeline builds, batch 1: the arguments and the norm done (MARKS in mega_timeline)
     add0, add1 = Int32(-1), Int32(-1)
@@ -365,16 +350,22 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
         if nu < NW:  # fewer units than warps: each unit's columns split over ks warps, each slice >= 1024 columns
             ks = cutlass.min(NW // nu, cutlass.max(K // 1024, 1))
         if ks == 1:
-            for r in cutlass.range(r0 + warp * RP, r1, NW * RP):
-                for j in cutlass.range_constexpr(RP):
-                    acc1[j] = Float32(0.0)
-                acu1[0] = Float32(0.0)
-                row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2, 1,
-                         glu, WU1, tail)
-                if tid == 0 and r == r0:
-                    mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
-                store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
-                           out_col, add0, add1, RS, 1, RP, glu)
+            for it in cutlass.range((nu + NW - 1) // NW):  # rounds of NW units, the same count on every warp
+                r = r0 + (it * NW + warp) * RP
+                if r < r1:
+                    for j in cutlass.range_constexpr(RP):
+                        acc1[j] = Float32(0.0)
+                    acu1[0] = Float32(0.0)
+                    row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2,
+                             1, glu, WU1)
+                    if tid == 0 and it == 0:
+                        mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
+                if it == 0 and early != 0:
+                    if norm:  # uniform over the CTA
+                        norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
+                if r < r1:
+                    store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off,
+                               out_stride, out_col, add0, add1, RS, 1, RP, glu)
             if tid == 0:
                 mark(smi, idx, 2)  # thread 0's rows summed and stored (no slices: marks 2 and 3 together)
                 mark(smi, idx, 3)
@@ -391,7 +382,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                 acu1[0] = Float32(0.0)
                 kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
                 row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
-                               has_x2, 1, glu, WU1, tail)
+                               has_x2, 1, glu, WU1)
                 if tid == 0:
                     mark(smi, idx, 1)  # thread 0's slice summed
                 for j in cutlass.range_constexpr(RP):
@@ -402,6 +393,9 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     tot = warp_sum(acu1[0])
                     if lane == 0:
                         sm[(sl * nu + u) * (RP + 1) + RP] = tot
+            if early != 0:
+                if norm:  # uniform over the CTA
+                    norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
             cute.arch.sync_threads()
             if tid == 0:
                 mark(smi, idx, 2)  # every slice summed
@@ -435,7 +429,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     acc[j] = Float32(0.0)
                 for j in cutlass.range_constexpr(TT):
                     acu[j] = Float32(0.0)
-                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU, False)
+                row_sums(acc, acu, w0, w1, r, r1, K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, WU)
                 store_rows(acc, acu, r, r1, t0, B, lane, sm, fb, flags, norm, out_off, out_stride, out_col, add0,
                            add1, RS, TT, RP, glu)
     if cutlass.const_expr(not glu):

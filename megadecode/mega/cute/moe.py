@@ -15,7 +15,6 @@ from .base import (
     NW,
     SMEM_F,
     TB,
-    TRY_S,
     arg,
     argf,
     args,
@@ -477,7 +476,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
                     acc1[0] = Float32(0.0)
                     acu1[0] = Float32(0.0)
                     row_sums(acc1, acu1, gbase, gbase + Int64(I) * rowb, r, r1, D, lane, gu, xa1, xa1, Int32(0),
-                             Int32(1), False, False, 1, True, WU1, (smi[TRY_S] & 1) != 0)
+                             Int32(1), False, False, 1, True, WU1)
                     g = warp_sum(acc1[0])
                     up = warp_sum(acu1[0])
                     if lane == 0:
@@ -566,7 +565,7 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
             xa1[0] = fa(fb, h_off + p * I)
             w0 = dn + Int64(smi[p]) * Int64(D) * rowb
             row_sums(acc1, acu1, w0, w0, r, r1, I, lane, dn, xa1, xa1, Int32(0), Int32(1), False, False, 1, False,
-                     WU1, (smi[TRY_S] & 1) != 0)
+                     WU1)
             for q in cutlass.range_constexpr(2):
                 s = warp_sum(acc1[q])
                 if lane == 0 and r + q < r1:
