@@ -262,7 +262,7 @@ def report(path: str) -> None:
 MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair lists"),
          "MATVEC": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
          "GLU": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
-         "ATTN_GQA": ("args+prefetch+q norm", "rope+cache write", "chunks", "partials", "barrier+signal")}
+         "ATTN_GQA": ("args+q norm", "rope+cache write", "chunks", "partials", "barrier+signal")}
 PER_NAME = ("MATVEC", "GLU")
 
 

@@ -33,13 +33,15 @@ ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] 
 # batch 1 3316 us against 3771 with "next", batch 8 9833 / 10282; qwen3-30b-a3b 5464 / 5562 and 17923 / 17997);
 # "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
 PREFETCH = {"next": 0, "none": 1, "current": 2}
-DEFAULT_PREFETCH = "none+early+attn_nopf"  # the try build only: mega_check validates the switch under trial
+DEFAULT_PREFETCH = "none"
 # a try build's switches, named after the prefetch mode ("none+name"): bits 3.. of the kernel's `timeline` argument,
 # which the kernel keeps in shared memory (cute/base.py TRY_S) for a body under trial to read, so that one compile
 # measures several variants side by side (`mega_timeline --prefetch none,none+name`). None in a landed build; 718c294
 # tried down_flat (EXPERT_DOWN's flat path for bf16 whatever the pairs) and expert_nopf (no L2 prefetch of the
-# selected experts' rows) this way: both taken, the first up to 2 pairs an expert (docs/megakernel.md)
-TRIES: dict[str, int] = {"early": 1, "attn_nopf": 2}
+# selected experts' rows) this way: both taken, the first up to 2 pairs an expert; c43515a tail (row_sums' last
+# chunks in one masked group: slower), 73b751d early (batch-1 rows' sums before the norm) and attn_nopf (no L2
+# prefetch in ATTN_GQA): both taken (docs/megakernel.md)
+TRIES: dict[str, int] = {}
 
 
 def setting_bits(setting: str) -> int:

@@ -15,7 +15,6 @@ from .base import (
     NT,
     NW,
     SMEM_F,
-    TRY_S,
     arg,
     argf,
     args,
@@ -28,7 +27,6 @@ from .base import (
     ldf,
     ldi,
     mark,
-    prefetch_line,
     rope_index,
     rope_pair,
     sm8,
@@ -241,18 +239,9 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     rowb = (Int64(slot) * Int64(Lmax) * Int64(KH) + Int64(h)) * Int64(d) * 2  # position 0's row of this KV head
     rstride = Int64(KH) * Int64(d) * 2
     lo, hi = split_bounds(s, S, pos)
-    # the split's key and value rows into L2 while the q heads are normed and rotated (the cache was written by
-    # earlier launches; the token's own row, written below by this instruction, only refreshed in L2 by it)
-    lpr = (d * 2 + 127) // 128
-    npf = 2 * (hi - lo) * lpr
-    if (smi[TRY_S] & 2) != 0:  # try switch 2 (runtime.TRIES "attn_nopf"): no L2 prefetch of the split's rows
-        npf = Int32(0)
-    for e in cutlass.range(tid, npf, NT):
-        p, r = e // (2 * lpr), e % (2 * lpr)
-        cb = kc
-        if r >= lpr:
-            cb = vc
-        prefetch_line(cb + rowb + Int64(lo + p) * rstride + Int64(r % lpr) * 128)
+    # no L2 prefetch of the split's key and value rows before the q heads' norm (measured as try switch "attn_nopf",
+    # 73b751d, H200: ATTN_GQA's phase at qwen3-30b-a3b batch 8 26.8 -> 25.1 us, the launch 13485 -> 13179 us; batch 1
+    # unchanged): gqa_chunk loads them all at once anyway
     for g in cutlass.range(warp, G, NW):  # q heads: RMSNorm, each lane's elements and norm weights loaded together
         qrow = base + (h * G + g) * d
         ss = Float32(0.0)
@@ -274,7 +263,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
             sm[TMP] = cute.math.rsqrt(ss / Float32(d) + eps)
     cute.arch.sync_threads()
     if tid == 0:
-        mark(smi, idx, 0)  # timeline builds: the arguments, the split's L2 prefetch, q's norm and k's rstd done
+        mark(smi, idx, 0)  # timeline builds: the arguments, q's norm and k's rstd done
     for e in cutlass.range(tid, G * half, NT):  # q heads: RoPE (pairs i, i + d/2)
         g, i = e // half, e % half
         x0, x1 = rope_pair(sm[Q + g * d + i], sm[Q + g * d + i + half], pos, ldf(Float32, inv + Int64(i) * 4),
