@@ -257,11 +257,12 @@ def report(path: str) -> None:
           f"(prefetch {s.get('prefetch', 'next')})")  # recordings before 34419f2: next
 
 
-# what each opcode's marks stamp (cute/moe.py op_route, cute/dense.py op_rows at batch 1); the segment names end at
-# the mark of the same index. MATVEC and GLU are reported per projection (the name's part before "[")
+# what each opcode's marks stamp (cute/moe.py op_route, cute/dense.py op_rows at batch 1, cute/attention.py
+# op_attn_gqa); the segment names end at the mark of the same index. MATVEC and GLU are reported per projection (the
+# name's part before "["); in their recordings before ef36c38 the norm falls in "args", not after "first sums"
 MARKS = {"ROUTE": ("scores", "picks", "weights+barrier", "counts+table", "pair lists"),
-         "MATVEC": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
-         "GLU": ("args+norm", "first sums", "other sums/slices", "store", "barrier+signal"),
+         "MATVEC": ("args", "first sums", "norm+other sums/slices", "store", "barrier+signal"),
+         "GLU": ("args", "first sums", "norm+other sums/slices", "store", "barrier+signal"),
          "ATTN_GQA": ("args+q norm", "rope+cache write", "chunks", "partials", "barrier+signal")}
 PER_NAME = ("MATVEC", "GLU")
 

@@ -323,7 +323,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     if norm and B != 1:
         norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
     if B == 1 and tid == 0:
-        mark(smi, idx, 0)  # timeline builds, batch 1: the arguments and the norm done (MARKS in mega_timeline)
+        mark(smi, idx, 0)  # timeline builds, batch 1: the arguments read (the norm comes after mark 1; MARKS)
     add0, add1 = Int32(-1), Int32(-1)
     if cutlass.const_expr(not glu):
         add0, add1 = arg(smi, ARG[op]["add0_off"]), arg(smi, ARG[op]["add1_off"])
