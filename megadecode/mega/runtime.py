@@ -124,17 +124,13 @@ def _ptxas() -> tuple[str | None, bool]:
         return None, False
 
 
+@functools.lru_cache(maxsize=4)
 def assemble(ptx: str) -> tuple[bytes | None, str]:
     """ptxas -v on the kernel's PTX: (cubin, ptxas's report), or (None, why). A PTX ISA newer than the ptxas
     found (the DSL's bundled toolchain can be ahead of the machine's CUDA) is retried with the version that
     ptxas names: the instructions the kernel uses are older than either. Memoized by the PTX's text: ptxas takes
     ~35 s on the whole megakernel on a 2-core CPU, and the audit, the register count and the residency check each
-    asked for the same assembly."""
-    return _assemble_once(ptx)
-
-
-@functools.lru_cache(maxsize=4)
-def _assemble_once(ptx: str) -> tuple[bytes | None, str]:
+    asked for the same assembly (every caller passes the PTX positionally: one cache key)."""
     ptxas, old = _ptxas()
     if ptxas is None:
         return None, "no ptxas found (PATH, /usr/local/cuda/bin, triton's)"

@@ -264,13 +264,16 @@ def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp
                 cute.arch.sync_threads()  # the partials' words free again
 
 
+RSTD = SMEM_F - 64  # shared fp32 words: each token's rstd (norm_rstd writes them, the stores read them)
+RSTD_PART = RSTD - 64  # partial sums of squares per (token, slice)
+
+
 @cute.jit
 def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride: Int32, has_x2, K: Int32, B: Int32,
               eps: Float32, warp: Int32, lane: Int32, tid: Int32):
-    """RMSNorm's rstd of each token's x (+ x2) into shared memory words RS + t (every thread of the CTA calls it:
+    """RMSNorm's rstd of each token's x (+ x2) into shared memory words RSTD + t (every thread of the CTA calls it:
     two barriers)."""
-    RS = SMEM_F - 64  # rstd per token
-    RSP = RS - 64  # partial sums of squares per (token, slice)
+    RS, RSP = RSTD, RSTD_PART
     # S warps per token when the batch leaves warps free (batch 1: all 8 on the one row, each a slice of K;
     # was one warp per token walking the whole row, an L2 round trip per 256 elements: ~14 us at K = 7168);
     # fixed slices and a fixed-order sum, so the result does not depend on timing
@@ -315,7 +318,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     gaddr = w0
     if norm:
         gaddr = taddr[norm_w]
-    RS = SMEM_F - 64  # rstd per token (norm_rstd)
+    RS = RSTD  # each token's rstd (norm_rstd)
     # batch 1: the norm after the first rows' sums (below), whose weight loads then start with the body and fly
     # while x's sum of squares is taken (the rstd is applied at the store, the norm weight folded into the rows).
     # Measured as try switch "early" (73b751d, H200, qwen3-30b-a3b batch 1): q/k/v instructions 10.0 -> 9.5 us, the
@@ -407,7 +410,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                                   add1, RS, glu)
             if tid == 0:
                 mark(smi, idx, 3)  # its unit's rows stored
-            cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSP) free again
+            cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
     elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
         tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
                 out_off, out_stride, out_col, add0, add1, RS, glu)
