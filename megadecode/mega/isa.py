@@ -25,6 +25,7 @@ order; `Instr.args` holds them by name, so a row can be printed and checked.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -34,7 +35,9 @@ HEADER = 13
 TLW = 8  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body marks
 W_STAGE_ISSUE, W_STAGE_ROWS = ROW - 2, ROW - 1  # the weight stage's two words (stage.py)
 ARGS = W_STAGE_ISSUE - HEADER
-STAGE_BYTES = 48 * 1024  # the shared-memory weight stage of a CTA (cute_kernel.py; stage.py plans what it holds)
+# the shared-memory weight stage of a CTA (cute_kernel.py; stage.py plans what it holds). MEGADECODE_STAGE_KB: a
+# measurement knob (the stage's size sets the L1 / shared-memory carveout of every phase)
+STAGE_BYTES = int(os.environ.get("MEGADECODE_STAGE_KB", "24")) * 1024
 
 # flags
 F_NORM = 1  # MATVEC/GLU: RMSNorm the input rows first (weight `norm_w`, eps `eps`)
