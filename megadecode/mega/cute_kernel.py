@@ -27,32 +27,11 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import (  # noqa: E402,F401
-    ARG,
-    NT,
-    ROW,
-    ROW_S,
-    SMEM_BYTES,
-    SMEM_F,
-    SMEM_I,
-    STAGE_BYTES,
-    STG_S,
-    TL_S,
-    TLW,
-    TRY_S,
-    TRY_STAGE,
-    W_STAGE_ROWS,
-    bulk_copy,
-    expect_tx,
-    hash32,
-    prefetch_row,
-    shared_to_generic,
-    stage_wait,
-)
+from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_row  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
-from .isa import OPCODES, W_STAGE_ISSUE  # noqa: E402
+from .isa import OPCODES  # noqa: E402
 
 
 @cute.jit
@@ -114,38 +93,6 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
 
 
 @cute.jit
-def stage_copy(prog: cute.Tensor, taddr: cute.Tensor, smi: cute.Tensor, tgt: Int32, stg: Int32):
-    """One thread: start the bulk copy of instruction tgt's staged rows (mega/stage.py) into the stage at shared
-    address stg: rows r0 .. r0 + n of its weight (GLU: of the gate into the first half, of the up rows into the
-    second). Only static weights are staged (stage.check), so the copy may run ahead of every wait. The stage's
-    previous reads (the last user's body) ended at a block barrier; the proxy fence orders them before the
-    async-proxy writes."""
-    n = prog[tgt, W_STAGE_ROWS]
-    glu = prog[tgt, 0] == OPCODES["GLU"]
-    K = prog[tgt, ARG["MATVEC"]["K"]]
-    r0 = prog[tgt, ARG["MATVEC"]["r0"]]
-    w = prog[tgt, ARG["MATVEC"]["w"]]
-    wu = Int32(-1)
-    if glu:
-        K = prog[tgt, ARG["GLU"]["K"]]
-        r0 = prog[tgt, ARG["GLU"]["r0"]]
-        w = prog[tgt, ARG["GLU"]["wg"]]
-        wu = prog[tgt, ARG["GLU"]["wu"]]
-    nb = n * K * 2
-    off = Int64(r0) * Int64(K) * 2
-    mbar = smi[STG_S + 1]
-    cute.arch.fence_proxy("async.shared", space="cta")
-    if glu:
-        expect_tx(mbar, nb * 2)
-        bulk_copy(stg, taddr[w] + off, nb, mbar)
-        bulk_copy(stg + STAGE_BYTES // 2, taddr[wu] + off, nb, mbar)
-    else:
-        expect_tx(mbar, nb)
-        bulk_copy(stg, taddr[w] + off, nb, mbar)
-    smi[STG_S] = smi[STG_S] + 1
-
-
-@cute.jit
 def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
     """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
     ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
@@ -167,9 +114,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     alloc = SmemAllocator()
     sm = alloc.allocate_tensor(Float32, cute.make_layout(SMEM_F), 16)
     smi = alloc.allocate_tensor(Int32, cute.make_layout(SMEM_I), 16)
-    stg = alloc.allocate_tensor(Int32, cute.make_layout(STAGE_BYTES // 4), 128)  # the weight stage (mega/stage.py)
-    mbar = alloc.allocate_tensor(Int64, cute.make_layout(1), 8)  # its copies' mbarrier
-    stg_s = stg.iterator.toint()
     pb = prog.iterator.toint()
     fb = f32.iterator.toint()
     ib = i32.iterator.toint()
@@ -182,24 +126,11 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
         smi[TRY_S] = timeline >> 3  # a try build's switches (runtime.TRIES; none read in a landed build)
-        smi[STG_S] = Int32(0)
-        smi[STG_S + 1] = mbar.iterator.toint()
-        gen = shared_to_generic(stg_s)
-        smi[STG_S + 2] = Int32(gen & Int64(0xFFFFFFFF))
-        smi[STG_S + 3] = Int32(gen >> Int64(32))
-        cute.arch.mbarrier_init(mbar.iterator, 1)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()  # the stage's words and mbarrier before any copy or read
     pmode = (timeline >> 1) & 3
-    staging = ((timeline >> 3) & TRY_STAGE) != 0
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
-        if tid == 64 and staging:  # the weight stage: start the copy this instruction's start owes (stage.plan)
-            tgt = prog[idx, W_STAGE_ISSUE]
-            if tgt >= 0:
-                stage_copy(prog, taddr, smi, tgt, stg_s)
         if tid >= 64 and pmode != 1:  # warps 2.. stream static weights into L2 before the wait. Mode 0: the next
             # instruction's (this one's were requested while the previous one ran; the first of the queue's now);
             # mode 2: this one's; mode 1 (the runtime's default): none
@@ -234,16 +165,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
                 else:
                     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
-        if tid == 0 and staging and smi[ROW_S + W_STAGE_ROWS] > 0:
-            # the stage's copy for this instruction landed (its body may have skipped it) before any later copy
-            # reuses the buffer; bounded, and reported like a counter's timeout (counter -2: the stage)
-            if stage_wait(smi, max_spin) == 0:
-                old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-                if old == 0:
-                    err[1] = idx
-                    err[2] = Int32(-2)
-                    err[3] = Int32(0)
-                    err[4] = Int32(0)
         if tid == 0:
             if (timeline & 1) != 0:
                 tl[TLW * idx] = t_wait

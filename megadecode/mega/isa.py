@@ -8,9 +8,6 @@ An instruction is a small dataclass that serializes to a fixed-width row of int3
     10..12 the static bytes the instruction streams, to prefetch before its wait: tensor (-1: none), offset and
            length in 16-byte units
     13..   arguments (ARGS ints; their meaning per opcode is in OPS)
-    38, 39 the weight stage (`stage.py`, set by the scheduler from the CTA's queue): the instruction whose weight
-           rows this one's start copies into the CTA's shared-memory stage (-1: none), and the rows of this
-           instruction's own tile that the stage holds (0: none)
 
 Dependencies are counters in global memory. An instruction waits until each of its counters reached its
 count for this launch, then runs, then (after its stores) adds 1 to its signal counter with release semantics.
@@ -25,7 +22,6 @@ order; `Instr.args` holds them by name, so a row can be printed and checked.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 
@@ -33,11 +29,7 @@ ROW = 40  # int32 per instruction
 PASS = 4  # tokens (or expert pairs) per pass of the kernel's dot-product loops (its TB)
 HEADER = 13
 TLW = 8  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body marks
-W_STAGE_ISSUE, W_STAGE_ROWS = ROW - 2, ROW - 1  # the weight stage's two words (stage.py)
-ARGS = W_STAGE_ISSUE - HEADER
-# the shared-memory weight stage of a CTA (cute_kernel.py; stage.py plans what it holds). MEGADECODE_STAGE_KB: a
-# measurement knob (the stage's size sets the L1 / shared-memory carveout of every phase)
-STAGE_BYTES = int(os.environ.get("MEGADECODE_STAGE_KB", "24")) * 1024
+ARGS = ROW - HEADER
 
 # flags
 F_NORM = 1  # MATVEC/GLU: RMSNorm the input rows first (weight `norm_w`, eps `eps`)
@@ -175,10 +167,6 @@ class Instr:
     flops: int = 0
     name: str = ""  # e.g. "L3.qkv[5]", for printing
     prefetch: tuple[int, int, int] = (-1, 0, 0)  # (tensor, byte offset, bytes) of static data read, or none
-    # the weight stage (stage.plan, from the CTA's queue): the instruction whose rows this one's start copies into
-    # the stage, and how many rows of this instruction's own tile the stage holds
-    stage_issue: int = -1
-    stage_rows: int = 0
 
     def row(self) -> list[int]:
         code, names = OPS[self.op]
@@ -197,7 +185,7 @@ class Instr:
             raise ValueError(f"{self.name}: prefetch range ({off}, {n}) is not in 16-byte units")
         r += [t, off // 16, n // 16]
         r += [int(self.args[n]) for n in names]
-        r += [0] * (W_STAGE_ISSUE - len(r)) + [self.stage_issue, self.stage_rows]
+        r += [0] * (ROW - len(r))
         for v in r:
             if not -2**31 <= v < 2**31:
                 raise ValueError(f"{self.name}: value {v} does not fit int32")
@@ -209,8 +197,7 @@ class Instr:
         names = OPS[name][1]
         waits = [Wait(r[4 + 3 * i], r[5 + 3 * i], r[6 + 3 * i]) for i in range(2) if r[4 + 3 * i] >= 0]
         return Instr(name, r[1], {n: r[HEADER + i] for i, n in enumerate(names)}, signal=r[2], waits=waits,
-                     flags=r[3], prefetch=(r[10], 16 * r[11], 16 * r[12]), stage_issue=r[W_STAGE_ISSUE],
-                     stage_rows=r[W_STAGE_ROWS])
+                     flags=r[3], prefetch=(r[10], 16 * r[11], 16 * r[12]))
 
     def describe(self) -> str:
         waits = " ".join(f"wait c{w.counter}>={w.need}/{w.per_launch}" for w in self.waits)

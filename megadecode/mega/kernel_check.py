@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .isa import F_MXFP4, F_TC, TC_K
-from . import stage
 from .program import Program
 
 NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
@@ -111,8 +110,3 @@ def check_program(prog: Program) -> None:
                               f"attention takes head_dim <= 128 and <= 16 q heads a KV head)")
         if op == "ATTN_RES" and a["nsrc"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['nsrc']} AttnRes sources")
-    if prog.queues:
-        try:  # the weight stage's plan (stage.py): every copy consumed by its own user, static weights only
-            stage.check(prog)
-        except ValueError as e:
-            raise KernelLimit(f"weight stage: {e}") from None

@@ -33,7 +33,7 @@ ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] 
 # batch 1 3316 us against 3771 with "next", batch 8 9833 / 10282; qwen3-30b-a3b 5464 / 5562 and 17923 / 17997);
 # "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
 PREFETCH = {"next": 0, "none": 1, "current": 2}
-DEFAULT_PREFETCH = "none+stage"
+DEFAULT_PREFETCH = "none"
 # a try build's switches, named after the prefetch mode ("none+name"): bits 3.. of the kernel's `timeline` argument,
 # which the kernel keeps in shared memory (cute/base.py TRY_S) for a body under trial to read, so that one compile
 # measures several variants side by side (`mega_timeline --prefetch none,none+name`). None in a landed build; 718c294
@@ -41,7 +41,7 @@ DEFAULT_PREFETCH = "none+stage"
 # selected experts' rows) this way: both taken, the first up to 2 pairs an expert; c43515a tail (row_sums' last
 # chunks in one masked group: slower), 73b751d early (batch-1 rows' sums before the norm) and attn_nopf (no L2
 # prefetch in ATTN_GQA): both taken (docs/megakernel.md)
-TRIES: dict[str, int] = {"stage": 1}  # the weight stage (mega/stage.py; cute/base.py TRY_STAGE)
+TRIES: dict[str, int] = {}
 
 
 def setting_bits(setting: str) -> int:
@@ -299,9 +299,6 @@ class MegaRuntime:
         e = self.err.tolist()
         if e[0]:
             ins = self.prog.instrs[e[1]] if 0 <= e[1] < len(self.prog.instrs) else None
-            if e[2] == -2:
-                raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}): its "
-                                f"weight rows' copy into the stage (mega/stage.py) never completed")
             raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "
                             f"counter {e[2]} ({self.prog.phases[e[2] - 1] if 0 < e[2] <= len(self.prog.phases) else '?'})"
                             f" for {e[4]}, saw {e[3]}")

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from ..hardware import HBM_READ_BPS
 from .isa import F_NORM
-from . import stage
 from .program import Program
 
 FP32_FLOPS = 60e12  # H200 fp32 FMA rate, order of magnitude (2 x 16896 lanes x 1.98 GHz = 67 TFLOP/s peak)
@@ -60,7 +59,6 @@ def schedule(prog: Program, num_ctas: int, cost: CostModel = CostModel()) -> Pro
         if ins.signal >= 0:
             done_at[ins.signal] = max(done_at.get(ins.signal, 0.0), finish[idx])
     prog.num_ctas, prog.queues, prog.predicted_us = num_ctas, queues, finish
-    stage.plan(prog)  # the weight stage's copies follow the queues
     return prog
 
 

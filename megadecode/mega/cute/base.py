@@ -7,7 +7,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, Uint32
 
-from ..isa import HEADER, OPS, PASS, ROW, STAGE_BYTES, TLW, W_STAGE_ROWS
+from ..isa import HEADER, OPS, PASS, ROW, TLW
 
 NT = 256  # threads per CTA
 NW = NT // 32
@@ -15,14 +15,11 @@ TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
 SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
 SMEM_I = 2048  # int32 words (8 KiB)
-SMEM_BYTES = 4 * (SMEM_F + SMEM_I) + STAGE_BYTES + 128  # with the weight stage and its mbarrier (and alignment)
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
 TRY_S = SMEM_I - 2  # the kernel's `timeline` argument >> 3: switches of a try build
-STG_S = SMEM_I - 16  # the weight stage (mega/stage.py): [0] copies issued so far, [1] the mbarrier's shared address,
-# [2], [3] the stage's generic address (low, high word)
-TRY_STAGE = 1  # the try switch that turns the weight stage on (runtime.TRIES["stage"])
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -180,13 +177,6 @@ def ld8raw(dtype: Constexpr, addr: Int64):
 
 
 @cute.jit
-def ld8gen(dtype: Constexpr, addr: Int64):
-    """ld8raw through a generic address: a staged row in shared memory or a row in global memory."""
-    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.generic, assumed_align=16),
-                            cute.make_layout(8)).load()
-
-
-@cute.jit
 def ld4bf(addr: Int64):
     """4 consecutive bf16 (8-byte aligned) as fp32."""
     return cute.make_tensor(_g(addr, BFloat16, 8), cute.make_layout(4)).load().to(Float32)
@@ -222,63 +212,6 @@ def prefetch_row(prog: cute.Tensor, taddr: cute.Tensor, idx: Int32, first: Int32
     t = prog[idx, 10]
     if t >= 0:
         prefetch_l2(taddr[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
-
-
-# ---- the weight stage (mega/stage.py): bulk copies of static weight rows into shared memory -----------------------
-@cute.jit
-def shared_to_generic(a: Int32) -> Int64:
-    """The generic address of shared-memory address a (so one load serves staged rows and global ones)."""
-    return cute.arch.inline_ptx("{ .reg .u64 t; cvt.u64.u32 t, {$r0}; cvta.shared.u64 {$w0}, t; }",
-                                write_only_types=[Int64], read_only_args=[a])
-
-
-@cute.jit
-def bulk_copy(dst: Int32, src: Int64, nbytes: Int32, mbar: Int32):
-    """cp.async.bulk of nbytes (a multiple of 16, both ends 16-byte aligned) of static weights at global src into
-    shared dst, completing as transaction bytes on the mbarrier at shared mbar."""
-    cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, "
-                         "[{$r3}];", read_only_args=[dst, src, nbytes, mbar])
-
-
-@cute.jit
-def expect_tx(mbar: Int32, nbytes: Int32):
-    """Arrive on the mbarrier (arrival count 1) expecting nbytes of transactions: its phase completes when they land."""
-    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[mbar, nbytes])
-
-
-@cute.jit
-def phase_done(mbar: Int32, parity: Int32) -> Int32:
-    """1 once the mbarrier's phase of this parity completed (mbarrier.try_wait.parity: may suspend a while)."""
-    return cute.arch.inline_ptx("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
-                                "selp.b32 {$w0}, 1, 0, p; }", write_only_types=[Int32], read_only_args=[mbar, parity])
-
-
-@cute.jit
-def stage_rows(smi: cute.Tensor) -> Int32:
-    """Rows of the current instruction's tile that the stage holds (0: none, or the stage switched off)."""
-    ns = smi[ROW_S + W_STAGE_ROWS]
-    if (smi[TRY_S] & TRY_STAGE) == 0:
-        ns = Int32(0)
-    return ns
-
-
-@cute.jit
-def stage_addr(smi: cute.Tensor) -> Int64:
-    """The stage's generic address."""
-    return (Int64(smi[STG_S + 3]) << Int64(32)) | (Int64(smi[STG_S + 2]) & Int64(0xFFFFFFFF))
-
-
-@cute.jit
-def stage_wait(smi: cute.Tensor, max_tries: Int32) -> Int32:
-    """Wait (bounded) until the last copy into the stage landed; 1 if it did. The copies alternate the mbarrier's
-    phase parity, the n-th (from 1) completing parity (n - 1) & 1."""
-    mbar, par = smi[STG_S + 1], (smi[STG_S] - 1) & 1
-    ok = phase_done(mbar, par)
-    tries = Int32(0)
-    while ok == 0 and tries < max_tries:
-        ok = phase_done(mbar, par)
-        tries += 1
-    return ok
 
 
 @cute.jit

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_GREEDY, F_NORM, F_RESID, F_TC, F_WRITE_NORMED, STAGE_BYTES, TC_K
+from ..isa import F_GREEDY, F_NORM, F_RESID, F_TC, F_WRITE_NORMED, TC_K
 from .base import (
     ARG,
     NEG_INF,
@@ -24,7 +24,6 @@ from .base import (
     ia,
     ld4u32,
     ld8,
-    ld8gen,
     ld8raw,
     ldf,
     ldi,
@@ -33,9 +32,6 @@ from .base import (
     sigmoid,
     silu,
     sm8,
-    stage_addr,
-    stage_rows,
-    stage_wait,
     st8f,
     stf,
     sti,
@@ -84,24 +80,21 @@ WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' 
 @cute.jit
 def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
              gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
-             glu: Constexpr, NU: Constexpr, GEN: Constexpr = False):
+             glu: Constexpr, NU: Constexpr):
     """row_sums_range over all K columns."""
-    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU,
-                   GEN)
+    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU)
 
 
 @cute.jit
 def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32,
                    kb: Int32, ke: Int32, lane: Int32, gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32,
-                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr, GEN: Constexpr = False):
+                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr):
     """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
     GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
     weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
     One chunk at a time (1 KB per warp) held a CTA near 9 GB/s at ~1 us of latency (the 07a1134 timeline's fit).
     Chunks in k order, so the sums do not depend on NU; the columns past the last full group of NU chunks take the
-    one-chunk loop. GEN: the rows' loads through generic addresses (batch 1: w0 / w1 may point into the weight
-    stage in shared memory, mega/stage.py)."""
-    ld = ld8gen if GEN else ld8raw
+    one-chunk loop."""
     wrow = w0 + Int64(r) * Int64(K) * 2
     urow = w1 + Int64(r) * Int64(K) * 2
     if cutlass.const_expr(not glu):
@@ -111,11 +104,11 @@ def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: 
         wq = []
         uq = []
         for u in cutlass.range_constexpr(NU):
-            wq.append(ld(BFloat16, wrow + Int64(k0 + u * 256) * 2))
-            uq.append(ld(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
+            wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
+            uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
         rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
     for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
-        rows_mac(acc, acu, [ld(BFloat16, wrow + Int64(k) * 2)], [ld(BFloat16, urow + Int64(k) * 2)], k,
+        rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
                  gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
 
 
@@ -354,40 +347,23 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
         xa1[0] = fa(fb, x_off)
         xb1[0] = fa(fb, x2_off)
         nu = (r1 - r0 + RP - 1) // RP  # the warps' row units (MATVEC: pairs)
-        # the weight stage (mega/stage.py): the tile's first ns rows were copied into shared memory before the
-        # wait, so units < nsu read there (generic loads; row r's bytes at sg + r K 2, GLU's up rows half a stage
-        # further); the rounds deal the other units first, so their global loads start at once
-        ns = stage_rows(smi)
-        nsu = ns // RP
-        if ns == r1 - r0:
-            nsu = nu
-        sg = stage_addr(smi) - Int64(r0) * Int64(K) * 2
-        su = sg
-        if cutlass.const_expr(glu):
-            su = sg + Int64(STAGE_BYTES // 2)
         ks = 1
         if nu < NW:  # fewer units than warps: each unit's columns split over ks warps, each slice >= 1024 columns
             ks = cutlass.min(NW // nu, cutlass.max(K // 1024, 1))
         if ks == 1:
             for it in cutlass.range((nu + NW - 1) // NW):  # rounds of NW units, the same count on every warp
-                u = it * NW + warp
-                un = (u + nsu) % nu  # the unstaged units first
-                r = r0 + un * RP
-                if u < nu:
+                r = r0 + (it * NW + warp) * RP
+                if r < r1:
                     for j in cutlass.range_constexpr(RP):
                         acc1[j] = Float32(0.0)
                     acu1[0] = Float32(0.0)
-                    wa, wb = w0, w1
-                    if un < nsu:  # uniform over the warp
-                        stage_wait(smi, Int32(1 << 20))  # bounded: the loop's own wait after the body reports
-                        wa, wb = sg, su
-                    row_sums(acc1, acu1, wa, wb, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2,
-                             1, glu, WU1, True)
+                    row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2,
+                             1, glu, WU1)
                     if tid == 0 and it == 0:
                         mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
                 if it == 0 and norm:  # uniform over the CTA: the norm once the first round's loads flew
                     norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
-                if u < nu:
+                if r < r1:
                     store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off,
                                out_stride, out_col, add0, add1, RS, 1, RP, glu)
             if tid == 0:
@@ -405,12 +381,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
                     acc1[j] = Float32(0.0)
                 acu1[0] = Float32(0.0)
                 kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
-                wa, wb = w0, w1
-                if u < nsu:  # the unit's rows are in the stage
-                    stage_wait(smi, Int32(1 << 20))
-                    wa, wb = sg, su
-                row_sums_range(acc1, acu1, wa, wb, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
-                               has_x2, 1, glu, WU1, True)
+                row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
+                               has_x2, 1, glu, WU1)
                 if tid == 0:
                     mark(smi, idx, 1)  # thread 0's slice summed
                 for j in cutlass.range_constexpr(RP):
