@@ -121,15 +121,18 @@ if [ "$MODE" = bench ]; then
         --out "$OUT/results/qwen3-30b-a3b.json" 2>&1 | tail -11
     exit 0
 fi
-if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside fused and graph in the same run
+if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside fused and graph in the same run,
+    # batch 1-64; the file names are bench/results/'s. Then, here, `python bench/mega_goals.py` (each goal against
+    # these rows). At 54cee2c: qwen3-30b-a3b 152 s (context 1024) and 132 s (8192), k3-mini 125 s, k3-layer 77 s,
+    # each its own process (its own compile): MEGA_PARTS (default all four) splits them over two calls
     B=1,2,4,8,16,64
-    timeout "$(left)" $M bench --preset k3-mini --executor graph,fused,mega --batch $B --steps 10 --warmup 2 \
-        --out "$OUT/results/k3-mini-mega.json" 2>&1 | tail -20
-    timeout "$(left)" $M bench --preset k3-layer --executor graph,fused,mega --batch $B \
-        --out "$OUT/results/k3-layer-mega.json" 2>&1 | tail -20
-    for ctx in 1024 8192; do
-        timeout "$(left)" $M bench --preset qwen3-30b-a3b --executor graph,fused,mega --batch $B --context $ctx \
-            --steps 10 --warmup 2 --out "$OUT/results/qwen3-30b-a3b-mega-ctx$ctx.json" 2>&1 | tail -20
+    for part in ${MEGA_PARTS:-qwen3-1024 qwen3-8192 k3-mini k3-layer}; do
+        case $part in
+            qwen3-*) ctx=${part#qwen3-}; P=qwen3-30b-a3b; F="$P-nvidia-h200-mega-b1-64-ctx$ctx.json" ;;
+            *) ctx=1024; P=$part; F="$P-nvidia-h200-mega-b1-64.json" ;;
+        esac
+        timeout "$(left)" $M bench --preset $P --executor graph,fused,mega --batch $B --context $ctx --steps 10 \
+            --warmup 2 --out "$OUT/results/$F" 2>&1 | tail -20
     done
     exit 0
 fi
