@@ -222,9 +222,10 @@ if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min 
     rm -f "$OUT"/evidence/*-b*-*.png
     exit "$rc"
 fi
-if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's (k3-mini batch 1 and 8): qwen3-30b-a3b
-    # and tiny-k3 at batch 1, for ROUTE's time against E, A and the sigmoid (its marks, where the kernel stamps them)
-    timeline qwen3-30b-a3b,tiny-k3 1,8
+if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's: TIMELINE_PRESETS (default
+    # qwen3-30b-a3b and tiny-k3) at TIMELINE_BATCHES (default 1 and 8); 16,64 to see where the expert phases of the
+    # larger batches go (mega is 1.7-3.3x slower than fused there at 54cee2c, docs/megakernel.md "Speed")
+    timeline "${TIMELINE_PRESETS:-qwen3-30b-a3b,tiny-k3}" "${TIMELINE_BATCHES:-1,8}"
     exit 0
 fi
 if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one k3-mini step, batch 1 and 8
