@@ -23,29 +23,30 @@ K3MINI = "k3-mini-nvidia-h200-mega-b1-64.json"
 K3LAYER = "k3-layer-nvidia-h200-mega-b1-64.json"
 K3MOE = "k3-moe-nvidia-h200-mxfp4-f380d22.json"
 
-WHY_CHAIN = ("a batch-1 layer is a chain of ~10 dependent phases (q/k/v, attention, merge, o_proj, router, ROUTE, "
-             "experts up and down), each 4-20 us of latency and hand-over rather than bytes: 95.9 us a layer at "
-             "ef36c38 against the ~25 us its 113.8 MB need at 4.57 TB/s (docs/megakernel.md, 'At ef36c38'). "
-             "Staging the next tile's weights in shared memory before the wait (the issue's TMA prefetch) was "
-             "measured at c428d91 / eecdc2e: 2% on this layer, paid for elsewhere by the L1 it takes "
-             "(docs/megakernel.md, 'The weight stage')")
-WHY_VS_FUSED = ("fused's ~16 kernels a layer in one CUDA graph cost about what the megakernel's phase hand-overs "
-                "cost (0.5-1 us each plus each phase's ramp and tail); the phases themselves are no faster than "
-                "fused's kernels at batch 1 (GQA attention 16.4 us, ROUTE 8.2 us a layer, docs/megakernel.md)")
-WHY_BATCH = ("from 16 tokens the expert phases dominate: EXPERT_DOWN takes its expert-after-expert loop once an "
-             "expert holds more than 2 pairs (each row read again for every pair: 442-486 us a layer at "
-             "qwen3-30b-a3b batch 64, baef38a), and EXPERT_UP's bf16 passes of 4 pairs and MXFP4 passes of one "
-             "pair re-read rows per pass; fused's grouped expert kernels read each selected expert once")
-WHY_K3 = ("k3-mini's layers add KDA and MLA chains and 896-expert routing to the phase chain (a batch-1 layer "
-          "586 us at ef36c38, docs/megakernel.md); its MXFP4 experts decode e2m1 in registers (0.15 warp-"
-          "instructions a weight, 5936e56) with no native fp4 conversion on Hopper")
-WHY_MXFP4 = ("the MXFP4 decode of the Triton kernels is instruction-bound on Hopper (~0.20 warp-instructions a "
-             "weight against ~0.11 for HBM's rate, README 'the routed experts alone'); the CuTe DSL form for "
-             "fused (issue 14, item 1) is not built")
-
-
-REASONS = {"phase chain": WHY_CHAIN, "against fused": WHY_VS_FUSED, "batch 16 and up": WHY_BATCH,
-           "k3": WHY_K3, "mxfp4": WHY_MXFP4}
+# why a goal is missed, keyed as the goals file's "why" lists name them
+REASONS = {
+    "phase chain": "a batch-1 layer is a chain of ~10 dependent phases (q/k/v, attention, merge, o_proj, router, "
+                   "ROUTE, experts up and down), each 4-20 us of latency and hand-over rather than bytes: 95.9 us a "
+                   "layer at ef36c38 against the ~25 us its 113.8 MB need at 4.57 TB/s (docs/megakernel.md, 'At "
+                   "ef36c38'). Staging the next tile's weights in shared memory before the wait (the issue's TMA "
+                   "prefetch) was measured at c428d91 / eecdc2e: 2% on this layer, paid for elsewhere by the L1 it "
+                   "takes (docs/megakernel.md, 'The weight stage')",
+    "against fused": "fused's ~16 kernels a layer in one CUDA graph cost about what the megakernel's phase "
+                     "hand-overs cost (0.5-1 us each plus each phase's ramp and tail); the phases themselves are no "
+                     "faster than fused's kernels at batch 1 (GQA attention 16.4 us, ROUTE 8.2 us a layer, "
+                     "docs/megakernel.md)",
+    "batch 16 and up": "from 16 tokens the expert phases dominate: past 2 pairs an expert on average EXPERT_DOWN "
+                       "takes its loop, each warp one row at a time with the experts one after the other (442 us "
+                       "a layer at qwen3-30b-a3b batch 64, baef38a; its flat path, each row read again a pair, "
+                       "486), and EXPERT_UP's bf16 passes of 4 pairs take one row at a time a warp, MXFP4 one pair "
+                       "a pass; fused's grouped expert kernels read each selected expert once",
+    "k3": "k3-mini's layers add KDA and MLA chains and 896-expert routing to the phase chain (a batch-1 layer 586 us "
+          "at ef36c38, docs/megakernel.md); its MXFP4 experts decode e2m1 in registers (0.15 warp-instructions a "
+          "weight, 5936e56) with no native fp4 conversion on Hopper",
+    "mxfp4": "the MXFP4 decode of the Triton kernels is instruction-bound on Hopper (~0.20 warp-instructions a "
+             "weight against ~0.11 for HBM's rate, README 'the routed experts alone'); the CuTe DSL form for fused "
+             "(issue 14, item 1) is not built",
+}
 
 
 def load(results: Path, name: str) -> list[dict]:
