@@ -9,7 +9,10 @@ Executors (the expert path each decode executor takes):
          in a CUDA graph. Float weights only: torch has no MXFP4 grouped GEMM, and the graph executor's own MXFP4 path is
          the Triton kernels (= `fused`), so an MXFP4 `graph` row says so instead of a time.
   fused  kernels/grouped_experts.py routed_experts (fused small-batch kernels at <= 16 tokens, grouped by
-         expert above), in a CUDA graph; FP8 weights: kernels/fp8_experts.py (same dispatch).
+         expert above), in a CUDA graph; FP8 weights: kernels/fp8_experts.py (same dispatch); MXFP4 weights on the
+         H200 with nvidia-cutlass-dsl: kernels/cute_experts.py (the fused executor's cute-latent-moe: weights
+         re-laid out once before timing, activations as fp16 as for K3's bf16 model), the Triton kernels
+         otherwise (the row's `experts_path` says which).
 Method: all E experts of the shape (measure.SHAPES) on the GPU, random (MXFP4: random bytes, e8m0 118..123;
 bf16: N(0, 1/in); FP8: weights.py's random FP8 codes and 128 x 128 block scales); ROTATIONS input sets, each token drawing A distinct experts uniformly, so consecutive
 calls read different experts (not L2 hits). Time: one CUDA graph of one call per set, replayed by
@@ -77,15 +80,32 @@ def _path(executor: str, shape: dict, wfmt: str):
     if executor == "fused" and wfmt == "fp8":
         from .kernels.fp8_experts import fp8_experts
         return lambda x, ids, w, gu, dn: fp8_experts(x, ids, w, gu, dn)
+    if executor == "fused" and wfmt == "mxfp4" and cute_experts_ok(shape):
+        from .kernels.cute_experts import cute_experts, frag_of
+        return lambda x, ids, w, gu, dn: cute_experts(x, ids, w, frag_of(gu), frag_of(dn), act=act, split=False)
     if executor == "fused":
         from .kernels.grouped_experts import routed_experts
         return lambda x, ids, w, gu, dn: routed_experts(x, ids, w, gu, dn, act=act)
     return f"unknown executor {executor!r} for MoE presets (torch, graph, fused)"
 
 
+def cute_experts_ok(shape: dict) -> bool:
+    """Whether the fused executor's K3 experts would be the CuTe DSL kernels here (sm_90, the DSL installed,
+    dims that are multiples of a record's k span)."""
+    from .kernels.cute_experts import KREC
+
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability() == (9, 0) and shape["D"] % KREC == 0 and shape["I"] % KREC == 0
+
+
 def bench_row(executor: str, shape: dict, wfmt: str, T: int, gu, dn, expert_bytes: int, gen) -> dict:
     fn = _path(executor, shape, wfmt)
     row = {"executor": executor, "batch": T, "weights": wfmt}
+    if executor == "fused" and wfmt == "mxfp4":
+        row["experts_path"] = "cute" if cute_experts_ok(shape) else "triton"
     if isinstance(fn, str):
         return {**row, "error": fn}
     sets = expert_inputs(shape, wfmt, T, gen)

@@ -14,7 +14,9 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
            triton-fused-experts      (batch <= 16, FMA: the fallback where the first is out of scope)
            triton-fp8-experts        (FP8 experts: values decoded in registers, tensor cores, batch <= 256; the
                                       two above refuse FP8)
-  latent_moe triton-latent-moe     (K3: latent down, routed MXFP4 experts, RMSNorm fused into latent up;
+  latent_moe cute-latent-moe       (K3 on the H200: the routed MXFP4 experts in CuTe DSL on tensor cores,
+                                      weights re-laid out once in fragment order; latent dims multiples of 256)
+             triton-latent-moe       (K3: latent down, routed MXFP4 experts, RMSNorm fused into latent up;
                                       batch <= 256; above, the graph op, whose experts are Triton too)
   attn_kda triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
                                       sequence's state; the rest of the op stays the reference ops)
@@ -64,7 +66,7 @@ SAMPLE_IN_STEP_MAX_BATCH = 64
 LENGTH_OPS = (ATTN_GQA, ATTN_MLA)
 
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts",
-            "triton-fp8-experts", "triton-latent-moe", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
+            "triton-fp8-experts", "cute-latent-moe", "triton-latent-moe", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
 
 
 def _variants(device: torch.device) -> list:

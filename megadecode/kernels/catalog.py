@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..contract import Variant
 from . import (
+    cute_experts,
     fp8_experts,
     fused_experts,
     gqa,
@@ -24,7 +25,7 @@ from . import (
 SHIPPED: tuple[Variant, ...] = (
     rmsnorm.RMSNORM_VARIANT, rmsnorm.ADD_RMSNORM_VARIANT, router.ROUTER_VARIANT,
     grouped_experts.GROUPED_EXPERTS_VARIANT, fused_experts.FUSED_EXPERTS_VARIANT, fp8_experts.FP8_EXPERTS_VARIANT,
-    latent_moe.LATENT_MOE_VARIANT,
+    cute_experts.CUTE_LATENT_MOE_VARIANT, latent_moe.LATENT_MOE_VARIANT,
     kda.KDA_VARIANT, mla.MLA_VARIANT, gqa.GQA_VARIANT, lm_head.LM_HEAD_VARIANT)
 
 

@@ -25,8 +25,9 @@ BATCH_SWEEP = (1, 2, 3, 7, 8, 33, 64, 67, 128, 255, 256)
 QUICK_BATCHES = (1, 3, 8, 67)  # CI: the smallest, odd sizes, a tile and the 67 of the batch-sweep
 QUICK_EXTRA, QUICK_EXTRA_MAX_BATCH = 4, 65  # --quick: 4 extra cases per (preset, op), seeded, batches <= 65
 CPU_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3")
-# Presets that differ from a CPU preset only in their routed experts (FP8): run for the expert variants that take them.
-EXPERT_PRESETS = ("tiny-qwen3-moe-fp8", "tiny-deepseek-v3-fp8")
+# Presets that differ from a CPU preset only in their routed experts (FP8; tiny-k3-wide: K3's at a record's k span):
+# run for the expert variants whose scope admits them.
+EXPERT_PRESETS = ("tiny-qwen3-moe-fp8", "tiny-deepseek-v3-fp8", "tiny-k3-wide")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
