@@ -22,13 +22,13 @@ from megadecode.kernels.grouped_experts import routed_experts
 from megadecode.measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms
 from megadecode.reference.latent_moe import latent_experts
 
-TUNES = [(True, {}), (False, {}), (False, {"wpc": 8}), (False, {"wpc": 2}), (False, {"wpc": 8, "tpw_grouped": 1}),
-         (False, {"scu_grouped": 1}), (False, {"ntok": 8, "wpc": 8}), (False, {"stages": ("up",)}),
-         (False, {"stages": ("down",)}), (False, {"stages": ("combine",)})]
+TUNES = [(True, {}), (False, {}), (False, {"tma": 2, "tma_grouped": 2}), (False, {"tma": 3, "tma_grouped": 3}),
+         (False, {"tma": 4, "tma_grouped": 2, "wpc_grouped": 4}), (False, {"tma": 3, "wpc": 8}),
+         (False, {"tma": 6, "wpc": 2}), (False, {"tma": 3, "stages": ("up",)}), (False, {"tma": 3, "stages": ("down",)})]
 TOL = {True: 1e-5, False: 4e-3}  # max |out - ref| / max |ref| with and without the remainder plane (fp32 x)
 
 
-def check(gu, dn, guf, dnf, shape, T, grouped, split, gen, skip=False):
+def check(gu, dn, guf, dnf, shape, T, grouped, split, gen, skip=False, tune=None):
     D, A, E = shape["D"], shape["A"], shape["E"]
     ids = torch.argsort(torch.rand(T, E, device="cuda", generator=gen), dim=1)[:, :A].contiguous()
     if skip:
@@ -39,12 +39,12 @@ def check(gu, dn, guf, dnf, shape, T, grouped, split, gen, skip=False):
     outs = []
     for _ in range(2):
         o = torch.full((T, D), float("nan"), device="cuda")
-        ce.cute_experts(x, ids, w, guf, dnf, act=shape["act"], out=o, grouped=grouped, split=split)
+        ce.cute_experts(x, ids, w, guf, dnf, act=shape["act"], out=o, grouped=grouped, split=split, tune=tune)
         torch.cuda.synchronize()
         outs.append(o)
     err = float((outs[0] - ref).abs().max()) / float(ref.abs().max())
     ok = bool(torch.isfinite(outs[0]).all()) and err <= TOL[split] and torch.equal(outs[0], outs[1])
-    return {"T": T, "grouped": grouped, "split": split, "skip": skip, "rel_err": err, "finite":
+    return {"T": T, "grouped": grouped, "split": split, "skip": skip, "tune": tune, "rel_err": err, "finite":
             bool(torch.isfinite(outs[0]).all()), "repeat_equal": torch.equal(outs[0], outs[1]), "ok": ok}
 
 
@@ -70,9 +70,11 @@ def main() -> int:
     for T in [int(t) for t in args.checks.split(",")]:
         for grouped in (False, True):
             for split in (True, False):
-                r = check(gu, dn, guf, dnf, shape, T, grouped, split, gen, skip=(T == 3))
-                res["checks"].append(r)
-                print(r, flush=True)
+                for tune in ({}, {"tma": 3, "tma_grouped": 2}):
+                    r = check(gu, dn, guf, dnf, shape, T, grouped, split, gen, skip=(T == 3), tune=tune)
+                    res["checks"].append(r)
+                    print(r, flush=True)
+    res["timed_out"] = ce.timed_out()
     for T in [int(t) for t in args.batch.split(",")]:
         sets = expert_inputs(shape, "mxfp4", T, gen)
         floor = statistics.mean(int(ids.unique().numel()) for _, ids, _ in sets) * per_expert / HBM_READ_BPS * 1e3

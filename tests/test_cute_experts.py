@@ -34,21 +34,23 @@ def test_relayout_round_trips(E, R, K):
 
 
 def test_records_hold_each_lanes_fragments():
-    """One record by hand: lane 5 (g 1, c 1), chunk 0, word 0 holds rows 1 and 9 at k 8..11 in the nibble order
-    the decode expects (register j: row g + 8 (j % 2), k 8 c + 2 (j // 2) + h for nibble j + 4 h)."""
-    E, R, K = 1, 16, 256
-    codes = torch.arange(R * K).reshape(1, R, K) % 16
+    """One record by hand: lane 5 (g 1, c 1), chunk 0, word 0 holds rows 1 and 9 at k 8..11, register j's half h
+    (row g + 8 (j % 2), k 8 c + 2 (j // 2) + h) with its magnitude bits at MAG_AT[j] + 16 h and its sign at
+    SIGN_AT[j] + 16 h."""
     from megadecode.quant.mxfp4 import pack_codes
+    from megadecode.quant.mxfp4_frag import MAG_AT, SIGN_AT
 
+    R, K = 16, 256
+    codes = torch.arange(R * K).reshape(1, R, K) % 16
     w = MXFP4Tensor(pack_codes(codes), torch.full((1, R, K // 32), 127, dtype=torch.uint8))
-    f = relayout(w)
-    word = int.from_bytes(bytes(f.data[0, 0, 0, 16 * 5:16 * 5 + 4].tolist()), "little")
-    nib = [(word >> (4 * n)) & 15 for n in range(8)]
-    want = []
-    for n in range(8):
-        j, h = n % 4, n // 4
-        want.append(int(codes[0, 1 + 8 * (j % 2), 8 + 2 * (j // 2) + h]))
-    assert nib == want
+    word = int.from_bytes(bytes(relayout(w).data[0, 0, 0, 16 * 5:16 * 5 + 4].tolist()), "little")
+    for j in range(4):
+        for h in range(2):
+            got = ((word >> (MAG_AT[j] + 16 * h)) & 7) | (((word >> (SIGN_AT[j] + 16 * h)) & 1) << 3)
+            assert got == int(codes[0, 1 + 8 * (j % 2), 8 + 2 * (j // 2) + h]), (j, h)
+    bits = sorted(b + 16 * h for j in range(4) for h in range(2) for b in (MAG_AT[j], MAG_AT[j] + 1, MAG_AT[j] + 2,
+                                                                          SIGN_AT[j]))
+    assert bits == list(range(32))  # every bit of the word holds one weight's bit
 
 
 @pytest.mark.parametrize("seed", [0, 1])

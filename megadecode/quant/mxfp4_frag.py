@@ -9,17 +9,20 @@ c = lane % 4 its column pair), as PTX's m16n8k16 fragment tables name them.
 Record (RECORD = 2176 bytes, 16-byte aligned), records ordered [E, R / 16, K / 256]:
     bytes 512 q + 16 lane + 4 w     (q = 0..3: k chunk 64 q .. 64 q + 63; w = 0..3 the lane's words)
         word w is k-step s = w of chunk q: scale block b = w // 2 of the chunk (block 2 q + b of the record),
-        half s2 = w % 2 of it. It holds 8 e2m1 codes, nibble n = j + 4 h (j = 0..3 the A register, h its fp16
-        half): register j covers row g + 8 (j % 2), k = 64 q + 32 b + 8 c + 4 s2 + 2 (j // 2) + h.
+        half s2 = w % 2 of it. It holds 8 e2m1 codes (s e1 e0 m), two a register j = 0..3 (its fp16 halves
+        h = 0, 1): register j covers row g + 8 (j % 2), k = 64 q + 32 b + 8 c + 4 s2 + 2 (j // 2) + h. The
+        code's magnitude bits e1 e0 m sit at bits MAG_AT[j] + 16 h .. + 2 and its sign at SIGN_AT[j] + 16 h:
+        registers 0 and 1 are each one shift (none, 3) and one mask away from fp16, 2 and 3 two shifts
+        (magnitude and sign apart): 11 integer operations a word, where the nibble order took 16.
     bytes 2048 + 16 g + 8 r + m     the e8m0 scale of row g + 8 r, block m (0..7) of the record.
 The k order inside a block is permuted (thread c's fragment columns 2c, 2c+1, 2c+8, 2c+9 of both k-steps are the
 8 consecutive k = 32 b + 8 c .. + 7): a dot product does not depend on the order of its terms, so the kernel
 reads the matching activations as one 16-byte load per block, and an mma's k-step never crosses a scale block, so
 the block scale multiplies the mma's fp32 sums.
 
-Decode (kernels/cute_experts.py, `emulate` here): register j = ((word << (9 - 4 j)) & 0x0E000E00) |
-((word << (12 - 4 j)) & 0x80008000) (a negative shift is a right shift) is the fp16 pair whose values are
-e2m1 * 2**-14 exactly (the magnitude bits e1 e0 m land on fp16's exponent's two low bits and its top mantissa
+Decode (kernels/cute_experts.py, `emulate` here): register j = ((word << (9 - MAG_AT[j])) & 0x0E000E00) |
+((word << (15 - SIGN_AT[j])) & 0x80008000) (one mask 0x8E008E00 when both shifts agree) is the fp16 pair whose
+values are e2m1 * 2**-14 exactly (the magnitude bits e1 e0 m land on fp16's exponent's two low bits and its top mantissa
 bit; 0.5 is the fp16 subnormal 2**-15); the kernel multiplies a block's sum by 2**(e - 127) (the scale byte
 shifted into fp32's exponent field, so byte 0 reads as 0 instead of 2**-127: a block of weights below 3.6e-38)
 and the whole sum by 2**14. Byte 255 (NaN) is refused here.
@@ -37,7 +40,10 @@ TILE = 16  # rows per record
 KREC = 256  # k per record
 WBYTES = 2048  # weight bytes per record
 RECORD = WBYTES + 128  # + 16 rows x 8 scale bytes
-LAYOUT = "mma16816-v1"  # the name the weight table records for this order
+LAYOUT = "mma16816-v2"  # the name the weight table records for this order
+MAG_AT = (9, 6, 0, 3)  # register j's magnitude bits (e1 e0 m) from this bit of each 16-bit half (module doc)
+SIGN_AT = (15, 12, 13, 14)  # and its sign bit
+MAG_MASK, SIGN_MASK = 0x0E000E00, 0x80008000
 
 
 def _check_shape(R: int, K: int) -> None:
@@ -88,9 +94,14 @@ def relayout(w: MXFP4Tensor) -> MXFP4Frag:
     codes = unpack_codes(w.packed)  # [E, R, K]
     # rows 16 t + 8 r + g; k = 256 sc + 64 q + 32 b + 8 c + 4 s2 + 2 jh + h
     c = codes.view(E, T, 2, 8, S, 4, 2, 4, 2, 2, 2)  # E t r g sc q b c s2 jh h
-    # -> E t sc q (g c) (b s2) (h jh r): nibble n = j + 4 h with j = r + 2 jh
-    c = c.permute(0, 1, 4, 5, 3, 7, 6, 8, 10, 9, 2).reshape(E, T, S, WBYTES * 2)
-    wbytes = pack_codes(c)  # nibble 2m low, 2m + 1 high: little-endian words with nibble n at bits 4n..4n+3
+    # -> E t sc q (g c) (b s2) h jh r: register j = r + 2 jh, half h
+    c = c.permute(0, 1, 4, 5, 3, 7, 6, 8, 10, 9, 2).reshape(E, T, S, 512, 2, 4).to(torch.int64)
+    word = torch.zeros(E, T, S, 512, dtype=torch.int64, device=codes.device)
+    for h in range(2):
+        for j in range(4):
+            cj = c[..., h, j]
+            word |= ((cj & 7) << (MAG_AT[j] + 16 * h)) | ((cj >> 3) << (SIGN_AT[j] + 16 * h))
+    wbytes = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8).reshape(E, T, S, WBYTES)
     s = w.scales.view(E, T, 2, 8, S, 8).permute(0, 1, 4, 3, 2, 5).reshape(E, T, S, 128)  # E t sc g r m
     return MXFP4Frag(torch.cat((wbytes, s), dim=-1).contiguous(), w.shape)
 
@@ -99,23 +110,23 @@ def restore(f: MXFP4Frag) -> MXFP4Tensor:
     """The inverse of relayout (round-trip tests; the checkpoint's order back)."""
     E, R, K = f.shape
     T, S = R // TILE, K // KREC
-    codes = unpack_codes(f.data[..., :WBYTES].contiguous())  # [E, T, S, 4096] nibbles in record order
+    d = f.data[..., :WBYTES].reshape(E, T, S, 512, 4).to(torch.int64)
+    word = d[..., 0] | (d[..., 1] << 8) | (d[..., 2] << 16) | (d[..., 3] << 24)
+    codes = torch.stack([torch.stack([((word >> (MAG_AT[j] + 16 * h)) & 7) | (((word >> (SIGN_AT[j] + 16 * h)) & 1) << 3)
+                                      for j in range(4)], dim=-1) for h in range(2)], dim=-2)  # .. 512 h j
     c = codes.view(E, T, S, 4, 8, 4, 2, 2, 2, 2, 2)  # E t sc q g c b s2 h jh r
     c = c.permute(0, 1, 10, 4, 2, 3, 6, 5, 7, 9, 8).reshape(E, R, K)  # -> E t r g sc q b c s2 jh h
     s = f.data[..., WBYTES:].reshape(E, T, S, 8, 2, 8).permute(0, 1, 4, 3, 2, 5).reshape(E, R, K // 32)
-    return MXFP4Tensor(pack_codes(c).contiguous(), s.contiguous())
+    return MXFP4Tensor(pack_codes(c.to(torch.uint8)).contiguous(), s.contiguous())
 
 
 # ---- a model of the kernel's per-lane arithmetic (CPU tests pin the layout contract with it) ------------------
 def _decode_words(words: torch.Tensor) -> torch.Tensor:
-    """int64 words [..., ] -> fp32 [..., 4, 2]: register j, half h, exactly the kernel's two shifts and masks,
-    read back as fp16 (= e2m1 * 2**-14)."""
+    """int64 words [...] -> fp32 [..., 4, 2]: register j, half h, by exactly the kernel's shifts and masks, read
+    back as fp16 (= e2m1 * 2**-14)."""
     out = []
     for j in range(4):
-        sm, ss = 9 - 4 * j, 12 - 4 * j
-        mag = (words << sm) if sm >= 0 else (words >> -sm)
-        sgn = (words << ss) if ss >= 0 else (words >> -ss)
-        reg = ((mag & 0x0E000E00) | (sgn & 0x80008000)) & 0xFFFFFFFF
+        reg = (((words << (9 - MAG_AT[j])) & MAG_MASK) | ((words << (15 - SIGN_AT[j])) & SIGN_MASK)) & 0xFFFFFFFF
         halves = torch.stack((reg & 0xFFFF, reg >> 16), dim=-1).to(torch.int16)
         out.append(halves.view(torch.float16).float())
     return torch.stack(out, dim=-2)
