@@ -22,9 +22,8 @@ from megadecode.kernels.grouped_experts import routed_experts
 from megadecode.measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms
 from megadecode.reference.latent_moe import latent_experts
 
-TUNES = [(True, {}), (False, {}), (False, {"tma": 2, "tma_grouped": 2}), (False, {"tma": 3, "tma_grouped": 3}),
-         (False, {"tma": 4, "tma_grouped": 2, "wpc_grouped": 4}), (False, {"tma": 3, "wpc": 8}),
-         (False, {"tma": 6, "wpc": 2}), (False, {"tma": 3, "stages": ("up",)}), (False, {"tma": 3, "stages": ("down",)})]
+TUNES = [(True, {}), (False, {}), (False, {"wpc": 8}), (False, {"scu": 2}), (False, {"ntok": 4, "wpc_grouped": 4}),
+         (False, {"stages": ("up",)}), (False, {"stages": ("down",)})]
 TOL = {True: 1e-5, False: 4e-3}  # max |out - ref| / max |ref| with and without the remainder plane (fp32 x)
 
 
@@ -70,11 +69,10 @@ def main() -> int:
     for T in [int(t) for t in args.checks.split(",")]:
         for grouped in (False, True):
             for split in (True, False):
-                for tune in ({}, {"tma": 3, "tma_grouped": 2}):
+                for tune in ({},):
                     r = check(gu, dn, guf, dnf, shape, T, grouped, split, gen, skip=(T == 3), tune=tune)
                     res["checks"].append(r)
                     print(r, flush=True)
-    res["timed_out"] = ce.timed_out()
     for T in [int(t) for t in args.batch.split(",")]:
         sets = expert_inputs(shape, "mxfp4", T, gen)
         floor = statistics.mean(int(ids.unique().numel()) for _, ids, _ in sets) * per_expert / HBM_READ_BPS * 1e3

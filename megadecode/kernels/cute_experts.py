@@ -43,11 +43,9 @@ ACTS = ("silu", "situ")
 XDTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # ntok: tokens staged per chunk when grouped; tpw / tpw_grouped: 16-row tiles per warp (the grid's second dim);
 # scu / scu_grouped: records of a tile loaded before the first is used; pf: records per warp prefetched into L2 while staging;
-# wpc / wpc_grouped: warps per CTA; tma / tma_grouped: > 0, the records come through a ring of that many slots a
-# warp that bulk copies (cp.async.bulk, mbarriers) fill ahead of use. Defaults: the fastest in bench/cute_experts_probe.py on the H200 (docs/evidence/
+# wpc / wpc_grouped: warps per CTA. Defaults: the fastest in bench/cute_experts_probe.py on the H200 (docs/evidence/
 # cute-experts-h200.md)
-DEFAULT_TUNE = {"ntok": 8, "tpw": 1, "tpw_grouped": 2, "scu": 1, "scu_grouped": 2, "pf": 0, "wpc": 4, "wpc_grouped": 8,
-                "tma": 0, "tma_grouped": 0}
+DEFAULT_TUNE = {"ntok": 8, "tpw": 1, "tpw_grouped": 2, "scu": 1, "scu_grouped": 2, "pf": 0, "wpc": 4, "wpc_grouped": 8}
 
 
 def smem_words(K: int, ntok: int, split: bool) -> int:
@@ -59,7 +57,7 @@ def smem_words(K: int, ntok: int, split: bool) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, grouped: bool, xdt: str,
-           scu: int = 1, pf: int = 0, wpc: int = 4, tma: int = 0):
+           scu: int = 1, pf: int = 0, wpc: int = 4):
     """The compiled launcher for one configuration (cute.compile; PTX in `.__ptx__`)."""
     from ..mega.cute import ARCH  # sets the DSL's architecture before cutlass is imported
 
@@ -81,12 +79,9 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     ROWS_OUT = R // 2 if up else R  # elements per output row (h: I, y: D)
     WPC = wpc
     NTHR = 32 * WPC
-    S = tma  # > 0: records reach shared memory by bulk copies into a ring of S slots a warp (scu is then 1)
-    SLOT = 2 * RECORD if up else RECORD
-    MAX_TRIES = 1 << 22  # bounded mbarrier waits (a timeout poisons the warp's outputs with NaN and sets err)
     NTL = 2 if up else 1  # tiles a warp streams at once (up: gate and up)
     SCU = scu  # records of each tile loaded before the first is used
-    assert S <= NSC and ntok <= 8 and NSC % SCU == 0 and K % KREC == 0 and R % (2 * TILE if up else TILE) == 0
+    assert ntok <= 8 and NSC % SCU == 0 and K % KREC == 0 and R % (2 * TILE if up else TILE) == 0
     MAG, SIGN = MAG_MASK, SIGN_MASK
 
     @cute.jit
@@ -183,33 +178,8 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     def prefetch(addr: Int64):
         cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
 
-    @cute.jit
-    def bulk_copy(dst_s: Int32, src_g: Int64, nbytes: Int32, mb: Int32):
-        cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
-                             "{$r2}, [{$r3}];", read_only_args=[dst_s, src_g, nbytes, mb])
-
-    @cute.jit
-    def expect_tx(mb: Int32, nbytes: Int32):
-        cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[mb, nbytes])
-
-    @cute.jit
-    def phase_done(mb: Int32, parity: Int32) -> Int32:
-        return cute.arch.inline_ptx("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
-                                    "selp.b32 {$w0}, 1, 0, p; }", write_only_types=[Int32], read_only_args=[mb, parity])
-
-    @cute.jit
-    def proxy_fence():
-        cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
-
-    @cute.jit
-    def fill(recs, sc: Int32, slot_s: Int32, mb: Int32):
-        """Lane 0: record sc of each of the warp's tiles into the slot at shared slot_s, on mbarrier mb."""
-        expect_tx(mb, Int32(SLOT))
-        for t in cutlass.range_constexpr(NTL):
-            bulk_copy(slot_s + Int32(t * RECORD), recs[t] + Int64(sc) * Int64(RECORD), Int32(RECORD), mb)
-
     @cute.kernel
-    def kern(src: Int64, ids: Int64, order: Int64, offs: Int64, wq: Int64, dst: Int64, err: Int64):
+    def kern(src: Int64, ids: Int64, order: Int64, offs: Int64, wq: Int64, dst: Int64):
         tid, _, _ = cute.arch.thread_idx()
         u, by, _ = cute.arch.block_idx()
         _, gy, _ = cute.arch.grid_dim()
@@ -223,20 +193,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
         ps = alloc.allocate_tensor(Int32, cute.make_layout(8), 16)
         red = alloc.allocate_tensor(Float32, cute.make_layout(8), 16)
         xbase = xs.iterator.toint()
-        ring_s = Int32(0)
-        mbar_s = Int32(0)
-        cnt = cute.make_rmem_tensor(2, Int32)  # [0] records this warp waited for so far, [1] 1 after a timeout
-        cnt[0] = Int32(0)
-        cnt[1] = Int32(0)
-        if cutlass.const_expr(S > 0):
-            ring = alloc.allocate_tensor(Uint32, cute.make_layout(WPC * S * SLOT // 4), 128)
-            mbars = alloc.allocate_tensor(Int64, cute.make_layout(WPC * S), 8)
-            ring_s = ring.iterator.toint() + Int32(warp * S * SLOT)
-            mbar_s = mbars.iterator.toint() + Int32(warp * S * 8)
-            if lane == 0:
-                for i in cutlass.range_constexpr(S):
-                    cute.arch.mbarrier_init(mbars.iterator + warp * S + i, 1)
-                cute.arch.mbarrier_init_fence()
         e = Int64(0)
         start = Int32(0)
         n = Int32(0)
@@ -314,39 +270,13 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                     acc[i] = Float32(0.0)
                 recs = [wq + ((e * Int64(R // TILE) + Int64(rt + t * NTILE)) * Int64(NSC)) * Int64(RECORD)
                         for t in range(NTL)]
-                if cutlass.const_expr(S > 0):  # the ring's first S records of this tile
-                    if lane == 0:
-                        for i in cutlass.range_constexpr(S):
-                            slot = (cnt[0] + i) % S
-                            fill(recs, Int32(i), ring_s + slot * SLOT, mbar_s + slot * 8)
                 for sc0 in cutlass.range(0, NSC, SCU):
                     ws, ss = [], []
-                    if cutlass.const_expr(S > 0):
-                        it = cnt[0]
-                        slot = it % S
-                        mb = mbar_s + slot * 8
-                        ok = phase_done(mb, (it // S) & 1)
-                        tries = Int32(0)
-                        while ok == 0 and tries < MAX_TRIES:
-                            ok = phase_done(mb, (it // S) & 1)
-                            tries += 1
-                        if ok == 0:
-                            cnt[1] = Int32(1)
-                        sb = ring_s + slot * SLOT
+                    for su in cutlass.range_constexpr(SCU):
                         for t in cutlass.range_constexpr(NTL):
-                            ws.append([lds4(sb + Int32(t * RECORD + 512 * q) + 16 * lane) for q in range(4)])
-                            ss.append(lds4(sb + Int32(t * RECORD + WBYTES) + 16 * g))
-                        proxy_fence()  # this lane's reads of the slot before the async proxy refills it
-                        cute.arch.sync_warp()
-                        if lane == 0 and sc0 + S < NSC:
-                            fill(recs, sc0 + S, sb, mb)
-                        cnt[0] = it + 1
-                    else:
-                        for su in cutlass.range_constexpr(SCU):
-                            for t in cutlass.range_constexpr(NTL):
-                                rec = recs[t] + Int64(sc0 + su) * Int64(RECORD)
-                                ws.append([ldg4(rec + Int64(512 * q) + Int64(16 * lane)) for q in range(4)])
-                                ss.append(ldg4(rec + Int64(WBYTES) + Int64(16 * g)))
+                            rec = recs[t] + Int64(sc0 + su) * Int64(RECORD)
+                            ws.append([ldg4(rec + Int64(512 * q) + Int64(16 * lane)) for q in range(4)])
+                            ss.append(ldg4(rec + Int64(WBYTES) + Int64(16 * g)))
                     for su in cutlass.range_constexpr(SCU):
                         sc = sc0 + su
                         for q in cutlass.range_constexpr(4):
@@ -389,20 +319,15 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                                 val = situ(val, uval)
                             else:
                                 val = silu(val) * uval
-                        if cnt[1] != 0:  # a bulk copy never landed: NaN, never a silently wrong value
-                            val = Float32(float("nan"))
                         stf(dst + (Int64(ps[col]) * Int64(ROWS_OUT) + Int64(orow)) * 4, val)
-        if cnt[1] != 0 and lane == 0:
-            cute.make_tensor(cute.make_ptr(Int32, err, cute.AddressSpace.gmem, assumed_align=4),
-                             cute.make_layout(1))[0] = Int32(1)
 
     @cute.jit
-    def launch(src: Int64, ids: Int64, order: Int64, offs: Int64, wq: Int64, dst: Int64, err: Int64, units: Int32,
-               gy: Int32, stream: cuda_drv.CUstream):
-        kern(src, ids, order, offs, wq, dst, err).launch(grid=(units, gy, 1), block=(NTHR, 1, 1), stream=stream)
+    def launch(src: Int64, ids: Int64, order: Int64, offs: Int64, wq: Int64, dst: Int64, units: Int32, gy: Int32,
+               stream: cuda_drv.CUstream):
+        kern(src, ids, order, offs, wq, dst).launch(grid=(units, gy, 1), block=(NTHR, 1, 1), stream=stream)
 
     dump = tempfile.mkdtemp(prefix="megadecode-cute-experts-")
-    return cute.compile(launch, Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
+    return cute.compile(launch, Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
                         cuda_drv.CUstream(0), options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
                         no_cache=True)
 
@@ -420,23 +345,6 @@ def _stream():
     import cuda.bindings.driver as cuda_drv
 
     return cuda_drv.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
-_ERR: dict = {}
-
-
-def _err_word(device) -> torch.Tensor:
-    """The kernels' error word on this device: 1 once a bounded wait for a bulk copy timed out (that warp's outputs
-    are NaN). Read with `timed_out()`; never reset by the kernels."""
-    if device not in _ERR:
-        _ERR[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _ERR[device]
-
-
-def timed_out(device=None) -> bool:
-    """Whether any launch on `device` (default: the current CUDA device) recorded a bulk-copy wait timeout."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return dev in _ERR and bool(_ERR[dev].item())
 
 
 def check_frag_problem(x, ids, weights, gate_up, down, act, out):
@@ -504,23 +412,20 @@ def cute_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
     h = torch.empty(P, I, dtype=torch.float32, device=x.device)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)
     tpw = kn["tpw_grouped"] if grouped else kn["tpw"]
-    tma = kn["tma_grouped"] if grouped else kn["tma"]
-    scu = 1 if tma else (kn["scu_grouped"] if grouped else kn["scu"])
+    scu = kn["scu_grouped"] if grouped else kn["scu"]
     wpc = kn["wpc_grouped"] if grouped else kn["wpc"]
     g_up, g_dn = -(-I // (TILE * wpc * tpw)), -(-D // (TILE * wpc * tpw))
-    upk = _build(True, D, 2 * I, A, ntok, split, act, grouped, XDTYPES[x.dtype], scu, kn["pf"], wpc, tma)
-    dnk = _build(False, I, D, A, ntok, split, "silu", grouped, "fp32", scu, kn["pf"], wpc, tma)
+    upk = _build(True, D, 2 * I, A, ntok, split, act, grouped, XDTYPES[x.dtype], scu, kn["pf"], wpc)
+    dnk = _build(False, I, D, A, ntok, split, "silu", grouped, "fp32", scu, kn["pf"], wpc)
     from cutlass import Int32, Int64
 
     st = _stream()
     p = (Int64(ids64.data_ptr()), Int64(order.data_ptr()), Int64(offs.data_ptr()))
-    err = _err_word(x.device)
     if "up" in stages:
-        upk(Int64(x.data_ptr()), *p, Int64(gate_up.data.data_ptr()), Int64(h.data_ptr()), Int64(err.data_ptr()),
-            Int32(units), Int32(g_up), st)
+        upk(Int64(x.data_ptr()), *p, Int64(gate_up.data.data_ptr()), Int64(h.data_ptr()), Int32(units), Int32(g_up),
+            st)
     if "down" in stages:
-        dnk(Int64(h.data_ptr()), *p, Int64(down.data.data_ptr()), Int64(y.data_ptr()), Int64(err.data_ptr()),
-            Int32(units), Int32(g_dn), st)
+        dnk(Int64(h.data_ptr()), *p, Int64(down.data.data_ptr()), Int64(y.data_ptr()), Int32(units), Int32(g_dn), st)
     if "combine" in stages:
         combine_kernel[(T, -(-D // BLOCK_C))](y, ids, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
@@ -565,9 +470,9 @@ def frag_of(w) -> MXFP4Frag:
 
 
 # ---- static audit description -------------------------------------------------------------------------
-AUDIT_PARAMS = ("src", "ids", "order", "offs", "wq", "dst", "err")
+AUDIT_PARAMS = ("src", "ids", "order", "offs", "wq", "dst")
 AUDIT_ROLES = {"src": "produced", "ids": "produced", "order": "produced", "offs": "produced", "wq": "static",
-               "dst": "produced", "err": "produced"}
+               "dst": "produced"}
 
 
 class CuteExpertsSpec:
