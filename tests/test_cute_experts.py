@@ -243,9 +243,8 @@ def test_bf16_input_silu_and_graph_replay():
 @pytest.mark.parametrize("batch", [1, 17])
 def test_variant_passes_check_op_on_tiny_k3_wide(dtype, batch):
     pytest.importorskip("cutlass")
-    from megadecode.contract import get
-    from megadecode.kernels import catalog  # noqa: F401  (registers the shipped variants)
     from megadecode.presets import preset_config
+    from megadecode.validate.catalog import get
     from megadecode.validate.checks import check_op
 
     row = check_op(get("cute-latent-moe"), preset_config("tiny-k3-wide"), "latent_moe", dtype, batch, seed=batch,
