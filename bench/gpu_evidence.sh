@@ -7,6 +7,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests [pytest options]  # default: the whole suite
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh cute             # the CuTe DSL MXFP4 experts
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh mega             # mega beside fused and graph
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh ep               # expert parallelism, >= 2 GPUs
@@ -114,6 +115,23 @@ if [ "$MODE" = reports ]; then
     echo "still to run:${REST:- none}"
     [ -z "$REST" ]
     exit $?
+fi
+
+if [ "$MODE" = cute ]; then  # issue 14, item 1: the CuTe DSL MXFP4 routed experts (kernels/cute_experts.py), ~5 min:
+    # the k3-moe bench (fused = them), the probe (checks, tunes, each launch alone), a true K3 layer end to end, the
+    # GPU tests and the harness report of cute-latent-moe
+    timeout "$(left)" $M bench --preset k3-moe --weights mxfp4 --executor fused --batch 1,8,64,256 \
+        --out "$OUT/results/k3-moe-nvidia-h200-mxfp4-cute.json" 2>&1 | tail -8
+    timeout "$(left)" python bench/cute_experts_probe.py --out "$OUT/results/cute-experts-probe-nvidia-h200.json" \
+        2>&1 | grep -v Warn | tail -34
+    timeout "$(left)" $M bench --preset k3-layer --executor graph,fused --batch 1,8,16,64 \
+        --out "$OUT/results/k3-layer-nvidia-h200-cute.json" 2>&1 | tail -8
+    timeout "$(left)" python -m pytest -q -p no:cacheprovider -m gpu tests/test_cute_experts.py 2>&1 | tail -5
+    timeout "$(left)" $M validate cute-latent-moe --seeds 1 --report "$OUT/evidence" > "$OUT/evidence/cute-latent-moe.log" 2>&1
+    tail -4 "$OUT/evidence/cute-latent-moe.log"
+    for x in md html; do [ -f "$OUT/evidence/cute-latent-moe.$x" ] && mv "$OUT/evidence/cute-latent-moe.$x" \
+        "$OUT/evidence/cute-latent-moe-h200.$x"; done
+    exit 0
 fi
 
 if [ "$MODE" = bench ]; then

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 QWEN = "qwen3-30b-a3b-nvidia-h200-mega-b1-64-ctx{ctx}.json"
 K3MINI = "k3-mini-nvidia-h200-mega-b1-64.json"
 K3LAYER = "k3-layer-nvidia-h200-mega-b1-64.json"
-K3MOE = "k3-moe-nvidia-h200-mxfp4-f380d22.json"
+K3MOE = "k3-moe-nvidia-h200-mxfp4-cute.json"
 
 # why a goal is missed, keyed as the goals file's "why" lists name them
 REASONS = {
