@@ -347,6 +347,11 @@ def _stream():
     return cuda_drv.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
+def _scu(scu: int, K: int) -> int:
+    """Records a loop trip: `scu` where it divides the K / 256 records of a tile, else 1."""
+    return scu if (K // KREC) % scu == 0 else 1
+
+
 def check_frag_problem(x, ids, weights, gate_up, down, act, out):
     """Shapes, dtypes and devices of a cute_experts call, or a ValueError naming what is wrong."""
     if act not in ACTS:
@@ -415,8 +420,8 @@ def cute_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
     scu = kn["scu_grouped"] if grouped else kn["scu"]
     wpc = kn["wpc_grouped"] if grouped else kn["wpc"]
     g_up, g_dn = -(-I // (TILE * wpc * tpw)), -(-D // (TILE * wpc * tpw))
-    upk = _build(True, D, 2 * I, A, ntok, split, act, grouped, XDTYPES[x.dtype], scu, kn["pf"], wpc)
-    dnk = _build(False, I, D, A, ntok, split, "silu", grouped, "fp32", scu, kn["pf"], wpc)
+    upk = _build(True, D, 2 * I, A, ntok, split, act, grouped, XDTYPES[x.dtype], _scu(scu, D), kn["pf"], wpc)
+    dnk = _build(False, I, D, A, ntok, split, "silu", grouped, "fp32", _scu(scu, I), kn["pf"], wpc)
     from cutlass import Int32, Int64
 
     st = _stream()
@@ -520,7 +525,8 @@ class CuteExpertsSpec:
         up, K, R, grouped, split, act, xdt = self.cfg
         t = DEFAULT_TUNE
         ptx = _build(up, K, R, 16, t["ntok"] if grouped else 1, split, act, grouped, xdt,
-                     t["scu_grouped"] if grouped else t["scu"], t["pf"], t["wpc_grouped"] if grouped else t["wpc"]).__ptx__
+                     _scu(t["scu_grouped"] if grouped else t["scu"], K), t["pf"],
+                     t["wpc_grouped"] if grouped else t["wpc"]).__ptx__
         cubin, _ = assemble(ptx)
         return Compiled(ptx, cubin, list(AUDIT_PARAMS), set(AUDIT_ROLES))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..contract import Variant
-from ..plan import EXPERTS
+from ..plan import EXPERTS, LATENT_MOE
 from ..presets import preset_config
 from . import cases as C
 from .checks import check_op
@@ -35,13 +35,13 @@ def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DT
                dists=DISTRIBUTIONS, seeds=(0,), device="cpu", progress=None, extra: int | None = 0,
                case_seed: int = 0, extra_max_batch: int | None = None) -> list[dict]:
     """presets None: the CPU_PRESETS of the families in the variant's scope, and for a variant of the routed
-    experts the EXPERT_PRESETS its scope's dims admit (named presets run as given, a family out of scope then gives
+    experts (EXPERTS or LATENT_MOE) the EXPERT_PRESETS its scope's dims admit (named presets run as given, a family out of scope then gives
     SKIP rows). extra: the extra cases per (preset, op kind): 0 none, None all candidates, k a sample of k drawn with
     `case_seed` (each run at every dtype, the first seed, uniform routing)."""
     if presets is None:
         scope = variant.manifest.scope
         presets = [p for p in CPU_PRESETS if preset_config(p).family in scope.families]
-        if EXPERTS in variant.manifest.replaces:
+        if EXPERTS in variant.manifest.replaces or LATENT_MOE in variant.manifest.replaces:
             presets += [p for p in EXPERT_PRESETS if preset_config(p).family in scope.families
                         and scope.dims is not None and scope.dims(preset_config(p)) is None]
     rows = []
