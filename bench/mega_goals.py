@@ -46,13 +46,13 @@ REASONS = {
     "fused moved": "the fused rows of these files predate cute-latent-moe (fused's K3 experts in CuTe DSL): k3-layer "
                    "fused at batch 16 went from 4.55 ms to 2.47 ms (bench/results/k3-layer-nvidia-h200-cute.json, "
                    "another run), so against today's fused the megakernel is further behind; the matrix was not rerun",
-    "mxfp4": "the CuTe DSL kernels (kernels/cute_experts.py, fused's K3 experts since this file's run) are bound by "
-             "the e2m1 decode's integer work, not by bytes in flight: the up launch alone takes 58.5 us at batch 1 "
-             "against the 41 us of its bytes; its loop spends 521 SASS instructions a record pair, 408 of them "
-             "LOP3 / IMAD.SHL on the two half-rate integer pipes (11 a word of 8 weights with the v2 order, 16 with "
-             "the nibble order: 0.66 -> 0.70 MBU at batch 1); more records in flight a warp (scu 2) or a "
-             "cp.async.bulk ring (measured, removed) did not help. Batch 256: ~4.6 pairs an expert, 8-token chunks, "
-             "sorting and the combine (bench/results/cute-experts-probe-nvidia-h200.json)",
+    "mxfp4": "the CuTe DSL kernels (kernels/cute_experts.py, fused's K3 experts since this file's run) wait on their "
+             "own loads: Nsight Compute on the up launch at batch 1 (58.7 us against the 41 us of its bytes) finds "
+             "68% of the main loop's stall samples on the long scoreboard, 22 warps an SM (all the launch has), "
+             "DRAM at 67% of peak: a trip's 10 loads, then ~520 instructions that need them. Fewer instructions a "
+             "trip paid (the v2 order, 655 -> 521: +0.04-0.09 MBU); 2 records a trip, a cp.async.bulk ring and an "
+             "L2 prefetch ahead were slower. Batch 256: ~4.6 pairs an expert in 8-token chunks, the sort and the "
+             "combine (docs/evidence/cute-experts-h200.md)",
 }
 
 
