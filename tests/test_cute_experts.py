@@ -94,6 +94,25 @@ def test_relayout_refuses():
         MXFP4Frag(torch.zeros(1, 1, 1, RECORD, dtype=torch.uint8), torch.Size((1, 16, 256)), layout="other")
 
 
+def test_frag_of_relays_out_once_and_forgets_a_freed_weight():
+    """frag_of: one fragment-ordered copy per weight (the same object however the weight is wrapped), made in
+    chunks of experts equal to one relayout, dropped when the weight's storage is freed."""
+    import gc
+
+    from megadecode.kernels import cute_experts as ce
+
+    w = _mx(5, 32, 256, seed=9)
+    f = ce.frag_of(w)
+    assert ce.frag_of(MXFP4Tensor(w.packed, w.scales)) is f and ce.frag_of((w.packed, w.scales)) is f
+    assert ce.frag_of(f) is f
+    assert torch.equal(ce.relayout_experts(w, chunk=2).data, relayout(w).data)
+    key = (w.packed.data_ptr(), w.scales.data_ptr(), tuple(w.shape))
+    assert key in ce._FRAGS
+    del w
+    gc.collect()
+    assert key not in ce._FRAGS
+
+
 def test_launcher_refuses_bad_input_on_cpu():
     from megadecode.kernels.cute_experts import cute_experts
 
