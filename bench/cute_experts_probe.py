@@ -20,6 +20,7 @@ from megadecode.bench_moe import ROTATIONS, expert_inputs
 from megadecode.kernels import cute_experts as ce
 from megadecode.kernels.grouped_experts import routed_experts
 from megadecode.measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms
+from megadecode.quant.mxfp4_frag import relayout_experts
 from megadecode.reference.latent_moe import latent_experts
 
 TUNES = [(True, {}), (False, {}), (False, {"wpc": 8}), (False, {"scu": 2}), (False, {"ntok": 4, "wpc_grouped": 4}),
@@ -62,7 +63,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     gu, dn, per_expert = expert_weights(shape, "mxfp4", gen)
     t0 = time.time()
-    guf, dnf = ce.relayout_experts(gu), ce.relayout_experts(dn)
+    guf, dnf = relayout_experts(gu), relayout_experts(dn)
     torch.cuda.synchronize()
     relayout_s = time.time() - t0
     res = {"gpu": torch.cuda.get_device_name(), "relayout_s": relayout_s, "checks": [], "times": []}

@@ -130,6 +130,7 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
                       max_seq_len=args.context + args.warmup + args.steps + 8, parallel=parallel)
 
     first_in_process = executor not in _BUILT
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine = engine_of()
     torch.cuda.synchronize()
@@ -140,7 +141,10 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
     # where this process had not built this executor before: `first_in_process`; on-disk caches such as Triton's
     # are not cleared, so a compile cached there from an earlier process is not in it)
     row.update(cold_start_s=build_s + first_s, engine_build_s=build_s, first_step_s=first_s,
-               first_in_process=first_in_process)
+               first_in_process=first_in_process,
+               # the most GPU memory allocated from the engine's build to its last timed step (the weights, the
+               # cache, graphs, and a re-layout of the experts where the executor makes one: expert_layout.py)
+               peak_alloc_gb=torch.cuda.max_memory_allocated() / 1e9)
     nbytes = step_bytes(cfg, experts, batch, args.context, engine.cache.bytes_per_token(),
                         torch.empty((), dtype=engine.dtype).element_size(),
                         engine.cache.state_bytes_per_sequence())

@@ -18,6 +18,7 @@ from .plan import build_plan
 from .presets import PRESETS, preset_config
 from .sampling import SamplingParams, sample
 from .step import Step
+from .quant.mxfp4_frag import entry_shape
 from .weights import param_specs, random_weights
 
 MAX_SEED = 2**32 - 1  # generate's in-step sampler derives a seed per step as seed * 1_000_003 + step (int64)
@@ -53,7 +54,8 @@ QUANT_DTYPES = {"mxfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "fp8_scale": t
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None) -> None:
-    """Every tensor of the weight table present, with its shape, on one device; quantized experts in their
+    """Every tensor of the weight table present, with its shape (stacked MXFP4 experts in the checkpoint's order
+    or in fragment order, quant/mxfp4_frag.entry_shape), on one device; quantized experts in their
     storage dtype (QUANT_DTYPES: kimi_k3's MXFP4 halves uint8, FP8 values and their fp32 scales), everything else
     floating point. `shard` (expert parallelism): stacked experts hold that rank's experts only."""
     devices = set()
@@ -61,8 +63,13 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None
         if name not in weights:
             raise RequestError(f"weights are missing {name!r} (shape {list(spec.shape)})")
         t = weights[name]
-        if tuple(t.shape) != spec.shape:
-            raise RequestError(f"weight {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
+        if spec.quant == "mxfp4" and spec.stacked and (t.dim() == 4 if name.endswith(".weight_packed") else
+                                                        t.dim() == 3 and t.shape[-1] == 0):
+            want = entry_shape(name, spec.shape)  # K3's routed experts in fragment order (executors/expert_layout.py)
+        else:
+            want = spec.shape
+        if tuple(t.shape) != want:
+            raise RequestError(f"weight {name!r} has shape {list(t.shape)}, expected {list(want)}")
         if spec.quant:
             want = QUANT_DTYPES[spec.quant]
             if t.dtype != want:

@@ -10,6 +10,8 @@ every rank holds. Scenarios:
   graph          tiny-qwen3-moe through the graph executor (sync-free experts: torch._grouped_mm)
   fused          tiny-deepseek-v3 and tiny-k3 through the fused executor (the Triton variants over the local experts,
                  under the interpreter: FAST_TOKENS only, it is slow)
+  fused-frag     tiny-k3-wide through the fused executor, its experts in fragment order (executors/expert_layout.py),
+                 the CuTe kernel replaced by a torch stand-in (tests/frag_emulation.py)
   modes          the two combine modes on random partials: equal bit for bit, and to the rank-order sum
   missing:DIR    a checkpoint whose rank-1 experts are missing: every rank must fail, agreeing on the message
   serve          the server's lockstep: rank 0 serves requests (joining and leaving), the others replay its steps
@@ -62,7 +64,22 @@ def generate(ep, preset: str, executor: str = "torch", new_tokens: int = NEW_TOK
     stacked = {n: list(t.shape) for n, t in engine.executor.weights.items() if specs[n].stacked}
     return {"tokens": res.token_ids, "logprobs": res.logprobs, "stacked": stacked,
             "lm_head": list(engine.executor.weights["lm_head.weight"].shape),
-            "numel": sum(t.numel() for t in engine.executor.weights.values())}
+            "numel": sum(t.numel() for t in engine.executor.weights.values()),
+            "frag": getattr(engine.executor, "frag_experts", False),
+            "chosen": sorted({v for (k, _), v in getattr(engine.executor, "chosen", {}).items() if k == "latent_moe"})}
+
+
+def fused_frag(ep) -> dict:
+    """tiny-k3-wide through the fused executor with its routed experts in fragment order (this rank's experts,
+    re-laid out), the CuTe kernel replaced by tests/frag_emulation.py's torch stand-in."""
+    from frag_emulation import patch_cute
+
+    undo = patch_cute()
+    try:
+        res = generate(ep, "tiny-k3-wide", "fused", FAST_TOKENS)
+    finally:
+        undo()
+    return res
 
 
 def modes(ep) -> dict:
@@ -171,6 +188,8 @@ def main(argv: list[str]) -> int:
             results[name] = {"tiny-qwen3-moe": generate(ep, "tiny-qwen3-moe", "graph")}
         elif name == "fused":
             results[name] = {p: generate(ep, p, "fused", FAST_TOKENS) for p in ("tiny-deepseek-v3", "tiny-k3")}
+        elif name == "fused-frag":
+            results[name] = fused_frag(ep)
         elif name == "modes":
             results[name] = modes(ep)
         elif name.startswith("missing:"):

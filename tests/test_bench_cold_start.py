@@ -1,5 +1,5 @@
 """`megadecode bench` rows report the cold start (issue 13, item 7): the engine's construction and its first decode
-step, wall clock, and whether this process built that executor before (kernel compiles are cached per process). The
+step, wall clock, and whether this process built that executor before (and the peak GPU memory allocated) (kernel compiles are cached per process). The
 timing itself needs a GPU; here the engine and the timed loop are stand-ins, so what is checked is that the row
 carries the measured parts and adds them up, and the first-in-process flag per executor."""
 
@@ -18,6 +18,8 @@ def test_bench_rows_carry_the_cold_start_and_first_in_process(monkeypatch):
     clock = iter(float(t) for t in range(100))
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 12.5e9)
     monkeypatch.setattr(bench, "_BUILT", set())
     cache = types.SimpleNamespace(bytes_per_token=lambda: 10, state_bytes_per_sequence=lambda: 0)
     monkeypatch.setattr(bench, "Engine", lambda *a, **k: types.SimpleNamespace(cache=cache, dtype=torch.bfloat16))
@@ -28,5 +30,5 @@ def test_bench_rows_carry_the_cold_start_and_first_in_process(monkeypatch):
     other = bench.bench_one(cfg, {}, "tiny-qwen3-moe", "fused", 1, args)
     assert first["engine_build_s"] == 1.0 and first["first_step_s"] == 7.5 and first["cold_start_s"] == 8.5
     assert first["first_in_process"] and not again["first_in_process"] and other["first_in_process"]
-    assert first["ms_per_step"] == 2.0
+    assert first["ms_per_step"] == 2.0 and first["peak_alloc_gb"] == 12.5
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megadecode.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
-from megadecode.quant.mxfp4_frag import KREC, RECORD, MXFP4Frag, emulate, relayout, restore
+from megadecode.quant.mxfp4_frag import KREC, RECORD, MXFP4Frag, emulate, relayout, relayout_experts, restore
 
 
 def _mx(E, R, K, seed=0, scale_lo=110, scale_hi=130):
@@ -107,7 +107,7 @@ def test_frag_of_relays_out_once_and_forgets_a_freed_weight():
     f = ce.frag_of(w)
     assert ce.frag_of(MXFP4Tensor(w.packed, w.scales)) is f and ce.frag_of((w.packed, w.scales)) is f
     assert ce.frag_of(f) is f
-    assert torch.equal(ce.relayout_experts(w, chunk=2).data, relayout(w).data)
+    assert torch.equal(relayout_experts(w, chunk=2).data, relayout(w).data)
     key = (w.packed.data_ptr(), w.scales.data_ptr(), tuple(w.shape))
     assert key in ce._FRAGS
     del w

@@ -72,16 +72,21 @@ def _check_tokens_and_shards(results: list[dict], world: int) -> None:
 
 
 def test_two_ranks_match_one_process(tmp_path, tiny_ckpt):
-    """tokens (torch, graph, fused executors), both combine modes, an agreed load failure, serving in lockstep and a
+    """tokens (torch, graph, fused executors; the fused one over fragment-ordered experts too), both combine modes, an agreed load failure, serving in lockstep and a
     rank that dies: one process group of 2 ranks."""
     broken = tiny_ckpt("tiny-qwen3-moe")
     ep_workers.strip_experts(broken, range(4, 8), layer=2)
-    code, results = _run_ranks(tmp_path, 2, "tokens", "graph", "fused", "modes", f"missing:{broken}", "serve", "die")
+    code, results = _run_ranks(tmp_path, 2, "tokens", "graph", "fused", "fused-frag", "modes", f"missing:{broken}",
+                               "serve", "die")
     assert code == 3  # rank 1's exit in the last scenario
     _check_tokens_and_shards(results, 2)
     assert results[0]["graph"]["tiny-qwen3-moe"]["tokens"] == one_process("tiny-qwen3-moe")
     for preset in ("tiny-deepseek-v3", "tiny-k3"):
         assert results[0]["fused"][preset]["tokens"] == one_process(preset, new_tokens=ep_workers.FAST_TOKENS)
+    frag = results[0]["fused-frag"]
+    assert frag["tokens"] == one_process("tiny-k3-wide", new_tokens=ep_workers.FAST_TOKENS)
+    assert frag["frag"] and all(len(s) == 4 for n, s in frag["stacked"].items() if n.endswith("_packed"))
+    assert frag["chosen"] == ["cute-latent-moe (expert parallel)"]
     for res in results:
         assert all(v == {"modes_equal": True, "rank_order": True} for v in res["modes"].values())
         # rank 0 loaded its experts; rank 1 could not, and every rank stops with rank 1's message

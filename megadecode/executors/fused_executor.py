@@ -15,7 +15,10 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
            triton-fp8-experts        (FP8 experts: values decoded in registers, tensor cores, batch <= 256; the
                                       two above refuse FP8)
   latent_moe cute-latent-moe       (K3 on the H200: the routed MXFP4 experts in CuTe DSL on tensor cores,
-                                      weights re-laid out once in fragment order; latent dims multiples of 256)
+                                      weights re-laid out once in fragment order; latent dims multiples of 256.
+                                      Where it is in scope the executor holds the experts in that order only
+                                      (executors/expert_layout.py), so it also runs prefill's LATENT_MOE ops and
+                                      batches past 256, 256 tokens a call)
              triton-latent-moe       (K3: latent down, routed MXFP4 experts, RMSNorm fused into latent up;
                                       batch <= 256; above, the graph op, whose experts are Triton too)
   attn_kda triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
@@ -32,7 +35,7 @@ are in scope (`length_free`) one graph per batch size serves every cache length:
 from device memory, and the host's kv_len is the cache's length, which only sizes the split.
 
 Expert parallelism (`parallel`): the EXPERTS and LATENT_MOE variants run over this rank's experts and their fp32
-partial sums are combined over the ranks (executors/parallel_moe.py); an lm_head split by rows (parallel/vocab.py)
+partial sums are combined over the ranks (executors/parallel_moe.py; fragment-ordered K3 experts: `_latent_frag`); an lm_head split by rows (parallel/vocab.py)
 runs torch_ops' LM_HEAD, its rows and the logits' all-gather; every other op is replicated, unchanged.
 
 Sampling in the step (`set_sampling`; not with an lm_head split by rows): for greedy or temperature sampling
@@ -51,9 +54,9 @@ import torch
 
 from ..cache import KVCache
 from ..contract import output_specs
-from ..plan import ATTN_GQA, ATTN_MLA, LM_HEAD, DecodePlan, fuse_add_rmsnorm
+from ..plan import ATTN_GQA, ATTN_MLA, LATENT_MOE, LM_HEAD, DecodePlan, fuse_add_rmsnorm
 from ..step import Step
-from . import parallel_moe
+from . import expert_layout, parallel_moe
 from .graph_executor import GraphExecutor
 from .torch_ops import OP_IMPLS, StepContext
 
@@ -88,14 +91,28 @@ class FusedExecutor(GraphExecutor):
     name = "fused"
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
+        any_w = next(iter(weights.values()))
+        self.variants = _variants(any_w.device)
+        self.dtype = any_w.dtype
         super().__init__(fuse_add_rmsnorm(plan), weights, cache, parallel=parallel)
-        self.variants = _variants(self.device)
-        self.dtype = next(iter(weights.values())).dtype
+        # K3's routed experts held in fragment order (executors/expert_layout.py): only the CuTe experts read
+        # them, so every LATENT_MOE op runs cute_experts.latent_op (prefill and batches past 256 included)
+        self.frag_experts = expert_layout.order_of(self.weights, self.plan) == expert_layout.FRAGMENT
         self.chosen: dict[tuple[str, int], str] = {}  # (op kind, batch) -> variant name or "reference: why"
         self.sampling = None  # SamplingParams when the step samples (set_sampling)
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the step's noise seed, in place
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, logprobs) of the last step
         self._length_free: dict[int, bool] = {}
+
+    def _expert_order(self, plan: DecodePlan, weights: dict[str, torch.Tensor]) -> str:
+        """Fragment order where cute-latent-moe's scope admits the model (any batch: above its range and in
+        prefill the executor runs it in chunks of 256 tokens), else the checkpoint's."""
+        v = next((v for v in self.variants if v.name == "cute-latent-moe"), None)
+        any_w = next(iter(weights.values()))
+        if v is None or not expert_layout.expert_pairs(plan) or v.supports(plan.config, self.dtype, 1,
+                                                                            any_w.device) is not None:
+            return expert_layout.CHECKPOINT
+        return expert_layout.FRAGMENT
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
@@ -155,17 +172,21 @@ class FusedExecutor(GraphExecutor):
         return None
 
     def run_ops(self, step: Step, hook=None) -> StepContext:
-        if step.segments is not None:  # prefill: the graph executor's ops (eager)
+        prefill = step.segments is not None
+        if prefill and not self.frag_experts:  # prefill: the graph executor's ops (eager)
             return super().run_ops(step, hook)
         ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl, self.parallel)
         picks: dict[str, object] = {}
         for op in self.plan.ops:
-            if op.kind not in picks:
-                picks[op.kind] = self._pick(op.kind, step.num_tokens)
+            if op.kind not in picks:  # prefill (fragment-ordered experts): the graph executor's ops but those
+                picks[op.kind] = None if prefill else self._pick(op.kind, step.num_tokens)
             v = picks[op.kind]
-            if op.kind == LM_HEAD and self._lm_head_split():
+            if self.frag_experts and op.kind == LATENT_MOE and (v is None or v.name != "cute-latent-moe"
+                                                                  or self.parallel is not None):
+                self._latent_frag(op, ctx, prefill)
+            elif op.kind == LM_HEAD and self._lm_head_split():
                 OP_IMPLS[op.kind](ctx, op)
-            elif op.kind == LM_HEAD and self.sampling is not None:
+            elif op.kind == LM_HEAD and self.sampling is not None and not prefill:
                 from ..kernels.lm_head import lm_head_sample
 
                 tok, lp, logits = lm_head_sample(ctx.buf[op.inputs[0]], self.weights[op.weights[0]], self.sampling,
@@ -184,3 +205,18 @@ class FusedExecutor(GraphExecutor):
             if hook is not None:
                 hook(op, ctx)
         return ctx
+
+    def _latent_frag(self, op, ctx: StepContext, prefill: bool) -> None:
+        """A LATENT_MOE op over fragment-ordered experts where cute-latent-moe does not run it as a variant:
+        prefill, batches past its 256 tokens, and expert parallelism (this rank's experts, the router's ids made
+        local, the fp32 partial sums combined over the ranks before the norm)."""
+        from ..kernels.cute_experts import latent_op
+
+        x, ids, wts = (ctx.buf[n] for n in op.inputs)
+        combine = None
+        if self.parallel is not None:
+            ids, combine = self.parallel.local_ids(ids), self.parallel.combine
+        ctx.buf[op.outputs[0]] = latent_op(op, x, ids, wts, self.weights, self.cfg, combine=combine)
+        if not prefill:
+            self.chosen[(LATENT_MOE, ctx.step.num_tokens)] = "cute-latent-moe" + (
+                " (expert parallel)" if self.parallel is not None else " (in chunks of 256 tokens)")

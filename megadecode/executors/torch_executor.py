@@ -7,6 +7,7 @@ import torch
 from ..cache import KVCache
 from ..plan import DecodePlan
 from ..step import Step
+from . import expert_layout
 from .torch_ops import OP_IMPLS, StepContext
 
 
@@ -17,13 +18,19 @@ class TorchExecutor:
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *, parallel=None):
         """`parallel`: expert parallelism (megadecode.parallel.combine.ExpertParallel; the weights then hold this
         rank's experts), None in one process."""
-        self.plan, self.cfg, self.weights, self.cache = plan, plan.config, weights, cache
+        self.plan, self.cfg, self.cache = plan, plan.config, cache
+        # this executor's own dict, the routed MXFP4 experts in the order it reads (executors/expert_layout.py)
+        self.weights = expert_layout.take(weights, plan, self._expert_order(plan, weights))
         self.parallel = parallel
         # Per logits row (= cache slot): the cache position whose logits first held NaN or inf, -1 while none
         # has. Written on the device by every prefill and decode step (flag_nonfinite); the caller resets it
         # (fill_(-1)) and reads it once at the end (Engine.generate).
         dev = next(iter(weights.values())).device
         self.first_nonfinite = torch.full((cache.num_slots,), -1, dtype=torch.int64, device=dev)
+
+    def _expert_order(self, plan: DecodePlan, weights: dict[str, torch.Tensor]) -> str:
+        """The order this executor reads K3's routed experts in (executors/expert_layout.py): the checkpoint's."""
+        return expert_layout.CHECKPOINT
 
     def flag_nonfinite(self, logits: torch.Tensor, step: Step) -> None:
         """Record, for each row of `logits` whose values are not all finite, the position of its token unless an

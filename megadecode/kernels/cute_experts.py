@@ -36,29 +36,26 @@ import tempfile
 
 import torch
 
-from ..quant.mxfp4_frag import KREC, MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, TILE, WBYTES, MXFP4Frag, relayout
+from ..quant.mxfp4 import MXFP4Tensor
+from ..quant.mxfp4_frag import (KREC, MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, TILE, WBYTES, MXFP4Frag,
+                                  frag_from_entries, is_frag_entry, relayout_experts)
 
 GROUPED_ABOVE = 16  # tokens: per pair at or below (no sort), grouped by expert above
 ACTS = ("silu", "situ")
 XDTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # ntok: tokens staged per chunk when grouped; tpw / tpw_grouped: 16-row tiles per warp (the grid's second dim);
-# scu / scu_grouped: records of a tile loaded before the first is used; pf: records per warp prefetched into L2 while staging;
-# wpc / wpc_grouped: warps per CTA. Defaults: the fastest in bench/cute_experts_probe.py on the H200 (docs/evidence/
+# scu / scu_grouped: records of a tile loaded before the first is used; wpc / wpc_grouped: warps per CTA. Defaults: the fastest in bench/cute_experts_probe.py on the H200 (docs/evidence/
 # cute-experts-h200.md)
-DEFAULT_TUNE = {"ntok": 8, "tpw": 1, "tpw_grouped": 2, "scu": 1, "scu_grouped": 2, "pf": 0, "wpc": 4, "wpc_grouped": 8}
-
-
-def smem_words(K: int, ntok: int, split: bool) -> int:
-    """32-bit words of the staged activations: (ntok + 1 zero row) x planes rows of K/2 words + 16 (a 64-byte
-    pad: a row starts 64 bytes off the 128-byte bank period, so lanes g and g + 1 of a quarter warp miss each
-    other's banks)."""
-    return (ntok + 1) * (2 if split else 1) * (K // 2 + 16)
+DEFAULT_TUNE = {"ntok": 8, "tpw": 1, "tpw_grouped": 2, "scu": 1, "scu_grouped": 2, "wpc": 4, "wpc_grouped": 8}
+MAX_CHUNK = 256  # tokens a cute_experts call in cute_latent_moe (the variant's validated batch range)
 
 
 @functools.lru_cache(maxsize=32)
 def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, grouped: bool, xdt: str,
-           scu: int = 1, pf: int = 0, wpc: int = 4):
-    """The compiled launcher for one configuration (cute.compile; PTX in `.__ptx__`)."""
+           scu: int = 1, wpc: int = 4):
+    """The compiled launcher for one configuration (cute.compile; PTX in `.__ptx__`). The staged activations:
+    (ntok + 1 zero row) x planes rows of K/2 + 16 words (a 64-byte pad: a row starts 64 bytes off the 128-byte
+    bank period, so lanes g and g + 1 of a quarter warp miss each other's banks)."""
     from ..mega.cute import ARCH  # sets the DSL's architecture before cutlass is imported
 
     import cuda.bindings.driver as cuda_drv
@@ -67,7 +64,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
     from cutlass.memory import SmemAllocator
 
-    from ..mega.cute.base import silu, situ, warp_max
+    from ..mega.cute.base import from_bits, ldi, ldi64, silu, situ, stf, warp_max
 
     XT = {"fp32": Float32, "bf16": BFloat16, "fp16": Float16}[xdt]
     XB = XT.width // 8
@@ -95,30 +92,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                                     write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
 
     @cute.jit
-    def sts(addr: Int32, v: Uint32):
-        cute.arch.inline_ptx("st.shared.u32 [{$r0}], {$r1};", read_only_args=[addr, v])
-
-    @cute.jit
-    def ldx(addr: Int64) -> Float32:
-        return Float32(cute.make_tensor(cute.make_ptr(XT, addr, cute.AddressSpace.gmem, assumed_align=XB),
-                                        cute.make_layout(1))[0])
-
-    @cute.jit
-    def ldi(addr: Int64) -> Int32:
-        return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                                cute.make_layout(1))[0]
-
-    @cute.jit
-    def ldi64(addr: Int64) -> Int64:
-        return cute.make_tensor(cute.make_ptr(Int64, addr, cute.AddressSpace.gmem, assumed_align=8),
-                                cute.make_layout(1))[0]
-
-    @cute.jit
-    def stf(addr: Int64, v: Float32):
-        cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                         cute.make_layout(1))[0] = v
-
-    @cute.jit
     def f16x2(lo: Float32, hi: Float32) -> Uint32:
         return cute.arch.inline_ptx("cvt.rn.f16x2.f32 {$w0}, {$r1}, {$r0};", write_only_types=[Uint32],
                                     read_only_args=[lo, hi])
@@ -130,10 +103,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
             "{ .reg .b16 a, b; .reg .f32 fa, fb; mov.b32 {a, b}, {$r2}; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; "
             "sub.rn.f32 fa, {$r0}, fa; sub.rn.f32 fb, {$r1}, fb; cvt.rn.f16x2.f32 {$w0}, fb, fa; }",
             write_only_types=[Uint32], read_only_args=[lo, hi, h])
-
-    @cute.jit
-    def bits_f32(b: Uint32) -> Float32:
-        return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[b])
 
     @cute.jit
     def mma(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
@@ -162,7 +131,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
         """2**(byte m of word - 127) as fp32 bits (byte 0 -> 0)."""
         sh = 23 - 8 * m
         b = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
-        return bits_f32(b & Uint32(0x7F800000))
+        return from_bits(b & Uint32(0x7F800000))
 
     @cute.jit
     def ld4x(addr: Int64):
@@ -173,10 +142,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     @cute.jit
     def sts2(addr: Int32, a: Uint32, b: Uint32):
         cute.arch.inline_ptx("st.shared.v2.u32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[addr, a, b])
-
-    @cute.jit
-    def prefetch(addr: Int64):
-        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
 
     @cute.kernel
     def kern(src: Int64, ids: Int64, order: Int64, offs: Int64, wq: Int64, dst: Int64):
@@ -207,12 +172,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
             if e < Int64(0):
                 n = Int32(0)
         rt0 = by * WPC + warp
-        if cutlass.const_expr(pf > 0):  # this warp's first records into L2 while the CTA stages the activations
-            if n > 0 and rt0 < NTILE:
-                for t in cutlass.range_constexpr(NTL):
-                    base = wq + ((e * Int64(R // TILE) + Int64(rt0 + t * NTILE)) * Int64(NSC)) * Int64(RECORD)
-                    for ln in cutlass.range(lane, pf * RECORD // 128, 32):
-                        prefetch(base + Int64(ln) * 128)
         for i in cutlass.range(tid, SW, NTHR):  # the zero rows (B of lanes whose token is past ntok)
             for pl in cutlass.range_constexpr(PL):
                 xs[(pl * ROWS + ntok) * SW + i] = Uint32(0)
@@ -247,7 +206,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                     kk = Int32(0)  # x * 2**kk has its row max in [2**14, 2**15); 0 for an all-zero or non-finite row
                     if ex > 0 and ex < 255:
                         kk = cutlass.min(Int32(141) - ex, Int32(127))
-                    up_s = bits_f32(Uint32((kk + 127) << 23))
+                    up_s = from_bits(Uint32((kk + 127) << 23))
                     for k4 in cutlass.range(tid, K // 4, NTHR):
                         v = ld4x(xrow + Int64(4 * k4 * XB))
                         v0, v1, v2, v3 = v[0] * up_s, v[1] * up_s, v[2] * up_s, v[3] * up_s
@@ -258,7 +217,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                             sts2(xbase + Int32(4 * ((ROWS + r) * SW + 2 * k4)), f16x2_rest(v0, v1, h0),
                                  f16x2_rest(v2, v3, h1))
                     if tid == 0:
-                        fs[r] = bits_f32(Uint32((141 - kk) << 23))  # 2**(14 - kk): the decode's 2**-14, x's 2**kk
+                        fs[r] = from_bits(Uint32((141 - kk) << 23))  # 2**(14 - kk): the decode's 2**-14, x's 2**kk
                         ps[r] = pair
                 else:
                     for i in cutlass.range(tid, SW, NTHR):
@@ -319,7 +278,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                                 val = situ(val, uval)
                             else:
                                 val = silu(val) * uval
-                        stf(dst + (Int64(ps[col]) * Int64(ROWS_OUT) + Int64(orow)) * 4, val)
+                        stf(Float32, dst + (Int64(ps[col]) * Int64(ROWS_OUT) + Int64(orow)) * 4, val)
 
     @cute.jit
     def launch(src: Int64, ids: Int64, order: Int64, offs: Int64, wq: Int64, dst: Int64, units: Int32, gy: Int32,
@@ -330,14 +289,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     return cute.compile(launch, Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), Int32(1),
                         cuda_drv.CUstream(0), options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
                         no_cache=True)
-
-
-def compile_config(up: bool, K: int, R: int, A: int = 16, ntok: int = 1, split: bool = True, act: str = "situ",
-                   grouped: bool = False, xdt: str = "fp32"):
-    """The compiled launcher (no GPU needed: its PTX is `.__ptx__`, what the static audit reads)."""
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
-    return _build(up, K, R, A, ntok, split, act, grouped, xdt)
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
@@ -420,8 +371,8 @@ def cute_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
     scu = kn["scu_grouped"] if grouped else kn["scu"]
     wpc = kn["wpc_grouped"] if grouped else kn["wpc"]
     g_up, g_dn = -(-I // (TILE * wpc * tpw)), -(-D // (TILE * wpc * tpw))
-    upk = _build(True, D, 2 * I, A, ntok, split, act, grouped, XDTYPES[x.dtype], _scu(scu, D), kn["pf"], wpc)
-    dnk = _build(False, I, D, A, ntok, split, "silu", grouped, "fp32", _scu(scu, I), kn["pf"], wpc)
+    upk = _build(True, D, 2 * I, A, ntok, split, act, grouped, XDTYPES[x.dtype], _scu(scu, D), wpc)
+    dnk = _build(False, I, D, A, ntok, split, "silu", grouped, "fp32", _scu(scu, I), wpc)
     from cutlass import Int32, Int64
 
     st = _stream()
@@ -436,28 +387,15 @@ def cute_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
     return out
 
 
-def relayout_experts(w, chunk: int = 32) -> MXFP4Frag:
-    """quant/mxfp4_frag.relayout of a stacked [E, R, K] MXFP4 weight, `chunk` experts at a time (the codes of all
-    experts at once would take a byte a weight: 20 GB for K3's gate_up)."""
-    from ..quant.mxfp4 import MXFP4Tensor
-
-    if not isinstance(w, MXFP4Tensor):
-        w = MXFP4Tensor(*w)
-    E = w.shape[0]
-    parts = [relayout(w[e0:e0 + chunk]).data for e0 in range(0, E, chunk)]
-    return MXFP4Frag(torch.cat(parts) if len(parts) > 1 else parts[0], w.shape)
-
-
 _FRAGS: dict[tuple, MXFP4Frag] = {}  # (packed, scales data_ptr, shape) -> its fragment-ordered copy
 
 
 def frag_of(w) -> MXFP4Frag:
-    """The fragment-ordered copy of a stacked MXFP4 weight, re-laid out on first use and kept while the weight
-    lives (the executors' warm-up runs make the first use, before a CUDA graph capture). The checkpoint-order
-    tensors stay where they are (the other paths read them): the copy costs the experts' bytes once more."""
+    """The fragment-ordered copy of a stacked MXFP4 weight held in the checkpoint's order, re-laid out on first use
+    and kept while the weight lives (the first use must come before a CUDA graph capture). For callers that keep
+    the checkpoint's order (the harness, bench_moe): the copy costs the experts' bytes once more. The executors
+    hold one order or the other instead (executors/expert_layout.py)."""
     import weakref
-
-    from ..quant.mxfp4 import MXFP4Tensor
 
     if isinstance(w, MXFP4Frag):
         return w
@@ -490,8 +428,7 @@ class CuteExpertsSpec:
 
     @property
     def name(self) -> str:
-        up, K, R, grouped, split, act, xdt = self.cfg
-        return f"cute_experts_{'up' if up else 'down'}"
+        return f"cute_experts_{'up' if self.cfg[0] else 'down'}"
 
     @property
     def kernel_id(self) -> str:
@@ -525,7 +462,7 @@ class CuteExpertsSpec:
         up, K, R, grouped, split, act, xdt = self.cfg
         t = DEFAULT_TUNE
         ptx = _build(up, K, R, 16, t["ntok"] if grouped else 1, split, act, grouped, xdt,
-                     _scu(t["scu_grouped"] if grouped else t["scu"], K), t["pf"],
+                     _scu(t["scu_grouped"] if grouped else t["scu"], K),
                      t["wpc_grouped"] if grouped else t["wpc"]).__ptx__
         cubin, _ = assemble(ptx)
         return Compiled(ptx, cubin, list(AUDIT_PARAMS), set(AUDIT_ROLES))
@@ -561,19 +498,49 @@ def _k3_dims(cfg) -> str | None:
     return None
 
 
-def _run(op, inputs, weights, outputs, cfg, step, cache=None):
-    """kernels/latent_moe.latent_moe's three stages with these routed experts: h = x latent_down^T (fp32),
-    z = the experts, out = (rmsnorm(z) norm_w) latent_up^T."""
-    from ..quant.mxfp4 import MXFP4Tensor
+def experts_of(op, weights: dict) -> tuple[MXFP4Frag, MXFP4Frag]:
+    """A LATENT_MOE op's routed experts (gate_up, down) in fragment order: the weight-table entries themselves
+    where the executor holds them so (executors/expert_layout.py), else frag_of's copy of the checkpoint-order
+    ones (the harness and bench_moe pass those)."""
+    _, gu_p, gu_s, dn_p, dn_s, _, _ = op.weights
+    return tuple(frag_from_entries(weights[p], weights[s]) if is_frag_entry(weights[p])
+                 else frag_of(MXFP4Tensor(weights[p], weights[s])) for p, s in ((gu_p, gu_s), (dn_p, dn_s)))
+
+
+def cute_latent_moe(x, ids, wts, down_w, gate_up: MXFP4Frag, down: MXFP4Frag, norm_w, up_w, *, act: str,
+                    eps: float, out: torch.Tensor | None = None, combine=None) -> torch.Tensor:
+    """kernels/latent_moe.latent_moe's three stages with these routed experts: h = x latent_down^T (fp32), z =
+    the experts (fp32 models with the remainder plane: ~22 bits of the activations; the others 11, fp16),
+    [z = combine(z): expert parallelism, ids -1 for the other ranks' pairs], out = (rmsnorm(z) norm_w)
+    latent_up^T. Any number of tokens: the experts take MAX_CHUNK of them a call (prefill, decode above 256)."""
     from .linear import linear
 
-    x, ids, wts = (inputs[n] for n in op.inputs)
-    down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (weights[n] for n in op.weights)
-    split = x.dtype == torch.float32  # fp32 models keep ~22 bits of the activations; the others 11 (fp16)
+    split = x.dtype == torch.float32
     h = linear(x.contiguous(), down_w)
-    z = cute_experts(h, ids, wts.float(), frag_of(MXFP4Tensor(gu_p, gu_s)), frag_of(MXFP4Tensor(dn_p, dn_s)),
-                     act=cfg.expert_act, split=split)
-    linear(z, up_w, norm_weight=norm_w, eps=cfg.rms_norm_eps, out_dtype=x.dtype, out=outputs[op.outputs[0]])
+    T = h.shape[0]
+    wts = wts.float().contiguous()
+    if T <= MAX_CHUNK:
+        z = cute_experts(h, ids, wts, gate_up, down, act=act, split=split)
+    else:
+        z = torch.empty_like(h)
+        for t0 in range(0, T, MAX_CHUNK):
+            t1 = min(T, t0 + MAX_CHUNK)
+            cute_experts(h[t0:t1], ids[t0:t1], wts[t0:t1], gate_up, down, act=act, split=split, out=z[t0:t1])
+    if combine is not None:
+        z = combine(z)
+    return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out)
+
+
+def latent_op(op, x, ids, wts, weights: dict, cfg, out: torch.Tensor | None = None, combine=None) -> torch.Tensor:
+    """One LATENT_MOE op by cute_latent_moe, its weights from `weights` (either order: experts_of)."""
+    down_w, _, _, _, _, norm_w, up_w = (weights[n] for n in op.weights)
+    return cute_latent_moe(x, ids, wts, down_w, *experts_of(op, weights), norm_w, up_w, act=cfg.expert_act,
+                           eps=cfg.rms_norm_eps, out=out, combine=combine)
+
+
+def _run(op, inputs, weights, outputs, cfg, step, cache=None):
+    x, ids, wts = (inputs[n] for n in op.inputs)
+    latent_op(op, x, ids, wts, weights, cfg, out=outputs[op.outputs[0]])
 
 
 def _variant_kernels():

@@ -106,6 +106,71 @@ def relayout(w: MXFP4Tensor) -> MXFP4Frag:
     return MXFP4Frag(torch.cat((wbytes, s), dim=-1).contiguous(), w.shape)
 
 
+def relayout_experts(w: MXFP4Tensor, chunk: int = 8) -> MXFP4Frag:
+    """relayout of a stacked [E, R, K] weight `chunk` experts at a time, into one preallocated tensor: relayout's
+    intermediates take ~10 bytes a weight (codes, their int64 copy, the words), so a whole K3 gate_up at once
+    would need ~200 GB; this needs the result plus one chunk's (~1.8 GB for 8 of K3's gate_up experts)."""
+    if not isinstance(w, MXFP4Tensor):
+        raise ValueError(f"relayout_experts takes an MXFP4Tensor, got {type(w).__name__}")
+    if w.packed.dim() != 3:
+        raise ValueError(f"relayout_experts takes a stacked [E, R, K] weight, got shape {tuple(w.shape)}")
+    E, R, K = w.shape
+    _check_shape(R, K)
+    out = torch.empty(E, R // TILE, K // KREC, RECORD, dtype=torch.uint8, device=w.packed.device)
+    for e0 in range(0, E, chunk):
+        out[e0:e0 + chunk] = relayout(w[e0:e0 + chunk]).data
+    return MXFP4Frag(out, w.shape)
+
+
+def restore_experts(f: MXFP4Frag, chunk: int = 8) -> MXFP4Tensor:
+    """restore, `chunk` experts at a time into preallocated tensors (relayout_experts' inverse)."""
+    E, R, K = f.shape
+    packed = torch.empty(E, R, K // 2, dtype=torch.uint8, device=f.data.device)
+    scales = torch.empty(E, R, K // 32, dtype=torch.uint8, device=f.data.device)
+    for e0 in range(0, E, chunk):
+        part = restore(MXFP4Frag(f.data[e0:e0 + chunk], torch.Size((min(chunk, E - e0), R, K))))
+        packed[e0:e0 + chunk], scales[e0:e0 + chunk] = part.packed, part.scales
+    return MXFP4Tensor(packed, scales)
+
+
+# ---- a stacked weight's two entries of the weight table (weights.py) in either order -------------------------
+# In the checkpoint's order a stacked MXFP4 weight [E, R, K] is two entries, `.weight_packed` [E, R, K/2] and
+# `.weight_scale` [E, R, K/32]. Re-laid out (an executor that reads this order: executors/expert_layout.py), the
+# records take the `.weight_packed` entry, [E, R/16, K/256, RECORD], and `.weight_scale` holds an empty
+# [E, R, 0] (the scales are inside the records): the entries' shapes say which order a weight is in.
+def entry_shape(name: str, shape: tuple) -> tuple:
+    """The fragment-order shape of a weight-table entry whose checkpoint-order shape is `shape` (the name's
+    suffix says which half)."""
+    E, R, last = shape
+    if name.endswith(".weight_packed"):
+        _check_shape(R, 2 * last)
+        return (E, R // TILE, 2 * last // KREC, RECORD)
+    if name.endswith(".weight_scale"):
+        return (E, R, 0)
+    raise ValueError(f"{name!r} is not one half of an MXFP4 weight (.weight_packed / .weight_scale)")
+
+
+def is_frag_entry(packed: torch.Tensor) -> bool:
+    """Whether a `.weight_packed` entry holds records (fragment order) rather than packed codes."""
+    return packed.dim() == 4
+
+
+def frag_from_entries(packed: torch.Tensor, scales: torch.Tensor) -> MXFP4Frag:
+    """The MXFP4Frag held by a weight's two entries in fragment order, or a ValueError naming what is wrong."""
+    if not is_frag_entry(packed) or scales.dim() != 3 or scales.shape[-1] != 0 \
+            or tuple(scales.shape[:2]) != (packed.shape[0], packed.shape[1] * TILE):
+        raise ValueError(f"not a fragment-ordered MXFP4 weight: packed {tuple(packed.shape)}, scales "
+                         f"{tuple(scales.shape)} (want [E, R/{TILE}, K/{KREC}, {RECORD}] and [E, R, 0])")
+    E, T, S, _ = packed.shape
+    return MXFP4Frag(packed, torch.Size((E, T * TILE, S * KREC)))
+
+
+def entries_of(f: MXFP4Frag) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fragment-ordered weight as its two entries (records, the empty scales placeholder)."""
+    E, R, _ = f.shape
+    return f.data, f.data.new_empty((E, R, 0))
+
+
 def restore(f: MXFP4Frag) -> MXFP4Tensor:
     """The inverse of relayout (round-trip tests; the checkpoint's order back)."""
     E, R, K = f.shape
