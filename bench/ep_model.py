@@ -99,9 +99,10 @@ def combine_us(G: int, B: int, width: int, mode: str) -> float:
     return 2 * allgather_us(block, G)
 
 
-def step(cfg, G: int, B: int, context: int, tp: int = 1) -> dict:
+def step(cfg, G: int, B: int, context: int, tp: int = 1, mbu: dict | None = None) -> dict:
     """The busiest GPU's bytes and the modelled step of `cfg` on G GPUs (experts over G; the trunk replicated, or
-    tensor-parallel over tp GPUs of a node), batch B at `context` tokens."""
+    tensor-parallel over tp GPUs of a node), batch B at `context` tokens; `mbu`: the efficiency per batch
+    (MEASURED_MBU by default)."""
     wb = weight_bytes(cfg, 2)
     moe = sum(cfg.moe_layers)
     experts = moe * busiest_rank_experts(B, G) * wb["expert"]
@@ -109,7 +110,8 @@ def step(cfg, G: int, B: int, context: int, tp: int = 1) -> dict:
     trunk = (wb["trunk"] + wb["lm_head"]) / tp            # replicated or tensor-parallel, never split by sequence)
     held = (wb["trunk"] + 2 * wb["lm_head"]) / tp + moe * cfg.num_experts / G * wb["expert"] + cache / tp
     nbytes = trunk + experts + cache / tp
-    eff = MEASURED_MBU[min(MEASURED_MBU, key=lambda b: abs(b - B))]
+    mbu = mbu or MEASURED_MBU
+    eff = mbu[min(mbu, key=lambda b: abs(b - B))]
     hbm_ms = nbytes / (HBM_READ_BPS * eff) * 1e3
     width = cfg.latent_size or cfg.hidden_size
     comm = {m: moe * combine_us(G, B, width, m) / 1e3 for m in ("all-gather", "reduce-scatter")}
@@ -166,20 +168,29 @@ def main() -> int:
     ap.add_argument("--check", default=None, help="a bench/results JSON (megadecode bench --ep N) to compare with")
     ap.add_argument("--baseline", default=None, help="with --check: the one-GPU bench result of the same preset")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--efficiency", default=None,
+                    help="a one-GPU bench result whose fused rows' MBU per batch replaces MEASURED_MBU")
     args = ap.parse_args()
+    mbu = None
+    if args.efficiency:
+        mbu = {r["batch"]: r["mbu"] for r in json.loads(open(args.efficiency).read())["rows"]
+               if r.get("executor") == "fused" and "error" not in r}
+        if not mbu:
+            raise SystemExit(f"{args.efficiency}: no fused rows")
+        print(f"efficiency per batch from {args.efficiency}: " + ", ".join(f"{b}: {v:.3f}" for b, v in mbu.items()))
     if args.check:
         check(args.check, args.baseline)
         return 0
     full = k3()
     print("## Full Kimi K3 (93 layers), context", args.context)
-    print(table([step(full, G, B, args.context) for G in (56, 64) for B in (1, 8, 64)]))
+    print(table([step(full, G, B, args.context, mbu=mbu) for G in (56, 64) for B in (1, 8, 64)]))
     print()
-    print(table([step(full, G, B, args.context, tp=8) for G in (8, 16, 32, 64) for B in (1, 8, 64)]))
+    print(table([step(full, G, B, args.context, tp=8, mbu=mbu) for G in (8, 16, 32, 64) for B in (1, 8, 64)]))
     print()
     print("## Predictions to check on the H200s (trunk replicated)")
     for p, gpus in (("k3-mini", (1, 2)), ("k3-ep", (2, 4)), ("k3-ep4", (4, 8)), ("k3-ep8", (8,))):
         print(f"### {p}")
-        print(table([step(preset_config(p), G, B, args.context) for G in gpus for B in (1, 8, 64)]))
+        print(table([step(preset_config(p), G, B, args.context, mbu=mbu) for G in gpus for B in (1, 8, 64)]))
     return 0
 
 
