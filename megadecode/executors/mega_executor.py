@@ -20,7 +20,7 @@ from .torch_executor import TorchExecutor
 
 
 # every opcode they lower to has been diffed against pyvm on an H200 (kimi_k3 since cb7d1bc: docs/evidence/
-# mega-check-h200.json)
+# mega-check-h200.json.gz)
 KERNEL_FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_k3")
 # Families whose new opcodes compile and pass the static audit but have not been diffed against pyvm on a GPU yet:
 # they run only when asked for (bench/mega_check.py and the GPU tests do, to produce that evidence). None now.
