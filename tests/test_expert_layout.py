@@ -155,31 +155,51 @@ def test_expert_shards_sum_to_the_whole_on_the_gpu(T):
     assert float((total - whole).abs().max()) <= 1e-5 * float(whole.abs().max())
 
 
+def _row_err(a, b):
+    """Per row: max |a - b| over the row / max |b| of the row."""
+    return (a - b).abs().amax(-1) / b.abs().amax(-1)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol,rows_off", [(torch.float32, 1e-3, 0), (torch.bfloat16, 3e-2, 0.02)])
-def test_fused_reads_fragment_order_on_the_gpu(dtype, tol, rows_off):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_reads_fragment_order_on_the_gpu(dtype):
     """tiny-k3-wide through the fused executor on the GPU: the experts re-laid out in place (the caller's dict
     too), prefill and decode by the CuTe experts, a decode step of 300 sequences in chunks of 256, against the
     torch executor built after it on the same dict (the experts turned back). fp32: the remainder plane keeps ~22
-    bits of the activations, every row's logits within 1e-3 of the largest. bf16: two bf16 computations of a
-    layer differ by bf16 steps, enough to flip a later layer's top-16 experts on a near tie (seen on the H200 at
-    41aad87: one row off by 2.95 of 3.98), so up to 2% of the rows may be off, none non-finite."""
+    bits of the activations, the logits within 1e-3 of their largest. bf16: two bf16 computations differ by
+    bf16 steps, enough to flip a later layer's experts on near ties (at 41aad87 on the H200, 17 of 300 rows were
+    off by more than 3%, up to 2.95 of 3.98), so both bf16 runs are measured against the torch executor in fp32 on
+    the same (bf16-valued) weights, and the fused one must be no further from it than about the torch one is: mean
+    row error within 2x + 2e-3 of torch's, rows off by more than 3% within 2x + 3% of torch's."""
     _cute_gpu()
     w = random_weights(CFG, "cuda", dtype, seed=5)
+    w32 = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}  # its MXFP4 tensors are w's
     plan = build_plan(CFG)
+
+    def logits(engine, prompts, toks=None):
+        out = [engine.prefill(prompts).float()]
+        out.append(engine.decode(out[0].argmax(-1) if toks is None else toks).float())
+        return out
+
     for n, prompts in ((3, [[1, 5, 9], [2], [3, 6]]), (300, [[1 + i % 200, 7] for i in range(300)])):
         fused = Engine(CFG, w, executor="fused", max_batch=n, max_seq_len=16)
         assert fused.executor.frag_experts and EL.order_of(w, plan) == EL.FRAGMENT
-        lf = [fused.prefill(prompts).float()]
-        lf.append(fused.decode(lf[0].argmax(-1)).float())
+        lf = logits(fused, prompts)
+        toks = lf[0].argmax(-1)
         want = "cute-latent-moe" if n <= 256 else "cute-latent-moe (in chunks of 256 tokens)"
         assert fused.executor.chosen[("latent_moe", n)] == want
         del fused
-        ref = Engine(CFG, w, executor="torch", max_batch=n, max_seq_len=16)
+        lt = logits(Engine(CFG, w, executor="torch", max_batch=n, max_seq_len=16), prompts, toks)
         assert EL.order_of(w, plan) == EL.CHECKPOINT
-        lt = [ref.prefill(prompts).float()]
-        lt.append(ref.decode(lf[0].argmax(-1)).float())
-        for a, b in zip(lf, lt):
+        if dtype == torch.float32:
+            for a, b in zip(lf, lt):
+                assert torch.isfinite(a).all()
+                assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max()), n
+            continue
+        l32 = logits(Engine(CFG, w32, executor="torch", max_batch=n, max_seq_len=16), prompts, toks)
+        for a, b, ref in zip(lf, lt, l32):
             assert torch.isfinite(a).all()
-            off = ((a - b).abs().amax(-1) > tol * b.abs().amax(-1)).sum().item()
-            assert off <= rows_off * a.shape[0], (n, off, float((a - b).abs().max()))
+            ef, et = _row_err(a, ref), _row_err(b, ref)
+            assert float(ef.mean()) <= 2 * float(et.mean()) + 2e-3, (n, float(ef.mean()), float(et.mean()))
+            off_f, off_t = float((ef > 0.03).float().mean()), float((et > 0.03).float().mean())
+            assert off_f <= 2 * off_t + 0.03, (n, off_f, off_t)
