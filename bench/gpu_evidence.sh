@@ -2,7 +2,8 @@
 # The GPU evidence, in calls that each fit the device's 10-minute limit (BUDGET seconds, default 560: every step
 # runs under `timeout` with what is left, so the archive is always written). Unpack $OUT/evidence.tar.gz:
 # evidence/*-h200.md and .html to docs/evidence/, evidence/*.log for the record, results/*.json to bench/results/.
-# The device returns at most 8 files, so everything travels as one archive.
+# The device returns at most 8 files, so everything travels as one archive. Pass MEGADECODE_GIT_SHA from this machine
+# (`git rev-parse --short HEAD` here): on the device the copy's git HEAD is not the tree's (seen: 23663a9 for b318d5e).
 #
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests [pytest options]  # default: the whole suite
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
