@@ -16,9 +16,9 @@ from .executors import EXECUTORS
 from .memory import check_fits
 from .plan import build_plan
 from .presets import PRESETS, preset_config
+from .quant.mxfp4_frag import entry_shape
 from .sampling import SamplingParams, sample
 from .step import Step
-from .quant.mxfp4_frag import entry_shape
 from .weights import param_specs, random_weights
 
 MAX_SEED = 2**32 - 1  # generate's in-step sampler derives a seed per step as seed * 1_000_003 + step (int64)

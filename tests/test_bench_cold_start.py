@@ -1,7 +1,8 @@
 """`megadecode bench` rows report the cold start (issue 13, item 7): the engine's construction and its first decode
-step, wall clock, and whether this process built that executor before (and the peak GPU memory allocated) (kernel compiles are cached per process). The
-timing itself needs a GPU; here the engine and the timed loop are stand-ins, so what is checked is that the row
-carries the measured parts and adds them up, and the first-in-process flag per executor."""
+step, wall clock, and whether this process built that executor before (kernel compiles are cached per process);
+and the peak GPU memory allocated. The timing itself needs a GPU; here the engine and the timed loop are
+stand-ins, so what is checked is that the row carries the measured parts and adds them up, and the
+first-in-process flag per executor."""
 
 from __future__ import annotations
 

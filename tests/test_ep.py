@@ -72,8 +72,8 @@ def _check_tokens_and_shards(results: list[dict], world: int) -> None:
 
 
 def test_two_ranks_match_one_process(tmp_path, tiny_ckpt):
-    """tokens (torch, graph, fused executors; the fused one over fragment-ordered experts too), both combine modes, an agreed load failure, serving in lockstep and a
-    rank that dies: one process group of 2 ranks."""
+    """tokens (torch, graph, fused executors; the fused one over fragment-ordered experts too), both combine
+    modes, an agreed load failure, serving in lockstep and a rank that dies: one process group of 2 ranks."""
     broken = tiny_ckpt("tiny-qwen3-moe")
     ep_workers.strip_experts(broken, range(4, 8), layer=2)
     code, results = _run_ranks(tmp_path, 2, "tokens", "graph", "fused", "fused-frag", "modes", f"missing:{broken}",

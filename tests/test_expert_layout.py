@@ -92,7 +92,8 @@ def _run(w, executor, prompts, steps):
 
 
 @needs_triton
-@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in replaces the CuTe kernel: CPU only (the GPU runs the real one)")
+@pytest.mark.skipif(DEVICE != "cpu",
+                    reason="the stand-in replaces the CuTe kernel: CPU only (the GPU runs the real one)")
 def test_fused_over_fragment_order_matches_torch(monkeypatch):
     """Prefill (chunked: MAX_CHUNK 2), decode per variant, decode in chunks, then a torch engine on the same dict
     (the experts turned back): tokens equal, logits within 1e-4."""

@@ -35,8 +35,9 @@ are in scope (`length_free`) one graph per batch size serves every cache length:
 from device memory, and the host's kv_len is the cache's length, which only sizes the split.
 
 Expert parallelism (`parallel`): the EXPERTS and LATENT_MOE variants run over this rank's experts and their fp32
-partial sums are combined over the ranks (executors/parallel_moe.py; fragment-ordered K3 experts: `_latent_frag`); an lm_head split by rows (parallel/vocab.py)
-runs torch_ops' LM_HEAD, its rows and the logits' all-gather; every other op is replicated, unchanged.
+partial sums are combined over the ranks (executors/parallel_moe.py; fragment-ordered K3 experts: `_latent_frag`);
+an lm_head split by rows (parallel/vocab.py) runs torch_ops' LM_HEAD, its rows and the logits' all-gather; every
+other op is replicated, unchanged.
 
 Sampling in the step (`set_sampling`; not with an lm_head split by rows): for greedy or temperature sampling
 (top_p == 1) the LM_HEAD op runs
