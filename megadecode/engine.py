@@ -121,7 +121,10 @@ def model_config(model: str) -> ModelConfig:
 class Engine:
     """`parallel` (megadecode.parallel.combine.ExpertParallel): this process is one rank of expert parallelism;
     `weights` hold its experts only, and every rank must run the same calls in the same order (the MoE layers'
-    combines are collectives). None: one process holds the whole model."""
+    combines are collectives). None: one process holds the whole model.
+    The engine takes `weights`: its executor may replace K3's routed expert tensors in that dict with the order it
+    reads (the fused executor's fragment order; executors/expert_layout.py), so that the experts' bytes are held
+    once; an engine built later on the same dict turns them back if it reads the other order."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, executor: str = "torch",
                  max_batch: int = 8, max_seq_len: int | None = None, parallel=None):
