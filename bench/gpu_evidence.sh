@@ -13,6 +13,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh ep               # expert parallelism, >= 2 GPUs
 #   OUT=/path bash bench/gpu_evidence.sh sanitizer                                    # compute-sanitizer, megakernel
+#   OUT=/path bash bench/gpu_evidence.sh profile                                      # fused step: kernels, op kinds
 #   OUT=/path bash bench/gpu_evidence.sh ncu                                          # Nsight Compute, megakernel
 #   OUT=/path bash bench/gpu_evidence.sh timelines                                    # more megakernel timelines
 #   OUT=/path bash bench/gpu_evidence.sh try                                          # a kernel change, quickly
@@ -32,6 +33,9 @@
 #   at batch 1 and 8 (both presets in one process, which compiles the kernel once), and k3-mini's batch-1 and batch-8
 #   timelines in one more process (recordings and images; the phase tables printed). 211 s at 610a13c (473 s at
 #   5936e56, when each bench and each timeline was its own process). Then `tests -m gpu` in its own call.
+# profile: bench/profile_step.py on PROFILE_PRESETS (k3-mini) with the fused executor at PROFILE_BATCH (1,8): the
+#   captured step's time, the eager step's top kernels and its kernel time per plan op kind (not yet run on the H200;
+#   the question it answers: which ops make k3-mini's batch-1 trunk take ~2.4 ms for ~0.9 ms of floor).
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
@@ -272,6 +276,17 @@ if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute
         rm -f "$R.ncu-rep" "$OUT/evidence/ncu-timeline-b$B.json"
     done
     exit 0
+fi
+if [ "$MODE" = profile ]; then  # where a fused decode step's GPU time goes: per kernel and per plan op kind
+    rc=0
+    for p in ${PROFILE_PRESETS:-k3-mini}; do
+        timeout "$(left)" python bench/profile_step.py --preset "$p" --executor fused --batch "${PROFILE_BATCH:-1,8}" \
+            > "$OUT/evidence/profile-$p.log" 2>&1
+        r=$?
+        echo "$p: exit $r"; grep -v -E "Warn|USDT" "$OUT/evidence/profile-$p.log" | tail -70
+        [ "$r" = 0 ] || rc=$r
+    done
+    exit "$rc"
 fi
 if [ "$MODE" = sanitizer ]; then  # issue 13, item 6: compute-sanitizer on the megakernel, tiny presets
     rc=0

@@ -1,7 +1,9 @@
 """Where does a decode step's GPU time go? Profiles the per-op step (the ops the `graph` or `fused`
 executor captures), run eagerly under torch.profiler, and prints the top CUDA kernels and the number of
-kernels per step; also times the captured step. Usage:
+kernels per step, and the kernel time per plan op kind (each op's launches inside a profiler range named after
+its kind: `op_kind_times`); also times the captured step. Usage:
     python bench/profile_step.py --preset qwen3-30b-a3b --batch 1 --context 1024
+    python bench/profile_step.py --preset k3-mini --executor fused --batch 1,8
 """
 
 from __future__ import annotations
@@ -14,6 +16,40 @@ from torch.profiler import ProfilerActivity, profile
 from megadecode.engine import Engine
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
+
+
+def op_kind_times(executor, step, device_type: str = "cuda") -> dict[str, tuple[int, float]]:
+    """op kind -> (ops run, microseconds of kernel time in them) for one eager run_ops of `step`: each op runs
+    inside a profiler range named after its kind (opened before it, closed by run_ops' hook after it), and a
+    range's device time is that of the kernels launched in it. device_type "cpu": CPU time instead (tests)."""
+    ops = executor.plan.ops
+    state = {"i": 0, "range": None}
+
+    def open_range(i):
+        state["range"] = torch.autograd.profiler.record_function(f"op::{ops[i].kind}")
+        state["range"].__enter__()
+
+    def hook(op, ctx):
+        state["range"].__exit__(None, None, None)
+        state["i"] += 1
+        if state["i"] < len(ops):
+            open_range(state["i"])
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        with torch.inference_mode():
+            open_range(0)
+            executor.run_ops(step, hook)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    if state["i"] != len(ops):
+        raise RuntimeError(f"run_ops called its hook {state['i']} times for {len(ops)} ops")
+    out = {}
+    for e in prof.key_averages():
+        if e.key.startswith("op::"):
+            t = e.device_time_total if device_type == "cuda" else e.cpu_time_total
+            out[e.key[4:]] = (e.count, t)
+    return out
 
 
 def main():
@@ -64,6 +100,11 @@ def main():
         print(f"{'kernel':72s} {'calls':>6s} {'total us':>10s} {'us/call':>8s}")
         for e in rows:
             print(f"{e.key[:72]:72s} {e.count:6d} {e.device_time_total:10.1f} {e.device_time_total / e.count:8.2f}")
+        kinds = op_kind_times(eng.executor, step)
+        print(f"\n{'op kind':16s} {'ops':>5s} {'kernel us':>10s} {'share':>6s}")
+        whole = sum(t for _, t in kinds.values()) or 1.0
+        for kind, (n, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            print(f"{kind:16s} {n:5d} {t:10.1f} {t / whole:6.1%}")
         del eng
         torch.cuda.empty_cache()
 

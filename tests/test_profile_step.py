@@ -1,0 +1,33 @@
+"""bench/profile_step.py's kernel time per plan op kind (`op_kind_times`): every op of the plan is attributed to a
+range named after its kind, once. On the CPU the ranges' CPU time stands in for the GPU's kernel time."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from megadecode.engine import Engine  # noqa: E402
+from megadecode.presets import preset_config  # noqa: E402
+from megadecode.step import Step  # noqa: E402
+from megadecode.weights import random_weights  # noqa: E402
+
+
+def test_op_kind_times_counts_every_op_once():
+    from profile_step import op_kind_times
+
+    cfg = preset_config("tiny-k3")
+    e = Engine(cfg, random_weights(cfg, "cpu", torch.float32, 0), executor="torch", max_batch=2, max_seq_len=16)
+    e.prefill([[1, 2, 3], [4, 5]])
+    slots = torch.arange(2)
+    step = Step(tokens=torch.tensor([3, 4]), positions=torch.tensor([3, 2]), slots=slots, logit_rows=slots,
+                kv_len=4, contiguous_slots=True)
+    got = op_kind_times(e.executor, step, "cpu")
+    want = collections.Counter(op.kind for op in e.executor.plan.ops)
+    assert {k: n for k, (n, _) in got.items()} == dict(want)
+    assert all(t > 0 for _, t in got.values())
+    assert {"attn_kda", "attn_mla", "latent_moe", "lm_head"} <= set(got)
