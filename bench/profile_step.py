@@ -14,16 +14,34 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megadecode.engine import Engine
+from megadecode.measure import HBM_READ_BPS
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
 
 
-def op_kind_times(executor, step, device_type: str = "cuda") -> dict[str, tuple[int, float]]:
-    """op kind -> (ops run, microseconds of kernel time in them) for one eager run_ops of `step`: each op runs
-    inside a profiler range named after its kind (opened before it, closed by run_ops' hook after it), and a
-    range's device time is that of the kernels launched in it. device_type "cpu": CPU time instead (tests)."""
+def op_weight_bytes(executor, op, ctx) -> int:
+    """The weight bytes an op must read: its weights, a stack of routed experts ([E, ...], `.experts.` in its
+    name) counted for the experts the step's router selected (topk_ids) only. Caches and activations left out."""
+    total, picked = 0, None
+    for n in op.weights:
+        t = executor.weights[n]
+        nb = t.numel() * t.element_size()
+        if ".experts." in n and ".shared_experts." not in n and t.dim() >= 3:
+            if picked is None:
+                picked = int(ctx.buf["topk_ids"].unique().numel())
+            nb = nb * picked // t.shape[0]
+        total += nb
+    return total
+
+
+def op_kind_times(executor, step, device_type: str = "cuda") -> dict[str, tuple[int, float, int]]:
+    """op kind -> (ops run, microseconds of kernel time in them, weight bytes they read: op_weight_bytes) for one
+    eager run_ops of `step`: each op runs inside a profiler range named after its kind (opened before it, closed
+    by run_ops' hook after it), and a range's device time is that of the kernels launched in it. device_type
+    "cpu": CPU time instead (tests)."""
     ops = executor.plan.ops
     state = {"i": 0, "range": None}
+    nbytes: dict[str, int] = {}
 
     def open_range(i):
         state["range"] = torch.autograd.profiler.record_function(f"op::{ops[i].kind}")
@@ -31,6 +49,7 @@ def op_kind_times(executor, step, device_type: str = "cuda") -> dict[str, tuple[
 
     def hook(op, ctx):
         state["range"].__exit__(None, None, None)
+        nbytes[op.kind] = nbytes.get(op.kind, 0) + op_weight_bytes(executor, op, ctx)  # outside every range
         state["i"] += 1
         if state["i"] < len(ops):
             open_range(state["i"])
@@ -48,8 +67,8 @@ def op_kind_times(executor, step, device_type: str = "cuda") -> dict[str, tuple[
     for e in prof.events():  # the CPU-side ranges (a GPU-side copy of each annotation is left out)
         if e.name.startswith("op::") and e.device_type.name == "CPU":
             t = e.device_time_total if device_type == "cuda" else e.cpu_time_total
-            n, total = out.get(e.name[4:], (0, 0.0))
-            out[e.name[4:]] = (n + 1, total + t)
+            n, total, _ = out.get(e.name[4:], (0, 0.0, 0))
+            out[e.name[4:]] = (n + 1, total + t, nbytes[e.name[4:]])
     return out
 
 
@@ -102,10 +121,13 @@ def main():
         for e in rows:
             print(f"{e.key[:72]:72s} {e.count:6d} {e.device_time_total:10.1f} {e.device_time_total / e.count:8.2f}")
         kinds = op_kind_times(eng.executor, step)
-        print(f"\n{'op kind':16s} {'ops':>5s} {'kernel us':>10s} {'share':>6s}")
-        whole = sum(t for _, t in kinds.values()) or 1.0
-        for kind, (n, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
-            print(f"{kind:16s} {n:5d} {t:10.1f} {t / whole:6.1%}")
+        print(f"\n{'op kind':16s} {'ops':>5s} {'kernel us':>10s} {'share':>6s} {'weight MB':>10s} {'floor us':>9s} "
+              f"{'of floor':>8s}")
+        whole = sum(t for _, t, _ in kinds.values()) or 1.0
+        for kind, (n, t, nb) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            floor = nb / HBM_READ_BPS * 1e6
+            print(f"{kind:16s} {n:5d} {t:10.1f} {t / whole:6.1%} {nb / 1e6:10.1f} {floor:9.1f} "
+                  f"{floor / t if t else 0:8.1%}")
         del eng
         torch.cuda.empty_cache()
 

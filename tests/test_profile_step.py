@@ -1,5 +1,6 @@
 """bench/profile_step.py's kernel time per plan op kind (`op_kind_times`): every op of the plan is attributed to a
-range named after its kind, once. On the CPU the ranges' CPU time stands in for the GPU's kernel time."""
+range named after its kind, once, with the weight bytes it reads (routed experts: the selected ones). On the CPU
+the ranges' CPU time stands in for the GPU's kernel time."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def test_op_kind_times_counts_every_op_once():
                 kv_len=4, contiguous_slots=True)
     got = op_kind_times(e.executor, step, "cpu")
     want = collections.Counter(op.kind for op in e.executor.plan.ops)
-    assert {k: n for k, (n, _) in got.items()} == dict(want)
-    assert all(t > 0 for _, t in got.values())
+    assert {k: n for k, (n, _, _) in got.items()} == dict(want)
+    assert all(t > 0 for _, t, _ in got.values())
     assert {"attn_kda", "attn_mla", "latent_moe", "lm_head"} <= set(got)
+    w = e.executor.weights
+    assert got["lm_head"][2] == w["lm_head.weight"].numel() * 4  # fp32
+    # the routed experts: only the selected ones (2 tokens x top_k at most, a layer)
+    moe = [op for op in e.executor.plan.ops if op.kind == "latent_moe"]
+    stacks = sum(w[n].numel() for op in moe for n in op.weights if ".experts." in n)
+    others = sum(w[n].numel() * w[n].element_size() for op in moe for n in op.weights if ".experts." not in n)
+    picked = min(2 * cfg.top_k, cfg.num_experts)
+    assert others < got["latent_moe"][2] <= others + stacks * picked // cfg.num_experts
