@@ -44,8 +44,8 @@ GROUPED_ABOVE = 16  # tokens: per pair at or below (no sort), grouped by expert 
 ACTS = ("silu", "situ")
 XDTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # ntok: tokens staged per chunk when grouped; tpw / tpw_grouped: 16-row tiles per warp (the grid's second dim);
-# scu / scu_grouped: records of a tile loaded before the first is used; wpc / wpc_grouped: warps per CTA. Defaults:
-# the fastest in bench/cute_experts_probe.py on the H200 (docs/evidence/cute-experts-h200.md)
+# scu / scu_grouped: records of a tile loaded before the first is used; wpc / wpc_grouped: warps per CTA. Defaults: the fastest in bench/cute_experts_probe.py on the H200 (docs/evidence/
+# cute-experts-h200.md)
 DEFAULT_TUNE = {"ntok": 8, "tpw": 1, "tpw_grouped": 2, "scu": 1, "scu_grouped": 2, "wpc": 4, "wpc_grouped": 8}
 MAX_CHUNK = 256  # tokens a cute_experts call in cute_latent_moe (the variant's validated batch range)
 
