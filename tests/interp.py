@@ -63,3 +63,15 @@ def static_audits(*groups) -> list:
         assert passed, md
         assert "nc-load-of-produced" in rules, (name, rules)
     return rows
+
+
+def greedy_run(cfg, weights, executor: str, prompts, steps: int, max_seq_len: int = 40):
+    """(engine, tokens [B, steps + 1], logits [B, steps, V]): prefill, then `steps` greedy decode steps."""
+    from megadecode import Engine
+
+    e = Engine(cfg, weights, executor=executor, max_batch=len(prompts), max_seq_len=max_seq_len)
+    toks, logits = [e.prefill(prompts).argmax(-1)], []
+    for _ in range(steps):
+        logits.append(e.decode(toks[-1]).clone())
+        toks.append(logits[-1].argmax(-1))
+    return e, torch.stack(toks, 1), torch.stack(logits, 1)

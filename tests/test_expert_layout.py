@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, triton_gate,
+    DEVICE, greedy_run, import_interpreted, interpreter_env, triton_gate,
 )
 
 import_interpreted("megadecode.validate.catalog")
@@ -82,15 +82,6 @@ def test_mixed_orders_and_bad_entries_are_refused():
         EL.take(w, plan, "nibbles")
 
 
-def _run(w, executor, prompts, steps):
-    e = Engine(CFG, w, executor=executor, max_batch=len(prompts), max_seq_len=24)
-    toks, logits = [e.prefill(prompts).argmax(-1)], []
-    for _ in range(steps):
-        logits.append(e.decode(toks[-1]).clone())
-        toks.append(logits[-1].argmax(-1))
-    return e, torch.stack(toks, 1), torch.stack(logits, 1)
-
-
 @needs_triton
 @pytest.mark.skipif(DEVICE != "cpu",
                     reason="the stand-in replaces the CuTe kernel: CPU only (the GPU runs the real one)")
@@ -103,10 +94,10 @@ def test_fused_over_fragment_order_matches_torch(monkeypatch):
     monkeypatch.setattr(ce, "MAX_CHUNK", 2)
     w = _weights()
     prompts = [[1, 5, 9], [2], [3, 6]]
-    e, tok_f, log_f = _run(w, "fused", prompts, 2)
+    e, tok_f, log_f = greedy_run(CFG, w, "fused", prompts, 2, max_seq_len=24)
     assert e.executor.frag_experts and EL.order_of(w, e.executor.plan) == EL.FRAGMENT
     assert e.executor.chosen[("latent_moe", 3)] == "cute-latent-moe (in chunks of 256 tokens)"
-    _, tok_t, log_t = _run(w, "torch", prompts, 2)
+    _, tok_t, log_t = greedy_run(CFG, w, "torch", prompts, 2, max_seq_len=24)
     assert EL.order_of(w, e.executor.plan) == EL.CHECKPOINT
     assert torch.equal(tok_f, tok_t)
     err = (log_f - log_t).abs().max().item()

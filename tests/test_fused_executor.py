@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, triton_gate,
+    DEVICE, greedy_run, import_interpreted, interpreter_env, triton_gate,
 )
 
 CATALOG = import_interpreted("megadecode.validate.catalog")
@@ -22,15 +22,6 @@ TRITON_OK, needs_triton = triton_gate(GE.grouped_up_kernel)
 
 
 
-def _run(cfg, weights, executor, prompts, steps):
-    e = Engine(cfg, weights, executor=executor, max_batch=len(prompts), max_seq_len=40)
-    toks, logits = [e.prefill(prompts).argmax(-1)], []
-    for _ in range(steps):
-        logits.append(e.decode(toks[-1]).clone())
-        toks.append(logits[-1].argmax(-1))
-    return e, torch.stack(toks, 1), torch.stack(logits, 1)
-
-
 @needs_triton
 @pytest.mark.parametrize("preset,batch", [("tiny-qwen3-moe", 3), ("tiny-deepseek-v3", 3),
                                           ("tiny-qwen3-moe", 18), ("tiny-k3", 2)])
@@ -38,8 +29,8 @@ def test_fused_decode_matches_torch(preset, batch):
     cfg = preset_config(preset)
     w = random_weights(cfg, DEVICE, torch.float32, seed=3)
     prompts = [[1 + i, 5, 9 + i % 4][: 1 + i % 3] for i in range(batch)]
-    _, tok_t, log_t = _run(cfg, w, "torch", prompts, 6)
-    e, tok_f, log_f = _run(cfg, w, "fused", prompts, 6)
+    _, tok_t, log_t = greedy_run(cfg, w, "torch", prompts, 6)
+    e, tok_f, log_f = greedy_run(cfg, w, "fused", prompts, 6)
     assert torch.equal(tok_f, tok_t)
     err = (log_f - log_t).abs().max().item()
     assert err <= 1e-4 * log_t.abs().max().item(), err
