@@ -26,6 +26,8 @@ from ..quant.mxfp4 import MXFP4Tensor
 from ..quant.mxfp4_frag import entries_of, frag_from_entries, is_frag_entry, relayout_experts, restore_experts
 
 CHECKPOINT, FRAGMENT = "checkpoint", "fragment"
+# bytes a weight of quant/mxfp4_frag.relayout's intermediates, at most (the codes, their int64 copy, the words)
+SCRATCH_PER_WEIGHT = 16
 
 
 def expert_pairs(plan: DecodePlan) -> list[tuple[str, str]]:
@@ -41,7 +43,6 @@ def expert_pairs(plan: DecodePlan) -> list[tuple[str, str]]:
 def conversion_bytes(cfg, shard=None, chunk: int = 8) -> int:
     """The most memory `take` allocates beside the weights while it converts: the largest stack in its new order
     (as many bytes as the old, freed only once the new is whole) plus one chunk of experts' scratch."""
-    from ..quant.mxfp4_frag import SCRATCH_PER_WEIGHT
     from ..weights import param_specs
 
     stacks = {}

@@ -106,9 +106,6 @@ def relayout(w: MXFP4Tensor) -> MXFP4Frag:
     return MXFP4Frag(torch.cat((wbytes, s), dim=-1).contiguous(), w.shape)
 
 
-SCRATCH_PER_WEIGHT = 16  # bytes a weight of relayout's intermediates, at most (the codes, their int64 copy, the words)
-
-
 def relayout_experts(w: MXFP4Tensor, chunk: int = 8) -> MXFP4Frag:
     """relayout of a stacked [E, R, K] weight `chunk` experts at a time, into one preallocated tensor: relayout's
     intermediates take ~10 bytes a weight (codes, their int64 copy, the words), so a whole K3 gate_up at once
