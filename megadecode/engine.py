@@ -82,6 +82,19 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None
         raise RequestError(f"weights are spread over several devices {sorted(map(str, devices))}")
 
 
+def _build_extra(cfg: ModelConfig, executor: str, device, dtype: torch.dtype, shard) -> tuple[int, str] | None:
+    """Memory the engine's build needs for a while beside the weights and cache: the fused executor's re-layout
+    of K3's routed experts (executors/expert_layout.py), where it makes one."""
+    if executor != "fused" or not str(device).startswith("cuda"):
+        return None
+    from .executors import expert_layout
+    from .executors.fused_executor import expert_order
+
+    if expert_order(cfg, dtype, device) != expert_layout.FRAGMENT:
+        return None
+    return expert_layout.conversion_bytes(cfg, shard), "while the fused executor re-lays out a stack of routed experts"
+
+
 def check_seed(seed) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise RequestError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
@@ -156,7 +169,8 @@ class Engine:
         check_seed(seed)
         cfg = model_config(model)
         shard = None if parallel is None else parallel.shard
-        check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len), shard=shard)
+        check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len), shard=shard,
+                   extra=_build_extra(cfg, kw.get("executor", "torch"), device, dt, shard))
         kw.update(max_batch=max_batch, max_seq_len=max_seq_len, parallel=parallel)
         if model in PRESETS:
             return cls(cfg, random_weights(cfg, device, dt, seed, shard), **kw)

@@ -55,18 +55,20 @@ def available_bytes(device) -> int:
 
 
 def check_fits(what: str, cfg: ModelConfig, device, dtype: torch.dtype, max_batch: int, max_seq_len: int,
-               shard=None) -> None:
+               shard=None, extra: tuple[int, str] | None = None) -> None:
     """Raise InsufficientMemory naming `what` (the model as the user gave it) when its weights in `dtype` plus a
     cache of `max_batch` sequences x `max_seq_len` positions exceed the device's available memory. A lower bound:
     activations and (checkpoints) one tensor in flight come on top. `shard` (expert parallelism): the rank's
-    weights, its own experts only."""
+    weights, its own experts only. `extra`: (bytes, what for) the engine's build needs on top for a while."""
     weights = weight_bytes(cfg, dtype.itemsize, shard)["total"]
     cache = cache_bytes(cfg, max_batch, max_seq_len, dtype)
+    more, why = extra or (0, "")
     avail = available_bytes(device)
-    if weights + cache > avail:
+    if weights + cache + more > avail:
         seqs = f"{max_batch} sequence{'s' if max_batch > 1 else ''}"
         whose = "" if shard is None or shard.world == 1 else f" (rank {shard.rank} of {shard.world}: its experts)"
+        plus = f" + {more / GB:.2f} GB {why}" if more else ""
         raise InsufficientMemory(
-            f"{what}{whose} needs {(weights + cache) / GB:.2f} GB on {torch.device(device)} ({weights / GB:.2f} GB of "
-            f"{str(dtype).removeprefix('torch.')} weights + {cache / GB:.2f} GB of cache for {seqs} x {max_seq_len} "
-            f"positions), but only {avail / GB:.2f} GB is available there")
+            f"{what}{whose} needs {(weights + cache + more) / GB:.2f} GB on {torch.device(device)} ({weights / GB:.2f} "
+            f"GB of {str(dtype).removeprefix('torch.')} weights + {cache / GB:.2f} GB of cache for {seqs} x "
+            f"{max_seq_len} positions{plus}), but only {avail / GB:.2f} GB is available there")

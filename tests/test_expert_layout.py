@@ -195,3 +195,26 @@ def test_fused_reads_fragment_order_on_the_gpu(dtype):
             assert float(ef.mean()) <= 2 * float(et.mean()) + 2e-3, (n, float(ef.mean()), float(et.mean()))
             off_f, off_t = float((ef > 0.03).float().mean()), float((et > 0.03).float().mean())
             assert off_f <= 2 * off_t + 0.03, (n, off_f, off_t)
+
+
+def test_conversion_memory_is_counted_before_the_build(monkeypatch):
+    """The fused executor's re-layout needs a stack in its new order plus a chunk's scratch beside the weights:
+    conversion_bytes (k3-mini: 13.3 GB; the H200 measured a peak 13.2 GB over the steady 72.2 GB at 41aad87), which
+    Engine.from_pretrained adds to its fit check when the fused executor will make one."""
+    from megadecode import engine as ENG
+    from megadecode import memory
+    from megadecode.executors import fused_executor as FE
+
+    cfg = preset_config("k3-mini")
+    E, R, K = cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.latent_size
+    assert EL.conversion_bytes(cfg) == E * R * (K // 2 + K // 32) + 8 * R * K * 16
+    assert EL.conversion_bytes(preset_config("qwen3-30b-a3b")) == 0
+    assert ENG._build_extra(cfg, "graph", "cuda", torch.bfloat16, None) is None
+    assert ENG._build_extra(cfg, "fused", "cpu", torch.bfloat16, None) is None
+    monkeypatch.setattr(FE, "expert_order", lambda *a, **k: EL.FRAGMENT)
+    more, why = ENG._build_extra(cfg, "fused", "cuda", torch.bfloat16, None)
+    assert more == EL.conversion_bytes(cfg) and "re-lays out" in why
+    monkeypatch.setattr(memory, "available_bytes", lambda d: 80e9)
+    memory.check_fits("k3-mini", cfg, "cuda", torch.bfloat16, 1, 1024)  # ~72 GB of weights fit alone
+    with pytest.raises(memory.InsufficientMemory, match=r"\+ 13\.30 GB while the fused executor re-lays out"):
+        memory.check_fits("k3-mini", cfg, "cuda", torch.bfloat16, 1, 1024, extra=(more, why))

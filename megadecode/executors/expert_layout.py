@@ -17,6 +17,8 @@ on the H200 (bench/cute_experts_probe.py's relayout_s, one layer's gate_up and d
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..plan import LATENT_MOE, DecodePlan
@@ -24,6 +26,8 @@ from ..quant.mxfp4 import MXFP4Tensor
 from ..quant.mxfp4_frag import entries_of, frag_from_entries, is_frag_entry, relayout_experts, restore_experts
 
 CHECKPOINT, FRAGMENT = "checkpoint", "fragment"
+# bytes a weight of quant/mxfp4_frag.relayout's intermediates, at most (the codes, their int64 copy, the words)
+SCRATCH_PER_WEIGHT = 16
 
 
 def expert_pairs(plan: DecodePlan) -> list[tuple[str, str]]:
@@ -34,6 +38,21 @@ def expert_pairs(plan: DecodePlan) -> list[tuple[str, str]]:
             _, gu_p, gu_s, dn_p, dn_s, _, _ = op.weights
             out += [(gu_p, gu_s), (dn_p, dn_s)]
     return out
+
+
+def conversion_bytes(cfg, shard=None, chunk: int = 8) -> int:
+    """The most memory `take` allocates beside the weights while it converts: the largest stack in its new order
+    (as many bytes as the old, freed only once the new is whole) plus one chunk of experts' scratch."""
+    from ..weights import param_specs
+
+    stacks = {}
+    for name, spec in param_specs(cfg, shard).items():
+        if spec.quant == "mxfp4" and spec.stacked:
+            stacks[name.rsplit(".", 1)[0]] = stacks.get(name.rsplit(".", 1)[0], 0) + math.prod(spec.shape)
+            if name.endswith(".weight_packed"):
+                E, R, half = spec.shape
+                stacks[name.rsplit(".", 1)[0]] += min(chunk, E) * R * 2 * half * SCRATCH_PER_WEIGHT
+    return max(stacks.values(), default=0)
 
 
 def order_of(weights: dict[str, torch.Tensor], plan: DecodePlan) -> str | None:

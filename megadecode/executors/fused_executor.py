@@ -88,6 +88,19 @@ def _variants(device: torch.device) -> list:
     return shipped(VARIANTS)
 
 
+def expert_order(cfg, dtype: torch.dtype, device, variants=None) -> str:
+    """The order the fused executor holds K3's routed experts in (executors/expert_layout.py): fragment order
+    where cute-latent-moe's scope admits the model (any batch: above its range and in prefill the executor runs
+    it 256 tokens a call), else the checkpoint's."""
+    device = torch.device(device)
+    if cfg.family != "kimi_k3" or device.type != "cuda":
+        return expert_layout.CHECKPOINT
+    v = next((v for v in (variants or _variants(device)) if v.name == "cute-latent-moe"), None)
+    if v is None or v.supports(cfg, dtype, 1, device) is not None:
+        return expert_layout.CHECKPOINT
+    return expert_layout.FRAGMENT
+
+
 class FusedExecutor(GraphExecutor):
     name = "fused"
 
@@ -106,14 +119,9 @@ class FusedExecutor(GraphExecutor):
         self._length_free: dict[int, bool] = {}
 
     def _expert_order(self, plan: DecodePlan, weights: dict[str, torch.Tensor]) -> str:
-        """Fragment order where cute-latent-moe's scope admits the model (any batch: above its range and in
-        prefill the executor runs it in chunks of 256 tokens), else the checkpoint's."""
-        v = next((v for v in self.variants if v.name == "cute-latent-moe"), None)
-        any_w = next(iter(weights.values()))
-        if v is None or not expert_layout.expert_pairs(plan) or v.supports(plan.config, self.dtype, 1,
-                                                                            any_w.device) is not None:
+        if not expert_layout.expert_pairs(plan):
             return expert_layout.CHECKPOINT
-        return expert_layout.FRAGMENT
+        return expert_order(plan.config, self.dtype, next(iter(weights.values())).device, self.variants)
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
