@@ -281,11 +281,17 @@ if [ "$MODE" = profile ]; then  # where a fused decode step's GPU time goes: per
     rc=0
     for p in ${PROFILE_PRESETS:-k3-mini}; do
         timeout "$(left)" python bench/profile_step.py --preset "$p" --executor fused --batch "${PROFILE_BATCH:-1,8}" \
-            > "$OUT/evidence/profile-$p.log" 2>&1
+            --out "$OUT/results/profile-$p.json" > "$OUT/evidence/profile-$p.log" 2>&1
         r=$?
-        echo "$p: exit $r"; grep -v -E "Warn|USDT" "$OUT/evidence/profile-$p.log" | tail -70
+        echo "$p: exit $r"; grep -E "^==|^op kind|^[a-z_]+ +[0-9]+ |^captured" "$OUT/evidence/profile-$p.log"
         [ "$r" = 0 ] || rc=$r
     done
+    # the dense projections' paths (cuBLAS against the Triton projection) at the preset's shapes and the KDA
+    # projections' concatenations (q k v: 36864 x 7168; with f_a, g_a and b: 37216 x 7168), latent down with the router
+    timeout "$(left)" python bench/linear_paths.py --preset "$(echo ${PROFILE_PRESETS:-k3-mini} | cut -d" " -f1)" --batch "${LINEAR_BATCH:-1,8}" \
+        --min-mb 4 --x32 --extra "${LINEAR_EXTRA:-36864x7168,37216x7168,4480x7168}" --out "$OUT/results/linear-paths.json" \
+        > "$OUT/evidence/linear-paths.log" 2>&1
+    echo "linear_paths: exit $?"; grep -v -E "Warn|USDT" "$OUT/evidence/linear-paths.log" | tail -40
     exit "$rc"
 fi
 if [ "$MODE" = sanitizer ]; then  # issue 13, item 6: compute-sanitizer on the megakernel, tiny presets

@@ -42,7 +42,7 @@ def test_fused_decode_matches_torch(preset, batch):
         assert chosen["experts"] == "triton-grouped-experts", chosen
     else:  # K3 has no EXPERTS op: its LATENT_MOE op is the Triton variant
         assert chosen["latent_moe"] == "triton-latent-moe", chosen
-        assert chosen["attn_kda"] == "triton-kda-decode", chosen
+        assert chosen["attn_kda"] == "triton-kda-fused", chosen
     if preset != "tiny-qwen3-moe":
         assert chosen["attn_mla"] == "triton-mla-decode", chosen
     else:

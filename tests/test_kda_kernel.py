@@ -81,7 +81,7 @@ def test_fused_executor_runs_it_on_kimi_linear():
             out.append(e.decode(out[-1]).argmax(-1))
         toks[ex] = (torch.stack(out, 1), e)
     assert torch.equal(toks["fused"][0], toks["torch"][0])
-    assert toks["fused"][1].executor.chosen[("attn_kda", 2)] == "triton-kda-decode"
+    assert toks["fused"][1].executor.chosen[("attn_kda", 2)] == "triton-kda-fused"  # preferred to triton-kda-decode
 
 
 def test_static_audit_sm90():

@@ -40,3 +40,11 @@ def test_op_kind_times_counts_every_op_once():
     others = sum(w[n].numel() * w[n].element_size() for op in moe for n in op.weights if ".experts." not in n)
     picked = min(2 * cfg.top_k, cfg.num_experts)
     assert others < got["latent_moe"][2] <= others + stacks * picked // cfg.num_experts
+
+
+def test_split_by_markers_attributes_kernels_between_markers_in_start_order():
+    from profile_step import split_by_markers
+
+    ks = [("b", 5.0, 1.0), ("spin_kernel", 0.0, 0.1), ("a", 2.0, 1.0), ("spin_kernel", 4.0, 0.1),
+          ("spin_kernel", 9.0, 0.1), ("c", 7.0, 2.0), ("spin_kernel", 3.5, 0.1)]
+    assert split_by_markers(ks) == [[], [("a", 2.0, 1.0)], [], [("b", 5.0, 1.0), ("c", 7.0, 2.0)], []]

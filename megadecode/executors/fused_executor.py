@@ -21,7 +21,14 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
                                       batches past 256, 256 tokens a call)
              triton-latent-moe       (K3: latent down, routed MXFP4 experts, RMSNorm fused into latent up;
                                       batch <= 256; above, the graph op, whose experts are Triton too)
-  attn_kda triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
+  mlp      triton-mlp                (SwiGLU MLP: gate and up as one projection, packed one after the other at
+                                      build (kernels/packed.py), the SiLU product, down: three launches)
+  attn_res triton-attn-res           (K3's Block AttnRes in one kernel a token: scores, softmax over the
+                                      sources and their weighted sum, without concatenating the sources)
+  attn_kda triton-kda-fused          (KDA decode in three launches: the six input projections as one, packed
+                                      one after another at build (kernels/kda_fused.pack_rows); conv, gates,
+                                      recurrence and gated norm in one kernel per (sequence, head); o_proj)
+           triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
                                       sequence's state; the rest of the op stays the reference ops)
   attn_mla triton-mla-decode         (MLA decode attention over the latent cache, split over the cache length:
                                       programs (sequence, head block, chunk), online softmax, fixed-order merge;
@@ -55,7 +62,7 @@ import torch
 
 from ..cache import KVCache
 from ..contract import output_specs
-from ..plan import ATTN_GQA, ATTN_MLA, LATENT_MOE, LM_HEAD, DecodePlan, fuse_add_rmsnorm
+from ..plan import ATTN_GQA, ATTN_KDA, ATTN_MLA, LATENT_MOE, LM_HEAD, MLP, DecodePlan, fuse_add_rmsnorm
 from ..step import Step
 from . import expert_layout, parallel_moe
 from .graph_executor import GraphExecutor
@@ -70,7 +77,7 @@ SAMPLE_IN_STEP_MAX_BATCH = 64
 LENGTH_OPS = (ATTN_GQA, ATTN_MLA)
 
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts",
-            "triton-fp8-experts", "cute-latent-moe", "triton-latent-moe", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
+            "triton-fp8-experts", "cute-latent-moe", "triton-latent-moe", "triton-mlp", "triton-attn-res", "triton-kda-fused", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
 
 
 def _variants(device: torch.device) -> list:
@@ -112,11 +119,27 @@ class FusedExecutor(GraphExecutor):
         # K3's routed experts held in fragment order (executors/expert_layout.py): only the CuTe experts read
         # them, so every LATENT_MOE op runs cute_experts.latent_op (prefill and batches past 256 included)
         self.frag_experts = expert_layout.order_of(self.weights, self.plan) == expert_layout.FRAGMENT
+        self._pack(weights)
         self.chosen: dict[tuple[str, int], str] = {}  # (op kind, batch) -> variant name or "reference: why"
         self.sampling = None  # SamplingParams when the step samples (set_sampling)
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the step's noise seed, in place
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, logprobs) of the last step
         self._length_free: dict[int, bool] = {}
+
+    def _pack(self, caller: dict[str, torch.Tensor]) -> None:
+        """Weights that read one input put one after another in memory (kernels/packed.pack_rows), so one
+        projection reads them in one pass: each KDA layer's six input projections (triton-kda-fused), each MLP's
+        gate and up (triton-mlp). The same values, in this executor's dict and the caller's (the old tensors are
+        freed, as executors/expert_layout.py's are). Only for the variants shipped here."""
+        from ..kernels.kda_fused import in_names
+        from ..kernels.packed import pack_rows
+
+        names = {v.name for v in self.variants}
+        for op in self.plan.ops:
+            if op.kind == ATTN_KDA and "triton-kda-fused" in names:
+                pack_rows(self.weights, in_names(f"model.layers.{op.layer}.self_attn"), also=caller)
+            elif op.kind == MLP and "triton-mlp" in names:
+                pack_rows(self.weights, list(op.weights[:2]), also=caller)
 
     def _expert_order(self, plan: DecodePlan, weights: dict[str, torch.Tensor]) -> str:
         if not expert_layout.expert_pairs(plan):

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from ..contract import Variant
 from . import (
+    attn_res,
     cute_experts,
     fp8_experts,
     fused_experts,
     gqa,
     grouped_experts,
     kda,
+    kda_fused,
     latent_moe,
     lm_head,
     mla,
+    mlp,
     rmsnorm,
     router,
 )
@@ -26,7 +29,7 @@ SHIPPED: tuple[Variant, ...] = (
     rmsnorm.RMSNORM_VARIANT, rmsnorm.ADD_RMSNORM_VARIANT, router.ROUTER_VARIANT,
     grouped_experts.GROUPED_EXPERTS_VARIANT, fused_experts.FUSED_EXPERTS_VARIANT, fp8_experts.FP8_EXPERTS_VARIANT,
     cute_experts.CUTE_LATENT_MOE_VARIANT, latent_moe.LATENT_MOE_VARIANT,
-    kda.KDA_VARIANT, mla.MLA_VARIANT, gqa.GQA_VARIANT, lm_head.LM_HEAD_VARIANT)
+    mlp.MLP_VARIANT, attn_res.ATTN_RES_VARIANT, kda_fused.KDA_FUSED_VARIANT, kda.KDA_VARIANT, mla.MLA_VARIANT, gqa.GQA_VARIANT, lm_head.LM_HEAD_VARIANT)
 
 
 def shipped(names: tuple[str, ...] | None = None) -> list[Variant]:

@@ -507,6 +507,12 @@ def experts_of(op, weights: dict) -> tuple[MXFP4Frag, MXFP4Frag]:
                  else frag_of(MXFP4Tensor(weights[p], weights[s])) for p, s in ((gu_p, gu_s), (dn_p, dn_s)))
 
 
+# kernels/linear.py blocks for latent down and up: bench/linear_paths.py on the H200 (f00859f, K3's 3584 x 7168 and
+# 7168 x 3584) 17 and 19 us at batch 1 against 26 and 40 us with linear's defaults in the fused step
+# (bench/profile_step.py): a 256-wide K step keeps more of the weights in flight
+LATENT_BLOCKS = {"BLOCK_K": 256, "num_stages": 4}
+
+
 def cute_latent_moe(x, ids, wts, down_w, gate_up: MXFP4Frag, down: MXFP4Frag, norm_w, up_w, *, act: str,
                     eps: float, out: torch.Tensor | None = None, combine=None) -> torch.Tensor:
     """kernels/latent_moe.latent_moe's three stages with these routed experts: h = x latent_down^T (fp32), z =
@@ -516,7 +522,7 @@ def cute_latent_moe(x, ids, wts, down_w, gate_up: MXFP4Frag, down: MXFP4Frag, no
     from .linear import linear
 
     split = x.dtype == torch.float32
-    h = linear(x.contiguous(), down_w)
+    h = linear(x.contiguous(), down_w, blocks=LATENT_BLOCKS)
     T = h.shape[0]
     wts = wts.float().contiguous()
     if T <= MAX_CHUNK:
@@ -528,7 +534,7 @@ def cute_latent_moe(x, ids, wts, down_w, gate_up: MXFP4Frag, down: MXFP4Frag, no
             cute_experts(h[t0:t1], ids[t0:t1], wts[t0:t1], gate_up, down, act=act, split=split, out=z[t0:t1])
     if combine is not None:
         z = combine(z)
-    return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out)
+    return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out, blocks=LATENT_BLOCKS)
 
 
 def latent_op(op, x, ids, wts, weights: dict, cfg, out: torch.Tensor | None = None, combine=None) -> torch.Tensor:
