@@ -34,8 +34,9 @@
 #   timelines in one more process (recordings and images; the phase tables printed). 211 s at 610a13c (473 s at
 #   5936e56, when each bench and each timeline was its own process). Then `tests -m gpu` in its own call.
 # profile: bench/profile_step.py on PROFILE_PRESETS (k3-mini) with the fused executor at PROFILE_BATCH (1,8): the
-#   captured step's time, the eager step's top kernels and its kernel time per plan op kind (not yet run on the H200;
-#   the question it answers: which ops make k3-mini's batch-1 trunk take ~2.4 ms for ~0.9 ms of floor).
+#   captured step's time and idle gaps, the eager step's top kernels, its kernel time per plan op kind against the
+#   op's weight-byte floor, and each kind's first op kernel by kernel (results/profile-<preset>.json); then
+#   bench/linear_paths.py (PROFILE_LINEAR=0: not) at the preset's projection shapes. ~130 s at f00859f.
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
@@ -47,12 +48,15 @@
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
 #   written as <v>-h200.md/.html; the variants left when the budget ran out are printed (run again with them).
-# The carry: a call carries at most 64 MiB, the CuTe DSL bundle (`../shared/device/stage-cutedsl.sh`) ~62 MiB of it.
-# The tracked files (2.08 MB at c6ca483) fit only beside the bundle recompressed with xz -9e (64,724,480 B against
-# the stock 64,817,888; ~5 min on 2 cores), once per staging:
-#   cd .device && f=$(ls nvidia-cutlass-dsl-*.tar.xz) && xz -dc $f > /tmp/b.tar && xz -9e -T2 -c /tmp/b.tar > /tmp/b.xz \
-#     && chmod u+w $f && cp /tmp/b.xz $f
-# Room left: git ls-files -z | xargs -0 du -b | awk '{b+=int(($1+511)/512)*512+512} END {print 67108864-64724480-1024-b}'
+# The carry: a call carries at most 64 MiB, the CuTe DSL bundle (`../shared/device/stage-cutedsl.sh`) ~62 MiB of it
+# as staged (64,817,888 B). Recompressed with a 256 MiB LZMA dictionary, larger than its 193 MB library, it is
+# 54,800,720 B (~6 min on one core, 2.7 GB of memory; the device unpacks it as before), leaving ~9.9 MB for the tree
+# at 3dfde40 (the stock xz -9e's 64,724,480 B had left ~30 KB). Once per staging:
+#   cd .device && f=$(ls nvidia-cutlass-dsl-*.tar.xz) && mkdir -p /tmp/b && xz -dc $f | tar -C /tmp/b -x && \
+#     tar -C /tmp/b --sort=name -cf /tmp/b.tar nvidia_cutlass_dsl && \
+#     xz -z -T1 --lzma2=preset=9e,dict=256MiB,nice=273 -c /tmp/b.tar > /tmp/b.xz && chmod u+w $f && cp /tmp/b.xz $f
+# Room left: b=$(stat -c %s .device/nvidia-cutlass-dsl-*.tar.xz); git ls-files -z | xargs -0 du -b | \
+#   awk -v b0=$b '{b+=int(($1+511)/512)*512+512} END {print 67108864-b0-1024-b}'
 set -uo pipefail
 FINAL=${OUT:-out}
 OUT=$(mktemp -d)
@@ -288,6 +292,7 @@ if [ "$MODE" = profile ]; then  # where a fused decode step's GPU time goes: per
     done
     # the dense projections' paths (cuBLAS against the Triton projection) at the preset's shapes and the KDA
     # projections' concatenations (q k v: 36864 x 7168; with f_a, g_a and b: 37216 x 7168), latent down with the router
+    [ "${PROFILE_LINEAR:-1}" = 1 ] || exit "$rc"
     timeout "$(left)" python bench/linear_paths.py --preset "$(echo ${PROFILE_PRESETS:-k3-mini} | cut -d" " -f1)" --batch "${LINEAR_BATCH:-1,8}" \
         --min-mb 4 --x32 --extra "${LINEAR_EXTRA:-36864x7168,37216x7168,4480x7168}" --out "$OUT/results/linear-paths.json" \
         > "$OUT/evidence/linear-paths.log" 2>&1

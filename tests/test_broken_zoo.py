@@ -116,8 +116,8 @@ def test_order_dependent_combine_is_invisible_on_the_cpu():
 
 
 CORRECT_SHIPPED = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts",
-                   "triton-fused-experts", "triton-latent-moe", "triton-kda-fused", "triton-kda-decode",
-                   "triton-mla-decode", "triton-gqa-decode", "triton-lm-head")
+                   "triton-fused-experts", "triton-latent-moe", "triton-mlp", "triton-attn-res", "triton-kda-fused",
+                   "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode", "triton-lm-head")
 
 
 @pytest.mark.parametrize("name", CORRECT_SHIPPED)

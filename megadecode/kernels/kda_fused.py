@@ -142,7 +142,7 @@ def kda_decode(cfg, w: dict, prefix: str, x: torch.Tensor, step, conv_state: tor
         return out
     x = x.contiguous()
     proj = project(x, rows_view([w[n] for n in in_names(prefix)]), blocks=IN_BLOCKS)
-    rows = torch.arange(N, device=x.device) if step.contiguous_slots else step.slots.contiguous()
+    rows = step.slots.contiguous()  # with contiguous_slots: 0..N-1 (no arange launch for it)
     y = torch.empty(N, H * K, dtype=x.dtype, device=x.device)
     conv_w = w[f"{prefix}.conv1d.weight"]
     kda_fused_kernel[(N, H)](proj, conv_state, conv_w.contiguous(), fb.contiguous(), w[f"{f}.dt_bias"].contiguous(),
