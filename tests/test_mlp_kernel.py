@@ -21,7 +21,7 @@ TRITON_OK, needs_triton = triton_gate(MK.swiglu_kernel)
 
 
 @needs_triton
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3"])
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_variant_passes_check_op(preset, dtype):
     for batch in (1, 5, 17):  # 17: cuBLAS projections (packed.LINEAR_MAX_TOKENS = 16)

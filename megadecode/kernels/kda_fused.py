@@ -41,6 +41,11 @@ from .packed import project, rows_view
 # weights apart ~158 us), o_proj 43 us (cuBLAS 47)
 IN_BLOCKS = {"BLOCK_N": 32, "BLOCK_K": 256, "num_stages": 4}
 OUT_BLOCKS = {"BLOCK_K": 256, "num_stages": 4}
+# Above 16 tokens triton-kda-decode runs the op: on the H200 (bench/profile_step.py, k3-mini at 5de5c67) this
+# kernel, one program per (sequence, head) holding the whole [K, V] state, took 62 us a layer at batch 8 (the
+# recurrence kernel alone: 28 us) and 446 us at batch 64, 1.8 TB/s over the states' 806 MB: at batch 8 the ~55
+# launches it replaces still cost more, at 64 not. Batches between were not measured.
+MAX_BATCH = 16
 PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "g_a_proj", "b_proj")
 
 
@@ -181,7 +186,7 @@ KDA_FUSED_VARIANT = register(Variant(Manifest(
                 "delta-rule recurrence and the gated RMSNorm, and o_proj; prefill stays the reference",
     replaces=(ATTN_KDA,),
     scope=Scope(families=("kimi_linear", "kimi_k3"), dtypes=("float32", "float16", "bfloat16"),
-                devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
+                devices=("cpu", "cuda"), batch=(1, MAX_BATCH), arch="sm_90"),
     sources=("megadecode/kernels/kda_fused.py", "megadecode/kernels/packed.py", "megadecode/kernels/linear.py",
              "megadecode/kernels/common.py",
              "megadecode/reference/kda.py"), uses_triton=True, graph_capturable=True,
