@@ -55,3 +55,17 @@ def test_rejects_mismatched_weights():
 
 def test_static_audit_sm90():
     assert len(static_audits(("megadecode.kernels.mlp", [{}]))) == 3
+
+
+def test_tuned_blocks_give_way_to_the_defaults_where_they_would_not_fit_shared_memory():
+    """packed.fit_blocks: the blocks tuned on bf16 weights (the MLP's down projection, KDA's o_proj, the LatentMoE
+    projections) asked the H200 for 240 KB of shared memory with fp32 weights and failed to launch (4228b59)."""
+    from megadecode.kernels.cute_experts import LATENT_BLOCKS
+    from megadecode.kernels.packed import SMEM_BUDGET, fit_blocks
+
+    bf16, f32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    assert fit_blocks(MK.DOWN_BLOCKS, bf16, bf16) == MK.DOWN_BLOCKS
+    assert fit_blocks(LATENT_BLOCKS, bf16, f32) == LATENT_BLOCKS  # fp32 activations on bf16 weights: 192 KB
+    assert fit_blocks(MK.DOWN_BLOCKS, f32, f32) is None
+    assert fit_blocks(None, f32, f32) is None and fit_blocks({}, f32, f32) == {}
+    assert SMEM_BUDGET < 227 * 1024

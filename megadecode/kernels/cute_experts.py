@@ -509,7 +509,8 @@ def experts_of(op, weights: dict) -> tuple[MXFP4Frag, MXFP4Frag]:
 
 # kernels/linear.py blocks for latent down and up: bench/linear_paths.py on the H200 (f00859f, K3's 3584 x 7168 and
 # 7168 x 3584) 17 and 19 us at batch 1 against 26 and 40 us with linear's defaults in the fused step
-# (bench/profile_step.py): a 256-wide K step keeps more of the weights in flight
+# (bench/profile_step.py): a 256-wide K step keeps more of the weights in flight. fp32 weights: linear's defaults
+# (packed.fit_blocks: these would not fit shared memory)
 LATENT_BLOCKS = {"BLOCK_K": 256, "num_stages": 4}
 
 
@@ -520,9 +521,10 @@ def cute_latent_moe(x, ids, wts, down_w, gate_up: MXFP4Frag, down: MXFP4Frag, no
     [z = combine(z): expert parallelism, ids -1 for the other ranks' pairs], out = (rmsnorm(z) norm_w)
     latent_up^T. Any number of tokens: the experts take MAX_CHUNK of them a call (prefill, decode above 256)."""
     from .linear import linear
+    from .packed import fit_blocks
 
     split = x.dtype == torch.float32
-    h = linear(x.contiguous(), down_w, blocks=LATENT_BLOCKS)
+    h = linear(x.contiguous(), down_w, blocks=fit_blocks(LATENT_BLOCKS, down_w, x))
     T = h.shape[0]
     wts = wts.float().contiguous()
     if T <= MAX_CHUNK:
@@ -534,7 +536,8 @@ def cute_latent_moe(x, ids, wts, down_w, gate_up: MXFP4Frag, down: MXFP4Frag, no
             cute_experts(h[t0:t1], ids[t0:t1], wts[t0:t1], gate_up, down, act=act, split=split, out=z[t0:t1])
     if combine is not None:
         z = combine(z)
-    return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out, blocks=LATENT_BLOCKS)
+    return linear(z, up_w, norm_weight=norm_w, eps=eps, out_dtype=x.dtype, out=out,
+                  blocks=fit_blocks(LATENT_BLOCKS, up_w, z))
 
 
 def latent_op(op, x, ids, wts, weights: dict, cfg, out: torch.Tensor | None = None, combine=None) -> torch.Tensor:
@@ -572,7 +575,8 @@ def _register_variant():
         scope=Scope(families=("kimi_k3",), dtypes=("float32", "float16", "bfloat16"), devices=("cuda",),
                     batch=(1, 256), arch="sm_90", dims=_k3_dims),
         sources=("megadecode/kernels/cute_experts.py", "megadecode/quant/mxfp4_frag.py",
-                 "megadecode/kernels/linear.py", "megadecode/kernels/grouped_experts.py"), uses_triton=True,
+                 "megadecode/kernels/linear.py", "megadecode/kernels/packed.py",
+                 "megadecode/kernels/grouped_experts.py"), uses_triton=True,
         graph_capturable=True, kernels=_variant_kernels),
         _run))
 

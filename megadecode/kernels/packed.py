@@ -14,6 +14,10 @@ from __future__ import annotations
 import torch
 
 LINEAR_MAX_TOKENS = 16
+# Shared memory a kernels/linear.py configuration may ask for (`fit_blocks`). The H200 allows 227 KB a block; at
+# 4228b59 the MLP's down projection of an fp32 model (BLOCK_K 256, 4 stages, fp32 weights) asked for 240 KB and
+# failed to launch there (tests/test_expert_layout.py, tiny-k3-wide in fp32).
+SMEM_BUDGET = 200 * 1024
 
 
 def adjacent(ts: list[torch.Tensor]) -> bool:
@@ -53,13 +57,26 @@ def pack_rows(weights: dict[str, torch.Tensor], names: list[str], also: dict | N
         weights[n] = v
 
 
+def fit_blocks(blocks: dict | None, w: torch.Tensor, x: torch.Tensor) -> dict | None:
+    """`blocks` for kernels/linear.py when its pipelined tiles (num_stages x (BLOCK_N x BLOCK_K weights + BLOCK_K x
+    BLOCK_M activations)) fit SMEM_BUDGET at these tensors' element sizes, else None: linear's defaults, which fit
+    any dtype. The tuned blocks were measured on bf16 weights; fp32 weights take twice the room."""
+    if not blocks:
+        return blocks
+    from .linear import DEFAULT_BLOCKS
+
+    b = {**DEFAULT_BLOCKS, **blocks}
+    need = b["num_stages"] * b["BLOCK_K"] * (b["BLOCK_N"] * w.element_size() + b["BLOCK_M"] * x.element_size())
+    return blocks if need <= SMEM_BUDGET else None
+
+
 def project(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None, blocks: dict | None = None):
     """x [T, K] @ w [N, K]^T -> [T, N] in x's dtype (into `out` when given), fp32 accumulation, rounded once
     as F.linear is: kernels/linear.py up to LINEAR_MAX_TOKENS tokens (`blocks` its block sizes), cuBLAS above."""
     if x.shape[0] <= LINEAR_MAX_TOKENS:
         from .linear import linear
 
-        return linear(x, w, out_dtype=x.dtype, out=out, blocks=blocks)
+        return linear(x, w, out_dtype=x.dtype, out=out, blocks=fit_blocks(blocks, w, x))
     if out is None:
         return torch.nn.functional.linear(x, w)
     return torch.mm(x, w.t(), out=out)
