@@ -40,8 +40,8 @@ def op_weight_bytes(executor, op, ctx) -> int:
 
 def split_by_markers(kernels: list[tuple[str, float, float]], marker: str = "spin_kernel") -> list[list]:
     """kernels: (name, start us, duration us) of one stream's kernels in any order -> the kernels between
-    consecutive marker kernels (names containing `marker`), in start order: group i holds those after the i-th marker (the first group those
-    before the first marker, usually none). The markers themselves are left out."""
+    consecutive marker kernels (names containing `marker`), in start order: group i holds those after the i-th
+    marker (the first group those before the first marker, usually none). The markers themselves are left out."""
     groups: list[list] = [[]]
     for k in sorted(kernels, key=lambda k: k[1]):
         if marker in k[0]:  # CUPTI names it with its namespace: at::cuda::(anonymous namespace)::spin_kernel(long)
@@ -191,7 +191,7 @@ def main():
                   f"floor {nb / HBM_READ_BPS * 1e6:.1f} us")
             for name, _, us in ks:
                 print(f"     {us:8.1f}  {name[:100]}")
-        n, kt, span = graph_gaps(lambda: (eng.decode(tok), eng.lengths.__setitem__(slice(None), [a.context] * B)))
+        n, kt, span = graph_gaps(lambda e=eng: (e.decode(tok), e.lengths.__setitem__(slice(None), [a.context] * B)))
         print(f"\ncaptured step under the profiler: {n} kernels, {kt:.1f} us of kernel time over a {span:.1f} us span "
               f"({span - kt:.1f} us idle between kernels, {(span - kt) / max(n - 1, 1):.2f} us a gap)")
         results.append({"preset": a.preset, "executor": a.executor, "batch": B, "graph_ms": graph_ms,

@@ -19,7 +19,8 @@ from megadecode.weights import random_weights  # noqa: E402
 
 PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-kimi-linear", "tiny-k3")
 SHIPPED = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts",
-           "triton-latent-moe", "triton-kda-fused", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode", "triton-lm-head")
+           "triton-latent-moe", "triton-mlp", "triton-attn-res", "triton-kda-fused", "triton-kda-decode",
+           "triton-mla-decode", "triton-gqa-decode", "triton-lm-head")
 
 
 def _harness():

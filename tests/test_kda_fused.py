@@ -1,7 +1,7 @@
 """triton-kda-fused (megadecode/kernels/kda_fused.py) under the Triton interpreter: the harness's checks on the kimi
 families (output, conv state and recurrent state against the reference, slots permuted and kept), the weight
-packing the fused executor does for it (kernels/packed.py: values kept, views of one tensor, the caller's dict too), a mutant the
-checks must catch, and the static sm_90 audit."""
+packing the fused executor does for it (kernels/packed.py: values kept, views of one tensor, the caller's dict
+too), a mutant the checks must catch, and the static sm_90 audit."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ def test_pack_rows_keeps_values_and_makes_one_view():
     assert torch.equal(view, torch.cat([before[n] for n in "abc"]))
     assert not KF.adjacent([w["b"], w["a"]])  # order matters
     assert not KF.adjacent([w["a"], torch.randn(2, 4)])  # row lengths differ
+    mixed = {"a": torch.randn(2, 8), "b": torch.randn(3, 8, dtype=torch.float64)}
+    KF.pack_rows(mixed, ["a", "b"])  # dtypes differ: left as they are (a concatenation would promote them)
+    assert mixed["b"].dtype == torch.float64 and not KF.adjacent([mixed["a"], mixed["b"]])
 
 
 def test_decode_rejects_a_wrong_state():

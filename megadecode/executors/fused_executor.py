@@ -26,7 +26,7 @@ dtype, batch and device runs the op; every other op runs the graph executor's op
   attn_res triton-attn-res           (K3's Block AttnRes in one kernel a token: scores, softmax over the
                                       sources and their weighted sum, without concatenating the sources)
   attn_kda triton-kda-fused          (KDA decode in three launches: the six input projections as one, packed
-                                      one after another at build (kernels/kda_fused.pack_rows); conv, gates,
+                                      one after another at build (kernels/packed.pack_rows); conv, gates,
                                       recurrence and gated norm in one kernel per (sequence, head); o_proj)
            triton-kda-decode         (the KDA decode recurrence in one kernel: one read and one write of each
                                       sequence's state; the rest of the op stays the reference ops)
@@ -77,7 +77,8 @@ SAMPLE_IN_STEP_MAX_BATCH = 64
 LENGTH_OPS = (ATTN_GQA, ATTN_MLA)
 
 VARIANTS = ("triton-rmsnorm", "triton-add-rmsnorm", "triton-router", "triton-grouped-experts", "triton-fused-experts",
-            "triton-fp8-experts", "cute-latent-moe", "triton-latent-moe", "triton-mlp", "triton-attn-res", "triton-kda-fused", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
+            "triton-fp8-experts", "cute-latent-moe", "triton-latent-moe", "triton-mlp", "triton-attn-res",
+            "triton-kda-fused", "triton-kda-decode", "triton-mla-decode", "triton-gqa-decode")
 
 
 def _variants(device: torch.device) -> list:

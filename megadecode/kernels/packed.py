@@ -43,9 +43,12 @@ def rows_view(ts: list[torch.Tensor]) -> torch.Tensor:
 def pack_rows(weights: dict[str, torch.Tensor], names: list[str], also: dict | None = None) -> None:
     """Put the named 2-D weights one after another in one new tensor and replace their entries by views of it
     (in `weights`, and in `also` where it holds the same tensors): the same values, one pass for rows_view. The
-    old tensors are freed when nothing else holds them. Already adjacent: nothing to do."""
+    old tensors are freed when nothing else holds them. Already adjacent, or not 2-D weights of one dtype, device
+    and row length (rows_view could not view them as one): nothing to do."""
     ts = [weights[n] for n in names]
-    if adjacent(ts):
+    t0 = ts[0]
+    if adjacent(ts) or any(t.dim() != 2 or t.dtype != t0.dtype or t.device != t0.device or t.shape[1] != t0.shape[1]
+                           for t in ts):
         return
     whole = torch.cat(ts)
     r = 0
