@@ -81,9 +81,23 @@ def distinct_experts(engine: Engine, tokens: torch.Tensor) -> list[int]:
     return counts
 
 
-def time_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int, seed: int):
+def next_tokens(mode: str, logits: torch.Tensor, drawn: torch.Tensor | None, i: int) -> torch.Tensor:
+    """The tokens fed to the decode step after step i: "greedy" the argmax of step i's logits; "random" row i of
+    `drawn` (ids drawn before the timed loop, so no step times the draw)."""
+    if mode == "greedy":
+        return logits.argmax(-1)
+    if mode == "random":
+        return drawn[i]
+    raise ValueError(f"tokens: greedy or random, got {mode!r}")
+
+
+def time_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int, seed: int,
+                tokens_mode: str = "greedy"):
     """Median ms per decode step, the distinct experts per layer of one more step, and the wall time of the first
-    step (its compiles and captures included: the cold start's second part), in seconds."""
+    step (its compiles and captures included: the cold start's second part), in seconds. tokens_mode
+    (`next_tokens`): "greedy" feeds each step the last one's argmax (with random weights these collapse onto few
+    distinct tokens, so large batches select fewer distinct experts than real traffic: k3-mini at batch 64 ~285 a
+    layer where uniform routing gives ~610); "random" fresh random ids each step."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     first_s = None
 
@@ -103,17 +117,19 @@ def time_decode(engine: Engine, batch: int, context: int, warmup: int, steps: in
                 x.normal_(generator=gen)
         engine.lengths = [context] * batch
         tokens = torch.randint(0, engine.cfg.vocab_size, (batch,), device="cuda", generator=gen)
+        drawn = None if tokens_mode == "greedy" else \
+            torch.randint(0, engine.cfg.vocab_size, (warmup + steps, batch), device="cuda", generator=gen)
         torch.cuda.synchronize()
-        for _ in range(warmup):
-            tokens = decode(tokens).argmax(-1)
+        for i in range(warmup):
+            tokens = next_tokens(tokens_mode, decode(tokens), drawn, i)
         events = []
-        for _ in range(steps):
+        for i in range(warmup, warmup + steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = decode(tokens)
             end.record()
             events.append((start, end))
-            tokens = logits.argmax(-1)
+            tokens = next_tokens(tokens_mode, logits, drawn, i)
         torch.cuda.synchronize()
     ms = statistics.median(s.elapsed_time(e) for s, e in events)
     return ms, distinct_experts(engine, tokens), first_s
@@ -123,7 +139,8 @@ _BUILT: set[str] = set()  # executors whose engine this process has built (compi
 
 
 def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parallel=None, ep=None) -> dict:
-    row = {"preset": preset, "executor": executor, "batch": batch, "context": args.context}
+    mode = getattr(args, "tokens", "greedy")
+    row = {"preset": preset, "executor": executor, "batch": batch, "context": args.context, "tokens": mode}
 
     def engine_of():
         return Engine(cfg, weights, executor=executor, max_batch=batch,
@@ -136,7 +153,7 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     _BUILT.add(executor)
-    ms, experts, first_s = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed)
+    ms, experts, first_s = time_decode(engine, batch, args.context, args.warmup, args.steps, args.seed, mode)
     # the cold start: the engine's construction and its first decode step, wall clock (kernel compiles included
     # where this process had not built this executor before: `first_in_process`; on-disk caches such as Triton's
     # are not cleared, so a compile cached there from an earlier process is not in it)
@@ -159,7 +176,7 @@ def bench_one(cfg, weights, preset: str, executor: str, batch: int, args, parall
         torch.cuda.empty_cache()
         parallel.comm = False
         try:
-            quiet, _, _ = time_decode(engine_of(), batch, args.context, args.warmup, args.steps, args.seed)
+            quiet, _, _ = time_decode(engine_of(), batch, args.context, args.warmup, args.steps, args.seed, mode)
         finally:
             parallel.comm = True
         moe_layers = sum(cfg.moe_layers)
@@ -207,6 +224,10 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps before the timed ones")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight and cache dtype")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights, in [0, 2**32 - 1]")
+    p.add_argument("--tokens", choices=("greedy", "random"), default="greedy",
+                   help="the tokens each step is fed: the last step's argmax (greedy; with random weights they "
+                        "collapse onto few distinct tokens, so large batches select fewer experts than real "
+                        "traffic) or fresh random ids (random)")
     p.add_argument("--weights", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="MoE-layer presets only: expert weight formats, comma-separated (k3-moe: mxfp4, bf16, "
                         "default both; qwen3-moe: bf16, fp8, default bf16)")
