@@ -42,9 +42,10 @@ from .packed import project, rows_view
 IN_BLOCKS = {"BLOCK_N": 32, "BLOCK_K": 256, "num_stages": 4}
 OUT_BLOCKS = {"BLOCK_K": 256, "num_stages": 4}
 # Above 16 tokens triton-kda-decode runs the op: on the H200 (bench/profile_step.py, k3-mini at 5de5c67) this
-# kernel, one program per (sequence, head) holding the whole [K, V] state, took 62 us a layer at batch 8 (the
-# recurrence kernel alone: 28 us) and 446 us at batch 64, 1.8 TB/s over the states' 806 MB: at batch 8 the ~55
-# launches it replaces still cost more, at 64 not. Batches between were not measured.
+# kernel, one program per (sequence, head) holding the whole [K, V] state, took 62 us a layer at batch 8 (where
+# triton-kda-decode's recurrence kernel alone took 28 us at f00859f) and 446 us at batch 64, 1.8 TB/s over the
+# states' 806 MB. At batch 8 the ~55 launches it replaces cost more than the difference; at 64 the difference is
+# ~4x larger. triton-kda-decode was not measured at batch 64, nor either between 8 and 64.
 MAX_BATCH = 16
 PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "g_a_proj", "b_proj")
 
