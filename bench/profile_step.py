@@ -98,8 +98,13 @@ def op_kernels(executor, step, device_type: str = "cuda"):
 def op_kind_times(executor, step, device_type: str = "cuda") -> dict[str, tuple[int, float, int]]:
     """op kind -> (ops run, microseconds of kernel time in them, weight bytes they read: op_weight_bytes) for one
     eager run_ops of `step` (`op_kernels`). device_type "cpu": CPU time instead (tests)."""
+    return kind_totals(op_kernels(executor, step, device_type))
+
+
+def kind_totals(per_op) -> dict[str, tuple[int, float, int]]:
+    """op_kernels' rows summed per op kind: (ops, microseconds of kernel time, weight bytes)."""
     out: dict[str, tuple[int, float, int]] = {}
-    for op, ks, nb in op_kernels(executor, step, device_type):
+    for op, ks, nb in per_op:
         n, t, b = out.get(op.kind, (0, 0.0, 0))
         out[op.kind] = (n + 1, t + sum(k[2] for k in ks), b + nb)
     return out
@@ -170,10 +175,7 @@ def main():
         for e in rows:
             print(f"{e.key[:72]:72s} {e.count:6d} {e.device_time_total:10.1f} {e.device_time_total / e.count:8.2f}")
         per_op = op_kernels(eng.executor, step)
-        kinds: dict[str, tuple[int, float, int]] = {}
-        for op, ks, nb in per_op:
-            n, t, b = kinds.get(op.kind, (0, 0.0, 0))
-            kinds[op.kind] = (n + 1, t + sum(k[2] for k in ks), b + nb)
+        kinds = kind_totals(per_op)
         print(f"\n{'op kind':16s} {'ops':>5s} {'kernel us':>10s} {'share':>6s} {'weight MB':>10s} {'floor us':>9s} "
               f"{'of floor':>8s}")
         whole = sum(t for _, t, _ in kinds.values()) or 1.0

@@ -33,7 +33,8 @@ def test_variant_passes_check_op(preset, dtype):
 
 @needs_triton
 def test_check_op_catches_a_wrong_delta_rule(monkeypatch):
-    """The same variant with beta off by 1% (the recurrence's update): the harness names the output and the state."""
+    """The same variant with b_proj shifted by 0.05 (beta, the recurrence's update, off): the harness names the
+    output and the state."""
     from megadecode.contract import Manifest, Variant
 
     base = get("triton-kda-fused")

@@ -31,7 +31,7 @@ def test_variant_passes_check_op(preset, dtype):
 
 @needs_triton
 def test_check_op_catches_a_missing_rounding():
-    """The SiLU product without the reference's rounding of silu(g) to fp16 first: small, and still caught."""
+    """The SiLU product 1% off (and without the reference's rounding of silu(g) to fp16 first): caught."""
     from megadecode.contract import Manifest, Variant
 
     def run(op, inputs, weights, outputs, cfg, step, cache=None):
