@@ -1,7 +1,10 @@
 """The megakernel against its golden model and the reference, on the GPU (tiny presets, bf16): for each preset and
 batch megadecode.validate.mega_gpu.diff_program (every buffer and cache against pyvm, repeats and delayed runs bitwise
 equal), then end_to_end (decode logits against pyvm and `torch`, greedy generation against bf16 and fp32 `torch`).
-Writes a JSON summary to --out. A family in the executor's UNVALIDATED_FAMILIES runs with MEGADECODE_MEGA_UNVALIDATED=1
+`--cases paths` runs
+mega_gpu.PATH_CASES instead (diffs only): batch tails up to 64, experts of several passes, contexts 1 and the last
+position of a 1000-position cache (attention splits of several chunks, the last partial). Writes a JSON summary to
+--out, each diff row with its context and its longest attention split. A family in the executor's UNVALIDATED_FAMILIES runs with MEGADECODE_MEGA_UNVALIDATED=1
 (this is the check that validates it).
 
     python bench/mega_check.py --out $OUT/mega_check.json
@@ -19,7 +22,7 @@ import traceback
 import torch
 
 from megadecode.executors.mega_executor import UNVALIDATED_ENV
-from megadecode.validate.mega_gpu import diff_failures, diff_program, e2e_failures, end_to_end
+from megadecode.validate.mega_gpu import PATH_CASES, diff_failures, diff_program, e2e_failures, end_to_end
 
 
 def _rel3(x):
@@ -44,6 +47,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,3,8")
     ap.add_argument("--ctas", type=int, default=0, help="0: every CTA the GPU holds")
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per sequence end to end (0: skip)")
+    ap.add_argument("--cases", choices=("presets", "paths"), default="presets",
+                    help="presets: --presets x --batches at random positions, then end to end; paths: PATH_CASES")
     ap.add_argument("--out", default="mega_check.json")
     args = ap.parse_args()
     os.environ[UNVALIDATED_ENV] = "1"
@@ -51,19 +56,27 @@ def main() -> int:
 
     ctas = args.ctas or default_ctas(torch.device("cuda"))
     res = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "diff": [], "e2e": []}
-    for preset in args.presets.split(","):
-        for b in map(int, args.batches.split(",")):
+    presets = args.presets.split(",")
+    if args.cases == "paths":
+        diffs = {p: [(b, ctx) for q, b, ctx in PATH_CASES if q == p] for p in dict.fromkeys(q for q, _, _ in PATH_CASES)}
+    else:
+        diffs = {p: [(b, "random") for b in map(int, args.batches.split(","))] for p in presets}
+    res["cases"] = args.cases
+    for preset, cases in diffs.items():
+        for b, ctx in cases:
             try:
-                r = diff_program(preset, b, ctas, seed=b)
+                r = diff_program(preset, b, ctas, seed=b, context=ctx)
             except Exception as e:  # noqa: BLE001  (report and go on: one GPU call, many cases)
-                print(f"diff {preset} b={b}: {type(e).__name__}: {traceback.format_exc()[-1500:]}", flush=True)
-                res["diff"].append({"preset": preset, "batch": b, "error": repr(e)})
+                print(f"diff {preset} b={b} {ctx}: {type(e).__name__}: {traceback.format_exc()[-1500:]}", flush=True)
+                res["diff"].append({"preset": preset, "batch": b, "context": ctx, "error": repr(e)})
                 continue
             res["diff"].append(r)
             worst = max((x.get("rel", 0.0) for x in r["buffers"]), default=0.0)
-            print(f"diff {preset} b={b}: {r['instructions']} instrs, worst rel {worst:.2e}, mismatched "
-                  f"{r['mismatched'][:6]}, repeat equal {r['repeat_bitwise_equal']}, first launch "
-                  f"{r['first_launch_s']:.1f}s, {r['delayed_runs']} delayed runs equal {r['delayed_bitwise_equal']}", flush=True)
+            print(f"diff {preset} b={b} {ctx} (longest split {r['longest_split']}): {r['instructions']} instrs, "
+                  f"worst rel {worst:.2e}, mismatched {r['mismatched'][:6]}, repeat equal {r['repeat_bitwise_equal']}, "
+                  f"first launch {r['first_launch_s']:.1f}s, {r['delayed_runs']} delayed runs equal "
+                  f"{r['delayed_bitwise_equal']}", flush=True)
+    for preset in (presets if args.cases == "presets" else ()):
         for b in ((1, 4) if args.tokens else ()):
             try:
                 r = end_to_end(preset, b, args.tokens, seed=10 + b)

@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("cutlass", reason="the megakernel needs nvidia-cutlass-dsl")
 
 from megadecode.executors.mega_executor import UNVALIDATED_ENV
-from megadecode.validate.mega_gpu import diff_failures, diff_program, e2e_failures, end_to_end
+from megadecode.validate.mega_gpu import (PATH_CASES, diff_failures, diff_program, e2e_failures, end_to_end,  # noqa: E402
+                                         timeout_case, timeout_failures)
 
 PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3"]
 
@@ -30,6 +31,34 @@ def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
     r = diff_program(preset, batch, ctas=16, seed=batch, delay_runs=1)
     assert not diff_failures(r), diff_failures(r)  # every buffer within mega_gpu.BUFFER_TOL, repeats bitwise equal
     assert all(x["equal"] for x in r["buffers"] if "equal" in x)
+
+
+@pytest.mark.parametrize("preset, batch, context", PATH_CASES)
+def test_launch_reaches_every_path_and_matches_pyvm(preset, batch, context):
+    """mega_gpu.PATH_CASES: batch tails up to 64, experts of several passes, context 1, and the last position of a
+    1000-position cache, where every attention split spans several 64-position chunks and ends on a partial one."""
+    r = diff_program(preset, batch, ctas=16, seed=batch, delay_runs=1, context=context)
+    assert not diff_failures(r), diff_failures(r)
+    assert context != "max" or r["longest_split"] > 64
+
+
+def test_a_wait_past_its_limit_raises_naming_the_instruction_and_the_counter():
+    """A signal removed on the device: the launch returns (no hang) and MegaRuntime.check raises MegaError naming
+    an instruction that waits on a blocked counter, and the counter."""
+    r = timeout_case()
+    assert not timeout_failures(r), (timeout_failures(r), r)
+
+
+def test_the_checks_catch_the_planted_silent_timeout_and_skipped_chunk_on_the_gpu():
+    """validate/mega_plants.py: a wait that proceeds silently raises nothing (timeout_failures names it); a split
+    whose last partial chunk is skipped differs from pyvm at the long splits, though not at the old contexts."""
+    from megadecode.validate.mega_plants import planted_launcher
+
+    silent = planted_launcher("silent_timeout", "cuda", bodies=("EMBED",))
+    assert timeout_failures(timeout_case(kernel=silent))
+    skip = planted_launcher("skip_last_chunk", "cuda")
+    assert diff_failures(diff_program("tiny-qwen3-moe", 5, ctas=16, seed=5, delay_runs=0, context="max", kernel=skip))
+    assert not diff_failures(diff_program("tiny-qwen3-moe", 3, ctas=16, seed=3, delay_runs=0, kernel=skip))
 
 
 @pytest.mark.parametrize("preset", PRESETS + ["tiny-qwen3-gqa"])

@@ -1,12 +1,14 @@
 """The megakernel in CuTe DSL: one persistent launch walks a decode step's instruction queues (mega/isa.py).
 
 Each CTA (NT threads) runs its queue in order. For every instruction: thread 0 spins on the counters it waits on
-(`ld.acquire.gpu`, bounded: on a timeout it records the instruction, counter and value in `err`, sets the abort
-flag that every spinner also polls, and the launch drains), then a block barrier; the opcode's body; a block
-barrier; thread 0 signals (`fence.acq_rel.gpu`, then `atom.add.release.gpu`). Activations produced inside the
-launch (the fp32 and int32 arenas, the KV cache) are read with plain coherent `ld.global` after the acquire;
-static weights are read with the same plain loads (no non-coherent path at all in this version). Opcode
-semantics: mega/pyvm.py, which this kernel is diffed against.
+(`wait_counter`: `ld.acquire.gpu`, bounded: on a timeout it records the instruction, counter and value in `err`,
+sets the abort flag that every spinner also polls, and the launch drains), then a block barrier; the opcode's
+body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `fence.acq_rel.gpu`, then
+`atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
+writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent `ld.global` after the
+acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
+non-coherent path, which the static audit proves per load site reads only wtab's tensors (mega/spec.py,
+validate/audit.py). Opcode semantics: mega/pyvm.py, which this kernel is diffed against.
 
 Weights and caches are bf16 (routed experts bf16 or MXFP4; KDA's recurrent state fp32); activations fp32. Dot
 products: each warp takes rows, each lane 8 consecutive elements at a time (16-byte loads), TB tokens per pass, fp32
@@ -27,7 +29,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import NT, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_row  # noqa: E402,F401
+from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_row  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
@@ -35,15 +37,15 @@ from .isa import OPCODES  # noqa: E402
 
 
 @cute.jit
-def op_matvec(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
-              tid: Int32):
-    op_rows(pb, idx, fb, ib, taddr, sm, smi, tid, False)
+def op_matvec(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+              smi: cute.Tensor, tid: Int32):
+    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, False)
 
 
 @cute.jit
-def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
-           tid: Int32):
-    op_rows(pb, idx, fb, ib, taddr, sm, smi, tid, True)
+def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+           smi: cute.Tensor, tid: Int32):
+    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, True)
 
 
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
@@ -54,21 +56,24 @@ BODIES = (("MATVEC", op_matvec), ("GLU", op_glu), ("EMBED", op_embed), ("ATTN_GQ
 
 
 # ---- the persistent loop ------------------------------------------------------------------------------------
-PLANT = ""  # a deliberate ordering mistake, compiled only by compile_for(plant=...) for the audit's own tests
-PLANTS = ("relaxed_signal", "weak_wait")
+# The synchronisation steps are module-level functions, looked up when the kernel is traced, so that the harness's
+# planted mistakes (validate/mega_plants.py) can swap one of them in a build of their own; the shipped kernel
+# never changes.
 
 
 @cute.jit
 def wait_load(p) -> Int32:
-    if cutlass.const_expr(PLANT == "weak_wait"):
-        return cute.arch.load(p, Int32, sem="relaxed", scope="gpu")
+    """One poll of a counter: an acquire load, so the data its producers released is visible after it."""
     return cute.arch.load(p, Int32, sem="acquire", scope="gpu")
 
 
 @cute.jit
 def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
-                 max_spin: Int32, instr: Int32):
-    """Thread 0: spin (acquire) until counter c_idx reached this launch's target; on a timeout record it."""
+                 max_spin: Int32, instr: Int32) -> Int32:
+    """Thread 0: spin (acquire) until counter c_idx reached this launch's target; 1 when it did. After max_spin polls,
+    or once another wait has aborted the launch, 0: the first to time out records the instruction, the counter,
+    the value seen and the target in err and raises err[0], the abort flag every spinner polls, so the launch
+    drains instead of hanging and the host raises MegaError (runtime.MegaRuntime.check)."""
     ok = Int32(1)
     if c_idx >= 0:
         target = (epoch - 1) * per + need
@@ -93,6 +98,20 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
 
 
 @cute.jit
+def order_body_stores():
+    """Between an instruction's body and its signal: a block barrier, so every thread's stores are done before
+    thread 0's fence and release publish them."""
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def signal(ctr: cute.Tensor, sig: Int32):
+    """Thread 0, after order_body_stores: a gpu-scope fence, then the release add that consumers acquire."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
 def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
     """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
     ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
@@ -101,14 +120,19 @@ def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
 
 @cute.kernel
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
-                i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
-                timeline: Int32, delay_ns: Int32):
-    """`timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer ns), SM, and up to 4
-    marks its body stamps (base.mark)] in tl, TLW words each. Bits 1-2, the L2 prefetch of static weights
-    (`runtime.PREFETCH`, a measurement switch; results do not depend on it): 0 the next instruction's during the
-    wait, 1 none (the runtime's default: measured faster), 2 the current instruction's during its own wait. Bits 3..:
-    a try build's switches (`runtime.TRIES`), kept in shared memory (TRY_S) for the bodies under trial.
-    `delay_ns` > 0: thread 0 sleeps a random 0..delay_ns before the instruction's stores and after its signal."""
+                i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32,
+                tl: cute.Tensor, timeline: Int32, delay_ns: Int32):
+    """`wtab`: the device address of every static tensor of the program's tensor table (weights; 0 for the others),
+    `ptab`: of every tensor written in the launch (caches, states; 0 for the others), one index space: a body reads
+    a weight's address from wtab and a cache's from ptab, so the audit can tell, per load, what it reads
+    (mega/spec.py). `timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer
+    ns), SM, and up to 4 marks its body stamps (base.mark)] in tl, TLW words each. Bits 1-2, the L2 prefetch of
+    static weights (`runtime.PREFETCH`, a measurement switch; results do not depend on it): 0 the next
+    instruction's during the wait, 1 none (the runtime's default: measured faster), 2 the current instruction's
+    during its own wait. Bits 3..: a try build's switches (`runtime.TRIES`), kept in shared memory (TRY_S) for the
+    bodies under trial to read. `delay_ns` > 0 (the debug build): thread 0 sleeps a random 0..delay_ns after its
+    wait and after its signal, and every warp sleeps its own random 0..delay_ns before the body, so that warps
+    store at different times and a signal that does not wait for all of them would be seen early."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     alloc = SmemAllocator()
@@ -135,9 +159,9 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             # instruction's (this one's were requested while the previous one ran; the first of the queue's now);
             # mode 2: this one's; mode 1 (the runtime's default): none
             if qi == qstart[bid] or pmode == 2:
-                prefetch_row(prog, taddr, idx, tid - 64, NT - 64)
+                prefetch_row(prog, wtab, idx, tid - 64, NT - 64)
             if qi + 1 < qstart[bid + 1] and pmode == 0:
-                prefetch_row(prog, taddr, qorder[qi + 1], tid - 64, NT - 64)
+                prefetch_row(prog, wtab, qorder[qi + 1], tid - 64, NT - 64)
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()
@@ -153,18 +177,16 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         if tid == 0:
             t_start = cute.arch.globaltimer()
         if smi[SMEM_I - 1] == 1:
+            if delay_ns > 0:  # each warp its own delay before any of its stores
+                nap(delay_ns, idx, epoch, (bid * NW + tid // 32) * 4 + 3)
             op = prog[idx, 0]
             for k in cutlass.range_constexpr(len(BODIES)):
                 if op == OPCODES[BODIES[k][0]]:
-                    BODIES[k][1](pb, idx, fb, ib, taddr, sm, smi, tid)
-            cute.arch.sync_threads()
+                    BODIES[k][1](pb, idx, fb, ib, wtab, ptab, sm, smi, tid)
+            order_body_stores()
             sig = prog[idx, 2]
             if tid == 0 and sig >= 0:
-                if cutlass.const_expr(PLANT != "relaxed_signal"):
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
-                else:
-                    cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
+                signal(ctr, sig)
         if tid == 0:
             if (timeline & 1) != 0:
                 tl[TLW * idx] = t_wait
@@ -178,9 +200,9 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
 
 @cute.jit
 def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
-           i32: cute.Tensor, taddr: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
+           i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
            timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream):
-    mega_kernel(prog, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, timeline, delay_ns).launch(
+    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns).launch(
         grid=(num_ctas, 1, 1), block=(NT, 1, 1), stream=stream)
 
 
@@ -191,33 +213,26 @@ def current_stream_arg():
     return cuda_drv.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def compile_for(plant: str = ""):
-    """cute.compile the launcher with fake tensors: no GPU needed. The PTX is in `.__ptx__` (what the static audit
-    and the occupancy calculation read; the dump goes to a temporary directory), the DSL's cubin in
-    `.artifacts.CUBIN`. `plant`: one of PLANTS, a
-    deliberate ordering mistake the audit must catch (never launched). Once per plant and process: `compile_for()`
-    and `compile_for("")` share the one compile (an lru_cache on this function kept them apart, and the audit's
-    `compile_for("")` compiled the whole kernel again, ~70 s on a 2-core CPU)."""
-    return _compile_once(plant)
-
-
-@functools.lru_cache(maxsize=4)
-def _compile_once(plant: str):
-    global PLANT
+def fake_args():
+    """The launcher's arguments as placeholders (no GPU needed): what a compile for the audit is traced with."""
     from cutlass.cute.runtime import make_fake_compact_tensor as fk
 
-    if plant not in ("",) + PLANTS:
-        raise ValueError(f"unknown plant {plant!r}; plants: {PLANTS}")
-    args = (fk(Int32, (64, ROW)), fk(Int32, (9,)), fk(Int32, (64,)), fk(Int32, (64,)),
+    return (fk(Int32, (64, ROW)), fk(Int32, (9,)), fk(Int32, (64,)), fk(Int32, (64,)),
             fk(Float32, (4096,), assumed_align=16), fk(Int32, (1024,), assumed_align=16), fk(Int64, (16,)),
-            fk(Int32, (8,)), Int32(1 << 20), fk(Int64, (256,)), Int32(0), Int32(0), Int32(8), cuda_drv.CUstream(0))
+            fk(Int64, (16,)), fk(Int32, (8,)), Int32(1 << 20), fk(Int64, (256,)), Int32(0), Int32(0), Int32(8),
+            cuda_drv.CUstream(0))
+
+
+def compile_ptx_cubin():
+    """cute.compile the launcher with placeholder tensors, no GPU needed, keeping the PTX (`.__ptx__`, what the
+    static audit and the occupancy calculation read; the dump goes to a temporary directory) and the DSL's cubin
+    (`.artifacts.CUBIN`). Uncached: `compile_for` is the cached form."""
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-    PLANT = plant
-    try:
-        return cute.compile(launch, *args, options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
-                            no_cache=True)
-    finally:
-        PLANT = ""
+    return cute.compile(launch, *fake_args(), options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
+                        no_cache=True)
 
 
-compile_for.cache_clear = _compile_once.cache_clear  # what the tests and bench/mega_sass_mix.py call
+@functools.lru_cache(maxsize=1)
+def compile_for():
+    """The shipped kernel compiled for the audit, once per process (~100 s on a 2-core CPU)."""
+    return compile_ptx_cubin()

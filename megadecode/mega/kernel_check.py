@@ -36,6 +36,12 @@ DTYPES: dict[tuple[str, str], torch.dtype] = {
     ("KDA_STEP", "a_log"): BF16, ("KDA_STEP", "dt_bias"): BF16, ("KDA_STEP", "onorm_w"): BF16,
 }
 MXFP4_ARGS = {("EXPERT_UP", "gu"), ("EXPERT_UP", "gus"), ("EXPERT_DOWN", "dn"), ("EXPERT_DOWN", "dns")}
+# (opcode, argument) the kernel writes during the launch and reads its address from the produced table (`ptab`);
+# every other tensor argument, and the static bytes an instruction declares (header words 10..12), come from the
+# static table (`wtab`), whose loads may take the non-coherent path (mega/spec.py). A tensor in the wrong table
+# would be read as address 0
+PRODUCED_ARGS = {("ATTN_GQA", "kc"), ("ATTN_GQA", "vc"), ("MLA_KV", "cache"), ("MLA_ATTN", "cache"),
+                 ("KDA_STEP", "conv_state"), ("KDA_STEP", "rec_state")}
 
 # (opcode, argument) -> the multiple the kernel's 8-wide loops need (MXFP4 rows: a whole 32-weight block)
 LENGTHS = {("MATVEC", "K"): 8, ("GLU", "K"): 8, ("ATTN_GQA", "d"): 8, ("MLA_KV", "C"): 8, ("MLA_KV", "R"): 8,
@@ -63,11 +69,19 @@ def check_program(prog: Program) -> None:
             t = a.get(name, -1)
             if t < 0:
                 continue
+            role = "produced" if (op, name) in PRODUCED_ARGS else "static"
+            if prog.tensors[t].role != role:
+                raise KernelLimit(f"{where}: {name} ({prog.tensors[t].name}) is {prog.tensors[t].role}; the "
+                                  f"megakernel reads it from the {role} table")
             want = U8 if mx and (op, name) in MXFP4_ARGS else DTYPES.get((op, name))
             got = prog.tensors[t].tensor.dtype
             if want is not None and got != want:
                 raise KernelLimit(f"{where}: {name} ({prog.tensors[t].name}) is {got}; the megakernel reads it as "
                                   f"{want}")
+        t = ins.prefetch[0]
+        if t >= 0 and prog.tensors[t].role != "static":
+            raise KernelLimit(f"{where}: declares {prog.tensors[t].name} ({prog.tensors[t].role}) as static bytes "
+                              f"to stream")
         for (o, name), m in LENGTHS.items():
             if o == op:
                 need = 32 if mx else m

@@ -67,7 +67,7 @@ def kernel_module():
     return K
 
 
-def _launch_args(rows, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, timeline, delay_ns, num_ctas):
+def _launch_args(rows, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, num_ctas):
     """The launcher's arguments but the stream: the tensors with their layouts dynamic (so one compile serves
     tensors of any size), the scalars as Int32."""
     from cutlass import Int32
@@ -76,38 +76,44 @@ def _launch_args(rows, qstart, qorder, ctr, f32, i32, taddr, err, max_spin, tl, 
     def dyn(t):
         return from_dlpack(t, assumed_align=16).mark_layout_dynamic()
 
-    return (dyn(rows), dyn(qstart), dyn(qorder), dyn(ctr), dyn(f32), dyn(i32), dyn(taddr), dyn(err), Int32(max_spin),
+    return (dyn(rows), dyn(qstart), dyn(qorder), dyn(ctr), dyn(f32), dyn(i32), dyn(wtab), dyn(ptab), dyn(err),
+            Int32(max_spin),
             dyn(tl), Int32(timeline), Int32(delay_ns), Int32(num_ctas))
 
 
 def _cute_args(rt: "MegaRuntime"):
-    return _launch_args(rt.rows, rt.qstart, rt.qorder, rt.ctr, rt.f32, rt.i32, rt.taddr, rt.err, rt.max_spin, rt.tl,
+    return _launch_args(rt.rows, rt.qstart, rt.qorder, rt.ctr, rt.f32, rt.i32, rt.wtab, rt.ptab, rt.err, rt.max_spin, rt.tl,
                         rt.timeline | setting_bits(rt.prefetch), rt.delay_ns, rt.num_ctas)
 
 
+def compile_launcher(device, cache: bool = True):
+    """Compile the launcher (20-30 s) from placeholder tensors of the runtime's dtypes and ranks on `device`,
+    layouts dynamic, so it serves every program; the stream is an argument of each call, not of the compile.
+    The cubin is kept: default_ctas and check_residency read the kernel's register count from it. Uncached: the
+    harness's planted builds (validate/mega_plants.py) compile through it with `cache=False` (the DSL's compile
+    cache does not see the module attributes they swap); launches share `compiled_launcher`."""
+    from .isa import ROW
+
+    K = kernel_module()  # first: it sets the DSL's architecture before cutlass is imported
+
+    def z(*shape, dtype=torch.int32):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    args = _launch_args(z(2, ROW), z(9), z(64), z(64), z(4096, dtype=torch.float32), z(1024),
+                        z(16, dtype=torch.int64), z(16, dtype=torch.int64), z(ERR_WORDS), DEFAULT_MAX_SPIN,
+                        z(TLW, dtype=torch.int64), 0, 0, 8)
+    # the dump directory stays (as compile_for's does): whether the executor reads its files later is not known
+    dump = tempfile.mkdtemp(prefix="megadecode-cute-")
+    return K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0),
+                          options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}", no_cache=not cache)
+
+
 def compiled_launcher(device):
-    """The compiled launcher, once per process (the compile takes 20-30 s): on first use, from placeholder tensors
-    of the runtime's dtypes and ranks on `device`, layouts dynamic, so it serves every program. The engine build's
-    CTA count (`default_ctas`: the register count from its cubin) and every runtime's launches share it; the cold
-    start paid two compiles before (52.5 s for k3-mini on the H200 at 45fda45: 26.1 s of build, 26.5 s of first
-    step). The stream is an argument of each call, not of the compile."""
+    """The shipped kernel's compiled launcher, once per process: the engine build's CTA count (`default_ctas`)
+    and every runtime's launches share it (two compiles made k3-mini's cold start 52.5 s on the H200)."""
     global _COMPILED
     if _COMPILED is None:
-        from .isa import ROW
-
-        K = kernel_module()  # first: it sets the DSL's architecture before cutlass is imported
-
-        def z(*shape, dtype=torch.int32):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        args = _launch_args(z(2, ROW), z(9), z(64), z(64), z(4096, dtype=torch.float32), z(1024),
-                            z(16, dtype=torch.int64), z(ERR_WORDS), DEFAULT_MAX_SPIN, z(TLW, dtype=torch.int64), 0, 0,
-                            8)
-        # the cubin kept: default_ctas and check_residency read the kernel's register count from it. The dump
-        # directory stays (as compile_for's does): whether the executor reads its files later is not known
-        dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-        _COMPILED = K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0),
-                                 options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}")
+        _COMPILED = compile_launcher(device)
     return _COMPILED
 
 
@@ -217,11 +223,12 @@ def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
 
 class MegaRuntime:
     def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN, *, timeline: bool = False,
-                 delay_ns: int = 0, prefetch: str = DEFAULT_PREFETCH):
+                 delay_ns: int = 0, prefetch: str = DEFAULT_PREFETCH, kernel=None):
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
         `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only), with a try
-        build's switches after it ("none+name", TRIES)."""
+        build's switches after it ("none+name", TRIES); `kernel`: another build of the launcher to run (the
+        harness's planted ones, validate/mega_plants.py) instead of the shipped one."""
         setting_bits(prefetch)  # a ValueError naming the choices
         self.prefetch = prefetch
         if not prog.queues:
@@ -239,15 +246,25 @@ class MegaRuntime:
         self.f32 = torch.zeros(prog.f32_size + 64, dtype=torch.float32, device=self.device)
         self.i32 = torch.zeros(prog.i32_size + 64, dtype=torch.int32, device=self.device)
         for t in prog.tensors:
+            if t.role not in ("static", "produced"):
+                raise ValueError(f"tensor {t.name} has role {t.role!r}: static or produced")
             if t.tensor.device != self.device:
                 raise ValueError(f"tensor {t.name} is on {t.tensor.device}, the runtime on {self.device}")
             if t.tensor.data_ptr() % 16:
                 raise ValueError(f"tensor {t.name} is not 16-byte aligned (the kernel's vector loads need it)")
-        self.taddr = torch.tensor([t.tensor.data_ptr() for t in prog.tensors], dtype=torch.int64, device=self.device)
+        # the tensor table's addresses in two tables of one index space, by role: the kernel reads a weight's
+        # address from wtab and a cache's from ptab (mega/spec.py); the other table holds 0 at that index
+        self.wtab = self._table(prog, "static")
+        self.ptab = self._table(prog, "produced")
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
         self.timeline, self.delay_ns = int(timeline), int(delay_ns)
         self.tl = torch.zeros(TLW * len(prog.instrs) if timeline else TLW, dtype=torch.int64, device=self.device)
+        self._kernel = kernel
         self._compiled = None
+
+    def _table(self, prog: Program, role: str) -> torch.Tensor:
+        addr = [t.tensor.data_ptr() if t.role == role else 0 for t in prog.tensors]
+        return torch.tensor(addr or [0], dtype=torch.int64, device=self.device)
 
     def view(self, name: str) -> torch.Tensor:
         if name in self.prog.f32:
@@ -260,7 +277,7 @@ class MegaRuntime:
         """The compiled launcher (`compiled_launcher`: once per process, it serves every program), residency
         checked on first use."""
         if self._compiled is None:
-            self._compiled = compiled_launcher(self.device)
+            self._compiled = self._kernel or compiled_launcher(self.device)
             self.check_residency()
         return self._compiled
 

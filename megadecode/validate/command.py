@@ -169,18 +169,31 @@ def _cmd_executor(args, argv) -> int:
     from .e2e import compare_generation
 
     device = _device()
-    rows, failed, ran = [], False, 0
+    rows, audits, failed, ran = [], [], False, 0
     try:
-        from .mega_audit import audit_megakernel
+        from .mega_audit import audit_megakernel, plant_verdicts
 
         rep = audit_megakernel()
+        audits.append(rep)
         print(f"audit {'PASS' if rep.passed else 'FAIL'} {rep.kernel}: rules {', '.join(rep.rules_checked)}"
               + "".join(f"; SKIP {r}: {why}" for r, why in rep.skipped.items()))
-        rows.append({"audit": rep.kernel, "status": "PASS" if rep.passed else "FAIL", "report": rep.to_dict()})
+        for rule, what in rep.checked.items():
+            print(f"  {rule}: {what}")
+        rows.append({"variant": rep.kernel, "check": "verdict", "expected": "passes the audit",
+                     "status": "PASS" if rep.passed else "FAIL",
+                     "caught_by": ", ".join(sorted({f.rule for f in rep.errors})) or None})
         failed |= not rep.passed
+        # the harness's planted mistakes: each must be caught by the rules it names (validate/mega_plants.py)
+        prow, preps = plant_verdicts()
+        audits += preps
+        for r in prow:
+            print(f"plant {r['status']:<4} {r['variant']}: expected {r['expected']}; "
+                  f"{r.get('caught_by') or r.get('reason')}")
+        rows += prow
+        failed |= any(r["status"] == "FAIL" for r in prow)
     except ImportError as e:
         print(f"audit SKIP mega_kernel: CuTe DSL is not installed ({e}); pip install -e '.[cute]'")
-        rows.append({"audit": "mega_kernel", "status": "SKIP", "why": str(e)})
+        rows.append({"variant": "mega_kernel", "check": "verdict", "status": "SKIP", "reason": str(e)})
     if args.executor == "mega" and device != "cuda":
         print("mega: SKIP generation: the megakernel runs on a CUDA GPU (validate --executor pyvm on the CPU)")
     else:
@@ -197,16 +210,29 @@ def _cmd_executor(args, argv) -> int:
             failed |= res["status"] == "FAIL"
             print(f"e2e {preset} {res['dtype']} vs {reference}: {res['status']} ({res['steps']} steps x {res['sequences']} "
                   f"sequences, max logit diff {res['max_logit_diff_before_divergence']:.2e}) {res['divergences'] or ''}")
-            rows.append({"e2e": True, **res})
+            rows.append({**res, "variant": f"e2e {preset} vs {reference}", "check": "verdict",
+                         "expected": "PASS"})
     if args.json:
         from pathlib import Path
 
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": "megadecode " + shlex.join(argv), "executor": args.executor,
                                                "rows": rows}, indent=1, default=str))
+    if args.report:
+        manifest = {"name": args.executor, "subject": "the CuTe DSL megakernel (mega/cute_kernel.py): its static "
+                    "audit, the harness's planted mistakes (validate/mega_plants.py) and greedy generation against "
+                    + ("pyvm" if args.executor == "mega" else "torch"),
+                    "plants": {p.name: p.what for p in _plants()}}
+        _write_report(args, argv, f"{args.executor}-executor", manifest, rows, audits, [])
     if ran == 0:
         print("NOT RUN: no generation ran on this machine", file=sys.stderr)
     return 1 if failed or ran == 0 else 0
+
+
+def _plants():
+    from .mega_plants import CONTROLS, PLANTS
+
+    return list(PLANTS.values()) + list(CONTROLS.values())
 
 
 def _cmd_ordering(args, argv) -> int:

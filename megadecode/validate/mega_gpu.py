@@ -67,19 +67,48 @@ def case_config(name: str):
     return config_from_hf({**preset_hf_config(base), **over})
 
 
-def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int = 3) -> dict:
+# Contexts a diff runs at (`diff_program(context=...)`): "random" positions below 200 of a 256-position cache (splits
+# of one 64-position chunk or less, as every case before); "one" every sequence at position 0 (one cached position);
+# "max" every sequence at the cache's last position, with a cache of 1000 positions, so that every attention split
+# spans several chunks and ends on a partial one (1000 positions over S splits)
+CONTEXTS = {"random": 256, "one": 256, "max": 1000}
+# The cases that reach every path of the kernel's loops, for bench/mega_check.py --cases paths and the GPU tests:
+# batch tails off the powers of two up to the megakernel's largest batch (64; 65 is refused by lower.supports),
+# experts holding several passes of pairs (batch >= 5 on the tiny presets' 8 experts), contexts 1 and the last
+# position of a 1000-position cache (splits of several chunks, the last partial)
+PATH_CASES = ([(p, b, "max") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3") for b in (1, 2, 5, 17)]
+              + [(p, b, "random") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3") for b in (9, 33, 64)]
+              + [(p, 3, "one") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3")])
+
+
+def _positions(context: str, batch: int, max_len: int, g) -> torch.Tensor:
+    if context == "random":
+        return torch.randint(0, 200, (batch,), device="cuda", generator=g)
+    if context == "one":
+        return torch.zeros(batch, dtype=torch.int64, device="cuda")
+    if context == "max":
+        return torch.full((batch,), max_len - 1, dtype=torch.int64, device="cuda")
+    raise ValueError(f"context {context!r}: one of {sorted(CONTEXTS)}")
+
+
+def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int = 3, context: str = "random",
+                 kernel=None) -> dict:
+    """`context`: CONTEXTS; `kernel`: another build of the launcher (a planted one, validate/mega_plants.py)."""
+    if context not in CONTEXTS:
+        raise ValueError(f"context {context!r}: one of {sorted(CONTEXTS)}")
+    max_len = CONTEXTS[context]
     cfg = case_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, seed)
-    cache = KVCache(cfg, batch, 256, "cuda", torch.bfloat16)
+    cache = KVCache(cfg, batch, max_len, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(seed)
     for parts in cache.layers.values():
         for t in parts:
             t.normal_(generator=g)
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rt = MegaRuntime(prog, "cuda")
-    print(f"  {preset} b={batch}: {len(prog.instrs)} instructions on {ctas} CTAs, launching", flush=True)
+    rt = MegaRuntime(prog, "cuda", kernel=kernel)
+    print(f"  {preset} b={batch} {context}: {len(prog.instrs)} instructions on {ctas} CTAs, launching", flush=True)
     tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=g)
-    positions = torch.randint(0, 200, (batch,), device="cuda", generator=g)
+    positions = _positions(context, batch, max_len, g)
     slots = torch.randperm(batch, device="cuda", generator=g)
     before = {n: [t.clone() for t in parts] for n, parts in cache.layers.items()}
     for name, t in (("tokens", tokens), ("positions", positions), ("slots", slots)):
@@ -100,7 +129,7 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int 
     rt.check()
     repeat_equal = torch.equal(rt.f32, mega_f32) and torch.equal(rt.i32, mega_i32)
     # the debug build: random delays before every instruction's stores and after its signal; still bitwise equal
-    delayed = MegaRuntime(prog, "cuda", delay_ns=20000)
+    delayed = MegaRuntime(prog, "cuda", delay_ns=20000, kernel=kernel)
     delays_equal = True
     for _ in range(delay_runs):
         for n, parts in cache.layers.items():
@@ -131,10 +160,75 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int 
             if f"{n}.{i}" in vm_cache:
                 rows.append({"buffer": f"{n}.{i}", "rel": rel(m, vm_cache[f"{n}.{i}"])})
     bad = [r for r in rows if r.get("rel", 0) > MISMATCH or r.get("equal") is False]
-    return {"preset": preset, "batch": batch, "ctas": ctas, "instructions": len(prog.instrs),
+    return {"preset": preset, "batch": batch, "ctas": ctas, "context": context, "max_len": max_len,
+            "longest_split": longest_split(prog, positions.tolist()), "instructions": len(prog.instrs),
             "first_launch_s": first_launch_s, "repeat_bitwise_equal": repeat_equal,
             "delayed_runs": delay_runs, "delayed_bitwise_equal": bool(delays_equal),
             "buffers": rows, "mismatched": [r["buffer"] for r in bad]}
+
+
+def longest_split(prog, positions: list[int]) -> int:
+    """The most cache positions one attention instruction (ATTN_GQA, MLA_ATTN) of the program covers at these
+    positions: over 64 (the kernel's chunk) means the case runs splits of several chunks."""
+    out = 0
+    for ins in prog.instrs:
+        if ins.op in ("ATTN_GQA", "MLA_ATTN"):
+            a = ins.args
+            n = positions[a["b"]] + 1
+            out = max(out, (a["s"] + 1) * n // a["S"] - a["s"] * n // a["S"])
+    return out
+
+
+def timeout_case(preset: str = "tiny-qwen3-moe", batch: int = 2, ctas: int = 16, kernel=None,
+                 max_spin: int = 1 << 12) -> dict:
+    """Force a wait past its limit: one launch of a program whose first signalling instruction after the embedding
+    has its signal removed on the device (its consumers wait for a count that never comes), with a short spin
+    limit. The kernel must return (not hang), and MegaRuntime.check must raise MegaError naming the waiting
+    instruction and the counter. `kernel`: another build (a planted one)."""
+    from ..mega.runtime import MegaError
+
+    cfg = case_config(preset)
+    w = random_weights(cfg, "cuda", torch.bfloat16, 0)
+    cache = KVCache(cfg, batch, 64, "cuda", torch.bfloat16)
+    prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
+    rt = MegaRuntime(prog, "cuda", max_spin=max_spin, kernel=kernel)
+    victim = next(i for i, ins in enumerate(prog.instrs) if ins.signal >= 1)
+    counter = prog.instrs[victim].signal
+    rt.rows[victim, 2] = -1
+    rt.view("tokens").copy_(torch.arange(batch, device="cuda"))
+    rt.view("positions").zero_()
+    rt.view("slots").copy_(torch.arange(batch, device="cuda"))
+    t0 = time.perf_counter()
+    rt.launch()
+    torch.cuda.synchronize()
+    out = {"preset": preset, "batch": batch, "max_spin": max_spin, "silenced": prog.instrs[victim].name,
+           "counter": counter, "launch_s": time.perf_counter() - t0, "raised": False, "message": ""}
+    try:
+        rt.check()
+    except MegaError as e:
+        _, instr, ctr, seen, target = rt.err.tolist()[:5]
+        waiter = prog.instrs[instr]
+        # every phase from the silenced counter on is blocked: whichever of their waits gives up first reports
+        out.update(raised=True, message=str(e), waiter=waiter.name, reported_counter=ctr,
+                   names_waiter=f"instruction {instr} ({waiter.name})" in str(e),
+                   names_counter=f"counter {ctr} " in str(e),
+                   consistent=ctr >= counter and seen - target < 0 and any(wt.counter == ctr for wt in waiter.waits))
+    return out
+
+
+def timeout_failures(r: dict) -> list[str]:
+    """Why a `timeout_case` row fails (empty: it passes)."""
+    if not r["raised"]:
+        return ["a wait past its limit raised no MegaError (the launch went on as if satisfied)"]
+    why = []
+    if not r.get("names_waiter"):
+        why.append(f"the error does not name the waiting instruction: {r['message']}")
+    if not r.get("names_counter"):
+        why.append(f"the error does not name the counter: {r['message']}")
+    if not r.get("consistent"):
+        why.append(f"the instruction named ({r.get('waiter')}) does not wait on counter {r.get('reported_counter')}, "
+                   f"or that counter is not blocked by the silenced {r['counter']}")
+    return why
 
 
 def end_to_end(preset: str, batch: int, tokens: int, seed: int, steps: int = 4) -> dict:

@@ -218,17 +218,17 @@ def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rs
 
 
 @cute.jit
-def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                 tid: Int32):
     warp, lane = tid // 32, tid % 32
     A = "ATTN_GQA"
-    kc, vc = taddr[arg(smi, ARG[A]["kc"])], taddr[arg(smi, ARG[A]["vc"])]
+    kc, vc = ptab[arg(smi, ARG[A]["kc"])], ptab[arg(smi, ARG[A]["vc"])]
     qkv_off, qkv_stride = arg(smi, ARG[A]["qkv_off"]), arg(smi, ARG[A]["qkv_stride"])
-    qn, kn = taddr[arg(smi, ARG[A]["qn_w"])], taddr[arg(smi, ARG[A]["kn_w"])]
+    qn, kn = wtab[arg(smi, ARG[A]["qn_w"])], wtab[arg(smi, ARG[A]["kn_w"])]
     b, h, s, S, H, KH, d = (arg(smi, ARG[A][n]) for n in ("b", "h", "s", "S", "H", "KH", "d"))
     part_off, Lmax = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["Lmax"])
     scale, eps, att = argf(pb, idx, ARG[A]["scale_bits"]), argf(pb, idx, ARG[A]["eps_bits"]), argf(pb, idx, ARG[A]["att_bits"])
-    inv = taddr[arg(smi, ARG[A]["rope_w"])]
+    inv = wtab[arg(smi, ARG[A]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A]["slot_off"]) + b))
     G = H // KH
@@ -299,15 +299,15 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
 
 
 @cute.jit
-def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
               tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "MLA_KV"
     flags = arg(smi, 3)
-    cache = taddr[arg(smi, ARG[A_]["cache"])]
-    kva_off, kva_stride, norm_w = arg(smi, ARG[A_]["kva_off"]), arg(smi, ARG[A_]["kva_stride"]), taddr[arg(smi, ARG[A_]["norm_w"])]
+    cache = ptab[arg(smi, ARG[A_]["cache"])]
+    kva_off, kva_stride, norm_w = arg(smi, ARG[A_]["kva_off"]), arg(smi, ARG[A_]["kva_stride"]), wtab[arg(smi, ARG[A_]["norm_w"])]
     C, R, b, Lmax = args(smi, A_, "C R b Lmax")
-    eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
+    eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), wtab[arg(smi, ARG[A_]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     row = kva_off + b * kva_stride
@@ -336,15 +336,15 @@ def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, s
 
 
 @cute.jit
-def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
     _warp, _lane = tid // 32, tid % 32
     A_ = "MLA_Q"
     flags = arg(smi, 3)
-    wkv = taddr[arg(smi, ARG[A_]["wkv"])]
+    wkv = wtab[arg(smi, ARG[A_]["wkv"])]
     qb_off, qb_stride, qlat_off, qpe_off = args(smi, A_, "qb_off qb_stride qlat_off qpe_off")
     b, h, H, P, R, C, V = args(smi, A_, "b h H P R C V")
-    att, inv = argf(pb, idx, ARG[A_]["att_bits"]), taddr[arg(smi, ARG[A_]["rope_w"])]
+    att, inv = argf(pb, idx, ARG[A_]["att_bits"]), wtab[arg(smi, ARG[A_]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     q = qb_off + b * qb_stride + h * (P + R)
     for p in cutlass.range(tid, P, NT):
@@ -370,11 +370,11 @@ assert NT % CH == 0 and (NT // CH) & (NT // CH - 1) == 0 and NT // CH <= 32  # M
 
 
 @cute.jit
-def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                 tid: Int32):
     _warp, _lane = tid // 32, tid % 32
     A_ = "MLA_ATTN"
-    cache = taddr[arg(smi, ARG[A_]["cache"])]
+    cache = ptab[arg(smi, ARG[A_]["cache"])]
     qlat_off, qpe_off, part_off = args(smi, A_, "qlat_off qpe_off part_off")
     b, h0, HB, s, S, H, C, R, Lmax = args(smi, A_, "b h0 HB s S H C R Lmax")
     scale = argf(pb, idx, ARG[A_]["scale_bits"])

@@ -207,11 +207,11 @@ def prefetch_l2(base: Int64, nbytes: Int64, first: Int32, stride: Int32):
 
 
 @cute.jit
-def prefetch_row(prog: cute.Tensor, taddr: cute.Tensor, idx: Int32, first: Int32, stride: Int32):
+def prefetch_row(prog: cute.Tensor, wtab: cute.Tensor, idx: Int32, first: Int32, stride: Int32):
     """Prefetch the static bytes instruction idx declares (header words 10..12) into L2."""
     t = prog[idx, 10]
     if t >= 0:
-        prefetch_l2(taddr[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
+        prefetch_l2(wtab[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
 
 
 @cute.jit
@@ -277,9 +277,9 @@ def args(smi: cute.Tensor, op: str, names: str) -> tuple:
     return tuple(arg(smi, ARG[op][n]) for n in names.split())
 
 
-def tensors(taddr: cute.Tensor, smi: cute.Tensor, op: str, names: str) -> tuple:
-    """The base addresses of the named tensor arguments (words that index the tensor-address table)."""
-    return tuple(taddr[a] for a in args(smi, op, names))
+def tensors(tab: cute.Tensor, smi: cute.Tensor, op: str, names: str) -> tuple:
+    """The base addresses of the named tensor arguments (words that index an address table: wtab or ptab)."""
+    return tuple(tab[a] for a in args(smi, op, names))
 
 
 @cute.jit

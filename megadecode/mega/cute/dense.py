@@ -299,7 +299,7 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
 
 
 @cute.jit
-def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
             tid: Int32, glu: Constexpr):
     warp, lane = tid // 32, tid % 32
     op = "GLU" if glu else "MATVEC"
@@ -310,14 +310,14 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
     eps = argf(pb, idx, ARG[op]["eps_bits"])
     x2_off = arg(smi, ARG[op]["x2_off"])  # >= 0: the input is x + x2 (kimi_k3: the layer input + attention output)
     has_x2 = x2_off >= 0
-    w0 = taddr[arg(smi, ARG[op]["wg" if glu else "w"])]
+    w0 = wtab[arg(smi, ARG[op]["wg" if glu else "w"])]
     w1 = w0
     if cutlass.const_expr(glu):
-        w1 = taddr[arg(smi, ARG[op]["wu"])]
+        w1 = wtab[arg(smi, ARG[op]["wu"])]
     norm = (flags & F_NORM) != 0
     gaddr = w0
     if norm:
-        gaddr = taddr[norm_w]
+        gaddr = wtab[norm_w]
     RS = RSTD  # each token's rstd (norm_rstd)
     # batch 1: the norm after the first rows' sums (below), whose weight loads then start with the body and fly
     # while x's sum of squares is taken (the rstd is applied at the store, the norm weight folded into the rows).
@@ -457,10 +457,10 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm:
 
 
 @cute.jit
-def op_embed(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_embed(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
     _warp, _lane = tid // 32, tid % 32
-    w, tok_off, out_off = taddr[arg(smi, ARG["EMBED"]["w"])], arg(smi, ARG["EMBED"]["tok_off"]), arg(smi, ARG["EMBED"]["out_off"])
+    w, tok_off, out_off = wtab[arg(smi, ARG["EMBED"]["w"])], arg(smi, ARG["EMBED"]["tok_off"]), arg(smi, ARG["EMBED"]["out_off"])
     D, B, c0, c1 = arg(smi, ARG["EMBED"]["D"]), arg(smi, ARG["EMBED"]["B"]), arg(smi, ARG["EMBED"]["c0"]), arg(smi, ARG["EMBED"]["c1"])
     for t in cutlass.range(B):
         tok = ldi(ia(ib, tok_off + t))
@@ -469,7 +469,7 @@ def op_embed(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
 
 
 @cute.jit
-def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
     warp, lane = tid // 32, tid % 32
     A = "MERGE"
@@ -510,7 +510,7 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
             sm[dd] = o
     if wuv >= 0:  # MLA: the head's value up-projection W_UV [dv, C] on the merged latent
         cute.arch.sync_threads()
-        w = taddr[wuv]
+        w = wtab[wuv]
         for v in cutlass.range(warp, dv, NW, unroll=2):  # two rows' loads in flight
             wrow = w + Int64(h * (P + dv) + P + v) * Int64(d) * 2
             acc = Float32(0.0)
@@ -524,7 +524,7 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
 
 
 @cute.jit
-def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
               tid: Int32):
     _warp, _lane = tid // 32, tid % 32
     A_ = "SAMPLE"

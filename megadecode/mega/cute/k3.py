@@ -31,14 +31,14 @@ from .base import (
 
 
 @cute.jit
-def op_attn_res(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_attn_res(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                 tid: Int32):
     """Columns [c0, c1) of sequence b's mix: every source row s (src_off + (s * B + b) * D) scores
     rms(src_s) * norm_w . query_w (one warp per source), softmax over the sources, weighted sum of the columns."""
     warp, lane = tid // 32, tid % 32
     A_ = "ATTN_RES"
     src_off, nsrc, B, D = args(smi, A_, "src_off nsrc B D")
-    qw, nw = tensors(taddr, smi, A_, "query_w norm_w")
+    qw, nw = tensors(wtab, smi, A_, "query_w norm_w")
     eps = argf(pb, idx, ARG[A_]["eps_bits"])
     out_off, b, c0, c1 = args(smi, A_, "out_off b c0 c1")
     LG = 0  # the sources' logits, then their softmax weights
@@ -95,7 +95,7 @@ def state_row(i0: Int32, u: int, parts: Int32, K: Int32) -> Int32:
 
 
 @cute.jit
-def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                 tid: Int32):
     """KDA for sequence b, head h (head dim K, value dim K): the short causal conv of the q/k/v channels over the
     slot's conv state (shifted, the new input appended, rounded to the cache dtype), SiLU; q and k L2-normalized
@@ -106,8 +106,9 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor,
     warp, lane = tid // 32, tid % 32
     A_ = "KDA_STEP"
     qkv_off, f_off, gate_off, beta_off = args(smi, A_, "qkv_off f_off gate_off beta_off")
-    conv_w, conv_state, rec = tensors(taddr, smi, A_, "conv_w conv_state rec_state")
-    a_log, dt_bias, onorm = tensors(taddr, smi, A_, "a_log dt_bias onorm_w")
+    conv_w, = tensors(wtab, smi, A_, "conv_w")
+    conv_state, rec = tensors(ptab, smi, A_, "conv_state rec_state")
+    a_log, dt_bias, onorm = tensors(wtab, smi, A_, "a_log dt_bias onorm_w")
     out_off, b, h, H = args(smi, A_, "out_off b h H")
     K, W = args(smi, A_, "K W")
     eps = argf(pb, idx, ARG[A_]["eps_bits"])

@@ -66,7 +66,7 @@ def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
 
 
 @cute.jit
-def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "ROUTE"
@@ -92,7 +92,7 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm
             # The same operations per score, so the same values.
             bias_base = fa(fb, logits_off)  # a valid address when there is no bias (its loads are not used)
             if bias_w >= 0:
-                bias_base = taddr[bias_w]
+                bias_base = wtab[bias_w]
             for e0 in cutlass.range(tid, E, NT * SC_E):
                 es = [cutlass.min(e0 + NT * u, E - 1) for u in range(SC_E)]  # past E: expert E - 1, not stored
                 bv = [ldf(Float32, bias_base + Int64(es[u]) * 4) for u in range(SC_E)]
@@ -378,7 +378,7 @@ def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, row
 
 
 @cute.jit
-def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
     """Gate and up rows of each selected expert against its tokens, GLU'd into h. Weights bf16 [E, 2I, D], or
     MXFP4 (F_MXFP4): packed bytes [E, 2I, D/2] (`gu`) and e8m0 scales [E, 2I, D/32] (`gus`), decoded in registers.
@@ -390,10 +390,10 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
     flags = arg(smi, 3)
     mx = (flags & F_MXFP4) != 0
     use_situ = (flags & F_SITU) != 0
-    gu = taddr[arg(smi, ARG[A_]["gu"])]
+    gu = wtab[arg(smi, ARG[A_]["gu"])]
     gus = gu
     if mx:
-        gus = taddr[arg(smi, ARG[A_]["gus"])]
+        gus = wtab[arg(smi, ARG[A_]["gus"])]
     I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
     w, W = args(smi, A_, "w W")
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
@@ -514,7 +514,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor
 
 
 @cute.jit
-def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                    tid: Int32):
     """Down rows [r0, r1) of every selected expert against its pairs' h, then each token's weighted sum of its
     experts' rows (plus the shared experts' output with F_SHARED) added to `out`, or stored with F_STORE. Weights
@@ -523,10 +523,10 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, taddr: cute.Tens
     A_ = "EXPERT_DOWN"
     flags = arg(smi, 3)
     mx = (flags & F_MXFP4) != 0
-    dn = taddr[arg(smi, ARG[A_]["dn"])]
+    dn = wtab[arg(smi, ARG[A_]["dn"])]
     dns = dn
     if mx:
-        dns = taddr[arg(smi, ARG[A_]["dns"])]
+        dns = wtab[arg(smi, ARG[A_]["dns"])]
     I, D, h_off, y_off, out_off = args(smi, A_, "I D h_off y_off out_off")
     r0, r1, B, A = args(smi, A_, "r0 r1 B A")
     nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))

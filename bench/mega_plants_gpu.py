@@ -1,0 +1,101 @@
+"""The harness's planted megakernel mistakes that only a GPU run can catch, run on the GPU against the checks that
+must catch them (validate/mega_plants.py PLANTS, their "gpu:" catchers), beside the shipped kernel on the same
+checks (which must pass). Exit 0 when every plant is caught and every control passes. Writes JSON to --out.
+
+    python bench/mega_plants_gpu.py --out $OUT/mega-plants-gpu.json
+
+- gpu:timeout (silent_timeout): validate.mega_gpu.timeout_case, a wait forced past its limit, must raise MegaError
+  naming the instruction and the counter.
+- gpu:long-splits (skip_last_chunk): diff_program against pyvm at the last position of a 1000-position cache
+  (splits of several chunks); the same plant at the old cases' contexts (splits of one chunk) is run too, to show
+  what they missed.
+- gpu:delayed-build (no_body_barrier): diff_program's delayed launches (every warp delayed before its stores).
+- nc_cache (caught by the static audit): run too, to record whether a GPU run sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from megadecode.executors.mega_executor import UNVALIDATED_ENV
+from megadecode.validate.mega_gpu import diff_failures, diff_program, timeout_case, timeout_failures
+from megadecode.validate.mega_plants import planted_launcher
+
+CTAS = 16
+
+
+def _diff(preset, batch, context, kernel, delay_runs=3):
+    r = diff_program(preset, batch, CTAS, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
+    return {"preset": preset, "batch": batch, "context": context, "longest_split": r["longest_split"],
+            "failures": diff_failures(r)}
+
+
+def run(out: dict) -> None:
+    dev = torch.device("cuda")
+    rows = out["rows"]
+
+    def add(subject, check, expect_caught, results):
+        caught = any(x["failures"] for x in results)
+        rows.append({"subject": subject, "check": check, "expected": "caught" if expect_caught else "passes",
+                     "caught": caught, "ok": caught == expect_caught, "results": results})
+        print(f"{'OK ' if caught == expect_caught else 'BAD'} {subject:<28} {check:<26} caught={caught} "
+              f"{[x['failures'][:2] for x in results if x['failures']][:2]}", flush=True)
+
+    # timeouts: the shipped kernel reports; the silent plant (waits only: EMBED's body) does not
+    r = timeout_case()
+    add("mega_kernel", "gpu:timeout", False, [{**r, "failures": timeout_failures(r)}])
+    t0 = time.perf_counter()
+    silent = planted_launcher("silent_timeout", dev, bodies=("EMBED",))
+    out["compile_s"]["silent_timeout"] = time.perf_counter() - t0
+    r = timeout_case(kernel=silent)
+    add("mega_kernel+silent_timeout", "gpu:timeout", True, [{**r, "failures": timeout_failures(r)}])
+    # long splits: the shipped kernel passes them; skip_last_chunk fails them, and passes the old contexts
+    presets = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+    add("mega_kernel", "gpu:long-splits", False, [_diff(p, b, "max", None, 1) for p in presets for b in (1, 5)])
+    for name in ("skip_last_chunk", "no_body_barrier", "nc_cache"):
+        t0 = time.perf_counter()
+        k = planted_launcher(name, dev)
+        out["compile_s"][name] = time.perf_counter() - t0
+        if name == "skip_last_chunk":
+            add(f"mega_kernel+{name}", "gpu:long-splits", True, [_diff(p, b, "max", k, 1) for p in presets
+                                                                  for b in (1, 5)])
+            add(f"mega_kernel+{name}", "old cases (splits <= 64)", False, [_diff(p, b, "random", k, 1)
+                                                                            for p in presets for b in (1, 3)])
+        elif name == "no_body_barrier":
+            add(f"mega_kernel+{name}", "gpu:delayed-build", True, [_diff(p, b, "random", k, 3)
+                                                                    for p in presets + ("tiny-k3",) for b in (1, 3)])
+        else:  # recorded, not expected either way: the audit is what catches it
+            res = [_diff("tiny-deepseek-v3", b, "max", k, 1) for b in (1, 5)]
+            rows.append({"subject": f"mega_kernel+{name}", "check": "diff vs pyvm (not its catcher)",
+                         "expected": "recorded", "caught": any(x["failures"] for x in res), "ok": True,
+                         "results": res})
+            print(f"    mega_kernel+{name} on the GPU: caught={rows[-1]['caught']}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="mega-plants-gpu.json")
+    args = ap.parse_args()
+    os.environ[UNVALIDATED_ENV] = "1"
+    out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), "ctas": CTAS,
+           "compile_s": {}, "rows": []}
+    try:
+        run(out)
+    except Exception as e:  # noqa: BLE001  (write what ran)
+        traceback.print_exc()
+        out["error"] = repr(e)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    ok = "error" not in out and all(r["ok"] for r in out["rows"])
+    print(f"{'all plants caught, controls pass' if ok else 'NOT all as expected'}: wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
