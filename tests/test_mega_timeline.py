@@ -158,10 +158,12 @@ def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monke
     from megadecode.validate.mega_gpu import BUFFER_TOL, E2E_PYVM_TOL
 
     good = {"instructions": 3, "first_launch_s": 0.1, "repeat_bitwise_equal": True, "delayed_runs": 3,
-            "delayed_bitwise_equal": True, "buffers": [{"buffer": "hidden", "rel": 1e-7}], "mismatched": []}
+            "delayed_bitwise_equal": True, "buffers": [{"buffer": "hidden", "rel": 1e-7}], "mismatched": [],
+            "longest_split": 40}
     row = dict(good)
     monkeypatch.setattr(mega_check, "diff_program",
-                        lambda preset, b, ctas, seed: {**row, "preset": preset, "batch": b})
+                        lambda preset, b, ctas, seed, context: {**row, "preset": preset, "batch": b,
+                                                                "context": context})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
     out = tmp_path / "m.json"
     monkeypatch.setattr(sys, "argv", ["mega_check.py", "--presets", "tiny-k3", "--batches", "1", "--tokens", "0",

@@ -131,7 +131,8 @@ BROKEN_CAUGHT_BY = {
     "broken-router-tie-high": ({"dists": ("exact_ties",)}, "topk_ids"),
     "broken-router-no-renorm": ({"dists": ("uniform",)}, "topk_weights"),
     "broken-router-renorm-after-scale": ({"dists": ("uniform",), "presets": ("tiny-deepseek-v3",)}, "topk_weights"),
-    "broken-router-noise": ({"dists": ("uniform",)}, "not deterministic"),
+    # (on a GPU the graph-replay check, which runs first, sees the same nondeterminism)
+    "broken-router-noise": ({"dists": ("uniform",)}, ("not deterministic", "graph replay on fresh inputs differs")),
     "broken-rmsnorm-last-row": ({}, "not written"),
     "broken-rmsnorm-batch67": ({}, "normed"),
     "broken-rmsnorm-scratch-input": ({}, "input hidden modified"),
@@ -148,7 +149,8 @@ def test_broken_variant_is_flagged(name):
     for seed in (0, 1):  # flagged on every repetition, not by luck
         fails = _failures(run_matrix(v, batches=QUICK_BATCHES, seeds=(seed,), device=DEVICE, **kw))
         assert fails, f"{name} passed seed {seed}"
-        assert all(any(text in m for m in f[-1]) for f in fails), fails
+        texts = (text,) if isinstance(text, str) else text
+        assert all(any(t in m for t in texts for m in f[-1]) for f in fails), fails
         if name == "broken-rmsnorm-batch67":
             assert {f[1] for f in fails} == {67}  # only the batch sweep's 67 shows it
 
