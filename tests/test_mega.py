@@ -291,12 +291,23 @@ def test_sample_instructions_pick_greedy_tokens():
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, toks.long()[:, None])[:, 0])
 
 
-def test_validate_executor_pyvm_passes_and_mega_is_not_run_on_the_cpu(capsys):
+def test_validate_executor_pyvm_passes_and_mega_is_not_run_on_the_cpu(capsys, tmp_path):
+    """The kernel's audit (every rule, each saying what it checked), the planted mistakes each caught by its rule,
+    and generation; the report lists them."""
     from megadecode.cli import main
 
-    assert main(["validate", "--executor", "pyvm", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 0
+    assert main(["validate", "--executor", "pyvm", "--preset", "tiny-qwen3-moe", "--steps", "8",
+                 "--report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "e2e tiny-qwen3-moe float32 vs torch: PASS" in out
+    assert "audit PASS mega_kernel" in out
+    for rule in ("signal-before-barrier", "timeout-unreported", "produced-read-uncovered", "nc-load-of-produced"):
+        assert f"  {rule}: " in out, rule  # what the rule checked
+    assert "plant PASS mega_kernel+nc_cache: expected caught by audit:nc-load-of-produced; nc-load-of-produced" in out
+    assert "plant SKIP mega_kernel+skip_last_chunk" in out
+    md = (tmp_path / "pyvm-executor.md").read_text()
+    assert "**Verdict: PASS**" in md and "| mega_kernel+no_body_barrier | caught by audit:signal-before-barrier" in md
+    assert "- timeout-unreported: 2 spin loops" in md
     if not torch.cuda.is_available():
         assert main(["validate", "--executor", "mega", "--preset", "tiny-qwen3-moe", "--steps", "8"]) == 1
         assert "SKIP generation" in capsys.readouterr().out
