@@ -73,9 +73,11 @@ def case_config(name: str):
 # spans several chunks and ends on a partial one (1000 positions over S splits)
 CONTEXTS = {"random": 256, "one": 256, "max": 1000}
 # The cases that reach every path of the kernel's loops, for bench/mega_check.py --cases paths and the GPU tests:
-# batch tails off the powers of two up to the megakernel's largest batch (64; 65 is refused by lower.supports),
-# experts holding several passes of pairs (batch >= 5 on the tiny presets' 8 experts), contexts 1 and the last
-# position of a 1000-position cache (splits of several chunks, the last partial)
+# batch tails off the powers of two up to the megakernel's largest batch (64; 65 is refused by lower.supports);
+# experts holding several passes of pairs (bf16 past isa.PAIR1_MAX_B tokens takes PASS pairs a pass: at 33 and 64
+# tokens, top-2 of tiny-qwen3-moe's 8 experts average 8 and 16 pairs an expert; MXFP4, tiny-k3, takes one pair a
+# pass, so any expert with two pairs has several); contexts 1 and the last position of a 1000-position cache
+# (attention splits of several 64-position chunks, the last partial)
 PATH_CASES = ([(p, b, "max") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3") for b in (1, 2, 5, 17)]
               + [(p, b, "random") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3") for b in (9, 33, 64)]
               + [(p, 3, "one") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3")])
