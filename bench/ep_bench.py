@@ -14,7 +14,7 @@ combine and the faster mode. Both modes are checked to give the same bits as the
 hidden; 7168 = DeepSeek-V3 / Kimi K2's hidden.
 
 The model-level numbers (step time, per-GPU MBU, communication per layer) come from `megadecode bench --ep N`
-(README, Expert parallelism).
+(docs/expert-parallelism.md).
 """
 
 from __future__ import annotations

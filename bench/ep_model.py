@@ -5,7 +5,7 @@
 
 Nothing here is measured: bytes come from the weight table (weights.weight_bytes) and the cache layout, expert
 loads from uniform random routing (Monte Carlo), the HBM rate and the per-batch efficiency from our own H200
-measurements (hardware.py, README), and the communication from published figures (PUBLISHED, with sources).
+measurements (hardware.py, docs/results.md), and the communication from published figures (PUBLISHED, with sources).
 
 step(G, B) = bytes on the busiest GPU / (HBM_READ_BPS x efficiency(B)) + MoE layers x combine(G, B)
              (+ 2 x layers x trunk all-reduce(T) for the tensor-parallel trunk)
@@ -44,7 +44,7 @@ PUBLISHED = {
 }
 GPUS_PER_NODE = 8
 
-# Our H200 measurements (README "Measured: Kimi K3 presets"): fused k3-mini MBU per batch, the efficiency a step of
+# Our H200 measurements (docs/results.md "Measured: Kimi K3 presets"): fused k3-mini MBU per batch, the efficiency a step of
 # K3 layers reaches on one GPU today (533c9ba at batch 1 and 8, df9efe0 at 64)
 MEASURED_MBU = {1: 0.447, 8: 0.309, 64: 0.249}
 

@@ -1,7 +1,7 @@
 """megadecode: a decode engine for extremely sparse Mixture-of-Experts models.
 
 The package reads bottom up: config, plan, the op contract, kernels, executors, engine, then the command line
-and the validation harness on top (README, "Package layout"). The names below are imported on first use, so
+and the validation harness on top (docs/package-layout.md). The names below are imported on first use, so
 that importing one submodule (a kernel, the config) does not import the engine.
 """
 

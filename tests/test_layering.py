@@ -1,6 +1,6 @@
 """The package's import graph: no cycles, and every import points down the reading order
-config -> plan -> op contract -> kernels -> executors -> engine -> command line and harness (README, "Package
-layout"). Imports inside functions count too: a lazy import is still a dependency."""
+config -> plan -> op contract -> kernels -> executors -> engine -> command line and harness
+(docs/package-layout.md). Imports inside functions count too: a lazy import is still a dependency."""
 
 from __future__ import annotations
 

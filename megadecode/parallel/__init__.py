@@ -7,5 +7,5 @@ routed experts split across ranks, the trunk replicated.
     group.py     the process group from torchrun's environment, its timeout, and agreeing on failures
     launch.py    the command line starting its own ranks when it is not run under torchrun
 
-docs/ep-model.md models the step time against the number of GPUs; README "Expert parallelism" has the commands.
+docs/ep-model.md models the step time against the number of GPUs; docs/expert-parallelism.md has the commands.
 """
