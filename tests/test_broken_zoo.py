@@ -35,6 +35,11 @@ CAUGHT_BY = {
     "broken-mla-merge": ("tiny-deepseek-v3", P.ATTN_MLA, "float32", "long-cache b1", 1, "attn_out: max row-relative"),
     "broken-attn-arange-slots": ("tiny-qwen3-moe", P.ATTN_GQA, "float32", "slots b3", 1,
                                  "attn_out: max row-relative"),
+    # issue 39: one per blind spot
+    "broken-kda-eps-outside": ("tiny-kimi-linear", P.ATTN_KDA, "float32", "magnitude-tiny b7", 7,
+                               "attn_out: max row-relative error"),
+    "broken-attn-res-pad-zero": ("tiny-k3", P.ATTN_RES, "float32", "sources-3 b3", 3,
+                                 "layer_in: max row-relative error"),
 }
 
 
@@ -127,3 +132,31 @@ def test_no_correct_variant_is_flagged_on_sampled_extra_cases(name):
     rows = run_matrix(get(name), batches=(), dtypes=("float32", "float16"), extra=1, case_seed=12,
                       extra_max_batch=17, device=DEVICE)
     assert rows and all(r["status"] == "PASS" for r in rows), [r for r in rows if r["status"] != "PASS"][:2]
+
+
+# name -> (preset, op kind, the family whose first case catches it): a quick run's sample of the extra cases
+QUICK_CAUGHT = {
+    "broken-mla-merge": ("tiny-deepseek-v3", P.ATTN_MLA, "long-cache"),  # split over the cache: merge
+    "broken-rmsnorm-eps-outside": ("tiny-qwen3-moe", P.RMSNORM, "magnitude-tiny"),  # eps at small norms
+    "broken-rmsnorm-sumsq16": ("tiny-deepseek-v3", P.RMSNORM, "magnitude-large"),  # overflow at large norms
+    "broken-rmsnorm-mask-overrun": ("tiny-qwen3-moe", P.RMSNORM, "odd-dims"),  # the tail of a row
+    "broken-kda-eps-outside": ("tiny-k3", P.ATTN_KDA, "magnitude-tiny"),  # q and k of tiny norm
+    "broken-attn-res-pad-zero": ("tiny-k3", P.ATTN_RES, "sources"),  # padded lanes of the score vector
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUICK_CAUGHT))
+def test_a_quick_run_catches_it_whatever_the_case_seed(name):
+    """--quick draws 4 extra cases per (preset, op) (batches <= 65 on the CPU): with every family's first case
+    always among them, the bug's family is run and it is caught for every case seed, not in ~80% of them."""
+    from megadecode.validate.matrix import QUICK_EXTRA, QUICK_EXTRA_MAX_BATCH
+
+    preset, kind, family = QUICK_CAUGHT[name]
+    v = get(name)
+    dtype = "float16" if name == "broken-rmsnorm-sumsq16" else "float32"
+    for seed in (0, 1, 2, 5, 11, 37):
+        rows = run_matrix(v, presets=(preset,), batches=(), dtypes=(dtype,), extra=QUICK_EXTRA, case_seed=seed,
+                          extra_max_batch=QUICK_EXTRA_MAX_BATCH, device=DEVICE)
+        failed = {r["case_family"] for r in rows if r["status"] == "FAIL"}
+        assert family in failed, (seed, [(r["case"], r["status"]) for r in rows])
+

@@ -121,6 +121,42 @@ def test_magnitude_cases_scale_every_third_row():
         build_case(cfg, P.RMSNORM, 7, 0, magnitude="huge")
 
 
+def test_kda_magnitude_cases_scale_the_token_and_its_slot_histories():
+    """KDA's l2norm sees q and k built from this token's activation and the conv state, its gated norm the readout
+    of the recurrent state: a magnitude case scales all three for every third token, at that token's slot."""
+    cfg = preset_config("tiny-kimi-linear")
+    base = build_case(cfg, P.ATTN_KDA, 7, 0, slots="permuted")
+    tiny = build_case(cfg, P.ATTN_KDA, 7, 0, slots="permuted", magnitude="tiny")
+    large = build_case(cfg, P.ATTN_KDA, 7, 0, slots="permuted", magnitude="large")
+    assert torch.equal(tiny.step.slots, base.step.slots)
+    rows, others = torch.tensor([0, 3, 6]), torch.tensor([1, 2, 4, 5])
+    for part, case, scale, at in ((0, tiny, 1e-3, rows), (1, tiny, 1e-3, rows), (0, large, 4096.0, rows[:2] + 1)):
+        slots = case.step.slots[at]
+        torch.testing.assert_close(case.cache[part][slots], base.cache[part][slots] * scale)
+        torch.testing.assert_close(case.inputs["normed"][at], base.inputs["normed"][at] * scale)
+    torch.testing.assert_close(tiny.cache[0][tiny.step.slots[others]], base.cache[0][base.step.slots[others]])
+    assert P.ATTN_KDA in {k for k in BUILDERS} and "magnitude-tiny b7" in {
+        c.name for c in C.candidates(get("triton-kda-decode"), cfg, P.ATTN_KDA, DEVICE)}
+
+
+def test_attn_res_sources_cases_leave_the_power_of_two_corner():
+    """The tiny K3 preset's AttnRes op has 2 sources; the sources cases run ops over 3, 5 and 7 (K3's ops have 1 to
+    8), each the block-closing op of a deeper config, with that many source rows reaching the softmax."""
+    from megadecode.validate.inputs import attn_res_sources, first_op, reference_outputs
+
+    cfg = preset_config("tiny-k3")
+    assert attn_res_sources(cfg, first_op(cfg, P.ATTN_RES)) == 2
+    cases = [c for c in C.candidates(get("triton-attn-res"), cfg, P.ATTN_RES, DEVICE) if c.family == "sources"]
+    assert [c.sources for c in cases] == [3, 5, 7] and [c.name for c in cases][0] == "sources-3 b3"
+    for c in cases:
+        case = build_case(c.cfg, P.ATTN_RES, c.batch, 0, **c.build_kwargs())
+        assert case.op.layer == c.sources * cfg.attn_res_block_size and "blocks" in case.op.outputs
+        assert case.inputs["blocks"].shape == (c.sources - 1, 3, cfg.hidden_size)
+        assert reference_outputs(case)[0]["blocks"].shape[0] == c.sources  # the closed blocks: every source
+    with pytest.raises(ValueError, match="over 4 sources"):
+        build_case(cfg, P.ATTN_RES, 3, 0, sources=4)  # the 5-layer preset has no such op
+
+
 def test_candidates_follow_the_scope():
     cfg = preset_config("tiny-deepseek-v3")
     router = {c.name: c for c in C.candidates(get("triton-router"), cfg, P.ROUTER, DEVICE)}
@@ -136,12 +172,43 @@ def test_candidates_follow_the_scope():
 def test_the_sample_is_seeded_reported_and_differs_per_op():
     v, cfg = get("triton-rmsnorm"), preset_config("tiny-qwen3-moe")
     cands = C.candidates(v, cfg, P.RMSNORM, DEVICE)
-    a, b = C.sample(cands, 3, 0, "x"), C.sample(cands, 3, 0, "x")
-    assert [c.name for c in a] == [c.name for c in b] and len(a) == 3
-    assert any([c.name for c in C.sample(cands, 3, s, "x")] != [c.name for c in a] for s in range(1, 6))
-    plan = case_plan(v, presets=("tiny-qwen3-moe",), extra=3, case_seed=0, device=DEVICE)
-    picked = [c.name for c in C.sample(cands, 3, 0, "tiny-qwen3-moe/rmsnorm")]
-    assert plan == {"tiny-qwen3-moe/rmsnorm": picked + [f"(of {len(cands)})"]}
-    rows = run_matrix(v, presets=("tiny-qwen3-moe",), batches=(), dtypes=("float32",), extra=3, case_seed=0,
+    k = len(C.families(cands)) + 2  # one case per family, and two drawn
+    a, b = C.sample(cands, k, 0, "x"), C.sample(cands, k, 0, "x")
+    assert [c.name for c in a] == [c.name for c in b] and len(a) == k
+    assert any([c.name for c in C.sample(cands, k, s, "x")] != [c.name for c in a] for s in range(1, 6))
+    plan = case_plan(v, presets=("tiny-qwen3-moe",), extra=k, case_seed=0, device=DEVICE)
+    picked = C.sample(cands, k, 0, "tiny-qwen3-moe/rmsnorm")
+    assert plan == {"tiny-qwen3-moe/rmsnorm": {"cases": [c.name for c in picked], "of": len(cands),
+                                               "families": C.families(cands)}}
+    rows = run_matrix(v, presets=("tiny-qwen3-moe",), batches=(), dtypes=("float32",), extra=k, case_seed=0,
                       device=DEVICE)
-    assert [r["case"] for r in rows] == plan["tiny-qwen3-moe/rmsnorm"][:-1]
+    assert [r["case"] for r in rows] == plan["tiny-qwen3-moe/rmsnorm"]["cases"]
+    assert [r["case_family"] for r in rows] == [c.family for c in picked]
+
+
+@pytest.mark.parametrize("name,preset,kind", [("triton-rmsnorm", "tiny-qwen3-moe", P.RMSNORM),
+                                              ("triton-gqa-decode", "tiny-qwen3-moe", P.ATTN_GQA),
+                                              ("triton-mla-decode", "tiny-deepseek-v3", P.ATTN_MLA)])
+def test_every_sample_covers_every_family_with_its_first_case(name, preset, kind):
+    """A quick run never leaves a family out: for every seed and k, each family's first candidate is drawn (so a
+    bug only one family shows is caught by every quick run), and the sample is k long when k covers the families."""
+    cands = C.candidates(get(name), preset_config(preset), kind, DEVICE, 65)
+    fams = C.families(cands)
+    assert {"odd-dims", "tile-edge"} <= set(fams) and len(fams) >= 4
+    firsts = [next(c.name for c in cands if c.family == f) for f in fams]
+    for seed in range(200):
+        for k in (1, 4, len(fams) + 1):
+            picked = C.sample(cands, k, seed, f"{preset}/{kind}")
+            assert C.families(picked) == fams, (seed, k)
+            assert set(firsts) <= {c.name for c in picked}, (seed, k)
+            assert len(picked) == max(k, len(fams))
+
+
+def test_the_quick_command_prints_the_families_it_ran():
+    from megadecode.validate.matrix import plan_lines
+
+    plan = case_plan(get("triton-gqa-decode"), presets=("tiny-qwen3-moe",), extra=1, case_seed=3, device=DEVICE,
+                     extra_max_batch=65)
+    (line,) = plan_lines(plan, 3)
+    assert line.startswith("extra cases tiny-qwen3-moe/attn_gqa (seed 3): odd-dims b3, tile-edge b17, long-cache b1, "
+                           "slots b3 (of 9); families: odd-dims, tile-edge, long-cache, slots"), line

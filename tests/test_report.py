@@ -83,10 +83,12 @@ def test_coverage_says_what_ran_and_whether_bf16_on_a_gpu_was_proven():
     assert "| execution | CPU (Triton kernels under the interpreter) |" in md
     assert "| dtypes not run | bfloat16: the interpreter computes bf16 arithmetic wrongly |" in md
     assert "NOT run (no GPU)" in md and "| bf16 on a GPU | NOT proven by this run |" in md
-    gpu = [_cell("bfloat16", device="cuda"), _cell("bfloat16", device="cuda", case="odd-dims b3")]
+    gpu = [_cell("bfloat16", device="cuda"), _cell("bfloat16", device="cuda", case="odd-dims b3",
+                                                                   case_family="odd-dims")]
     _, md = build_report("v", manifest={}, rows=gpu, audits=[], perf_rows=[], env={"gpu": "NVIDIA H200"}, command="c")
     assert "| execution | compiled, on the GPU |" in md and "| bf16 on a GPU | proven: 2 cells pass |" in md
     assert "run on every GPU cell" in md and "| extra cases | odd-dims b3 |" in md
+    assert "| case families | odd-dims |" in md
 
 
 def test_tolerance_table_and_per_dtype_plots():

@@ -59,7 +59,9 @@ def test_registry_lists_correct_and_broken_variants():
         "broken-rmsnorm-mask-overrun", "broken-rmsnorm-pow2-mean", "broken-rmsnorm-sumsq16",
         "broken-rmsnorm-eps-outside", "broken-rmsnorm-eps-sign", "broken-rmsnorm-nc-load",
         "broken-router-undeclared-path", "broken-mla-merge", "broken-attn-arange-slots", "broken-experts-scale",
-        "broken-mlp-gelu", "broken-experts-atomic"}
+        "broken-mlp-gelu", "broken-experts-atomic",
+        # one per blind spot of issue 39 (tests/test_broken_zoo.py)
+        "broken-kda-eps-outside", "broken-attn-res-pad-zero"}
     with pytest.raises(ValueError, match="unknown variant"):
         get("no-such-variant")
     for v in all_variants():

@@ -52,9 +52,11 @@ def decode_recurrence(q, k, v, g, beta, rec_state: torch.Tensor, rows) -> torch.
 
 
 def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step: Step,
-                  conv_state: torch.Tensor, rec_state: torch.Tensor, recur=decode_recurrence) -> torch.Tensor:
+                  conv_state: torch.Tensor, rec_state: torch.Tensor, recur=decode_recurrence,
+                  l2norm=_l2norm) -> torch.Tensor:
     """x [N, D] -> [N, D]. conv_state [S, C, W-1], rec_state [S, H, K, V] fp32, both per cache slot.
-    `recur`: the decode recurrence (decode_recurrence's signature); prefill always runs the reference loop."""
+    `recur`: the decode recurrence (decode_recurrence's signature); prefill always runs the reference loop.
+    `l2norm`: q's and k's per-head normalisation (the validation harness plants a wrong one)."""
     N, H, K = x.shape[0], cfg.linear_num_heads, cfg.linear_head_dim
     W, p, f = cfg.conv_kernel, prefix, f"{prefix}.forget_gate"
     qkv = torch.cat([F.linear(x, w[f"{p}.{n}_proj.weight"]) for n in "qkv"], -1)  # [N, C]
@@ -66,7 +68,7 @@ def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
 
     def heads(mixed: torch.Tensor):  # [n, C] fp32 -> q, k, v [n, H, K], conv output rounded as the model dtype
         q, k, v = mixed.to(x.dtype).float().view(-1, 3, H, K).unbind(1)
-        return _l2norm(q) * K ** -0.5, _l2norm(k), v
+        return l2norm(q) * K ** -0.5, l2norm(k), v
 
     if step.segments is None:
         # Decode: one token per sequence; read, advance and write back the slots' state (no host sync).

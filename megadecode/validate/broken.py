@@ -31,6 +31,12 @@ One per gap the harness used to have (issue 12), each caught by what closed it:
   broken-mlp-gelu               dense MLP with GELU instead of SiLU: an MLP op can be validated at all (builders)
   broken-experts-atomic         experts combined by a scatter-add (index_add_: atomics on the GPU, in whatever
                                 order they land): deterministic on the CPU, caught by the GPU's repeat checks
+One per blind spot of issue 39:
+  broken-kda-eps-outside        KDA (triton-kda-decode) whose l2norm of q and k computes x / (sqrt(sum x^2) + eps):
+                                wrong only where q and k have a tiny norm (KDA's magnitude-tiny cases)
+  broken-attn-res-pad-zero      AttnRes (triton-attn-res) whose score vector, padded to a power of two, holds 0 in
+                                the padded lanes instead of -inf: they take softmax mass; right at 2 sources (the
+                                tiny preset's op), wrong at 3, 5 and 7 (the sources cases)
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ import torch
 import triton
 
 from ..contract import Variant, register
+from ..kernels import attn_res as K_ATTN_RES
+from ..kernels import kda as K_KDA
 from ..kernels import mla as K_MLA
 from ..kernels import rmsnorm as K_NORM
 from ..kernels import router as K_ROUTER
 from ..reference.attention import mla_attention
+from ..reference.kda import kda_attention
 from . import broken_kernels as K_MUT
 from . import torch_variants as K_TORCH
 
@@ -208,6 +217,39 @@ def _atomic_combine(op, inputs, weights, outputs, cfg, step, cache=None):
     out.index_add_(0, tokens, (y * wts.reshape(-1, 1).float()).to(out.dtype))
 
 
+def _l2norm_eps_outside(x: torch.Tensor) -> torch.Tensor:
+    """KDA's l2norm with its 1e-6 added after the square root: equal to the reference unless sum x^2 is small."""
+    return x / (torch.sqrt((x * x).sum(-1, keepdim=True)) + 1e-6)
+
+
+def _kda_eps_outside(op, inputs, weights, outputs, cfg, step, cache=None):
+    conv_state, rec_state = cache
+    outputs[op.outputs[0]].copy_(kda_attention(cfg, weights, f"model.layers.{op.layer}.self_attn",
+                                               inputs[op.inputs[0]], step, conv_state, rec_state,
+                                               recur=K_KDA.kda_decode_recurrence, l2norm=_l2norm_eps_outside))
+
+
+def _attn_res_pad_zero(op, inputs, weights, outputs, cfg, step, cache=None):
+    """AttnRes as the kernel lays it out (scores in a vector of the next power of two of the source count, at
+    least 2), with the padded lanes scored 0 where the kernel masks them to -inf."""
+    hidden = inputs["hidden"]
+    blocks = list(inputs["blocks"].unbind(0)) if "blocks" in op.inputs else []
+    if "blocks" in op.outputs:  # the block ends: its partial sum is frozen, the next one starts at zero
+        blocks.append(hidden)
+        outputs["blocks"].copy_(torch.stack(blocks))
+        outputs["hidden"].zero_()
+        sources = torch.stack(blocks).float()
+    else:
+        sources = torch.stack(blocks + [hidden]).float()
+    query, norm_w = (weights[n].float() for n in op.weights)
+    keys = sources * torch.rsqrt(sources.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * norm_w
+    scores = keys @ query  # [S, N]
+    S = scores.shape[0]
+    padded = torch.cat((scores, scores.new_zeros(max(2, triton.next_power_of_2(S)) - S, scores.shape[1])))
+    alpha = torch.softmax(padded, dim=0)[:S]  # the padded lanes' share is lost
+    outputs["layer_in"].copy_(torch.einsum("sn,snd->nd", alpha, sources))
+
+
 BROKEN: list[Variant] = [
     _broken(K_ROUTER.ROUTER_VARIANT, "broken-router-tie-high", "router whose top-k ties go to the higher index",
             _tie_high),
@@ -250,4 +292,9 @@ BROKEN: list[Variant] = [
     _broken(K_TORCH.MLP_TORCH, "broken-mlp-gelu", "dense MLP with GELU instead of SiLU", _mlp_gelu),
     _broken(K_TORCH.LOOP_EXPERTS, "broken-experts-atomic",
             "loop experts combined by a scatter-add (atomics on the GPU, order-dependent)", _atomic_combine),
+    _broken(K_KDA.KDA_VARIANT, "broken-kda-eps-outside", "KDA whose q/k l2norm adds its eps outside the sqrt",
+            _kda_eps_outside),
+    _broken(K_ATTN_RES.ATTN_RES_VARIANT, "broken-attn-res-pad-zero",
+            "AttnRes scoring the padded lanes of its power-of-two score vector 0 instead of masking them",
+            _attn_res_pad_zero),
 ]

@@ -7,7 +7,8 @@
 Without a GPU, Triton variants run under the Triton interpreter (TRITON_INTERPRET=1 is set before the
 kernels are imported) in fp32/fp16; bf16 and sm_90-only variants SKIP with the reason. Every mode also audits
 every kernel the variant declares (static sm_90 PTX/SASS audit, validate/kernel_audit.py) and runs the extra
-cases of validate/cases.py (all of them; --quick: a seeded sample, printed). Exit code 1 when any cell or audit
+cases of validate/cases.py (all of them; --quick: every case family's first case and a seeded sample of the rest,
+printed with the families run). Exit code 1 when any cell or audit
 FAILs, and when no cell ran (NOT RUN: every cell skipped proves nothing).
 """
 
@@ -31,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--e2e", action="store_true", help="also run 128 greedy steps against the torch executor")
     p.add_argument("--extra", type=int, default=None, metavar="K",
                    help="extra cases (odd dims, tile edges, long caches, permuted slots, magnitudes) per (preset, op) "
-                        "(default: all of them; with --quick: 4, batches <= 65); 0: none")
+                        "(default: all of them; with --quick: 4, batches <= 65, and at least the first case of every "
+                        "family); 0: none")
     p.add_argument("--case-seed", type=int, default=0, help="seed of the extra cases' sample (default: 0)")
     p.add_argument("--preset", action="append", default=None,
                    help="run on this preset (repeatable; default: the tiny presets of the families in scope)")
@@ -69,6 +71,7 @@ def cmd_validate(args, argv) -> int:
         QUICK_EXTRA,
         QUICK_EXTRA_MAX_BATCH,
         case_plan,
+        plan_lines,
         run_matrix,
         save_json,
         summary_table,
@@ -98,8 +101,8 @@ def cmd_validate(args, argv) -> int:
     print(summary_table(rows))
     plan = case_plan(v, presets=args.preset, extra=extra, case_seed=args.case_seed, device=device,
                      extra_max_batch=extra_max) if extra != 0 else {}
-    for where, names in plan.items():
-        print(f"extra cases {where} (seed {args.case_seed}): {', '.join(names)}")
+    for line in plan_lines(plan, args.case_seed):
+        print(line)
     audits = audit_variant(v)
     for a in audits:
         print(f"audit {'PASS' if a.passed else 'FAIL'} {a.kernel} {a.path or ''}"
@@ -127,7 +130,10 @@ def cmd_validate(args, argv) -> int:
     if args.report:
         from .staleness import inputs_hash
 
-        coverage = {"extra cases run (sampled)": "; ".join(f"{k}: {', '.join(n)}" for k, n in plan.items()) or "none",
+        coverage = {"extra cases run (sampled)": "; ".join(f"{k}: {', '.join(p['cases'])} (of {p['of']})"
+                                                           for k, p in plan.items()) or "none",
+                    "case families run": "; ".join(f"{k}: {', '.join(p['families'])}" for k, p in plan.items())
+                                         or "none",
                     "inputs hash": inputs_hash(v.manifest.sources)}
         _write_report(args, argv, v.name, _manifest_dict(v.manifest), rows, audits, _time_variant(v, device),
                       coverage)

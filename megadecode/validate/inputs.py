@@ -20,7 +20,11 @@ of the easy corner (validate/cases.py picks them per variant):
              slots no token uses, and slot indirection is exercised; Step.contiguous_slots False)
   magnitude  None, "tiny" (every third row of the main activation scaled by 1e-3: eps placement and precision
              at small norms) or "large" (every third row, offset by one, scaled by 4096: squares overflow fp16,
-             a 16-bit sum of squares shows); for the norm and residual ops (MAGNITUDE_KINDS)
+             a 16-bit sum of squares shows); for the norm and residual ops and KDA (MAGNITUDE_KINDS). KDA's
+             l2norm sees q and k, made of this token's activation and the conv state's previous tokens, and its
+             gated norm sees the recurrent state's readout: the scaled rows' slots have both states scaled too
+  sources    ATTN_RES: run the op over this many sources (closed blocks + partial sum) instead of the preset's
+             most complete op (a config with enough layers: validate/cases.py)
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ..weights import param_specs, random_tensor
 DISTRIBUTIONS = ("uniform", "hot_expert", "same_experts", "exact_ties", "empty_experts")
 ROUTED = (P.ROUTER, P.EXPERTS, P.LATENT_MOE)  # op kinds the routing distribution applies to
 ATTENTION = (P.ATTN_GQA, P.ATTN_MLA, P.ATTN_KDA)  # op kinds with a cache (slots apply)
-MAGNITUDE_KINDS = (P.RMSNORM, P.ADD, P.ADD_RMSNORM, P.ATTN_RES)  # op kinds the magnitude cases apply to
+MAGNITUDE_KINDS = (P.RMSNORM, P.ADD, P.ADD_RMSNORM, P.ATTN_RES, P.ATTN_KDA)  # op kinds the magnitude cases apply to
 MAGNITUDES = {"tiny": 1e-3, "large": 4096.0}
 CACHE_LEN = 16  # cache positions per slot in attention cases (the default: below one 32-position block)
 EXTRA_SLOTS = 3  # slots no token of a permuted-slots case uses
@@ -97,15 +101,33 @@ class OpCase:
                        cache=None if self.cache is None else tuple(c.clone() for c in self.cache))
 
 
-def first_op(cfg: ModelConfig, kind: str) -> P.Op:
+def closed_blocks(cfg: ModelConfig, op: P.Op) -> int:
+    """How many closed blocks an ATTN_RES op sees once it has run: one per block start up to its layer (the
+    final norm's op, layer -1: every block start of the model)."""
+    B = cfg.attn_res_block_size
+    return (cfg.num_layers - 1) // B if op.layer < 0 else op.layer // B
+
+
+def attn_res_sources(cfg: ModelConfig, op: P.Op) -> int:
+    """How many sources an ATTN_RES op's softmax runs over: the closed blocks, and the partial sum unless the op
+    has just closed it (reference/attn_res.py)."""
+    return closed_blocks(cfg, op) + ("blocks" not in op.outputs)
+
+
+def first_op(cfg: ModelConfig, kind: str, sources: int | None = None) -> P.Op:
     """The op of `kind` a case runs: the plan's first; for ATTN_RES the one with the most buffers (it reads the
-    closed blocks and closes one more: every output the kind has)."""
+    closed blocks and closes one more: every output the kind has), among those over `sources` sources if given."""
     plan = P.build_plan(cfg)
     if kind == P.ADD_RMSNORM:  # a composite: it exists in the rewritten plan only
         plan = P.fuse_add_rmsnorm(plan)
     ops = [op for op in plan.ops if op.kind == kind]
+    if sources is not None:
+        if kind != P.ATTN_RES:
+            raise ValueError(f"sources apply to {P.ATTN_RES!r} ops, not {kind!r}")
+        ops = [op for op in ops if attn_res_sources(cfg, op) == sources]
     if not ops:
-        raise ValueError(f"the {cfg.family} plan has no {kind!r} op")
+        raise ValueError(f"the {cfg.family} plan ({cfg.num_layers} layers) has no {kind!r} op"
+                         + ("" if sources is None else f" over {sources} sources"))
     if kind == P.ATTN_RES:
         return max(ops, key=lambda op: len(op.inputs) + len(op.outputs))
     return ops[0]
@@ -143,18 +165,25 @@ def _router_rows(cfg: ModelConfig, dist: str, x: torch.Tensor, gen: torch.Genera
     return x, W, bias
 
 
+def magnitude_rows(T: int, magnitude: str | None) -> torch.Tensor:
+    """The token rows a magnitude case scales: every third (rows 0, 3, ... tiny; rows 1, 4, ... large)."""
+    if magnitude is None:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.arange(0 if magnitude == "tiny" else 1, T, 3)
+
+
 def _scale_rows(x: torch.Tensor, magnitude: str | None) -> torch.Tensor:
-    """Every third row scaled by MAGNITUDES[magnitude] (rows 0, 3, ... tiny; rows 1, 4, ... large)."""
+    """x with magnitude_rows scaled by MAGNITUDES[magnitude]."""
     if magnitude is None:
         return x
     x = x.clone()
-    start = 0 if magnitude == "tiny" else 1
-    x[start::3] *= MAGNITUDES[magnitude]
+    x[magnitude_rows(x.shape[0], magnitude)] *= MAGNITUDES[magnitude]
     return x
 
 
 def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "uniform", device="cpu", *,
-               cache_len: int = CACHE_LEN, slots: str = "arange", magnitude: str | None = None) -> OpCase:
+               cache_len: int = CACHE_LEN, slots: str = "arange", magnitude: str | None = None,
+               sources: int | None = None) -> OpCase:
     """An fp32 case; `OpCase.clone(dtype)` rounds it to the dtype under test. Options: module doc."""
     if kind not in BUILDERS:
         raise ValueError(f"no input builder for op kind {kind!r}")
@@ -163,7 +192,7 @@ def build_case(cfg: ModelConfig, kind: str, batch: int, seed: int, dist: str = "
     if magnitude is not None and magnitude not in MAGNITUDES:
         raise ValueError(f"magnitude must be None or one of {sorted(MAGNITUDES)}, got {magnitude!r}")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + batch)
-    op = first_op(cfg, kind)
+    op = first_op(cfg, kind, sources)
     specs = param_specs(cfg)
     weights = {n: random_tensor(specs[n], gen, "cpu", torch.float32) for n in op.weights}
     T = batch
@@ -235,7 +264,7 @@ def _attn_res(b: _Build) -> None:
     """The layer's partial sum `hidden` and, where the op reads them, the closed blocks' sums."""
     b.inputs["hidden"] = _scale_rows(b.x, b.magnitude)
     if "blocks" in b.op.inputs:
-        n = max(1, b.op.layer // b.cfg.attn_res_block_size - ("blocks" in b.op.outputs))
+        n = closed_blocks(b.cfg, b.op) - ("blocks" in b.op.outputs)
         b.inputs["blocks"] = torch.randn((n,) + tuple(b.x.shape), generator=b.gen) * 1.5
 
 
@@ -251,9 +280,14 @@ def _attention(b: _Build) -> None:
 def _kda(b: _Build) -> None:
     """A decode step of T sequences with some history: random conv windows and states in every slot."""
     H, K, W = b.cfg.linear_num_heads, b.cfg.linear_head_dim, b.cfg.conv_kernel
-    b.inputs.update(normed=b.x, slots=b.step.slots)
-    b.cache = (torch.randn(b.num_slots, 3 * H * K, W - 1, generator=b.gen),
-               torch.randn(b.num_slots, H, K, K, generator=b.gen) * K ** -0.5)
+    b.inputs.update(normed=_scale_rows(b.x, b.magnitude), slots=b.step.slots)
+    conv = torch.randn(b.num_slots, 3 * H * K, W - 1, generator=b.gen)
+    rec = torch.randn(b.num_slots, H, K, K, generator=b.gen) * K ** -0.5
+    if b.magnitude is not None:  # the scaled tokens' histories too: q and k of tiny (large) norm, as is o
+        slots = b.step.slots[magnitude_rows(b.x.shape[0], b.magnitude)]
+        conv[slots] *= MAGNITUDES[b.magnitude]
+        rec[slots] *= MAGNITUDES[b.magnitude]
+    b.cache = (conv, rec)
 
 
 BUILDERS = {P.ROUTER: _routed, P.EXPERTS: _routed, P.LATENT_MOE: _routed, P.RMSNORM: _one_input,

@@ -46,10 +46,11 @@ def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DT
                         and scope.dims is not None and scope.dims(preset_config(p)) is None]
     rows = []
 
-    def cell(preset, cfg, kind, dtype, batch, seed, dist, case="base", **build):
+    def cell(preset, cfg, kind, dtype, batch, seed, dist, case="base", case_family="base", **build):
         t0 = time.perf_counter()
         row = check_op(variant, cfg, kind, dtype, batch, seed, "uniform" if dist == "-" else dist, device, **build)
-        rows.append({"preset": preset, "case": case, **row, "dist": dist, "seconds": round(time.perf_counter() - t0, 4)})
+        rows.append({"preset": preset, "case": case, "case_family": case_family, **row, "dist": dist,
+                     "seconds": round(time.perf_counter() - t0, 4)})
         if progress is not None:
             progress(rows[-1])
 
@@ -68,13 +69,14 @@ def run_matrix(variant: Variant, *, presets=None, batches=BATCH_SWEEP, dtypes=DT
             for case in picked:
                 for dtype in dtypes:
                     cell(preset, case.cfg, kind, dtype, case.batch, seeds[0], "uniform" if kind in ROUTED else "-",
-                         case=case.name, **case.build_kwargs())
+                         case=case.name, case_family=case.family, **case.build_kwargs())
     return rows
 
 
 def case_plan(variant: Variant, presets=None, extra: int | None = None, case_seed: int = 0,
-              device: str = "cpu", extra_max_batch: int | None = None) -> dict[str, list[str]]:
-    """The extra cases run_matrix runs, by "preset/op": what the command prints and the report lists."""
+              device: str = "cpu", extra_max_batch: int | None = None) -> dict[str, dict]:
+    """The extra cases run_matrix runs, by "preset/op": {"cases": names, "families": the families they cover,
+    "of": how many candidates there were}; what the command prints and the report lists."""
     if presets is None:
         presets = [p for p in CPU_PRESETS if preset_config(p).family in variant.manifest.scope.families]
     out = {}
@@ -84,9 +86,16 @@ def case_plan(variant: Variant, presets=None, extra: int | None = None, case_see
             continue
         for kind in variant.manifest.replaces:
             cands = C.candidates(variant, cfg, kind, device, extra_max_batch)
-            out[f"{preset}/{kind}"] = [c.name for c in C.sample(cands, extra, case_seed, f"{preset}/{kind}")] + [
-                f"(of {len(cands)})"]
+            picked = C.sample(cands, extra, case_seed, f"{preset}/{kind}")
+            out[f"{preset}/{kind}"] = {"cases": [c.name for c in picked], "families": C.families(picked),
+                                       "of": len(cands)}
     return out
+
+
+def plan_lines(plan: dict[str, dict], case_seed: int) -> list[str]:
+    """One line per (preset, op) of a case_plan: the cases drawn, of how many, and the families they cover."""
+    return [f"extra cases {where} (seed {case_seed}): {', '.join(p['cases'])} (of {p['of']}); families: "
+            f"{', '.join(p['families']) or 'none'}" for where, p in plan.items()]
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
