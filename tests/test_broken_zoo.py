@@ -160,3 +160,28 @@ def test_a_quick_run_catches_it_whatever_the_case_seed(name):
         failed = {r["case_family"] for r in rows if r["status"] == "FAIL"}
         assert family in failed, (seed, [(r["case"], r["status"]) for r in rows])
 
+
+def test_lm_head_side_outputs_are_compared():
+    """The tokens and logprobs the lm_head variant returns (what the fused executor samples from) are compared: a
+    logprob without the max shift fails on them alone (its logits and tokens are right), and a token other than
+    the reference's where the margin is clear fails as such."""
+    from megadecode.contract import Manifest, Variant
+
+    cfg = preset_config("tiny-qwen3-moe")
+    for dtype in ("float32", "float16"):
+        good = check_op(get("triton-lm-head"), cfg, P.LM_HEAD, dtype, 8, device=DEVICE)
+        assert good["status"] == "PASS", good
+        bad = check_op(get("broken-lm-head-logprob-shift"), cfg, P.LM_HEAD, dtype, 8, device=DEVICE)
+        assert bad["status"] == "FAIL" and bad["binding"] == "logprobs", bad
+        assert all(f.startswith("logprobs: ") and "absolute error" in f for f in bad["failures"]), bad
+        assert bad["max_rel_err"] > 1.0  # nats: the row's max logit
+    base = get("triton-lm-head")
+
+    def next_token(op, inputs, weights, outputs, cfg, step, cache=None):
+        base.run(op, inputs, weights, outputs, cfg, step)
+        outputs["tokens"][0] = (outputs["tokens"][0] + 1) % cfg.vocab_size
+
+    v = Variant(Manifest("t-next-token", "t", (P.LM_HEAD,), base.manifest.scope, uses_triton=True,
+                         kernels=base.manifest.kernels, side_outputs=("tokens", "logprobs")), next_token)
+    row = check_op(v, cfg, P.LM_HEAD, "float32", 3, device=DEVICE)
+    assert row["status"] == "FAIL" and row["failures"][0].startswith("tokens: 1 of 3 rows pick a token"), row

@@ -57,6 +57,25 @@ def test_registration_refuses_triton_variants_that_declare_no_kernels():
     assert check_kernels(Variant(Manifest("t-torch", "t", (P.RMSNORM,)), _norm)) == []  # plain torch: none
 
 
+def test_side_outputs_are_declared_for_a_kind_that_has_them_and_guarded():
+    """Registration refuses a side output no replaced op kind has; the harness hands declared ones in guarded:
+    a write past the tokens is caught by their guard region."""
+    with pytest.raises(ValueError, match=r"declares side outputs \['tokens'\] that no op kind it replaces has"):
+        register(Variant(Manifest("t-side", "t", (P.RMSNORM,), side_outputs=("tokens",)), _norm))
+    base = get("triton-lm-head")
+
+    def overrun(op, inputs, weights, outputs, cfg, step, cache=None):
+        base.run(op, inputs, weights, outputs, cfg, step)
+        t = outputs["tokens"]
+        t.as_strided((t.numel() + 1,), (1,), t.storage_offset())[-1] = 0  # one element past the end
+
+    v = Variant(Manifest("t-token-overrun", "t", (P.LM_HEAD,), base.manifest.scope, uses_triton=True,
+                         kernels=base.manifest.kernels, side_outputs=("tokens", "logprobs")), overrun)
+    _, _, fails = run_variant(v, build_case(QWEN, P.LM_HEAD, 3, 0))
+    assert fails == ["output tokens: wrote outside its bounds (0 elements before it, 1 after it, in the guard regions "
+                     "around its 3 elements)"], fails
+
+
 def test_every_triton_variant_declares_every_path_it_runs():
     for v in all_variants():
         specs = check_kernels(v)

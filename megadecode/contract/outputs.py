@@ -47,6 +47,32 @@ def output_specs(cfg: ModelConfig, op: P.Op, buf: dict[str, torch.Tensor],
     raise ValueError(f"no output spec for op kind {op.kind!r}")
 
 
+# Outputs an op kind's variants may write besides the op's (Manifest.side_outputs), what the reference computes
+# for them from the op's outputs, and their shapes: LM_HEAD's greedy next token per row (the lowest index among
+# equal maxima, as torch.argmax) and its log-probability at temperature 1 (sampling.sample).
+SIDE_OUTPUTS: dict[str, tuple[str, ...]] = {P.LM_HEAD: ("tokens", "logprobs")}
+
+
+def side_output_specs(op: P.Op, buf: dict[str, torch.Tensor], names) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of the side outputs `names` of `op` (SIDE_OUTPUTS); ValueError for one its kind lacks."""
+    unknown = set(names) - set(SIDE_OUTPUTS.get(op.kind, ()))
+    if unknown:
+        raise ValueError(f"no side output {sorted(unknown)} for op kind {op.kind!r} (SIDE_OUTPUTS)")
+    rows = buf[op.inputs[0]].shape[0]
+    specs = {"tokens": ((rows,), torch.int64), "logprobs": ((rows,), torch.float32)}
+    return {n: specs[n] for n in names}
+
+
+def side_output_reference(kind: str, outputs: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """The side outputs `names` from the reference op's outputs (LM_HEAD: greedy sampling of its logits)."""
+    if not names:
+        return {}
+    from ..sampling import SamplingParams, sample
+
+    tokens, logprobs = sample(outputs["logits"].float(), SamplingParams(greedy=True))
+    return {n: {"tokens": tokens, "logprobs": logprobs}[n] for n in names}
+
+
 def _poison_value(dtype: torch.dtype):
     """(dtype the poison is written as, the value in that dtype)."""
     if dtype in POISON_BITS:

@@ -39,8 +39,20 @@ def register(variant: Variant) -> Variant:
     if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
         raise ValueError(f"variant {variant.name!r} is already registered")
     check_kernels(variant)
+    _check_side_outputs(variant)
     _REGISTRY[variant.name] = variant
     return variant
+
+
+def _check_side_outputs(variant: Variant) -> None:
+    """Each declared side output exists for an op kind the variant replaces (outputs.SIDE_OUTPUTS)."""
+    from .outputs import SIDE_OUTPUTS
+
+    known = {n for k in variant.manifest.replaces for n in SIDE_OUTPUTS.get(k, ())}
+    unknown = [n for n in variant.manifest.side_outputs if n not in known]
+    if unknown:
+        raise ValueError(f"variant {variant.name!r} declares side outputs {unknown} that no op kind it replaces "
+                         f"has (contract/outputs.py SIDE_OUTPUTS)")
 
 
 def lookup(name: str) -> Variant:

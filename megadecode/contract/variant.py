@@ -66,11 +66,15 @@ class Manifest:
     # specialization, every code path included. None: it runs no compiled kernel (plain torch); registration
     # refuses None for a variant that uses Triton, and an empty list for any.
     kernels: Callable[[], list] | None = None
+    # Outputs beyond the op's that the variant writes when the caller hands them in (contract/outputs.py
+    # SIDE_OUTPUTS: LM_HEAD's greedy tokens and their logprobs, what the fused executor samples from); the
+    # validation harness hands them in, guarded and poisoned like the op's, and compares them with the reference.
+    side_outputs: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "replaces": list(self.replaces),
                 "scope": self.scope.describe(), "sources": list(self.sources), "baseline": self.baseline,
-                "graph_capturable": self.graph_capturable,
+                "graph_capturable": self.graph_capturable, "side_outputs": list(self.side_outputs),
                 "kernels": None if self.kernels is None else [
                     f"{k.name} {k.path_values() if hasattr(k, 'path_values') else ''}".strip() for k in self.kernels()]}
 

@@ -193,22 +193,34 @@ def _check(x, w, params, seed, out_logits):
         raise ValueError(f"lm_head_sample: seed must be an int64 value or a device tensor, got {seed!r}")
 
 
+def _check_out(name: str, t: torch.Tensor | None, B: int, dtype: torch.dtype, device) -> None:
+    """An output handed in: None, or a contiguous [B] tensor of `dtype` on `device`."""
+    if t is not None and (not isinstance(t, torch.Tensor) or t.shape != (B,) or t.dtype != dtype
+                          or t.device != device or not t.is_contiguous()):
+        raise ValueError(f"lm_head_sample: {name} must be a contiguous {dtype} [{B}] on {device}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
+
 def lm_head_sample(x: torch.Tensor, w: torch.Tensor, params: SamplingParams, seed: int | torch.Tensor = 0,
-                   out_logits: torch.Tensor | None = None, *, blocks: dict | None = None):
+                   out_logits: torch.Tensor | None = None, *, blocks: dict | None = None,
+                   out_tokens: torch.Tensor | None = None, out_logprobs: torch.Tensor | None = None):
     """x [B, D] @ w [V, D]^T -> (tokens [B] int64, logprobs [B] fp32, logits [B, V] fp32), as
     `sampling.sample(F.linear(x, w).float(), params)` for greedy or top_p == 1 (module doc), in two launches with
     no host sync. x and w: same dtype (float32/float16/bfloat16), unit stride over D, same device.
     seed: a Python int, or an int64 device tensor of one element read by the kernel (a CUDA graph replays with
     the value written in place); change it per step for fresh noise. Row b's draw depends only on (seed, b).
-    out_logits: written in place when given (float32 [B, V], unit stride over V). blocks: launch parameters
-    (tests and tuning), over DEFAULT_BLOCKS. Raises ValueError on bad arguments and for top_p < 1."""
+    out_logits: written in place when given (float32 [B, V], unit stride over V); out_tokens (int64 [B]) and
+    out_logprobs (float32 [B]) likewise. blocks: launch parameters (tests and tuning), over DEFAULT_BLOCKS.
+    Raises ValueError on bad arguments and for top_p < 1."""
     _check(x, w, params, seed, out_logits)
     B, D = x.shape
     V = w.shape[0]
     dev = x.device
+    _check_out("out_tokens", out_tokens, B, torch.int64, dev)
+    _check_out("out_logprobs", out_logprobs, B, torch.float32, dev)
     logits = out_logits if out_logits is not None else torch.empty(B, V, dtype=torch.float32, device=dev)
-    tokens = torch.empty(B, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+    tokens = out_tokens if out_tokens is not None else torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs = out_logprobs if out_logprobs is not None else torch.empty(B, dtype=torch.float32, device=dev)
     if B == 0:
         return tokens, logprobs, logits
     bl = {**DEFAULT_BLOCKS, **(blocks or {})}
@@ -261,20 +273,22 @@ def audit_specs(dtype: str = "bf16", D: int = 7168, V: int = 163840) -> list:
     return specs
 
 
-# ---- the harness variant (the logits half: sampling is not a plan op) -----------------------------------------
+# ---- the harness variant (sampling is not a plan op: the greedy tokens and logprobs are side outputs) ----------
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
     lm_head_sample(inputs[op.inputs[0]].contiguous(), weights[op.weights[0]], SamplingParams(greedy=True),
-                   out_logits=outputs[op.outputs[0]])
+                   out_logits=outputs[op.outputs[0]], out_tokens=outputs.get("tokens"),
+                   out_logprobs=outputs.get("logprobs"))
 
 
 LM_HEAD_VARIANT = register(Variant(Manifest(
     name="triton-lm-head",
     description="lm_head on tensor cores with per-vocab-tile max / sum-exp / argmax (or Gumbel race) partials "
                 "and a merge kernel: logits plus the next token and its logprob in two launches. The harness "
-                "checks the logits (the LM_HEAD op's output); the fused executor runs it when it samples in the "
-                "step (FusedExecutor.set_sampling), where tests/test_lm_head_kernel.py checks the tokens",
+                "checks the logits (the LM_HEAD op's output) and the greedy tokens and logprobs (side outputs); "
+                "the fused executor runs it when it samples in the step (FusedExecutor.set_sampling)",
     replaces=(LM_HEAD,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"),
                 dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
-    sources=("megadecode/kernels/lm_head.py",), uses_triton=True, graph_capturable=True, kernels=audit_specs),
+    sources=("megadecode/kernels/lm_head.py",), uses_triton=True, graph_capturable=True, kernels=audit_specs,
+    side_outputs=("tokens", "logprobs")),
     _run, kernel=lm_head_kernel))

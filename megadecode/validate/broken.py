@@ -37,6 +37,9 @@ One per blind spot of issue 39:
   broken-attn-res-pad-zero      AttnRes (triton-attn-res) whose score vector, padded to a power of two, holds 0 in
                                 the padded lanes instead of -inf: they take softmax mass; right at 2 sources (the
                                 tiny preset's op), wrong at 3, 5 and 7 (the sources cases)
+  broken-lm-head-logprob-shift  lm_head (triton-lm-head) whose logprobs leave out the max shift: l[token] -
+                                log sum exp(l - M), M never subtracted back; the logits and tokens are right (the
+                                side outputs' comparison)
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import triton
 from ..contract import Variant, register
 from ..kernels import attn_res as K_ATTN_RES
 from ..kernels import kda as K_KDA
+from ..kernels import lm_head as K_LM_HEAD
 from ..kernels import mla as K_MLA
 from ..kernels import rmsnorm as K_NORM
 from ..kernels import router as K_ROUTER
@@ -250,6 +254,14 @@ def _attn_res_pad_zero(op, inputs, weights, outputs, cfg, step, cache=None):
     outputs["layer_in"].copy_(torch.einsum("sn,snd->nd", alpha, sources))
 
 
+def _logprob_no_max_shift(op, inputs, weights, outputs, cfg, step, cache=None):
+    """The lm_head kernel's logits, tokens and logprobs, the logprobs then off by each row's max logit M (as if the
+    merge returned l[token] - log S with S the sum of exp(l - M))."""
+    K_LM_HEAD.LM_HEAD_VARIANT.run(op, inputs, weights, outputs, cfg, step, cache)
+    if "logprobs" in outputs:
+        outputs["logprobs"].add_(outputs[op.outputs[0]].amax(-1))
+
+
 BROKEN: list[Variant] = [
     _broken(K_ROUTER.ROUTER_VARIANT, "broken-router-tie-high", "router whose top-k ties go to the higher index",
             _tie_high),
@@ -297,4 +309,6 @@ BROKEN: list[Variant] = [
     _broken(K_ATTN_RES.ATTN_RES_VARIANT, "broken-attn-res-pad-zero",
             "AttnRes scoring the padded lanes of its power-of-two score vector 0 instead of masking them",
             _attn_res_pad_zero),
+    _broken(K_LM_HEAD.LM_HEAD_VARIANT, "broken-lm-head-logprob-shift",
+            "lm_head whose logprobs leave out the max shift (off by the row's max logit)", _logprob_no_max_shift),
 ]

@@ -10,7 +10,9 @@ One `check_op` call, for one (preset config, op kind, dtype, batch, seed, routin
   6. deterministic: a second run on the same inputs must give bitwise-identical outputs (and cache);
   7. close to the reference: the fp32 reference op on the same (dtype-rounded) inputs, within bounds derived from
      the error the reference itself makes in the dtype (tolerances.py); integer outputs exactly (topk_ids as
-     per-token sets); attention caches are compared too (the new tokens' entries and everything else);
+     per-token sets); attention caches are compared too (the new tokens' entries and everything else); so are
+     the side outputs the manifest declares (Manifest.side_outputs: LM_HEAD's greedy tokens, exact where the
+     reference's top-2 margin is clear, and their logprobs, in nats), handed in guarded like the op's outputs;
   8. on CUDA, the GPU-only checks (gpu_checks.py: graph replay, two streams, repeats under load, launch order);
   9. batch invariant: rows 0, T/2 and T-1 run alone match the same rows of the batch run.
 Returns a row dict: status PASS/FAIL/SKIP, the failures, the error figures and the bounds they were held to.
@@ -23,17 +25,19 @@ import torch
 from ..config import ModelConfig
 from ..contract import (
     DTYPE_NAMES,
+    SIDE_OUTPUTS,
     Variant,
     check_kernels,
     dtype_name,
     nonfinite,
     output_specs,
+    side_output_specs,
     unwritten,
 )
 from .guards import guard_failures, guarded_outputs
 from .launches import record_launches, undeclared
 from .inputs import OpCase, build_case, reference_outputs, token_rows
-from .tolerances import UNORDERED, Bound, derive, row_errors
+from .tolerances import ABSOLUTE_FLOORS, UNORDERED, Bound, derive, errors
 
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
@@ -59,12 +63,19 @@ def _bitwise_same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
+def side_names(variant: Variant, kind: str) -> tuple[str, ...]:
+    """The side outputs the variant declares for an op of `kind` (the harness hands them in and compares them)."""
+    return tuple(n for n in variant.manifest.side_outputs if n in SIDE_OUTPUTS.get(kind, ()))
+
+
 def run_variant(variant: Variant, case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | None, list[str]]:
-    """Run once on a private copy of the case, its outputs inside guard regions (guards.py) and its Triton
-    launches recorded (launches.py). Returns (outputs, cache after, contract failures)."""
+    """Run once on a private copy of the case, its outputs (the op's and the declared side outputs) inside guard
+    regions (guards.py) and its Triton launches recorded (launches.py). Returns (outputs, cache after, contract
+    failures)."""
     c = case.clone()
     buf = dict(c.inputs)
-    specs = output_specs(c.cfg, c.op, buf, c.weights)
+    specs = {**output_specs(c.cfg, c.op, buf, c.weights),
+             **side_output_specs(c.op, buf, side_names(variant, c.op.kind))}
     outputs, bufs = guarded_outputs(specs, next(iter(buf.values())).device)
     with record_launches() as launched:
         variant.run(c.op, c.inputs, c.weights, outputs, c.cfg, c.step, c.cache)
@@ -96,8 +107,10 @@ def _as_sets(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, bound: Bound | None) -> tuple[list[str], dict]:
-    """Failures and error figures (tolerances.row_errors) of one tensor against its reference; integers exactly."""
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, bound: Bound | None,
+            key: str | None = None) -> tuple[list[str], dict]:
+    """Failures and error figures (tolerances.errors of output `key`, default `name`) of one tensor against its
+    reference; integers exactly."""
     if got.shape != ref.shape:
         return [f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"], {}
     if not got.is_floating_point():
@@ -105,17 +118,18 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, bound: Bound | None
         return ([f"{name}: {bad} of {got.shape[0]} rows differ (exact match required)"] if bad else []), {}
     if not torch.isfinite(got).all():
         return [f"{name}: {int((~torch.isfinite(got)).sum())} non-finite values"], {}
-    e = row_errors(got, ref)
+    e = errors(key or name, got, ref)
     stats = {"max_rel_err": e["max_rel"], "mean_rel_err": e["mean_rel"]}
     if bound is None:
         return [], stats
     stats.update(tol_max_rel=bound.max_rel, tol_mean_rel=bound.mean_rel,
                  margin=max(e["max_rel"] / bound.max_rel, e["mean_rel"] / bound.mean_rel))
     fails = []
+    kind = "absolute" if (key or name) in ABSOLUTE_FLOORS else "row-relative"
     if e["max_rel"] > bound.max_rel:
-        fails.append(f"{name}: max row-relative error {e['max_rel']:.3g} > {bound.max_rel:.3g}")
+        fails.append(f"{name}: max {kind} error {e['max_rel']:.3g} > {bound.max_rel:.3g}")
     if e["mean_rel"] > bound.mean_rel:
-        fails.append(f"{name}: mean row-relative error {e['mean_rel']:.3g} > {bound.mean_rel:.3g}")
+        fails.append(f"{name}: mean {kind} error {e['mean_rel']:.3g} > {bound.mean_rel:.3g}")
     return fails, stats
 
 
@@ -124,20 +138,48 @@ def compare_all(got: dict, ref: dict, bounds: dict[str, Bound], what: str) -> tu
     got, ref = _as_sets(got), _as_sets(ref)
     fails, worst = [], {}
     for n in ref:
-        f, s = compare(f"{what}{n}", got[n], ref[n], bounds.get(n))
+        f, s = compare(f"{what}{n}", got[n], ref[n], bounds.get(n), key=n)
         fails += f
         if s and s.get("margin", -1.0) >= worst.get("margin", -1.0):
             worst = {**s, "binding": n}
     return fails, worst
 
 
+def token_failures(got: dict, ref: dict, bounds: dict[str, Bound]) -> tuple[list[str], dict, dict]:
+    """LM_HEAD's greedy tokens against the reference logits: a row's token must be the reference's unless a rival's
+    reference logit is within the logits' tolerance of the row's maximum (twice max_rel x max |logit|: each of two
+    logits may move by one), where either may win. The logprobs are then compared at the token the variant picked.
+    Returns (failures, got and ref without the tokens, ref's logprobs taken at the variant's tokens)."""
+    if "tokens" not in ref:
+        return [], got, ref
+    got, ref = dict(got), dict(ref)
+    tok, ref_tok = got.pop("tokens"), ref.pop("tokens")
+    if tok.shape != ref_tok.shape:
+        return [f"tokens: shape {tuple(tok.shape)} != reference {tuple(ref_tok.shape)}"], got, ref
+    logits = ref["logits"].double()
+    V = logits.shape[-1]
+    if ((tok < 0) | (tok >= V)).any():
+        return [f"tokens: {int(((tok < 0) | (tok >= V)).sum())} of {tok.numel()} outside the vocabulary"], got, ref
+    slack = 2 * bounds["logits"].max_rel * logits.abs().amax(-1) if "logits" in bounds else torch.zeros(len(tok))
+    short = logits.amax(-1) - logits.gather(-1, tok[:, None].to(logits.device))[:, 0]
+    wrong = (short > slack.to(short.device)) & (tok != ref_tok)
+    fails = [f"tokens: {int(wrong.sum())} of {tok.numel()} rows pick a token other than the reference's where its "
+             "top-2 margin is clear (beyond the logits' tolerance)"] if wrong.any() else []
+    if "logprobs" in ref:
+        ref["logprobs"] = torch.log_softmax(logits, -1).gather(-1, tok[:, None].to(logits.device))[:, 0].to(
+            ref["logprobs"].dtype)
+    return fails, got, ref
+
+
 def _cache_dict(cache) -> dict[str, torch.Tensor]:
     return {} if cache is None else {f"cache[{j}]": t for j, t in enumerate(cache)}
 
 
-def derive_bounds(c: OpCase, dtype: torch.dtype, ref: dict, ref_cache) -> tuple[dict[str, Bound], dict]:
-    """Per floating output (and cache part) the bound of tolerances.py, from the torch reference computed in
-    `dtype` against `ref`. Returns (bounds, figures for the row: the reference's own errors and the source)."""
+def derive_bounds(c: OpCase, dtype: torch.dtype, ref: dict, ref_cache,
+                  side: tuple[str, ...] = ()) -> tuple[dict[str, Bound], dict]:
+    """Per floating output (side outputs and cache parts included) the bound of tolerances.py, from the torch
+    reference computed in `dtype` against `ref`. Returns (bounds, figures for the row: the reference's own errors
+    and the source)."""
     dt = dtype_name(dtype)
     targets = {**ref, **_cache_dict(ref_cache)}
     if dtype == torch.float32:
@@ -146,7 +188,7 @@ def derive_bounds(c: OpCase, dtype: torch.dtype, ref: dict, ref_cache) -> tuple[
     else:
         source = "torch reference in " + dt
         try:
-            out_dt, cache_dt = reference_outputs(c, dtype)
+            out_dt, cache_dt = reference_outputs(c, dtype, side)
             got = {**out_dt, **_cache_dict(cache_dt)}
             if not all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point()):
                 raise ArithmeticError("non-finite values")
@@ -154,7 +196,7 @@ def derive_bounds(c: OpCase, dtype: torch.dtype, ref: dict, ref_cache) -> tuple[
             source = f"fp32 reference rounded to {dt} (the reference in {dt}: {type(e).__name__}: {str(e)[:80]})"
             got = {n: t.to(dtype) if t.is_floating_point() else t for n, t in targets.items()}
         own = _own_errors(got, targets)
-    bounds = {n: derive(dt, e) for n, e in own.items()}
+    bounds = {n: derive(dt, e, n) for n, e in own.items()}
     figures = {"tol_source": source}
     if own:
         figures.update(ref_dt_max_rel=max(e["max_rel"] for e in own.values()),
@@ -176,7 +218,7 @@ def _own_errors(got: dict, ref: dict) -> dict[str, dict]:
         g, r = got[n], t
         if n in UNORDERED.values() and agree is not None:
             g, r = g[agree], r[agree]
-        out[n] = row_errors(g, r)
+        out[n] = errors(n, g, r)
     return out
 
 
@@ -186,8 +228,9 @@ def _bitwise_equal(a: dict, b: dict) -> list[str]:
 
 def check_case(variant: Variant, case: OpCase, dtype: torch.dtype) -> dict:
     c = case.clone(dtype)
-    ref, ref_cache = reference_outputs(c)
-    bounds, figures = derive_bounds(c, dtype, ref, ref_cache)
+    side = side_names(variant, c.op.kind)
+    ref, ref_cache = reference_outputs(c, side=side)
+    bounds, figures = derive_bounds(c, dtype, ref, ref_cache, side)
     out1, cache1, failures = run_variant(variant, c)
     out2, cache2, _ = run_variant(variant, c)
     if not failures:
@@ -196,7 +239,9 @@ def check_case(variant: Variant, case: OpCase, dtype: torch.dtype) -> dict:
             diff += [f"cache[{j}]" for j, (a, b) in enumerate(zip(cache1, cache2)) if not _bitwise_same(a, b)]
         if diff:
             failures.append(f"not deterministic: a second identical run differs bitwise in {', '.join(diff)}")
-        f, worst = compare_all({**out1, **_cache_dict(cache1)}, {**ref, **_cache_dict(ref_cache)}, bounds, "")
+        f, got, want = token_failures(out1, ref, bounds)
+        failures += f
+        f, worst = compare_all({**got, **_cache_dict(cache1)}, {**want, **_cache_dict(ref_cache)}, bounds, "")
         failures += f
         figures.update(worst)
     if not failures and out1 and next(iter(out1.values())).is_cuda:

@@ -311,10 +311,14 @@ def _to(case: OpCase, device) -> OpCase:
                    cache=None if case.cache is None else tuple(c.to(device) for c in case.cache))
 
 
-def reference_outputs(case: OpCase, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], tuple | None]:
+def reference_outputs(case: OpCase, dtype: torch.dtype = torch.float32,
+                      side: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], tuple | None]:
     """The torch reference op (executors/torch_ops.py) on the case, computed in `dtype`: fp32 (the target the
     harness compares with) or the dtype under test (what the same computation errs by in it: tolerances.py).
-    Buffers the model keeps in fp32 whatever its dtype stay fp32. Returns (outputs, cache after)."""
+    Buffers the model keeps in fp32 whatever its dtype stay fp32. `side`: side outputs to add (contract
+    SIDE_OUTPUTS: LM_HEAD's greedy tokens and logprobs). Returns (outputs, cache after)."""
+    from ..contract import side_output_reference
+
     from ..executors.torch_ops import OP_IMPLS
 
     c = case.clone(dtype)
@@ -323,4 +327,5 @@ def reference_outputs(case: OpCase, dtype: torch.dtype = torch.float32) -> tuple
     ctx = StepContext(c.cfg, c.weights, {c.op.cache: c.cache} if c.op.cache else {}, step)
     ctx.buf.update(c.inputs)
     OP_IMPLS[c.op.kind](ctx, c.op)
-    return {n: ctx.buf[n] for n in c.op.outputs}, c.cache
+    outs = {n: ctx.buf[n] for n in c.op.outputs}
+    return {**outs, **side_output_reference(c.op.kind, outs, side)}, c.cache
