@@ -185,3 +185,21 @@ def test_lm_head_side_outputs_are_compared():
                          kernels=base.manifest.kernels, side_outputs=("tokens", "logprobs")), next_token)
     row = check_op(v, cfg, P.LM_HEAD, "float32", 3, device=DEVICE)
     assert row["status"] == "FAIL" and row["failures"][0].startswith("tokens: 1 of 3 rows pick a token"), row
+
+
+def test_an_overflow_of_a_kernels_scratch_fails_a_named_check():
+    """The lm_head kernels' tile partials are declared scratch (Manifest.scratch) and handed in inside guard regions:
+    partial stores without the token mask (the rest of the last 16-token chunk) fail the scratch's guard check,
+    named, instead of overwriting whatever follows the buffer; every output stays right. At 16 tokens the chunk
+    is full and only the rows run alone show it."""
+    cfg = preset_config("tiny-qwen3-moe")
+    for batch in (1, 3, 17):
+        row = check_op(get("broken-lm-head-scratch-mask"), cfg, P.LM_HEAD, "float32", batch, device=DEVICE)
+        assert row["status"] == "FAIL" and row["failures"][0].startswith(
+            "scratch tmax: wrote outside its bounds (0 elements before it, "), row
+        assert {f.split(":")[0] for f in row["failures"]} == {"scratch tmax", "scratch tsum", "scratch targ"}, row
+    row = check_op(get("broken-lm-head-scratch-mask"), cfg, P.LM_HEAD, "float32", 16, device=DEVICE)
+    assert row["status"] == "FAIL" and all(f.startswith("row ") and " alone: scratch t" in f
+                                           for f in row["failures"]), row
+    assert row["failures"][0].startswith("row 0 alone: scratch tmax: wrote outside its bounds"), row
+    assert check_op(get("triton-lm-head"), cfg, P.LM_HEAD, "float32", 17, device=DEVICE)["status"] == "PASS"

@@ -61,7 +61,8 @@ def test_registry_lists_correct_and_broken_variants():
         "broken-router-undeclared-path", "broken-mla-merge", "broken-attn-arange-slots", "broken-experts-scale",
         "broken-mlp-gelu", "broken-experts-atomic",
         # one per blind spot of issue 39 (tests/test_broken_zoo.py)
-        "broken-kda-eps-outside", "broken-attn-res-pad-zero", "broken-lm-head-logprob-shift"}
+        "broken-kda-eps-outside", "broken-attn-res-pad-zero", "broken-lm-head-logprob-shift",
+        "broken-lm-head-scratch-mask"}
     with pytest.raises(ValueError, match="unknown variant"):
         get("no-such-variant")
     for v in all_variants():

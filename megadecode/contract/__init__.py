@@ -8,9 +8,10 @@ dims, each refusal with its reason), the files it owns, whether it may be captur
 
 `inputs` maps the op's input buffer names to tensors, `weights` its weight names, `outputs` its output names to
 PREALLOCATED tensors that the variant must write completely, in place: their shapes and dtypes are the reference
-op's, given per op kind by `outputs.output_specs`; a variant may also write side outputs its manifest declares
-(`Manifest.side_outputs`, `outputs.SIDE_OUTPUTS`: LM_HEAD's tokens and logprobs) when the caller hands them in. `cache` is the op's cache tuple (attention only), which the
-variant reads and writes. A variant must not modify anything else: inputs, weights, other buffers.
+op's, given per op kind by `outputs.output_specs`; a variant may also write the side outputs its manifest declares
+(`Manifest.side_outputs`, `outputs.SIDE_OUTPUTS`: LM_HEAD's tokens and logprobs) and use the scratch buffers it
+declares (`Manifest.scratch`) when the caller hands them in. `cache` is the op's cache tuple (attention only),
+which the variant reads and writes. A variant must not modify anything else: inputs, weights, other buffers.
 
 A variant that runs compiled kernels declares each of them, at every launch specialization it can run, with the
 role of each pointer (`Manifest.kernels`, specs of `kernels.py`): the harness audits every declared kernel (data
@@ -19,7 +20,8 @@ launches is declared. Registration refuses a Triton variant that declares none.
 
     variant.py   Variant, Manifest, Scope, ManifestViolation
     registry.py  register / lookup / registered
-    outputs.py   output_specs per op kind, side outputs; poisoned / unwritten / nonfinite (the harness's fill and checks)
+    outputs.py   output_specs per op kind, side outputs; poisoned / unwritten / nonfinite (the harness's fill and
+                 checks)
     kernels.py   KernelSpec and kernel_spec (the kernels' side of the static audit), Compiled, spec kinds
 
 The contract sits between the plan and the kernels: kernels import it, executors pick variants through it, and

@@ -70,6 +70,11 @@ class Manifest:
     # SIDE_OUTPUTS: LM_HEAD's greedy tokens and their logprobs, what the fused executor samples from); the
     # validation harness hands them in, guarded and poisoned like the op's, and compares them with the reference.
     side_outputs: tuple[str, ...] = ()
+    # The scratch buffers its kernels write (partials, workspaces), as scratch(cfg, op, inputs) -> {name: (shape,
+    # dtype)}: a caller may hand them in through `outputs` as "scratch.<name>" (the variant allocates its own
+    # otherwise); the validation harness does, inside guard regions, so that a kernel overflowing its scratch
+    # fails a named check instead of corrupting the heap (CPU) or racing with another buffer (GPU).
+    scratch: Callable[..., dict] | None = None
 
     def to_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "replaces": list(self.replaces),

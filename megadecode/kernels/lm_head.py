@@ -201,9 +201,37 @@ def _check_out(name: str, t: torch.Tensor | None, B: int, dtype: torch.dtype, de
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
 
 
+def scratch_specs(B: int, V: int, sample: bool = False, blocks: dict | None = None) -> dict:
+    """{name: (shape, dtype)} of the tile partials lm_head_sample writes for B tokens over V vocab rows: per
+    (token, vocab tile) the max, the sum of exponentials, the argmax (or race winner) and, when sampling, the
+    race's best key."""
+    bv = max(16, min({**DEFAULT_BLOCKS, **(blocks or {})}["BLOCK_V"], triton.next_power_of_2(V)))
+    nt = triton.cdiv(V, bv)
+    specs = {"tmax": ((B, nt), torch.float32), "tsum": ((B, nt), torch.float32), "targ": ((B, nt), torch.int32)}
+    return {**specs, "gmax": ((B, nt), torch.float32)} if sample else specs
+
+
+def _partials(B: int, nt: int, sample: bool, dev, scratch: dict | None) -> tuple:
+    """(tmax, tsum, targ, gmax) [B, nt]: the caller's scratch (shapes checked) or fresh buffers; gmax is tmax
+    when greedy (unused)."""
+    specs = {"tmax": torch.float32, "tsum": torch.float32, "targ": torch.int32, "gmax": torch.float32}
+    names = ("tmax", "tsum", "targ") + (("gmax",) if sample else ())
+    out = {}
+    for n in names:
+        t = (scratch or {}).get(n)
+        if t is None:
+            t = torch.empty(B, nt, dtype=specs[n], device=dev)
+        elif t.shape != (B, nt) or t.dtype != specs[n] or t.device != dev or not t.is_contiguous():
+            raise ValueError(f"lm_head_sample: scratch {n} must be a contiguous {specs[n]} [{B}, {nt}] on {dev}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        out[n] = t
+    return out["tmax"], out["tsum"], out["targ"], out.get("gmax", out["tmax"])
+
+
 def lm_head_sample(x: torch.Tensor, w: torch.Tensor, params: SamplingParams, seed: int | torch.Tensor = 0,
                    out_logits: torch.Tensor | None = None, *, blocks: dict | None = None,
-                   out_tokens: torch.Tensor | None = None, out_logprobs: torch.Tensor | None = None):
+                   out_tokens: torch.Tensor | None = None, out_logprobs: torch.Tensor | None = None,
+                   scratch: dict | None = None):
     """x [B, D] @ w [V, D]^T -> (tokens [B] int64, logprobs [B] fp32, logits [B, V] fp32), as
     `sampling.sample(F.linear(x, w).float(), params)` for greedy or top_p == 1 (module doc), in two launches with
     no host sync. x and w: same dtype (float32/float16/bfloat16), unit stride over D, same device.
@@ -211,7 +239,8 @@ def lm_head_sample(x: torch.Tensor, w: torch.Tensor, params: SamplingParams, see
     the value written in place); change it per step for fresh noise. Row b's draw depends only on (seed, b).
     out_logits: written in place when given (float32 [B, V], unit stride over V); out_tokens (int64 [B]) and
     out_logprobs (float32 [B]) likewise. blocks: launch parameters (tests and tuning), over DEFAULT_BLOCKS.
-    Raises ValueError on bad arguments and for top_p < 1."""
+    scratch: the tile partials' buffers ({"tmax", "tsum", "targ"}, and "gmax" when sampling; scratch_specs), used
+    instead of fresh ones when given. Raises ValueError on bad arguments and for top_p < 1."""
     _check(x, w, params, seed, out_logits)
     B, D = x.shape
     V = w.shape[0]
@@ -233,10 +262,7 @@ def lm_head_sample(x: torch.Tensor, w: torch.Tensor, params: SamplingParams, see
         seed_t = seed.reshape(1)
     else:  # a fill kernel, no host-to-device copy
         seed_t = torch.full((1,), seed, dtype=torch.int64, device=dev)
-    tmax = torch.empty(B, nt, dtype=torch.float32, device=dev)
-    tsum = torch.empty(B, nt, dtype=torch.float32, device=dev)
-    targ = torch.empty(B, nt, dtype=torch.int32, device=dev)  # greedy: argmax; sampling: race winner
-    gmax = torch.empty(B, nt, dtype=torch.float32, device=dev) if sample else tmax  # unused when greedy
+    tmax, tsum, targ, gmax = _partials(B, nt, sample, dev, scratch)
     inv_temp = 1.0 if params.greedy else 1.0 / params.temperature
     # wider token tiles for 16-bit weights only: with fp32 (IEEE dots, no tensor cores) the H200 gave a row
     # different last bits in a 32-token tile than in a 16-token one (tests/test_lm_head_kernel.py
@@ -277,7 +303,17 @@ def audit_specs(dtype: str = "bf16", D: int = 7168, V: int = 163840) -> list:
 def _run(op, inputs, weights, outputs, cfg, step, cache=None):
     lm_head_sample(inputs[op.inputs[0]].contiguous(), weights[op.weights[0]], SamplingParams(greedy=True),
                    out_logits=outputs[op.outputs[0]], out_tokens=outputs.get("tokens"),
-                   out_logprobs=outputs.get("logprobs"))
+                   out_logprobs=outputs.get("logprobs"), scratch=_scratch_of(outputs))
+
+
+def _scratch_of(outputs: dict) -> dict:
+    """The scratch buffers a caller handed in ("scratch.<name>" entries of outputs)."""
+    return {n[len("scratch."):]: t for n, t in outputs.items() if n.startswith("scratch.")}
+
+
+def _scratch(cfg, op, inputs) -> dict:
+    """Manifest.scratch: the greedy form's partials for this op's rows."""
+    return scratch_specs(inputs[op.inputs[0]].shape[0], cfg.vocab_size)
 
 
 LM_HEAD_VARIANT = register(Variant(Manifest(
@@ -290,5 +326,5 @@ LM_HEAD_VARIANT = register(Variant(Manifest(
     scope=Scope(families=("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"),
                 dtypes=("float32", "float16", "bfloat16"), devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90"),
     sources=("megadecode/kernels/lm_head.py",), uses_triton=True, graph_capturable=True, kernels=audit_specs,
-    side_outputs=("tokens", "logprobs")),
+    side_outputs=("tokens", "logprobs"), scratch=_scratch),
     _run, kernel=lm_head_kernel))

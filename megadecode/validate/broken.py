@@ -40,6 +40,9 @@ One per blind spot of issue 39:
   broken-lm-head-logprob-shift  lm_head (triton-lm-head) whose logprobs leave out the max shift: l[token] -
                                 log sum exp(l - M), M never subtracted back; the logits and tokens are right (the
                                 side outputs' comparison)
+  broken-lm-head-scratch-mask   lm_head whose tile partials are stored without the token mask: the rows of the last
+                                16-token chunk past the batch land past the end of its scratch buffers (their guard
+                                regions: Manifest.scratch), all its outputs right
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from ..kernels import rmsnorm as K_NORM
 from ..kernels import router as K_ROUTER
 from ..reference.attention import mla_attention
 from ..reference.kda import kda_attention
+from ..sampling import SamplingParams
 from . import broken_kernels as K_MUT
 from . import torch_variants as K_TORCH
 
@@ -262,6 +266,25 @@ def _logprob_no_max_shift(op, inputs, weights, outputs, cfg, step, cache=None):
         outputs["logprobs"].add_(outputs[op.outputs[0]].amax(-1))
 
 
+def _scratch_unmasked(op, inputs, weights, outputs, cfg, step, cache=None):
+    """The lm_head kernels run over the batch padded to whole 16-token chunks, their partials written through
+    [padded rows, tiles] views of the handed-in scratch ([rows, tiles]): what partial stores without the token
+    mask do. The outputs keep the real rows."""
+    scratch = K_LM_HEAD._scratch_of(outputs)
+    if not scratch:
+        return K_LM_HEAD.LM_HEAD_VARIANT.run(op, inputs, weights, outputs, cfg, step, cache)
+    x = inputs[op.inputs[0]].contiguous()
+    B, padded = x.shape[0], -(-x.shape[0] // K_LM_HEAD.BLOCK_B) * K_LM_HEAD.BLOCK_B
+    xp = torch.cat((x, x.new_zeros(padded - B, x.shape[1])))
+    wide = {n: t.as_strided((padded, t.shape[1]), (t.shape[1], 1)) for n, t in scratch.items()}
+    tokens, logprobs, logits = K_LM_HEAD.lm_head_sample(xp, weights[op.weights[0]], SamplingParams(greedy=True),
+                                                        scratch=wide)
+    outputs[op.outputs[0]].copy_(logits[:B])
+    for n, t in (("tokens", tokens), ("logprobs", logprobs)):
+        if n in outputs:
+            outputs[n].copy_(t[:B])
+
+
 BROKEN: list[Variant] = [
     _broken(K_ROUTER.ROUTER_VARIANT, "broken-router-tie-high", "router whose top-k ties go to the higher index",
             _tie_high),
@@ -311,4 +334,6 @@ BROKEN: list[Variant] = [
             _attn_res_pad_zero),
     _broken(K_LM_HEAD.LM_HEAD_VARIANT, "broken-lm-head-logprob-shift",
             "lm_head whose logprobs leave out the max shift (off by the row's max logit)", _logprob_no_max_shift),
+    _broken(K_LM_HEAD.LM_HEAD_VARIANT, "broken-lm-head-scratch-mask",
+            "lm_head storing its tile partials without the token mask (past its scratch buffers)", _scratch_unmasked),
 ]

@@ -24,11 +24,11 @@ kind) the candidates are:
                 fp16), KDA's conv and recurrent states in those rows' slots too; batch 7, at the preset's dims and
                 at odd dims
 Each case belongs to a family (Case.family: odd-dims, tile-edge, edge, long-cache, slots, sources,
-magnitude-tiny, magnitude-large; the two magnitudes apart, as they catch different mistakes: eps placement and precision at small
-norms, overflow at large ones). `sample(cands, k, seed)` keeps a sample of k when the full product is too slow for
-CI: the first candidate of every family, always (a sampled run never leaves a family out, whatever the seed), then
-a seeded draw of the rest up to k. The matrix reports which were run (the `case` and `family` columns) and the
-command prints the sample and its families.
+magnitude-tiny, magnitude-large; the two magnitudes apart, as they catch different mistakes: eps placement and
+precision at small norms, overflow at large ones). `sample(cands, k, seed)` keeps a sample of k when the full
+product is too slow for CI: the first candidate of every family, always (a sampled run never leaves a family out,
+whatever the seed), then a seeded draw of the rest up to k. The matrix reports which were run (the `case` and
+`case_family` columns) and the command prints the sample and its families.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ One `check_op` call, for one (preset config, op kind, dtype, batch, seed, routin
      per-token sets); attention caches are compared too (the new tokens' entries and everything else); so are
      the side outputs the manifest declares (Manifest.side_outputs: LM_HEAD's greedy tokens, exact where the
      reference's top-2 margin is clear, and their logprobs, in nats), handed in guarded like the op's outputs;
+     the scratch buffers it declares (Manifest.scratch) are handed in guarded too (check 3), not compared;
   8. on CUDA, the GPU-only checks (gpu_checks.py: graph replay, two streams, repeats under load, launch order);
   9. batch invariant: rows 0, T/2 and T-1 run alone match the same rows of the batch run.
 Returns a row dict: status PASS/FAIL/SKIP, the failures, the error figures and the bounds they were held to.
@@ -76,9 +77,12 @@ def run_variant(variant: Variant, case: OpCase) -> tuple[dict[str, torch.Tensor]
     buf = dict(c.inputs)
     specs = {**output_specs(c.cfg, c.op, buf, c.weights),
              **side_output_specs(c.op, buf, side_names(variant, c.op.kind))}
-    outputs, bufs = guarded_outputs(specs, next(iter(buf.values())).device)
+    scratch = variant.manifest.scratch(c.cfg, c.op, buf) if variant.manifest.scratch is not None else {}
+    specs.update({f"scratch.{n}": s for n, s in scratch.items()})
+    handed, bufs = guarded_outputs(specs, next(iter(buf.values())).device)
     with record_launches() as launched:
-        variant.run(c.op, c.inputs, c.weights, outputs, c.cfg, c.step, c.cache)
+        variant.run(c.op, c.inputs, c.weights, handed, c.cfg, c.step, c.cache)
+    outputs = {n: t for n, t in handed.items() if not n.startswith("scratch.")}
     failures = []
     for kind, mine, orig in (("input", c.inputs, case.inputs), ("weight", c.weights, case.weights)):
         for n, t in mine.items():
@@ -91,7 +95,7 @@ def run_variant(variant: Variant, case: OpCase) -> tuple[dict[str, torch.Tensor]
         if bad:
             failures.append(f"output {n}: {bad} of {t.numel()} elements non-finite (NaN/inf computed by the "
                             "variant, not the poison)")
-    failures += guard_failures(outputs, bufs)
+    failures += guard_failures(handed, bufs)  # scratch buffers' guards too
     failures += undeclared(launched, declared_kernels(variant))
     return outputs, c.cache, failures
 

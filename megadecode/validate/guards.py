@@ -47,6 +47,7 @@ def guard_failures(views: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]
     for n, v in views.items():
         before, after = breaches(v, bufs[n])
         if before or after:
-            fails.append(f"output {n}: wrote outside its bounds ({before} elements before it, {after} after it, "
+            what = f"scratch {n[len('scratch.'):]}" if n.startswith("scratch.") else f"output {n}"
+            fails.append(f"{what}: wrote outside its bounds ({before} elements before it, {after} after it, "
                          f"in the guard regions around its {v.numel()} elements)")
     return fails

@@ -88,8 +88,8 @@ def coverage_of(rows: list[dict], audits: list, env: dict, extra: dict | None = 
                "run on every GPU cell" if on_gpu else "NOT run (no GPU)",
            "extra cases": ", ".join(sorted({r.get("case") for r in ran if r.get("case") not in (None, "base")}))
                           or "none",
-           "case families": ", ".join(sorted({r["case_family"] for r in ran if r.get("case_family") not in (None, "base")}))
-                            or "none",
+           "case families": ", ".join(sorted({r["case_family"] for r in ran
+                                              if r.get("case_family") not in (None, "base")})) or "none",
            "static audits": f"{sum(1 for a in audits if _audit_passed(a))} of {len(audits)} kernels pass"
                             if audits else "no kernel declared (plain torch) or none run",
            "bf16 on a GPU": ("proven: " + f"{sum(1 for r in ran if r['dtype'] == 'bfloat16' and r['status'] == 'PASS')}"
