@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import output_specs
+from ..contract import output_specs, side_output_specs
 from .inputs import OpCase
 
 
-def _outputs(case: OpCase) -> dict[str, torch.Tensor]:
-    specs = output_specs(case.cfg, case.op, dict(case.inputs), case.weights)
+def _outputs(case: OpCase, variant) -> dict[str, torch.Tensor]:
+    """The op's outputs and the side outputs the variant declares (checks.side_names), filled with NaN / -1."""
+    from .checks import side_names
+
+    buf = dict(case.inputs)
+    specs = {**output_specs(case.cfg, case.op, buf, case.weights),
+             **side_output_specs(case.op, buf, side_names(variant, case.op.kind))}
     return {n: torch.full(shape, float("nan"), dtype=dt, device="cuda") if dt.is_floating_point
             else torch.full(shape, -1, dtype=dt, device="cuda") for n, (shape, dt) in specs.items()}
 
@@ -45,7 +50,7 @@ def _fresh_like(case: OpCase, seed: int) -> OpCase:
 
 def graph_replay_failures(variant, case: OpCase) -> list[str]:
     static = case.clone()
-    outs = _outputs(static)
+    outs = _outputs(static, variant)
     _run(variant, static, outs)  # warm-up: compiles, autotunes
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -63,7 +68,7 @@ def graph_replay_failures(variant, case: OpCase) -> list[str]:
     for t in outs.values():
         t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
     graph.replay()
-    eager = _outputs(fresh)
+    eager = _outputs(fresh, variant)
     _run(variant, fresh, eager)
     torch.cuda.synchronize()
     return [f"graph replay on fresh inputs differs from eager in {n}" for n in outs if not torch.equal(outs[n], eager[n])]
@@ -73,14 +78,14 @@ def concurrent_failures(variant, case: OpCase) -> list[str]:
     cases = [case.clone(), _fresh_like(case, seed=99)]
     alone = []
     for c in cases:
-        o = _outputs(c)
+        o = _outputs(c, variant)
         _run(variant, c.clone(), o)
         alone.append(o)
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream() for _ in cases]
     together = []
     for _ in range(3):
-        outs = [_outputs(c) for c in cases]
+        outs = [_outputs(c, variant) for c in cases]
         runs = [c.clone() for c in cases]
         torch.cuda.synchronize()
         for s, c, o in zip(streams, runs, outs):
@@ -111,14 +116,14 @@ def _load(stream: torch.cuda.Stream, gen: torch.Generator, dtype) -> None:
 
 def load_repeat_failures(variant, case: OpCase, repeats: int = LOAD_REPEATS, seed: int = 0) -> list[str]:
     """The case `repeats` times under a concurrent load (module doc), each bitwise equal to a lone run."""
-    ref = _outputs(case)
+    ref = _outputs(case, variant)
     _run(variant, case.clone(), ref)
     torch.cuda.synchronize()
     gen = torch.Generator().manual_seed(seed)
     side = torch.cuda.Stream()
     fails = set()
     for _ in range(repeats):
-        c, outs = case.clone(), _outputs(case)
+        c, outs = case.clone(), _outputs(case, variant)
         torch.cuda.synchronize()
         _load(side, gen, torch.bfloat16)
         _run(variant, c, outs)  # on the current stream, while the side stream computes
@@ -133,13 +138,13 @@ def launch_order_failures(variant, case: OpCase) -> list[str]:
     cases = [case.clone(), _fresh_like(case, seed=7), _fresh_like(case, seed=8)]
     alone = []
     for c in cases:
-        o = _outputs(c)
+        o = _outputs(c, variant)
         _run(variant, c.clone(), o)
         torch.cuda.synchronize()
         alone.append(o)
     fails = set()
     for order in ((0, 1, 2), (2, 0, 1)):
-        runs = {k: (cases[k].clone(), _outputs(cases[k])) for k in order}
+        runs = {k: (cases[k].clone(), _outputs(cases[k], variant)) for k in order}
         torch.cuda.synchronize()
         for k in order:
             _run(variant, *runs[k])
