@@ -243,8 +243,15 @@ def _provenance(ins: list[_Ins], tables: dict[int, int] | None = None
     return prov, const
 
 
+def _is_bulk_read(i: _Ins) -> bool:
+    """A copy-engine read of global memory (cp.async.bulk[.prefetch.L2].global...: the async proxy, which no acquire
+    of the generic proxy orders): held to the non-coherent loads' rule, static data only. Its first address is
+    the global source of the prefetch form (the form the megakernel issues)."""
+    return i.base == "cp" and "bulk" in i.mods and "global" in i.mods and "prefetch" in i.mods
+
+
 def _is_global(i: _Ins) -> bool:
-    return i.base in ("ld", "ldu", "st", "atom", "red") and not (
+    return _is_bulk_read(i) or i.base in ("ld", "ldu", "st", "atom", "red") and not (
         {"param", "shared", "local", "const", "tex"} & set(i.mods))
 
 
@@ -262,7 +269,7 @@ def _is_barrier(i: _Ins) -> bool:
 
 
 def _is_nc(i: _Ins) -> bool:
-    return i.base == "ldu" or (i.base == "ld" and "nc" in i.mods)
+    return i.base == "ldu" or (i.base == "ld" and "nc" in i.mods) or _is_bulk_read(i)
 
 
 # ---- control-flow graph -------------------------------------------------------------------------------------
