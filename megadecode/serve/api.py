@@ -30,7 +30,7 @@ from .text import TextStream
 
 log = logging.getLogger("megadecode.serve")
 LOGPROB_FLOOR = -9999.0  # what a logprob of -inf is sent as (OpenAI's floor)
-DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole response checks that its client is still there
+GONE = object()  # put in a request's queue when its client disconnects
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -121,6 +121,12 @@ async def _generate(server: Server, request: Request, *, chat: bool, limit: int)
         server.close(seq)
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone: the ASGI server's `http.disconnect` (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class EventStream(StreamingResponse):
     """StreamingResponse that always closes its generator (running its `finally`) when the response ends, the
     client's disconnect included, instead of leaving that to garbage collection."""
@@ -168,22 +174,28 @@ class Output:
             self.finish_reason = d.finish_reason
         return text, ids, lps
 
+    def _gone(self, watcher: asyncio.Future) -> None:
+        if not watcher.cancelled():
+            watcher.exception()  # retrieved: a receive that failed means the client is gone too
+            self.chan.queue.put_nowait(GONE)
+
     def failure(self) -> APIError:
         return APIError(f"generation failed: {self.error}", status=500, type="server_error", code="generation_failed")
 
     async def whole(self, request: Request):
+        # A task waits for the client's disconnect while the tokens flow, and wakes this handler (GONE in its
+        # queue) the moment it comes: the caller's `finally` aborts the sequence before the engine's next step.
+        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher.add_done_callback(self._gone)
         text = []
-        while self.finish_reason is None:
-            try:
-                d = self.chan.queue.get_nowait()
-            except asyncio.QueueEmpty:
-                try:
-                    d = await asyncio.wait_for(self.chan.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody reads it; the caller's `finally` aborts
-                    continue
-            text.append(self.take(d)[0])
+        try:
+            while self.finish_reason is None:
+                d = await self.chan.queue.get()
+                if d is GONE:
+                    return Response(status_code=499)  # nobody reads it
+                text.append(self.take(d)[0])
+        finally:
+            watcher.cancel()
         if self.finish_reason == ERROR:
             return error_response(self.failure())
         text = "".join(text)
