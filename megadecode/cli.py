@@ -100,9 +100,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch",
                    help="how the decode step runs (README, Executors); fused needs Triton (on the CPU only under "
                         "TRITON_INTERPRET=1)")
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores --temperature/--top-p)")
+    p.add_argument("--greedy", action="store_true",
+                   help="argmax decoding (ignores --temperature, --top-p, --top-k, --min-p)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less probable than min-p x the most probable one, in [0, 1]")
     p.add_argument("--seed", type=seed_arg, default=0,
                    help="seed of the preset's random weights and of sampling, in [0, 2**32 - 1]")
     p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf, naming them")
@@ -149,7 +153,12 @@ def _sampling(args) -> SamplingParams:
                            "pass --greedy)")
     if not 0 < args.top_p <= 1:
         raise RequestError(f"--top-p must be in (0, 1], got {args.top_p}")
-    return SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p)
+    if args.top_k < 0:
+        raise RequestError(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
+    if not 0 <= args.min_p <= 1:
+        raise RequestError(f"--min-p must be in [0, 1], got {args.min_p}")
+    return SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p)
 
 
 def cmd_generate(args, argv) -> int:

@@ -284,7 +284,7 @@ class Engine:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         tw = time.perf_counter()
         # executors that sample inside the captured decode step (fused: kernels/lm_head.py) take greedy and
-        # temperature sampling; the first token (prefill) and top-p use sampling.sample
+        # plain temperature sampling; the first token (prefill) and top-p, top-k, min-p use sampling.sample
         in_step = getattr(self.executor, "set_sampling", None)
         in_step = in_step is not None and in_step(sampling, len(prompts))
         # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay

@@ -1,4 +1,9 @@
-"""Next-token selection on the device, with no host synchronisation: greedy, temperature, top-p.
+"""Next-token selection on the device, with no host synchronisation: greedy, temperature, min-p, top-k, top-p.
+
+The order is vLLM's: temperature, then min_p (drop tokens below min_p x the top token's probability), top_k (keep
+the tokens at least as probable as the k-th: ties at the k-th all stay), top_p (the nucleus of what is left,
+renormalized), then a draw from what remains. Repetition, presence and frequency penalties are not done here (they
+need each sequence's token counts on the device): the server refuses them.
 
 `sample` selects for a batch that shares one SamplingParams and one generator (Engine.generate); `sample_rows`
 for a batch whose rows each have their own params and generator (the server: one generator per request, so a
@@ -19,12 +24,24 @@ class SamplingParams:
     greedy: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
 
     def __post_init__(self):
         if not self.greedy and not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be finite and > 0 (greedy=True for argmax), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether a draw is cut to part of the vocabulary (top_p, top_k or min_p): the in-step samplers
+        (kernels/lm_head.py, the mega executor) take only greedy and plain temperature sampling."""
+        return not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
 
 
 def _check(logits: torch.Tensor) -> torch.Tensor:
@@ -33,16 +50,24 @@ def _check(logits: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
-def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
-            noise: torch.Tensor) -> torch.Tensor:
-    """Tokens [B] drawn from softmax(logits / temperature) (temperature [B, 1]), each row cut to its nucleus of
-    mass top_p [B, 1] (None: no row is cut; a row whose top_p is inf keeps every token), with the exponential
-    race: argmax(p / noise), noise [B, V] ~ Exp(1), which draws from p without torch.multinomial's host sync."""
+def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None, noise: torch.Tensor,
+            top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens [B] drawn from softmax(logits / temperature) (temperature [B, 1]), cut (module doc) to the tokens of
+    probability >= min_p [B, 1] x the top one's, then to those at least as probable as the top_k [B, 1]-th (int64,
+    V: every token), then to the nucleus of mass top_p [B, 1] of what is left (a row whose top_p is inf keeps every
+    token); None: no row is cut that way. The draw is the exponential race: argmax(p / noise), noise [B, V] ~
+    Exp(1), which draws from p without torch.multinomial's host sync (p need not sum to 1)."""
     probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p is not None:
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    if top_p is not None or top_k is not None:
         p_sorted, idx = probs.sort(dim=-1, descending=True)
-        before = p_sorted.cumsum(-1) - p_sorted  # mass strictly above each token
-        p_sorted = p_sorted.masked_fill(before >= top_p, 0.0)  # the top token always stays
+        if top_k is not None:
+            p_sorted = p_sorted.masked_fill(p_sorted < p_sorted.gather(-1, top_k - 1), 0.0)
+        if top_p is not None:
+            p_sorted = p_sorted / p_sorted.sum(-1, keepdim=True)  # the nucleus of what is left
+            before = p_sorted.cumsum(-1) - p_sorted  # mass strictly above each token
+            p_sorted = p_sorted.masked_fill(before >= top_p, 0.0)  # the top token always stays
         probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
     # A zero draw would make 0/0 = NaN, which argmax picks: excluded tokens must never win.
     return (probs / noise).masked_fill(probs <= 0, -1.0).argmax(-1)
@@ -55,11 +80,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         tokens = logits.argmax(-1)
     else:
-        B = logits.shape[0]
+        B, V = logits.shape
         temperature = torch.full((B, 1), params.temperature, device=logits.device)
         top_p = torch.full((B, 1), params.top_p, device=logits.device) if params.top_p < 1 else None
+        top_k = torch.full((B, 1), min(params.top_k, V), device=logits.device) if params.top_k else None
+        min_p = torch.full((B, 1), params.min_p, device=logits.device) if params.min_p else None
         noise = torch.empty_like(logits).exponential_(1.0, generator=generator)
-        tokens = _select(logits, temperature, top_p, noise)
+        tokens = _select(logits, temperature, top_p, noise, top_k, min_p)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -69,7 +96,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     per sampled row from its own generator (greedy rows draw nothing), so a row's tokens do not depend on the
     other rows. Returns (tokens [B] int64, logprobs [B] fp32)."""
     logits = _check(logits)
-    B = logits.shape[0]
+    B, V = logits.shape
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} rows of logits need {B} params and generators, got {len(params)} and "
                          f"{len(generators)}")
@@ -84,10 +111,15 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         if any(params[i].top_p < 1 for i in drawn):  # inf: the row keeps every token, as `sample` with top_p 1
             top_p = _to_device([[params[i].top_p if params[i].top_p < 1 else math.inf] for i in drawn],
                                torch.float32, dev)
+        top_k = min_p = None
+        if any(params[i].top_k for i in drawn):  # V: the row keeps every token
+            top_k = _to_device([[min(params[i].top_k or V, V)] for i in drawn], torch.int64, dev)
+        if any(params[i].min_p for i in drawn):
+            min_p = _to_device([[params[i].min_p] for i in drawn], torch.float32, dev)
         noise = torch.empty_like(sub)
         for r, i in enumerate(drawn):
             noise[r].exponential_(1.0, generator=generators[i])
-        picked = _select(sub, temperature, top_p, noise)
+        picked = _select(sub, temperature, top_p, noise, top_k, min_p)
         if len(drawn) < B:
             tokens[_to_device(drawn, torch.int64, dev)] = picked
         else:

@@ -116,6 +116,21 @@ def test_generate_unknown_model(capsys, tmp_path):
     assert "megadecode: error:" in err and "no-such-model" in err
 
 
+def test_generate_top_k_and_min_p(capsys):
+    """--top-k 1 (or --min-p 1) at a high temperature draws the greedy tokens; --top-k 5 is Engine.generate's."""
+    from megadecode.engine import Engine
+    from megadecode.sampling import SamplingParams
+
+    argv = ["generate", "--json", "--token-ids", "256,1,2", "--max-new-tokens", "8", "--temperature", "2"]
+    greedy = run_json(capsys, argv + ["--greedy"])["token_ids"]
+    assert run_json(capsys, argv)["token_ids"] != greedy
+    assert run_json(capsys, argv + ["--top-k", "1"])["token_ids"] == greedy
+    assert run_json(capsys, argv + ["--min-p", "1"])["token_ids"] == greedy
+    engine = Engine.from_pretrained("tiny-qwen3-moe", max_batch=1, max_seq_len=16)
+    want = engine.generate([[256, 1, 2]], 8, SamplingParams(temperature=2.0, top_k=5), seed=0).token_ids
+    assert run_json(capsys, argv + ["--top-k", "5"])["token_ids"] == want
+
+
 def test_bad_sampling_is_user_error(capsys):
     assert main(["generate", "--temperature", "0", "--max-new-tokens", "2"]) == 2
     assert "temperature" in capsys.readouterr().err
@@ -281,6 +296,8 @@ def test_prompt_longer_than_the_model_names_the_flag(capsys):
     (["--seed", "-1"], "argument --seed"),
     (["--temperature", "0"], "--temperature must be finite and > 0, got 0.0 (for argmax decoding, pass --greedy)"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--min-p", "2"], "--min-p must be in [0, 1], got 2.0"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice"),
 ])

@@ -226,3 +226,88 @@ def test_sample_rows_checks_its_arguments():
 
     with pytest.raises(ValueError, match="2 rows of logits need 2 params"):
         sample_rows(torch.zeros(2, 3), [SamplingParams()], [None])
+
+
+# ---- top_k and min_p, against a plain torch reference on fixed logits ---------------------------------------------
+
+# chi-square critical values at p = 0.001 for more degrees of freedom (the fixed logits below have up to 12 tokens)
+CHI2_999_MORE = {**CHI2_999, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59, 11: 31.26}
+FIXED = torch.tensor([2.0, -1.0, 0.5, 1.5, -0.3, 0.9, -2.0, 1.1, 0.0, -0.7, 1.8, 0.2])  # 12 distinct logits
+
+
+def reference(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> list[float]:
+    """The distribution a draw must follow, written out plainly in float64 (vLLM's order: temperature, min_p,
+    top_k, top_p on what is left)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if min_p:
+        p = torch.where(p < min_p * p.max(), 0.0, p)
+    if top_k:
+        kth = p.sort(descending=True).values[min(top_k, len(p)) - 1]
+        p = torch.where(p < kth, 0.0, p)
+    p = p / p.sum()
+    if top_p < 1:
+        order = p.argsort(descending=True)
+        keep, mass = torch.zeros_like(p, dtype=torch.bool), 0.0
+        for i in order.tolist():  # the smallest most-probable set whose mass reaches top_p
+            keep[i] = True
+            mass += p[i].item()
+            if mass >= top_p:
+                break
+        p = torch.where(keep, p, 0.0)
+        p = p / p.sum()
+    return p.tolist()
+
+
+@pytest.mark.parametrize("kw", [
+    {"top_k": 3}, {"top_k": 5, "temperature": 0.7}, {"min_p": 0.1}, {"min_p": 0.2, "temperature": 1.5},
+    {"top_k": 6, "top_p": 0.8}, {"min_p": 0.05, "top_k": 8, "top_p": 0.9, "temperature": 1.2},
+    {"top_k": 100},  # more than the vocabulary: every token
+])
+def test_top_k_and_min_p_draw_from_the_reference_distribution(kw):
+    want = reference(FIXED, **kw)
+    tokens, lps = sample(FIXED.expand(40000, -1).contiguous(), SamplingParams(**kw), gen(20))
+    support = sum(1 for x in want if x > 0)
+    assert set(tokens.tolist()) == {i for i, x in enumerate(want) if x > 0}  # never outside it, all of it drawn
+    assert chi_square(tokens, want) < CHI2_999_MORE[support - 1]
+    torch.testing.assert_close(lps, torch.log_softmax(FIXED, -1)[tokens])  # logprobs stay the model's (T = 1)
+
+
+def test_top_k_keeps_ties_at_the_kth():
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])  # top_k 2: the k-th is tied three ways, all three stay
+    tokens, _ = sample(logits.expand(20000, -1).contiguous(), SamplingParams(top_k=2), gen(21))
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
+    assert chi_square(tokens, reference(logits, top_k=2)) < CHI2_999_MORE[3]
+
+
+def test_top_k_one_and_min_p_one_are_greedy():
+    logits = torch.randn(256, 100, generator=gen(22))
+    for p in (SamplingParams(top_k=1, temperature=2.0), SamplingParams(min_p=1.0, temperature=2.0)):
+        assert torch.equal(sample(logits, p, gen(23))[0], logits.argmax(-1))
+
+
+def test_sample_rows_with_top_k_and_min_p_equals_sample_row_by_row():
+    """Rows that cut with top_k / min_p next to rows that do not: each as `sample` of it alone."""
+    from megadecode.sampling import sample_rows
+
+    logits = torch.randn(5, 60, generator=gen(24)) * 2
+    params = [SamplingParams(top_k=4), SamplingParams(temperature=0.9), SamplingParams(min_p=0.3, top_p=0.9),
+              SamplingParams(greedy=True, top_k=2), SamplingParams(top_k=7, min_p=0.01, temperature=1.4)]
+    gens, alone = [gen(1), gen(2), gen(3), None, gen(5)], [gen(1), gen(2), gen(3), None, gen(5)]
+    for _ in range(8):
+        tokens, lps = sample_rows(logits, params, gens)
+        for i, (p, g) in enumerate(zip(params, alone)):
+            t, lp = sample(logits[i:i + 1], p, g)
+            assert tokens[i].item() == t.item() and torch.equal(lps[i:i + 1], lp), i
+
+
+@pytest.mark.parametrize("kw, text", [({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"),
+                                      ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"),
+                                      ({"min_p": math.nan}, "min_p")])
+def test_invalid_top_k_and_min_p(kw, text):
+    with pytest.raises(ValueError, match=text):
+        SamplingParams(**kw)
+
+
+def test_truncates():
+    assert not SamplingParams().truncates and not SamplingParams(greedy=True, top_k=3).truncates
+    assert all(SamplingParams(**kw).truncates for kw in ({"top_k": 3}, {"min_p": 0.1}, {"top_p": 0.9}))

@@ -14,6 +14,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from megadecode.engine import Engine
 from megadecode.sampling import SamplingParams
@@ -122,6 +123,24 @@ def test_seeded_sampling(srv):
     c = complete(srv, **{**kw, "seed": 1235}).choices[0].token_ids
     want = alone(ids("Roll"), 10, False, SamplingParams(temperature=0.8, top_p=0.9), 1234).token_ids[0]
     assert a == b == want and c != a
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 5}, {"min_p": 0.2}, {"top_k": 8, "min_p": 0.05, "top_p": 0.9}])
+def test_seeded_top_k_and_min_p(srv, kw):
+    """vLLM's top_k and min_p, on the device in the server's sampler: a seeded request gets what Engine.generate
+    alone draws with the same parameters and seed."""
+    body = dict(prompt="Roll", max_tokens=10, temperature=1.3, seed=77, top_p=kw.get("top_p", 1.0),
+                extra_body={"return_token_ids": True, "ignore_eos": True,
+                            **{k: v for k, v in kw.items() if k != "top_p"}})
+    got = complete(srv, **body).choices[0].token_ids
+    want = alone(ids("Roll"), 10, False, SamplingParams(temperature=1.3, **kw), 77).token_ids[0]
+    unc = alone(ids("Roll"), 10, False, SamplingParams(temperature=1.3), 77).token_ids[0]
+    assert got == want and want != unc  # the cut changes what is drawn
+
+
+def test_top_k_one_is_greedy(srv):
+    r = complete(srv, prompt="Hello", max_tokens=12, temperature=1.5, extra_body={"top_k": 1, "return_token_ids": True})
+    assert r.choices[0].token_ids == alone(ids("Hello"), 12).token_ids[0]
 
 
 def test_stop_strings_and_stop_ids(srv):

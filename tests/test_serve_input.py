@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from serving import MAX_SEQ, QWEN, check_greedy, post, srv  # noqa: F401 (srv: a fixture)
+from serving import MAX_SEQ, QWEN, alone, check_greedy, ids, post, srv  # noqa: F401 (srv: a fixture)
 
 
 OK = {"model": QWEN, "prompt": "Hi", "max_tokens": 2}
@@ -55,6 +55,23 @@ BAD = [
     ({**OK, "stop_token_ids": [300]}, "stop_token_ids", "outside the vocabulary"),
     ({**OK, "stream": "yes"}, "stream", "true or false"),
     ({**OK, "stream_options": [1]}, "stream_options", "must be an object"),
+    ({**OK, "top_k": -2}, "top_k", ">= -1"),
+    ({**OK, "top_k": 2.5}, "top_k", "must be an integer"),
+    ({**OK, "min_p": 1.5}, "min_p", "in [0, 1]"),
+    ({**OK, "min_p": "x"}, "min_p", "must be a number"),
+    # what the server does not do is refused, never ignored
+    ({**OK, "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ({**OK, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({**OK, "frequency_penalty": -1}, "frequency_penalty", "not supported"),
+    ({**OK, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({**OK, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({**OK, "best_of": 3}, "best_of", "not supported"),
+    ({**OK, "top_logprobs": 2}, "top_logprobs", "not supported"),
+    ({**OK, "min_tokens": 4}, "min_tokens", "not supported"),
+    ({**OK, "echo": 0}, "echo", "not supported"),  # 0 is not false
+    ({**OK, "guided_json": {"type": "object"}}, "guided_json", "unknown field"),
+    ({**OK, "max_new_tokens": 5}, "max_new_tokens", "unknown field"),
+    ({**OK, "messages": [{"role": "user", "content": "x"}]}, "messages", "unknown field"),  # a chat field
 ]
 
 
@@ -88,6 +105,36 @@ def test_bad_chat_requests(srv, body, param, text):
     assert r.status_code == 400 and r.json()["error"]["param"] == param and text in r.json()["error"]["message"]
 
 
+def test_neutral_values_of_fields_not_implemented_are_taken(srv):
+    """What clients send by default (n 1, zero penalties, an empty logit_bias, text output, null fields) asks for
+    nothing the server does not do: a 200 with the greedy tokens."""
+    neutral = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+               "logit_bias": {}, "response_format": {"type": "text"}, "top_logprobs": 0, "tools": [],
+               "tool_choice": "none", "user": "someone", "guided_json": None, "top_k": -1, "min_p": 0}
+    r = post(srv, {"model": QWEN, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+                   **neutral})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == alone(ids("Hello"), 12).token_ids[0]
+    chat = {"model": QWEN, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2,
+            "prompt": None, **neutral}
+    assert post(srv, chat, "/v1/chat/completions").status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.1), ("response_format", {"type": "json_schema"}),
+                                          ("n", 2), ("frequency_penalty", 0.3)])
+def test_the_openai_client_gets_a_400_naming_what_is_refused(srv, field, value):
+    import openai
+
+    client = srv.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        if field in ("n", "frequency_penalty", "response_format"):
+            client.chat.completions.create(model=QWEN, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           **{field: value})
+        else:
+            client.completions.create(model=QWEN, prompt="Hi", max_tokens=2, extra_body={field: value})
+    assert e.value.status_code == 400 and e.value.body["param"] == field and e.value.body["code"] == "unsupported"
+
+
 def test_chat_content_parts_and_default_max_tokens(srv):
     r = post(srv, {"model": QWEN, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
                    "temperature": 0, "ignore_eos": True}, "/v1/chat/completions")
@@ -117,7 +164,8 @@ def test_fuzzed_bodies_never_crash_the_server(srv):
               [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"type": "text", "text": 5}]}],
               [{"role": "user", "content": "x" * 100}], [{"role": "tool", "content": ""}]]
     keys = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-            "logprobs", "stop_token_ids", "ignore_eos", "stream_options", "max_completion_tokens", "echo"]
+            "logprobs", "stop_token_ids", "ignore_eos", "stream_options", "max_completion_tokens", "echo",
+            "top_k", "min_p", "presence_penalty", "response_format", "unknown"]
     client = httpx.Client()
     for i in range(int(os.environ.get("MEGADECODE_FUZZ_N", 1000))):
         body = {"model": QWEN, "prompt": "Hi", "max_tokens": 2} if i % 3 else {}

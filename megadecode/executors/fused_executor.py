@@ -149,9 +149,10 @@ class FusedExecutor(GraphExecutor):
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the decode steps of `batch` sequences with `params` (sampling.SamplingParams), or stop
-        (None). Greedy and temperature sampling only (top_p == 1), batch <= SAMPLE_IN_STEP_MAX_BATCH; returns
-        whether the step samples. Captured graphs are dropped when the choice changes (it is part of the graph)."""
-        ok = (params is not None and (params.greedy or params.top_p == 1.0) and batch <= SAMPLE_IN_STEP_MAX_BATCH
+        (None). Greedy and plain temperature sampling only (no top_p, top_k, min_p: params.truncates), batch <=
+        SAMPLE_IN_STEP_MAX_BATCH; returns whether the step samples. Captured graphs are dropped when the choice
+        changes (it is part of the graph)."""
+        ok = (params is not None and not params.truncates and batch <= SAMPLE_IN_STEP_MAX_BATCH
               and not self._lm_head_split())
         new = params if ok else None
         if new != self.sampling:

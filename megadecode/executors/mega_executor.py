@@ -69,8 +69,8 @@ class MegaExecutor(TorchExecutor):
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_sampling(self, params, batch: int = 1) -> bool:
-        """Sample inside the launch (greedy, or temperature with top_p == 1); returns whether it does."""
-        ok = params is not None and (params.greedy or params.top_p == 1.0)
+        """Sample inside the launch (greedy, or plain temperature: no top_p, top_k, min_p); returns whether it does."""
+        ok = params is not None and not params.truncates
         self.sampling = params if ok else None
         return ok
 

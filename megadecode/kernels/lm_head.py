@@ -161,9 +161,9 @@ def finalize_kernel(logits_ptr, tmax_ptr, tsum_ptr, targ_ptr, gmax_ptr, garg_ptr
 def _check(x, w, params, seed, out_logits):
     if not isinstance(params, SamplingParams):
         raise ValueError(f"lm_head_sample: params must be a SamplingParams, got {type(params).__name__}")
-    if not params.greedy and params.top_p < 1:
-        raise ValueError(f"lm_head_sample: top_p < 1 (got {params.top_p}) is not supported by the kernel (nucleus "
-                         "sampling needs the sorted probability mass); use sampling.sample on the returned logits")
+    if params.truncates:
+        raise ValueError(f"lm_head_sample: top_p < 1, top_k or min_p (got {params}) is not supported by the kernel "
+                         "(they need the sorted probability mass); use sampling.sample on the returned logits")
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 2 or w.dim() != 2 \
             or x.shape[1] != w.shape[1]:
         raise ValueError(f"lm_head_sample: x [B, D] and w [V, D] expected, got "

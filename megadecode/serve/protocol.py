@@ -3,10 +3,11 @@ OpenAI-style body naming the field), never an exception that reaches the engine.
 
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
 (0: greedy), top_p, seed, stop, stream, stream_options.include_usage, n = 1; logprobs (the sampled token's:
-completions 0, chat true with top_logprobs 0); vLLM's extensions stop_token_ids, ignore_eos and return_token_ids
-(each choice, or chunk, also carries its `token_ids`). Fields
-the server does not implement are refused when they ask for something (n > 1, echo, best_of > 1, penalties,
-logit_bias, suffix, tools); unknown fields are ignored, as OpenAI's clients send some.
+completions 0, chat true with top_logprobs 0); vLLM's extensions top_k, min_p, stop_token_ids, ignore_eos and
+return_token_ids (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing).
+Nothing is ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, penalties, logit_bias,
+response_format other than text, ...) is refused unless it holds its neutral value, and any other field is refused
+as unknown (a null counts as absent).
 """
 
 from __future__ import annotations
@@ -107,15 +108,35 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
     return [operator.index(t) for t in v]
 
 
-def _unsupported(doc: dict) -> None:
-    asks = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-            "echo": lambda v: v not in (None, False), "suffix": lambda v: v not in (None, ""),
-            "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
-            "logit_bias": lambda v: v not in (None, {}), "tools": lambda v: v not in (None, []),
-            "functions": lambda v: v not in (None, []), "top_logprobs": lambda v: v not in (None, 0)}
-    for key, bad in asks.items():
-        if bad(doc.get(key)):
-            raise APIError(f"{key}={doc[key]!r} is not supported by this server", key, code="unsupported")
+TAKEN = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
+         "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user"}
+TAKEN_COMPLETION = TAKEN | {"prompt"}
+TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens"}
+# Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
+# for nothing (what clients send by default), refused otherwise.
+NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
+           "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},), "top_logprobs": (0,),
+           "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+           "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
+           "skip_special_tokens": (True,), "bad_words": ([],)}
+
+
+def _neutral(v, values: tuple) -> bool:
+    """v is one of `values` (True is not 1, 1.0 is)."""
+    return any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in values)
+
+
+def _unsupported(doc: dict, chat: bool) -> None:
+    taken = TAKEN_CHAT if chat else TAKEN_COMPLETION
+    for key, v in doc.items():
+        if key in taken or v is None:
+            continue
+        if key in NEUTRAL:
+            if not _neutral(v, NEUTRAL[key]):
+                raise APIError(f"{key}={v!r} is not supported by this server", key, code="unsupported")
+            continue
+        raise APIError(f"{key} is not supported by this server (an unknown field, or one it does not implement; "
+                       f"it takes {', '.join(sorted(taken))})", key, code="unsupported")
 
 
 def completion_prompt(doc: dict, tokenizer, vocab: int) -> list[int]:
@@ -166,7 +187,7 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
     if doc.get("model") != model:
         raise APIError(f"model {doc.get('model')!r} is not served here; this server serves {model!r}", "model",
                        code="model_not_found")
-    _unsupported(doc)
+    _unsupported(doc, chat)
     if chat:
         try:
             prompt = chat_prompt(tokenizer, chat_messages(doc))
@@ -193,8 +214,12 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
     top_p = _number(doc, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _int(doc, "top_k", 0, -1)  # vLLM's: -1 or 0, every token
+    min_p = _number(doc, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise APIError(f"min_p must be in [0, 1], got {min_p}", "min_p")
     params = SamplingParams(greedy=True) if temperature < GREEDY_BELOW else \
-        SamplingParams(temperature=temperature, top_p=top_p)
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p)
     seed = _int(doc, "seed", None, 0, MAX_SEED)
     stop = doc.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
