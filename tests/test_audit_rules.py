@@ -76,6 +76,26 @@ def test_nc_load_through_a_produced_table_is_an_error():
     assert [p for _, p in rep.nc_loads] == [("ptab[]",)]
 
 
+def _bulk_prefetch(table_reg: str) -> str:
+    """The copy engine's L2 prefetch of a table entry's bytes (the async proxy: no acquire orders it)."""
+    return f"""
+        ld.global.b32 %r2, [%rd1];
+        mul.wide.s32 %rd10, %r2, 8;
+        add.s64 %rd11, {table_reg}, %rd10;
+        ld.global.b64 %rd12, [%rd11];
+        mov.u32 %r3, 4096;
+        cp.async.bulk.prefetch.L2.global [%rd12], %r3;
+    """
+
+
+def test_bulk_reads_of_global_memory_are_held_to_the_non_coherent_rule():
+    rep = _audit(_bulk_prefetch("%rd4"))
+    assert rep.findings == [], rep.to_markdown()
+    assert [p for _, p in rep.nc_loads] == [("wtab[]",)]
+    (f,) = _errors(_audit(_bulk_prefetch("%rd5")), A.R_NC)
+    assert f.params == ("ptab[]",) and "produced during the launch" in f.text
+
+
 def test_unattributed_nc_load_is_an_error_only_with_pointees():
     body = """
         ld.global.b64 %rd12, [%rd1];

@@ -29,9 +29,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import (  # noqa: E402,F401
-    AHD_S, ARG, NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_bulk_l2, prefetch_row,
-)
+from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_row  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
@@ -113,40 +111,6 @@ def signal(ctr: cute.Tensor, sig: Int32):
     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
 
-GLU_WU = ARG["GLU"]["wu"]
-AHEAD_BYTES = 48 * 1024  # a CTA's static bytes requested ahead of its current instruction (x 2, x 4: try bits)
-
-
-@cute.jit
-def run_ahead(prog: cute.Tensor, qorder: cute.Tensor, wtab: cute.Tensor, smi: cute.Tensor, qi: Int32, qend: Int32,
-              budget: Int32):
-    """One thread, at the start of queue position qi (before or during its wait): request into L2, through the copy
-    engine, the declared static bytes (header words 10..12) of this CTA's next instructions, in queue order, until
-    `budget` bytes are requested for instructions not started yet; then count qi's own as started. Weights are
-    static, so nothing orders these requests after any wait: HBM streams the coming phases' weights while the
-    CTA waits on its counters, and the bodies' loads find them in L2."""
-    nq = smi[AHD_S]
-    ahead = smi[AHD_S + 1]
-    while nq < qend and (nq <= qi or ahead < budget):
-        j = qorder[nq]
-        t = prog[j, 10]
-        if t >= 0:
-            nb = prog[j, 12] * 16
-            prefetch_bulk_l2(wtab[t] + Int64(prog[j, 11]) * 16, nb)
-            ahead += nb
-            if prog[j, 0] == OPCODES["GLU"]:  # the declared range is the gate rows': the up rows alike
-                prefetch_bulk_l2(wtab[prog[j, GLU_WU]] + Int64(prog[j, 11]) * 16, nb)
-                ahead += nb
-        nq += 1
-    j = qorder[qi]
-    if prog[j, 10] >= 0:
-        ahead -= prog[j, 12] * 16
-        if prog[j, 0] == OPCODES["GLU"]:
-            ahead -= prog[j, 12] * 16
-    smi[AHD_S] = nq
-    smi[AHD_S + 1] = ahead
-
-
 @cute.jit
 def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
     """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
@@ -186,18 +150,12 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
         smi[TRY_S] = timeline >> 3  # a try build's switches (runtime.TRIES; none read in a landed build)
-    if tid == 64:
-        smi[AHD_S] = qstart[bid]
-        smi[AHD_S + 1] = Int32(0)
     pmode = (timeline >> 1) & 3
-    budget = Int32(AHEAD_BYTES) << ((timeline >> 3) & 3)
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
-        if tid == 64 and pmode == 3:  # the weights' run-ahead (runtime.PREFETCH "ahead")
-            run_ahead(prog, qorder, wtab, smi, qi, qstart[bid + 1], budget)
-        if tid >= 64 and pmode != 1 and pmode != 3:  # warps 2.. stream static weights into L2 before the wait. Mode 0: the next
+        if tid >= 64 and pmode != 1:  # warps 2.. stream static weights into L2 before the wait. Mode 0: the next
             # instruction's (this one's were requested while the previous one ran; the first of the queue's now);
             # mode 2: this one's; mode 1 (the runtime's default): none
             if qi == qstart[bid] or pmode == 2:

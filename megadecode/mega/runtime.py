@@ -32,10 +32,8 @@ ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] 
 # waits; "none" (the default since 34419f2's probe on the H200, launches without the timeline, median of 20: k3-mini
 # batch 1 3316 us against 3771 with "next", batch 8 9833 / 10282; qwen3-30b-a3b 5464 / 5562 and 17923 / 17997);
 # "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
-# "ahead": one thread a CTA requests the declared static bytes of its next instructions through the copy engine
-# (cp.async.bulk.prefetch.L2), AHEAD_BYTES ahead of the current one (cute_kernel.run_ahead)
-PREFETCH = {"next": 0, "none": 1, "current": 2, "ahead": 3}
-DEFAULT_PREFETCH = "ahead"
+PREFETCH = {"next": 0, "none": 1, "current": 2}
+DEFAULT_PREFETCH = "none"
 # a try build's switches, named after the prefetch mode ("none+name"): bits 3.. of the kernel's `timeline` argument,
 # which the kernel keeps in shared memory (cute/base.py TRY_S) for a body under trial to read, so that one compile
 # measures several variants side by side (`mega_timeline --prefetch none,none+name`). None in a landed build; 718c294
@@ -43,7 +41,7 @@ DEFAULT_PREFETCH = "ahead"
 # selected experts' rows) this way: both taken, the first up to 2 pairs an expert; c43515a tail (row_sums' last
 # chunks in one masked group: slower), 73b751d early (batch-1 rows' sums before the norm) and attn_nopf (no L2
 # prefetch in ATTN_GQA): both taken (docs/megakernel.md)
-TRIES: dict[str, int] = {"x2": 1, "x4": 2, "xpf": 4}  # the run-ahead's budget x 2, x 4; experts' bulk prefetch
+TRIES: dict[str, int] = {}
 
 
 def setting_bits(setting: str) -> int:

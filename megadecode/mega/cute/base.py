@@ -20,9 +20,6 @@ ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
 TRY_S = SMEM_I - 2  # the kernel's `timeline` argument >> 3: switches of a try build
-TRY_XPF = 4  # try switch: the expert bodies request their rows through the copy engine (runtime.TRIES["xpf"])
-AHD_S = SMEM_I - 20  # the weights' run-ahead (cute_kernel.run_ahead): [0] the next queue position whose static
-# bytes are not requested yet, [1] the bytes requested for the instructions not started yet
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -215,18 +212,6 @@ def prefetch_row(prog: cute.Tensor, wtab: cute.Tensor, idx: Int32, first: Int32,
     t = prog[idx, 10]
     if t >= 0:
         prefetch_l2(wtab[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
-
-
-BULK_MAX = 1 << 16  # bytes per bulk L2 prefetch instruction (a declared range is cut into pieces of at most this)
-
-
-@cute.jit
-def prefetch_bulk_l2(addr: Int64, nbytes: Int32):
-    """Ask the copy engine to bring [addr, addr + nbytes) of static weights into L2 (cp.async.bulk.prefetch.L2: one
-    instruction a piece, no registers or issue slots a line, nothing to wait for). addr and nbytes multiples of 16."""
-    for o in cutlass.range(0, nbytes, BULK_MAX):
-        n = cutlass.min(nbytes - o, Int32(BULK_MAX))
-        cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[addr + Int64(o), n])
 
 
 @cute.jit

@@ -15,8 +15,6 @@ from .base import (
     NW,
     SMEM_F,
     TB,
-    TRY_S,
-    TRY_XPF,
     arg,
     argf,
     args,
@@ -31,7 +29,6 @@ from .base import (
     ldu8,
     mark,
     mx_scale,
-    prefetch_bulk_l2,
     silu,
     situ,
     stf,
@@ -436,16 +433,6 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor,
     rowb = Int64(D) * 2  # bytes per weight row (MXFP4: D / 2 packed, D / 32 scales)
     if mx:
         rowb = Int64(D // 2)
-    if tid == 0 and (smi[TRY_S] & TRY_XPF) != 0:  # the share's gate and up rows requested at once (copy engine)
-        for u in cutlass.range(u0, u1 + 1):
-            e = ldi(ia(ib, uniq_off + u))
-            for q in cutlass.range(smi[u], smi[u + 1]):
-                q0 = Int32(cutlass.max(lo - Int64(q) * Int64(I), Int64(0)))
-                q1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
-                if q1 > q0:
-                    g0 = gu + (Int64(e) * Int64(2 * I) + Int64(q0)) * rowb
-                    prefetch_bulk_l2(g0, Int32(Int64(q1 - q0) * rowb))
-                    prefetch_bulk_l2(g0 + Int64(I) * rowb, Int32(Int64(q1 - q0) * rowb))
     # no L2 prefetch of the share's rows before the loops (was: every thread's prefetches of its share first, as
     # EXPERT_DOWN's; without them, launches of 718c294 on the H200, median of 20: qwen3-30b-a3b batch 1 / 8 / 64
     # 5345 -> 5115, 17515 -> 15475, 73344 -> 67688 us, k3-mini 3224 -> 3145, 10203 -> 9213, 72423 -> 68257: the
@@ -554,10 +541,6 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
     acu1 = cute.make_rmem_tensor(1, Float32)
     xa1 = cute.make_rmem_tensor(1, Int64)
     npairs = ldi(ia(ib, pstart_off + nuniq))
-    if tid == 0 and (smi[TRY_S] & TRY_XPF) != 0 and r1 > r0:  # every selected expert's rows requested at once
-        for u in cutlass.range(nuniq):
-            e = ldi(ia(ib, uniq_off + u))
-            prefetch_bulk_l2(dn + (Int64(e) * Int64(D) + Int64(r0)) * rowb, Int32(Int64(r1 - r0) * rowb))
     # flat: every pair on its own, the (pair, rows) units of all selected experts dealt to the warps at once. MXFP4
     # always; bf16 up to 2 pairs an expert on average (an expert's second pair reads its rows again, from L2), past
     # that the bf16 loop below (expert after expert, each row read once for up to TB of its pairs). Measured at
