@@ -34,7 +34,7 @@ from .kernels import require_triton
 from .measure import seed_arg
 from .parallel.group import RankFailed, agree, stuck_teardown
 from .presets import PRESETS
-from .sampling import SamplingParams
+from .sampling import GREEDY_BELOW, SamplingParams
 from .tokenizer import load_tokenizer
 from .serve import main as serve_command
 from .validate import command as validate_command
@@ -102,7 +102,7 @@ def _add_generate(sub) -> None:
                         "TRITON_INTERPRET=1)")
     p.add_argument("--greedy", action="store_true",
                    help="argmax decoding (ignores --temperature, --top-p, --top-k, --min-p)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, >= 0 (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: all)")
     p.add_argument("--min-p", type=float, default=0.0,
@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _sampling(args) -> SamplingParams:
     """SamplingParams from the flags, with errors that name the flags."""
-    if not args.greedy and not (args.temperature > 0 and math.isfinite(args.temperature)):
-        raise RequestError(f"--temperature must be finite and > 0, got {args.temperature} (for argmax decoding, "
-                           "pass --greedy)")
+    if not args.greedy and not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise RequestError(f"--temperature must be finite and >= 0 (0: argmax, as --greedy), got {args.temperature}")
+    if 0 <= args.temperature < GREEDY_BELOW:  # the server's rule: 0 (or nearly) is greedy
+        args.greedy = True
     if not 0 < args.top_p <= 1:
         raise RequestError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:

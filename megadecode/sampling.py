@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5  # temperatures in [0, this) are argmax (vLLM's choice): logits / T would overflow fp32 near 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     greedy: bool = False

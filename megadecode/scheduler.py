@@ -70,10 +70,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Finish the sequence with this id (ABORT) wherever it is; None if it is not here (already done)."""
+    def abort(self, seq_id: int, reason: str = ABORT) -> Sequence | None:
+        """Finish the sequence with this id (ABORT, or STOP for a stop string the text layer found) wherever it is;
+        None if it is not here (already done)."""
         for seq in (*self.waiting, *self.running):
             if seq.id == seq_id:
-                self.finish(seq, ABORT)
+                self.finish(seq, reason)
                 return seq
         return None

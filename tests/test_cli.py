@@ -132,8 +132,15 @@ def test_generate_top_k_and_min_p(capsys):
 
 
 def test_bad_sampling_is_user_error(capsys):
-    assert main(["generate", "--temperature", "0", "--max-new-tokens", "2"]) == 2
+    assert main(["generate", "--temperature", "-1", "--max-new-tokens", "2"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_temperature_zero_is_greedy_as_in_the_server(capsys):
+    argv = ["generate", "--json", "--token-ids", "256,1,2", "--max-new-tokens", "6"]
+    greedy = run_json(capsys, argv + ["--greedy"])
+    zero = run_json(capsys, argv + ["--temperature", "0"])
+    assert zero["token_ids"] == greedy["token_ids"] and zero["logprobs"] == greedy["logprobs"]
 
 
 def test_make_checkpoint_then_generate(capsys, tmp_path):
@@ -294,7 +301,8 @@ def test_prompt_longer_than_the_model_names_the_flag(capsys):
 @pytest.mark.parametrize("argv, text", [
     (["--seed", str(2**70)], "argument --seed: must be an integer in [0, 4294967295]"),
     (["--seed", "-1"], "argument --seed"),
-    (["--temperature", "0"], "--temperature must be finite and > 0, got 0.0 (for argmax decoding, pass --greedy)"),
+    (["--temperature", "-0.5"], "--temperature must be finite and >= 0 (0: argmax, as --greedy), got -0.5"),
+    (["--temperature", "nan"], "--temperature must be finite"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--min-p", "2"], "--min-p must be in [0, 1], got 2.0"),

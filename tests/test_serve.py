@@ -155,6 +155,8 @@ def test_stop_strings_and_stop_ids(srv):
     text = full.text
     k = next(i for i in range(2, len(text) - 2) if text[i:i + 2].isprintable() and text.find(text[i:i + 2]) == i)
     stop = text[k:k + 2]
+    srv.wait_idle()
+    outcomes = [srv.metric("megadecode_requests_total", f'outcome="{o}"') for o in ("stop", "abort")]
     r = complete(srv, prompt="Hello", max_tokens=16, temperature=0, stop=[stop, "never seen \x00"],
                  extra_body={"ignore_eos": True})
     assert r.choices[0].text == text[:k] and r.choices[0].finish_reason == "stop"
@@ -163,6 +165,9 @@ def test_stop_strings_and_stop_ids(srv):
                              extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in streamed) == text[:k]
     assert streamed[-1].choices[0].finish_reason == "stop"
+    srv.wait_idle()  # both counted as what they answered, stop, not as aborted
+    assert [srv.metric("megadecode_requests_total", f'outcome="{o}"') for o in ("stop", "abort")] == \
+        [outcomes[0] + 2, outcomes[1]]
 
 
 def test_logprobs(srv):

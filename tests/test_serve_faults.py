@@ -179,3 +179,20 @@ def test_serve_on_a_taken_port(capsys, srv):
 
     assert main(["serve", "--port", str(srv.port)]) == 2
     assert f"cannot listen on 127.0.0.1:{srv.port}" in capsys.readouterr().err
+
+
+def test_serve_on_a_checkpoint_with_nan_weights_says_so_in_one_line(capsys, tiny_ckpt):
+    """The startup request's logits are NaN: one `megadecode: error:` line naming the checkpoint, as generate
+    gives, not a traceback."""
+    import math
+
+    from test_cli import poison
+
+    ckpt = tiny_ckpt("tiny-qwen3-moe")
+    poison(ckpt, "model.layers.1.mlp.down_proj.weight", (3, 5), math.nan)
+    from megadecode.cli import main
+
+    assert main(["serve", "--model", str(ckpt), "--port", "0", "--max-batch", "2", "--max-seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megadecode: error: {ckpt}: the startup request failed: the logits for generated token 0")
+    assert "NaN or inf (--check-finite names a tensor" in err and err.count("\n") == 1 and "Traceback" not in err

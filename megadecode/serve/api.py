@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..scheduler import QueueFull
-from ..sequence import ERROR
+from ..sequence import ERROR, STOP
 from .protocol import APIError, parse_json, parse_request
 from .server import Server
 from .text import TextStream
@@ -63,10 +63,20 @@ def build_app(server: Server, max_body_bytes: int | None = None) -> FastAPI:
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "megadecode",
+                "max_model_len": server.max_seq_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "megadecode", "max_model_len": server.max_seq_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")  # :path: a served name may hold slashes (ORG/NAME)
+    async def model(model: str):
+        if model != server.model_name:
+            return error_response(APIError(f"model {model!r} is not served here; this server serves "
+                                           f"{server.model_name!r}", "model", status=404, code="model_not_found"))
+        return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -167,7 +177,7 @@ class Output:
         self.logprobs += lps
         if self.text.stopped:
             self.finish_reason = "stop"
-            self.server.close(self.seq)  # abort: a step the engine may still run for it is dropped
+            self.server.close(self.seq, STOP)  # ended: a step the engine may still run for it is dropped
         elif d.finish_reason == ERROR:
             self.finish_reason, self.error = ERROR, d.error
         elif d.finish_reason is not None:

@@ -22,9 +22,10 @@ import torch
 
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
-from ..sequence import ERROR, Sequence
+from ..sequence import ABORT, ERROR, Sequence
 
 log = logging.getLogger("megadecode.serve")
+NON_FINITE = "hold NaN or inf"  # in the error of a sequence whose logits did (serve/main.py: a broken checkpoint)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class EngineLoop:
         self.metrics = metrics or NullMetrics()
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._aborts: list[int] = []
+        self._aborts: list[tuple[int, str]] = []  # (sequence id, finish reason)
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -69,10 +70,11 @@ class EngineLoop:
             self.metrics.state(len(self.scheduler.waiting), len(self.scheduler.running))
         self._wake.set()
 
-    def abort(self, seq_id: int) -> None:
-        """Stop the sequence (a client gone, or a stop string found); its slot frees before the next step."""
+    def abort(self, seq_id: int, reason: str = ABORT) -> None:
+        """Stop the sequence (a client gone: ABORT, or a stop string found: STOP); its slot frees before the next
+        step."""
         with self._lock:
-            self._aborts.append(seq_id)
+            self._aborts.append((seq_id, reason))
         self._wake.set()
 
     def start(self) -> None:
@@ -122,8 +124,8 @@ class EngineLoop:
         admission, an abort, a finish) collects the step in flight first and launches from the host's tokens."""
         with self._lock:
             aborts, self._aborts = self._aborts, []
-            for seq_id in aborts:
-                seq = self.scheduler.abort(seq_id)
+            for seq_id, reason in aborts:
+                seq = self.scheduler.abort(seq_id, reason)
                 if seq is not None:
                     self.metrics.finished(seq)
             admitted = self.scheduler.schedule()
@@ -210,7 +212,7 @@ class EngineLoop:
                 continue
             if not finite:
                 done.append((seq, ERROR, f"the logits for generated token {len(seq.output)} (position "
-                                         f"{seq.num_tokens - 1}) hold NaN or inf"))
+                                         f"{seq.num_tokens - 1}) {NON_FINITE}"))
                 continue
             reason = seq.append(token, logprob)
             out.append((seq, Delta(token, logprob, reason)))

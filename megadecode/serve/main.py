@@ -154,6 +154,8 @@ def _run(args, ep, sock, build_app, tqdm, uvicorn) -> int:
 
 
 def _serve(args, server, sock, build_app, tqdm, uvicorn) -> int:
+    from ..engine import NonFiniteError
+
     name = args.served_model_name or args.model
     captures = bool(server.engine.executor.graph_lengths(1, 1, 1))  # eager executors have nothing to capture
     sizes = ",".join(map(str, server.runner.batch_sizes if server.runner.pad else range(1, server.max_batch + 1)))
@@ -161,8 +163,12 @@ def _serve(args, server, sock, build_app, tqdm, uvicorn) -> int:
         with tqdm(desc=f"compile + capture decode graphs (batch {sizes})", unit="graph", file=sys.stderr, total=0,
                   disable=not captures) as bar:
             server.start(bar)
-    except BaseException:
+    except BaseException as e:
         server.stop()  # with expert parallelism: tells the other ranks to stop too
+        if isinstance(e, NonFiniteError):  # as generate says it
+            hint = "" if args.model in PRESETS or args.check_finite else \
+                " (--check-finite names a tensor that holds them)"
+            raise NonFiniteError(f"{args.model}: {e}{hint}") from None
         raise
     host, port = sock.getsockname()[:2]
     cold = f"{server.cold_start_s:.1f} s" if server.cold_start_s is not None else "unknown"

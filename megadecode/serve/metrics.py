@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (GET /metrics, text format), in a registry of their own per server.
 
     megadecode_requests_total{outcome}            finished requests: stop, length, abort, error; rejected (429),
-                                                  invalid (400)
+                                                  invalid (400, or 404 for an unknown model)
     megadecode_prompt_tokens_total                prompt tokens of admitted requests
     megadecode_generation_tokens_total            tokens generated
     megadecode_running_requests                   sequences in the decode batch (slots held)

@@ -18,12 +18,11 @@ import operator
 from dataclasses import dataclass
 
 from ..engine import MAX_SEED
-from ..sampling import SamplingParams
+from ..sampling import GREEDY_BELOW, SamplingParams
 from .chat import ROLES, ChatError, chat_prompt
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
-GREEDY_BELOW = 1e-5  # temperatures below are argmax (vLLM's choice): logits / T would overflow fp32 near 0
 
 
 class APIError(Exception):
@@ -184,9 +183,11 @@ def chat_messages(doc: dict) -> list[dict]:
 
 def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, max_seq_len: int,
                   eos_ids: tuple[int, ...]) -> Request:
-    if doc.get("model") != model:
+    if doc.get("model") is None:
+        raise APIError(f"model is missing; this server serves {model!r}", "model")
+    if doc.get("model") != model:  # 404, as OpenAI and vLLM answer
         raise APIError(f"model {doc.get('model')!r} is not served here; this server serves {model!r}", "model",
-                       code="model_not_found")
+                       status=404, code="model_not_found")
     _unsupported(doc, chat)
     if chat:
         try:

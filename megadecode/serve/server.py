@@ -13,11 +13,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from ..engine import Engine
+from ..engine import Engine, NonFiniteError
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
-from ..sequence import Sequence
-from .loop import Delta, EngineLoop
+from ..sequence import ABORT, Sequence
+from .loop import NON_FINITE, Delta, EngineLoop
 from .metrics import Metrics
 from .protocol import Request
 
@@ -109,6 +109,8 @@ class Server:
                 first = chan.queue.get(timeout=600)
             self.close(seq)
             if first.finish_reason == "error":
+                if NON_FINITE in (first.error or ""):  # the weights' fault, not the server's: one line, no traceback
+                    raise NonFiniteError(f"the startup request failed: {first.error}")
                 raise RuntimeError(f"the startup request failed: {first.error}")
         self.warmup_s = time.perf_counter() - t
 
@@ -135,12 +137,12 @@ class Server:
         self.metrics.admitted(len(seq.prompt))
         return chan
 
-    def close(self, seq: Sequence) -> None:
-        """The handler is done with `seq` (finished, stopped by a stop string, or its client left): abort it if it
-        still runs, drop its channel."""
+    def close(self, seq: Sequence, reason: str = ABORT) -> None:
+        """The handler is done with `seq` (finished, stopped by a stop string: STOP, or its client left: ABORT):
+        end it for `reason` if it still runs, drop its channel."""
         self._channels.pop(seq.id, None)
         if not seq.finished:
-            self.loop.abort(seq.id)
+            self.loop.abort(seq.id, reason)
 
     def _emit(self, items: list[tuple[Sequence, Delta]]) -> None:
         """Called by the loop thread once per step."""
