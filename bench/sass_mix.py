@@ -3,6 +3,8 @@
 with HBM (the H200 issues ~1.05e12 warp-instructions/s by its specification, 132 SMs x 4 schedulers x ~1.98 GHz,
 not measured; it must consume ~9.1e12 MXFP4 weights/s at the measured 4.57 TB/s,
 so ~0.11 warp-instructions per weight is the budget). Reported for the innermost loop of the gate/up kernel.
+Triton's own `tl.dot_scaled` on the same tile (0.272, docs/evidence/experts-paths-h200.md) was a case here
+until its probe kernel left the tree (`git log -- bench/mxfp4_dot_probe.py`).
 
     python bench/sass_mix.py
 """
@@ -56,16 +58,6 @@ def main():
         per_iter = consts["BLOCK_I"] * (consts["BLOCK_D"] if fast else 32)
         cases.append((f"tensor cores, {'fast inline-PTX' if fast else 'exact per-32-block'} decode", fn, sig, consts,
                       per_iter))
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from mxfp4_dot_probe import probe_kernel  # Triton's own e2m1 x bf16 product, same tile
-
-    sig = {"w_ptr": "*u8", "s_ptr": "*u8", "x_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*fp32"}
-    consts = {"N": 6144, "K": 3584, "M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MODE": 0}
-    sig.update({k: "constexpr" for k in consts})
-    cases.append(("tl.dot_scaled (bench/mxfp4_dot_probe.py)", probe_kernel, sig, consts, 64 * 128))
     print(f"{'kernel (K3 gate/up, MXFP4)':<48} {'loop instrs':>11} {'weights/iter':>12} {'warp-instr/weight':>17}  top opcodes")
     for name, fn, sig, consts, per_iter in cases:
         n, mix = min(inner_loops(fn, sig, consts), key=lambda t: t[0])
