@@ -30,6 +30,7 @@ from .checkpoint import CheckpointError, make_checkpoint
 from .config import ConfigError
 from .engine import Engine, NonFiniteError, RequestError, model_config, resolve_dtype
 from .executors import EXECUTORS
+from .hub import resolve_model
 from .kernels import require_triton
 from .measure import seed_arg
 from .parallel.group import RankFailed, agree, stuck_teardown
@@ -86,7 +87,8 @@ def _add_generate(sub) -> None:
                                    "The first new token comes from the prompt's logits (prefill), each further "
                                    "one from a decode step: --max-new-tokens N runs N - 1 decode steps.")
     p.add_argument("--model", default="tiny-qwen3-moe",
-                   help=f"preset ({', '.join(sorted(PRESETS))}) or checkpoint directory")
+                   help=f"preset ({', '.join(sorted(PRESETS))}), checkpoint directory, or ORG/NAME in the local "
+                        "Hugging Face cache")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help=f"prompt text; repeat for a batch (default: {DEFAULT_PROMPT!r})")
@@ -165,6 +167,8 @@ def _sampling(args) -> SamplingParams:
 def cmd_generate(args, argv) -> int:
     from tqdm import tqdm
 
+    name, args.model = args.model, resolve_model(args.model)  # ORG/NAME: its snapshot in the local hub cache
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
     if args.executor == "fused":
@@ -197,7 +201,7 @@ def cmd_generate(args, argv) -> int:
         return 0
     texts = [tok.decode(ids) for ids in res.token_ids]
     if args.json:
-        doc = {"model": args.model, "executor": args.executor, "device": args.device, "dtype": args.dtype,
+        doc = {"model": name, "executor": args.executor, "device": args.device, "dtype": args.dtype,
                "ep": args.ep, "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
                "warmup_s": res.warmup_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
                "decode_tokens_per_s": res.decode_tokens_per_s}

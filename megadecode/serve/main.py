@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
                                    "/health, /metrics). Requests join and leave the running decode batch between "
                                    "steps; every decode graph is compiled and captured at startup. Needs the serve "
                                    "extra: pip install -e '.[serve]'.")
-    p.add_argument("--model", default="tiny-qwen3-moe", help=f"preset ({', '.join(sorted(PRESETS))}) or checkpoint "
-                                                             "directory")
+    p.add_argument("--model", default="tiny-qwen3-moe", help=f"preset ({', '.join(sorted(PRESETS))}), checkpoint "
+                                                             "directory, or ORG/NAME in the local Hugging Face cache")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: --model)")
     p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch",
@@ -124,9 +124,12 @@ def cmd_serve(args, argv) -> int:
     from tqdm import tqdm
 
     from ..engine import model_config
+    from ..hub import resolve_model
     from .api import build_app
 
     check_args(args)
+    args.served_model_name = args.served_model_name or args.model  # ORG/NAME stays the name requests give
+    args.model = resolve_model(args.model)  # its snapshot in the local hub cache
     ranks.check(model_config(args.model), args.ep)
     if ranks.must_spawn(args.ep):
         return ranks.spawn(argv, args.ep)
