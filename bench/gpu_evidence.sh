@@ -17,7 +17,7 @@
 #   OUT=/path bash bench/gpu_evidence.sh ncu                                          # Nsight Compute, megakernel
 #   OUT=/path bash bench/gpu_evidence.sh timelines                                    # more megakernel timelines
 #   OUT=/path bash bench/gpu_evidence.sh try                                          # a kernel change, quickly
-#   OUT=/path bash bench/gpu_evidence.sh probe                                        # batch-1 marks, prefetch modes
+#   OUT=/path bash bench/gpu_evidence.sh probe                                        # batch-1 marks and phases
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh land             # tests -m gpu, then kernel
 #
 # tests: the pytest suite (every `gpu`-marked test included: one per shipped kernel, the fused executor end to end,
@@ -224,11 +224,10 @@ if [ "$MODE" = land ]; then  # the GPU tests and the kernel's evidence in one ca
     exit $?
 fi
 if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min with the start): mega_check on the
-    # PROBE_PRESETS at batch 1 and 3 (the marks and the prefetch switch change the kernel), then PROBE_TIMELINES'
-    # (default qwen3-30b-a3b and k3-mini) batch-1 timelines with the L2 prefetch of the next instruction's weights,
-    # none, and the current one's, or PROBE_PREFETCH's settings (mega_timeline --prefetch; the same program and
-    # buffers, one process). 718c294's try (PROBE_PREFETCH=none,none+down_flat,none+expert_nopf, PROBE_BATCH=1,8,64,
-    # 4 presets in mega_check): 495 s with the start. Not evidence for landing: that is `kernel`, then `tests`
+    # PROBE_PRESETS at batch 1 and 3, then PROBE_TIMELINES' (default qwen3-30b-a3b and k3-mini) timelines at
+    # PROBE_BATCH (default 1) in one process, each recording's tables printed (a layer's phases, the bodies' marks).
+    # A kernel change is judged by `mega_timeline --compare` of a recording before it and one after. Not evidence for
+    # landing: that is `kernel`, then `tests`
     timeout "$(left)" python bench/mega_check.py --presets "${PROBE_PRESETS:-tiny-qwen3-moe,tiny-qwen3-gqa,tiny-k3}" \
         --batches 1,3 --tokens 0 --out "$OUT/evidence/mega-check-probe.json" > "$OUT/evidence/mega-check-probe.log" 2>&1
     rc=$?
@@ -236,24 +235,14 @@ if [ "$MODE" = probe ]; then  # where a batch-1 instruction's time goes (~3 min 
     echo "mega_check exit $rc"
     P=${PROBE_TIMELINES:-qwen3-30b-a3b,k3-mini}
     timeout "$(left)" python bench/mega_timeline.py --preset "$P" --batch "${PROBE_BATCH:-1}" \
-        --prefetch "${PROBE_PREFETCH:-next,none,current}" --out "$OUT/evidence/{preset}-b{batch}-{prefetch}" \
-        > "$OUT/evidence/probe-timeline.log" 2>&1
+        --out "$OUT/evidence/{preset}-b{batch}" > "$OUT/evidence/probe-timeline.log" 2>&1
     echo "timelines exit $?"; tail -3 "$OUT/evidence/probe-timeline.log"
-    # with several settings (a try build's switches: PROBE_PREFETCH=none,none+name), each against the first, a
-    # layer's phases side by side (mega_timeline --compare); with one, each recording's tables
-    IFS=, read -r -a SETS <<< "${PROBE_PREFETCH:-next,none,current}"
-    for R in "$OUT"/evidence/*-b*-"${SETS[0]//+/_}".json; do
+    for R in "$OUT"/evidence/*-b*.json; do
         [ -f "$R" ] || continue
         echo "== $(basename "$R" .json)"
-        if [ "${#SETS[@]}" -eq 1 ]; then
-            python bench/mega_timeline.py --from "$R" | grep -v -E "^L[0-9]|^(model|lm_head|embed)" | tail -40
-        fi
-        for S in "${SETS[@]:1}"; do
-            A="${R%-"${SETS[0]//+/_}".json}-${S//+/_}.json"
-            [ -f "$A" ] && python bench/mega_timeline.py --compare "$R" "$A" | tail -n +3
-        done
+        python bench/mega_timeline.py --from "$R" | grep -v -E "^L[0-9]|^(model|lm_head|embed)" | tail -40
     done
-    rm -f "$OUT"/evidence/*-b*-*.png
+    rm -f "$OUT"/evidence/*-b*.png
     exit "$rc"
 fi
 if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's: TIMELINE_PRESETS (default

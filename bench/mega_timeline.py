@@ -8,8 +8,7 @@ the wait before it in grey. Random weights, cache filled with random values, eve
 
 `--from FILE.json` (no GPU): the phases of a recorded step (and with `--png FILE` its image), a layer's phases
 averaged over the layers, the marks of the bodies. `--compare BEFORE.json AFTER.json` (no GPU): a layer's phases of
-two recordings side by side. `--prefetch next,none,current`: one recording per L2 prefetch setting (runtime.PREFETCH)
-of the same program. `--fit FILE.json ...`
+two recordings side by side. `--fit FILE.json ...`
 (no GPU): the scheduler's cost model against the recorded instruction times, per opcode, with a fitted
 fixed cost and rate. The program is lowered again on meta tensors (same
 preset, batch and CTAs; checked instruction by instruction against the recording) for each instruction's HBM
@@ -29,7 +28,7 @@ import torch
 from megadecode.cache import KVCache
 from megadecode.executors.mega_executor import default_ctas
 from megadecode.mega.lower import lower
-from megadecode.mega.runtime import DEFAULT_PREFETCH, MegaRuntime, setting_bits
+from megadecode.mega.runtime import MegaRuntime
 from megadecode.mega.schedule import schedule
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
@@ -158,8 +157,7 @@ def compare(before: dict, after: dict) -> str:
     pb, pa = phases(before), phases(after)
     kb = {d["kind"]: d for d in layer_kinds(pb)}
     ka = layer_kinds(pa)
-    lines = [f"{sa['preset']} batch {sa['batch']}: before (prefetch {sb.get('prefetch', 'next')}) -> after (prefetch "
-             f"{sa.get('prefetch', 'next')})",
+    lines = [f"{sa['preset']} batch {sa['batch']}: before -> after",
              f"{'kind':<16} {'op':<11} {'span us':>15} {'delta':>7} {'instr us':>15}"]
     for d in ka:
         o = kb.get(d["kind"])
@@ -253,8 +251,7 @@ def report(path: str) -> None:
         print(f"  {op:<22} n {len(spans[op]):>4}: " + "  ".join(f"{name} {us:.1f}" for name, us in segs))
     wait = [r["start"] - r["wait"] for r in rec["rows"]]
     work = [r["end"] - r["start"] for r in rec["rows"]]
-    print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed "
-          f"(prefetch {s.get('prefetch', 'next')})")  # recordings before 34419f2: next
+    print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed")
 
 
 # what each opcode's marks stamp (cute/moe.py op_route, cute/dense.py op_rows at batch 1, cute/attention.py
@@ -303,9 +300,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="mega-timeline",
                     help="the recording's path without .json / .png; with several presets or batches it must hold "
                          "{preset} and / or {batch} to tell them apart")
-    ap.add_argument("--prefetch", default=DEFAULT_PREFETCH,
-                    help="the L2 prefetch during waits (runtime.PREFETCH: next, none, current), or several "
-                         "comma-separated (one recording each of the same program: --out must hold {prefetch})")
     ap.add_argument("--from", dest="recording", help="analyse this recorded JSON instead (no GPU)")
     ap.add_argument("--png", help="with --from: also draw the recording's per-SM image to this file")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
@@ -344,26 +338,17 @@ def main(argv: list[str] | None = None) -> None:
             render(rec["rows"], args.png, f"{s['preset']} batch {s['batch']}: one megakernel step, "
                                           f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""))
         return
-    modes = args.prefetch.split(",")
-    for m in modes:
-        try:
-            setting_bits(m)
-        except ValueError as e:
-            ap.error(f"--{e}")
     runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
-    # "+" (a try switch) written "_" in file names: the device's file return refuses names with "+"
-    outs = [[args.out.format(preset=p, batch=b, prefetch=m.replace("+", "_")) for m in modes] for p, b in runs]
-    if len({o for os_ in outs for o in os_}) < len(runs) * len(modes):
-        ap.error(f"--out {args.out!r} does not name a file per recording: put {{preset}}, {{batch}} and / or "
-                 "{prefetch} in it")
+    outs = [args.out.format(preset=p, batch=b) for p, b in runs]
+    if len(set(outs)) < len(runs):
+        ap.error(f"--out {args.out!r} does not name a file per recording: put {{preset}} and / or {{batch}} in it")
     for (preset, batch), out in zip(runs, outs):  # one process: the kernel compiles once for all of them
-        record(preset, batch, args.context, out, modes)
+        record(preset, batch, args.context, out)
 
 
-def record(preset: str, batch: int, context: int, outs: list[str], modes: list[str] = (DEFAULT_PREFETCH,)) -> None:
-    """One megakernel step of `preset` at `batch` with a timeline per prefetch mode (the same program and buffers):
-    out.json (summary and per-instruction rows) and out.png (the per-SM image) for each out of `outs`; the summaries
-    printed."""
+def record(preset: str, batch: int, context: int, out: str) -> None:
+    """One megakernel step of `preset` at `batch` with the timeline: out.json (summary and per-instruction rows)
+    and out.png (the per-SM image); the summary printed."""
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
     cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
@@ -372,8 +357,7 @@ def record(preset: str, batch: int, context: int, outs: list[str], modes: list[s
             t.normal_()
     ctas = default_ctas(torch.device("cuda"))
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    for out, mode in zip(outs, modes):
-        _record_one(prog, preset, batch, context, ctas, out, mode)
+    _record_one(prog, preset, batch, context, ctas, out)
     del prog, cache, w
     torch.cuda.empty_cache()
 
@@ -390,9 +374,9 @@ def _runtime(prog, batch: int, context: int, **kw) -> MegaRuntime:
     return rt
 
 
-def launch_us(prog, batch: int, context: int, mode: str, n: int = 20) -> float:
+def launch_us(prog, batch: int, context: int, n: int = 20) -> float:
     """The median time of n launches of the build without a timeline (CUDA events around each)."""
-    rt = _runtime(prog, batch, context, prefetch=mode)
+    rt = _runtime(prog, batch, context)
     ts = []
     for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -405,16 +389,16 @@ def launch_us(prog, batch: int, context: int, mode: str, n: int = 20) -> float:
     return sorted(ts)[n // 2]
 
 
-def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str, mode: str) -> None:
-    rt = _runtime(prog, batch, context, timeline=True, prefetch=mode)
+def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str) -> None:
+    rt = _runtime(prog, batch, context, timeline=True)
     rows = rt.timeline_rows()
     step_us = max(r["end"] for r in rows) / 1e3
     busy = Counter()
     for r in rows:
         busy[r["op"]] += r["end"] - r["start"]
-    summary = {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "prefetch": mode,
+    summary = {"preset": preset, "batch": batch, "context": context, "ctas": ctas,
                "instructions": len(rows), "step_us": step_us,
-               "launch_us": launch_us(prog, batch, context, mode),  # without the timeline, median of 20
+               "launch_us": launch_us(prog, batch, context),  # without the timeline, median of 20
                "work_us_by_op": {k: v / 1e3 for k, v in busy.most_common()},
                "wait_us_total": sum(r["start"] - r["wait"] for r in rows) / 1e3}
     if "qst" in prog.i32:  # the last MoE layer's routing (the buffers are reused per layer): pairs per selected

@@ -171,12 +171,12 @@ def test_kernel_check_constants_are_the_kernels():
 
 def test_the_shared_int_words_of_the_kernel_do_not_overlap():
     """smi's fixed words (cute/base.py): ROUTE's counts, starts and scans stay below the instruction row (kernel_check
-    refuses an E past that), and the row, FLAG_S, the timeline address, TRY_S and the wait flag take distinct words."""
+    refuses an E past that), and the row, FLAG_S, the timeline address and the wait flag take distinct words."""
     from megadecode.mega.cute import base
     from megadecode.mega.kernel_check import ROW_S
 
     assert ROW_S == base.ROW_S
     fixed = {"row": range(base.ROW_S, base.ROW_S + base.ROW), "flag": [base.FLAG_S],
-             "timeline": [base.TL_S, base.TL_S + 1], "try": [base.TRY_S], "wait ok": [base.SMEM_I - 1]}
+             "timeline": [base.TL_S, base.TL_S + 1], "wait ok": [base.SMEM_I - 1]}
     words = [w for ws in fixed.values() for w in ws]
     assert len(words) == len(set(words)) and max(words) < base.SMEM_I and min(words) == base.ROW_S

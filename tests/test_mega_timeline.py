@@ -233,38 +233,18 @@ def test_one_process_records_every_preset_and_batch_asked_for(monkeypatch, capsy
     """`--preset a,b --batch 1,8` records each (preset, batch) in one process (the kernel compiles once per process:
     gpu_evidence.sh's timelines paid one compile per recording), each to its own file from the {preset} / {batch}
     template; a template that would write two recordings to one file is refused before any GPU work."""
-    from megadecode.mega.runtime import DEFAULT_PREFETCH
-
     calls = []
     monkeypatch.setattr(mega_timeline, "record", lambda *a: calls.append(a))
     mega_timeline.main(["--preset", "qwen3-30b-a3b,tiny-k3", "--batch", "1,8", "--out", "ev/{preset}-b{batch}"])
-    nx = [DEFAULT_PREFETCH]
-    assert calls == [("qwen3-30b-a3b", 1, 1024, ["ev/qwen3-30b-a3b-b1"], nx),
-                     ("qwen3-30b-a3b", 8, 1024, ["ev/qwen3-30b-a3b-b8"], nx),
-                     ("tiny-k3", 1, 1024, ["ev/tiny-k3-b1"], nx), ("tiny-k3", 8, 1024, ["ev/tiny-k3-b8"], nx)]
+    assert calls == [("qwen3-30b-a3b", 1, 1024, "ev/qwen3-30b-a3b-b1"), ("qwen3-30b-a3b", 8, 1024, "ev/qwen3-30b-a3b-b8"),
+                     ("tiny-k3", 1, 1024, "ev/tiny-k3-b1"), ("tiny-k3", 8, 1024, "ev/tiny-k3-b8")]
     calls.clear()
     mega_timeline.main(["--preset", "k3-mini", "--batch", "1", "--out", "ev/one"])  # one recording: any name
-    assert calls == [("k3-mini", 1, 1024, ["ev/one"], nx)]
+    assert calls == [("k3-mini", 1, 1024, "ev/one")]
     calls.clear()
-    # prefetch modes: one program, a recording per mode
-    mega_timeline.main(["--preset", "k3-mini", "--batch", "1", "--prefetch", "next,none", "--out", "ev/b1-{prefetch}"])
-    assert calls == [("k3-mini", 1, 1024, ["ev/b1-next", "ev/b1-none"], ["next", "none"])]
-    calls.clear()
-    # a try switch (runtime.TRIES): "+" written "_" in the file name; unknown switches refused
-    monkeypatch.setattr("megadecode.mega.runtime.TRIES", {"flat": 1, "nopf": 2})
-    mega_timeline.main(["--preset", "k3-mini", "--batch", "1", "--prefetch", "none,none+flat", "--out", "ev/{prefetch}"])
-    assert calls == [("k3-mini", 1, 1024, ["ev/none", "ev/none_flat"], ["none", "none+flat"])]
-    calls.clear()
-    with pytest.raises(SystemExit):
-        mega_timeline.main(["--preset", "k3-mini", "--prefetch", "none,none+fast", "--out", "ev/{prefetch}"])
-    assert calls == [] and "none+fast" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         mega_timeline.main(["--preset", "k3-mini", "--batch", "1,8", "--out", "ev/k3-mini-b{preset}"])
     assert calls == [] and "put {preset}" in capsys.readouterr().err
-    for bad in (["--prefetch", "next,none", "--out", "ev/x"], ["--prefetch", "sometimes", "--out", "ev/x"]):
-        with pytest.raises(SystemExit):
-            mega_timeline.main(["--preset", "k3-mini", "--batch", "1", *bad])
-        assert calls == []
 
 
 def test_matvec_marks_are_reported_per_projection():
@@ -279,29 +259,6 @@ def test_matvec_marks_are_reported_per_projection():
     assert {f"MATVEC {k}" for k in kinds} == {k for k in segs if k.startswith("MATVEC")}
     for k in kinds:
         assert [round(us, 6) for _, us in segs[f"MATVEC {k}"]] == [0.1, 0.1, 0.1, 0.1, 0.6]
-
-
-def test_try_switches_take_the_timeline_arguments_bits_from_3(monkeypatch):
-    from megadecode.mega import runtime
-
-    assert runtime.TRIES == {}  # a landed build has none
-    assert runtime.setting_bits("none") == 1 << 1 and runtime.setting_bits("current") == 2 << 1
-    with pytest.raises(ValueError, match="no try switches"):
-        runtime.setting_bits("none+flat")
-    monkeypatch.setattr(runtime, "TRIES", {"flat": 1, "nopf": 2})
-    assert runtime.setting_bits("none+flat") == (1 << 1) | (1 << 3)
-    assert runtime.setting_bits("next+nopf+flat+flat") == 3 << 3
-    with pytest.raises(ValueError, match=r"\+flat / \+nopf"):
-        runtime.setting_bits("none+fast")
-
-
-def test_runtime_refuses_an_unknown_prefetch_mode():
-    from megadecode.mega.runtime import DEFAULT_PREFETCH, PREFETCH, MegaRuntime
-
-    prog, _ = _recording()
-    assert PREFETCH["next"] == 0 and PREFETCH[DEFAULT_PREFETCH] == 1  # the kernel's timeline bits 1-2
-    with pytest.raises(ValueError, match="prefetch 'sometimes'"):
-        MegaRuntime(prog, "cpu", prefetch="sometimes")
 
 
 def test_a_layers_phases_are_averaged_over_the_layers():

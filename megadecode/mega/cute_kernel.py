@@ -29,7 +29,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, TRY_S, hash32, prefetch_row  # noqa: E402,F401
+from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
@@ -126,13 +126,10 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     `ptab`: of every tensor written in the launch (caches, states; 0 for the others), one index space: a body reads
     a weight's address from wtab and a cache's from ptab, so the audit can tell, per load, what it reads
     (mega/spec.py). `timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer
-    ns), SM, and up to 4 marks its body stamps (base.mark)] in tl, TLW words each. Bits 1-2, the L2 prefetch of
-    static weights (`runtime.PREFETCH`, a measurement switch; results do not depend on it): 0 the next
-    instruction's during the wait, 1 none (the runtime's default: measured faster), 2 the current instruction's
-    during its own wait. Bits 3..: a try build's switches (`runtime.TRIES`), kept in shared memory (TRY_S) for the
-    bodies under trial to read. `delay_ns` > 0 (the debug build): thread 0 sleeps a random 0..delay_ns after its
-    wait and after its signal, and every warp sleeps its own random 0..delay_ns before the body, so that warps
-    store at different times and a signal that does not wait for all of them would be seen early."""
+    ns), SM, and up to 4 marks its body stamps (base.mark)] in tl, TLW words each. `delay_ns` > 0 (the debug
+    build): thread 0 sleeps a random 0..delay_ns after its wait and after its signal, and every warp sleeps its own
+    random 0..delay_ns before the body, so that warps store at different times and a signal that does not wait for
+    all of them would be seen early."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     alloc = SmemAllocator()
@@ -149,19 +146,10 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             tla = tl.iterator.toint()
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
-        smi[TRY_S] = timeline >> 3  # a try build's switches (runtime.TRIES; none read in a landed build)
-    pmode = (timeline >> 1) & 3
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
-        if tid >= 64 and pmode != 1:  # warps 2.. stream static weights into L2 before the wait. Mode 0: the next
-            # instruction's (this one's were requested while the previous one ran; the first of the queue's now);
-            # mode 2: this one's; mode 1 (the runtime's default): none
-            if qi == qstart[bid] or pmode == 2:
-                prefetch_row(prog, wtab, idx, tid - 64, NT - 64)
-            if qi + 1 < qstart[bid + 1] and pmode == 0:
-                prefetch_row(prog, wtab, qorder[qi + 1], tid - 64, NT - 64)
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()

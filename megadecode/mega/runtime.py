@@ -27,32 +27,6 @@ from .program import Program
 # spin iterations before a wait reports a timeout (~1-2 s of polling); MEGADECODE_MAX_SPIN overrides
 DEFAULT_MAX_SPIN = int(os.environ.get("MEGADECODE_MAX_SPIN", 1 << 20))
 ERR_WORDS = 8  # err[0] flag, [1] instruction, [2] counter, [3] value seen, [4] target
-# the L2 prefetch of static weights before each wait (the kernel's `timeline` argument, bits 1-2): a measurement
-# switch, the results do not depend on it. "next": warps 2.. prefetch the next instruction's weights while thread 0
-# waits; "none" (the default since 34419f2's probe on the H200, launches without the timeline, median of 20: k3-mini
-# batch 1 3316 us against 3771 with "next", batch 8 9833 / 10282; qwen3-30b-a3b 5464 / 5562 and 17923 / 17997);
-# "current": the instruction's own, during its own wait (3716, 10311, 5482, 18205)
-PREFETCH = {"next": 0, "none": 1, "current": 2}
-DEFAULT_PREFETCH = "none"
-# a try build's switches, named after the prefetch mode ("none+name"): bits 3.. of the kernel's `timeline` argument,
-# which the kernel keeps in shared memory (cute/base.py TRY_S) for a body under trial to read, so that one compile
-# measures several variants side by side (`mega_timeline --prefetch none,none+name`). None in a landed build; 718c294
-# tried down_flat (EXPERT_DOWN's flat path for bf16 whatever the pairs) and expert_nopf (no L2 prefetch of the
-# selected experts' rows) this way: both taken, the first up to 2 pairs an expert; c43515a tail (row_sums' last
-# chunks in one masked group: slower), 73b751d early (batch-1 rows' sums before the norm) and attn_nopf (no L2
-# prefetch in ATTN_GQA): both taken (docs/megakernel.md)
-TRIES: dict[str, int] = {}
-
-
-def setting_bits(setting: str) -> int:
-    """The `timeline` argument's bits 1.. for a prefetch mode with optional tries ("none", "none+down_flat")."""
-    mode, *tries = setting.split("+")
-    if mode not in PREFETCH or any(t not in TRIES for t in tries):
-        tail = f", each optionally with +{' / +'.join(TRIES)}" if TRIES else " (this build has no try switches)"
-        raise ValueError(f"prefetch {setting!r}: one of {sorted(PREFETCH)}{tail}")
-    return (PREFETCH[mode] << 1) | (sum(TRIES[t] for t in set(tries)) << 3)
-
-
 _COMPILED = None
 
 
@@ -83,7 +57,7 @@ def _launch_args(rows, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin,
 
 def _cute_args(rt: "MegaRuntime"):
     return _launch_args(rt.rows, rt.qstart, rt.qorder, rt.ctr, rt.f32, rt.i32, rt.wtab, rt.ptab, rt.err, rt.max_spin, rt.tl,
-                        rt.timeline | setting_bits(rt.prefetch), rt.delay_ns, rt.num_ctas)
+                        rt.timeline, rt.delay_ns, rt.num_ctas)
 
 
 def compile_launcher(device, cache: bool = True):
@@ -223,14 +197,11 @@ def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
 
 class MegaRuntime:
     def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN, *, timeline: bool = False,
-                 delay_ns: int = 0, prefetch: str = DEFAULT_PREFETCH, kernel=None):
+                 delay_ns: int = 0, kernel=None):
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
-        `prefetch`: which static weights are prefetched into L2 during a wait (PREFETCH; timing only), with a try
-        build's switches after it ("none+name", TRIES); `kernel`: another build of the launcher to run (the
-        harness's planted ones, validate/mega_plants.py) instead of the shipped one."""
-        setting_bits(prefetch)  # a ValueError naming the choices
-        self.prefetch = prefetch
+        `kernel`: another build of the launcher to run (the harness's planted ones, validate/mega_plants.py)
+        instead of the shipped one."""
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")
         check_program(prog)  # dtypes, loop lengths, alignment, shared-memory bounds: refused here, not misread

@@ -19,7 +19,6 @@ SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
-TRY_S = SMEM_I - 2  # the kernel's `timeline` argument >> 3: switches of a try build
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -190,28 +189,6 @@ def sm8(sm: cute.Tensor, i: Int32):
 @cute.jit
 def dot8(a, b) -> Float32:
     return (a * b).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-
-
-@cute.jit
-def prefetch_line(addr: Int64):
-    """prefetch.global.L2 of the 128-byte line holding addr."""
-    cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
-
-
-@cute.jit
-def prefetch_l2(base: Int64, nbytes: Int64, first: Int32, stride: Int32):
-    """prefetch.global.L2 of every 128-byte line of [base, base + nbytes), lines first, first + stride, ..."""
-    lines = Int32((nbytes + 127) // 128)
-    for line in cutlass.range(first, lines, stride):
-        prefetch_line(base + Int64(line) * 128)
-
-
-@cute.jit
-def prefetch_row(prog: cute.Tensor, wtab: cute.Tensor, idx: Int32, first: Int32, stride: Int32):
-    """Prefetch the static bytes instruction idx declares (header words 10..12) into L2."""
-    t = prog[idx, 10]
-    if t >= 0:
-        prefetch_l2(wtab[t] + Int64(prog[idx, 11]) * 16, Int64(prog[idx, 12]) * 16, first, stride)
 
 
 @cute.jit
