@@ -46,7 +46,7 @@ class EPGroup:
         DESTROY_TIMEOUT_S), which is then left to a thread and `stuck_teardown()` says so.
 
         Call it after the engine is gone: a live CUDA graph that captured a collective keeps ncclCommDestroy
-        waiting forever (pytorch/pytorch#115388; `generate --ep 2` on two H200s hung there at 925f1f7).
+        waiting forever (pytorch/pytorch#115388; seen with `generate --ep 2` on two H200s).
         """
         global _stuck
         if not dist.is_initialized():
