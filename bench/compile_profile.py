@@ -14,7 +14,7 @@ import sys
 
 ONE = r"""
 import sys, time
-import megadecode.mega.cute_kernel as K
+import megadecode.backends.mega.cute_kernel as K
 if sys.argv[1] != "-":
     K.BODIES = tuple(b for b in K.BODIES if b[0] != sys.argv[1])
 t = time.perf_counter()
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bodies", help="comma-separated opcodes to leave out in turn (default: every body)")
     ap.add_argument("--out", help="also write the seconds as JSON here")
     args = ap.parse_args(argv)
-    from megadecode.mega.cute_kernel import BODIES
+    from megadecode.backends.mega.cute_kernel import BODIES
 
     names = args.bodies.split(",") if args.bodies else [name for name, _ in BODIES]
     unknown = set(names) - {name for name, _ in BODIES}

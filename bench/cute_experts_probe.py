@@ -1,4 +1,4 @@
-"""Check and time the CuTe DSL MXFP4 routed experts (kernels/cute_experts.py) against the Triton paths, on the GPU,
+"""Check and time the CuTe DSL MXFP4 routed experts (backends/fused/kernels/cute_experts.py) against the Triton paths, on the GPU,
 at K3's shape (a development probe: the committed figures come from `megadecode bench --preset k3-moe`).
 
 Checks (every batch, fresh random inputs): the output poisoned with NaN before the run and fully written, finite,
@@ -17,8 +17,8 @@ import time
 import torch
 
 from megadecode.bench_moe import ROTATIONS, expert_inputs
-from megadecode.kernels import cute_experts as ce
-from megadecode.kernels.grouped_experts import routed_experts
+from megadecode.backends.fused.kernels import cute_experts as ce
+from megadecode.backends.fused.kernels.grouped_experts import routed_experts
 from megadecode.measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms
 from megadecode.quant.mxfp4_frag import relayout_experts
 from megadecode.reference.latent_moe import latent_experts

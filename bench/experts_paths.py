@@ -1,6 +1,6 @@
 """Time the Triton routed-expert paths against each other on the GPU (a development probe; the committed
 figures come from `megadecode bench --preset k3-moe | qwen3-moe`): the small-batch FMA kernels
-(kernels/fused_experts.py), the tensor-core kernels per pair (grouped=False) and grouped by expert
+(backends/fused/kernels/fused_experts.py), the tensor-core kernels per pair (grouped=False) and grouped by expert
 (grouped=True), over a few block configs, for the K3 (MXFP4 and bf16) and Qwen3-30B-A3B shapes.
 Same method as bench_moe (rotating id sets in one CUDA graph, do_bench, floor = distinct experts' bytes).
 
@@ -17,8 +17,8 @@ import torch
 
 from megadecode.measure import HBM_READ_BPS, SHAPES, expert_weights, graph_replay_ms
 from megadecode.bench_moe import ROTATIONS, expert_inputs
-from megadecode.kernels import fused_experts as fe
-from megadecode.kernels import grouped_experts as ge
+from megadecode.backends.fused.kernels import fused_experts as fe
+from megadecode.backends.fused.kernels import grouped_experts as ge
 
 CONFIGS = [{"BLOCK_I": bi, "BLOCK_N": bn, "num_warps": nw, "num_stages": ns, "BLOCK_D": bd, "BLOCK_K": bd}
            for bi, bn in ((64, 64), (128, 128), (32, 32)) for nw in (4, 8) for ns in (3, 4) for bd in (64, 128)]

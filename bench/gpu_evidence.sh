@@ -126,7 +126,7 @@ if [ "$MODE" = reports ]; then
     exit $?
 fi
 
-if [ "$MODE" = cute ]; then  # issue 14, item 1: the CuTe DSL MXFP4 routed experts (kernels/cute_experts.py), ~5 min:
+if [ "$MODE" = cute ]; then  # issue 14, item 1: the CuTe DSL MXFP4 routed experts (backends/fused/kernels/cute_experts.py), ~5 min:
     # the k3-moe bench (fused = them), the probe (checks, tunes, each launch alone), a true K3 layer end to end, the
     # GPU tests and the harness report of cute-latent-moe
     timeout "$(left)" $M bench --preset k3-moe --weights mxfp4 --executor fused --batch 1,8,64,256 \

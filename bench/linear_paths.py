@@ -1,5 +1,5 @@
 """Dense projections at decode batch sizes (a development probe, GPU): cuBLAS (F.linear) against the Triton
-tensor-core projection of kernels/latent_moe.py (`linear`, weights on the MMA's M side), for every distinct
+tensor-core projection of backends/fused/kernels/latent_moe.py (`linear`, weights on the MMA's M side), for every distinct
 2-D bf16 weight shape of a preset's first layers. Each timing replays one CUDA graph of ROT calls on ROT
 distinct copies of the weight (so the weight comes from HBM, not L2), median of do_bench; floor = weight
 bytes / 4.57 TB/s. Tells where the fused executor's dense projections could take the Triton path.
@@ -17,7 +17,7 @@ import json
 import torch
 
 from megadecode.measure import HBM_READ_BPS, graph_replay_ms
-from megadecode.kernels.latent_moe import linear
+from megadecode.backends.fused.kernels.latent_moe import linear
 from megadecode.presets import preset_config
 from megadecode.weights import param_specs
 

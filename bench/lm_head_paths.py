@@ -1,5 +1,5 @@
 """lm_head + next-token selection at decode batch sizes (a development probe, GPU): the graph executor's way
-(cuBLAS F.linear, .float(), then sampling.sample's torch ops) against kernels/lm_head.py's lm_head_sample (two
+(cuBLAS F.linear, .float(), then sampling.sample's torch ops) against backends/fused/kernels/lm_head.py's lm_head_sample (two
 launches), both captured in a CUDA graph and timed by do_bench (median). Floor = the lm_head weight's bytes /
 4.57 TB/s. Shapes: Qwen3-30B-A3B (151936 x 2048) and K3 (163840 x 7168), bf16.
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megadecode.measure import HBM_READ_BPS, graph_replay_ms
-from megadecode.kernels.lm_head import lm_head_sample
+from megadecode.backends.fused.kernels.lm_head import lm_head_sample
 from megadecode.sampling import SamplingParams, sample
 
 SHAPES = {"qwen3-30b-a3b": (151936, 2048), "k3": (163840, 7168)}

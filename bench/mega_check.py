@@ -4,8 +4,8 @@ equal), then end_to_end (decode logits against pyvm and `torch`, greedy generati
 `--cases paths` runs
 mega_gpu.PATH_CASES instead (diffs only): batch tails up to 64, experts of several passes, contexts 1 and the last
 position of a 1000-position cache (attention splits of several chunks, the last partial). Writes a JSON summary to
---out, each diff row with its context and its longest attention split. A family in the executor's UNVALIDATED_FAMILIES runs with MEGADECODE_MEGA_UNVALIDATED=1
-(this is the check that validates it).
+--out, each diff row with its context and its longest attention split.
+A family is listed for `mega` in config/registry.py once this check passes on it.
 
     python bench/mega_check.py --out $OUT/mega_check.json
 """
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import traceback
 
 import torch
 
-from megadecode.executors.mega_executor import UNVALIDATED_ENV
 from megadecode.validate.mega_gpu import PATH_CASES, diff_failures, diff_program, e2e_failures, end_to_end
 
 
@@ -51,8 +49,7 @@ def main() -> int:
                     help="presets: --presets x --batches at random positions, then end to end; paths: PATH_CASES")
     ap.add_argument("--out", default="mega_check.json")
     args = ap.parse_args()
-    os.environ[UNVALIDATED_ENV] = "1"
-    from megadecode.executors.mega_executor import default_ctas
+    from megadecode.backends.mega.executor import default_ctas
 
     ctas = args.ctas or default_ctas(torch.device("cuda"))
     res = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "diff": [], "e2e": []}

@@ -46,7 +46,7 @@ REASONS = {
     "fused moved": "the fused rows of these files predate cute-latent-moe (fused's K3 experts in CuTe DSL): k3-layer "
                    "fused at batch 16 went from 4.55 ms to 2.47 ms (bench/results/k3-layer-nvidia-h200-cute.json, "
                    "another run), so against today's fused the megakernel is further behind; the matrix was not rerun",
-    "mxfp4": "the CuTe DSL kernels (kernels/cute_experts.py, fused's K3 experts since this file's run) wait on their "
+    "mxfp4": "the CuTe DSL kernels (backends/fused/kernels/cute_experts.py, fused's K3 experts since this file's run) wait on their "
              "own loads: Nsight Compute on the up launch at batch 1 (58.7 us against the 41 us of its bytes) finds "
              "68% of the main loop's stall samples on the long scoreboard, 22 warps an SM (all the launch has), "
              "DRAM at 67% of peak: a trip's 10 loads, then ~520 instructions that need them. Fewer instructions a "

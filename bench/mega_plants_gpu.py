@@ -23,7 +23,6 @@ import traceback
 
 import torch
 
-from megadecode.executors.mega_executor import UNVALIDATED_ENV
 from megadecode.validate.mega_gpu import diff_failures, diff_program, timeout_case, timeout_failures
 from megadecode.validate.mega_plants import planted_launcher
 
@@ -82,7 +81,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="mega-plants-gpu.json")
     args = ap.parse_args()
-    os.environ[UNVALIDATED_ENV] = "1"
     out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), "ctas": CTAS,
            "compile_s": {}, "rows": []}
     try:

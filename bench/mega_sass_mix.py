@@ -23,8 +23,8 @@ DEFAULT_OPS = ("MATVEC", "GLU", "EXPERT_UP", "EXPERT_DOWN")
 
 
 def sass_of(op: str) -> str:
-    from megadecode.mega import cute_kernel as K
-    from megadecode.mega.runtime import assemble
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.runtime import assemble
     from megadecode.validate.audit import disassemble
 
     bodies = K.BODIES

@@ -26,10 +26,10 @@ from collections import Counter
 import torch
 
 from megadecode.cache import KVCache
-from megadecode.executors.mega_executor import default_ctas
-from megadecode.mega.lower import lower
-from megadecode.mega.runtime import MegaRuntime
-from megadecode.mega.schedule import schedule
+from megadecode.backends.mega.executor import default_ctas
+from megadecode.backends.mega.lower import lower
+from megadecode.backends.mega.runtime import MegaRuntime
+from megadecode.backends.mega.schedule import schedule
 from megadecode.presets import preset_config
 from megadecode.weights import random_weights
 
@@ -185,7 +185,7 @@ def fit(recordings: list[dict]) -> dict[str, dict]:
     of that opcode at that batch (fixed and rate kept >= 0). Returns per key: instructions, measured and predicted
     mean us, the fitted fixed us and rate (GB/s per CTA, None when bytes explain nothing), and the fit's median
     relative error."""
-    from megadecode.mega.schedule import CostModel
+    from megadecode.backends.mega.schedule import CostModel
 
     cost = CostModel()
     pts: dict[str, list[tuple[float, float, float]]] = {}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections
 
-from megadecode.kernels import fused_experts as fe
-from megadecode.kernels import grouped_experts as ge
+from megadecode.backends.fused.kernels import fused_experts as fe
+from megadecode.backends.fused.kernels import grouped_experts as ge
 from megadecode.validate.audit import disassemble, sass_loops
 
 
@@ -50,7 +50,7 @@ def main():
     cases = []
     for spec in fe.audit_specs("fp32", True, "situ", D=3584, I=3072, A=16)[:1]:
         fn, sig, consts = spec.fn, spec.signature, spec.constexprs
-        cases.append(("fused FMA (kernels/fused_experts.py)", fn, sig, consts,
+        cases.append(("fused FMA (backends/fused/kernels/fused_experts.py)", fn, sig, consts,
                       consts["BLOCK_I"] * consts["BLOCK_D"]))
     for fast in (False, True):
         spec = ge.audit_specs("fp32", True, "situ", grouped=True, fast=fast)[0]

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-    from megadecode.kernels.catalog import shipped
+    from megadecode.backends.fused.kernels.catalog import shipped
     from megadecode.validate.staleness import ORDERING_SOURCES, stale_reason
 
     subjects = [(v.name, v.manifest.sources) for v in shipped()] + [("ordering-audit", ORDERING_SOURCES)]

@@ -241,7 +241,7 @@ def run(args, argv: list[str]) -> int:
     from tqdm import tqdm
 
     from . import bench_moe
-    from .executors import EXECUTORS
+    from .backends import EXECUTORS
 
     if args.preset in bench_moe.MOE_PRESETS and args.ep != 1:
         raise ValueError(f"--ep applies to the model presets; {args.preset} times one layer's experts on one GPU")

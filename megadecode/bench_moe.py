@@ -8,9 +8,9 @@ Executors (the expert path each decode executor takes):
   graph  torch._grouped_mm over expert-sorted pairs (reference/moe.py experts_grouped; SiLU- or SiTU-GLU),
          in a CUDA graph. Float weights only: torch has no MXFP4 grouped GEMM, and the graph executor's own MXFP4 path is
          the Triton kernels (= `fused`), so an MXFP4 `graph` row says so instead of a time.
-  fused  kernels/grouped_experts.py routed_experts (fused small-batch kernels at <= 16 tokens, grouped by
-         expert above), in a CUDA graph; FP8 weights: kernels/fp8_experts.py (same dispatch); MXFP4 weights on the
-         H200 with nvidia-cutlass-dsl: kernels/cute_experts.py (the fused executor's cute-latent-moe: weights
+  fused  backends/fused/kernels/grouped_experts.py routed_experts (fused small-batch kernels at <= 16 tokens, grouped by
+         expert above), in a CUDA graph; FP8 weights: backends/fused/kernels/fp8_experts.py (same dispatch); MXFP4 weights on the
+         H200 with nvidia-cutlass-dsl: backends/fused/kernels/cute_experts.py (the fused executor's cute-latent-moe: weights
          re-laid out once before timing, activations as fp16 as for K3's bf16 model), the Triton kernels
          otherwise (the row's `experts_path` says which).
 Method: all E experts of the shape (measure.SHAPES) on the GPU, random (MXFP4: random bytes, e8m0 118..123;
@@ -78,13 +78,13 @@ def _path(executor: str, shape: dict, wfmt: str):
             return lambda x, ids, w, gu, dn: experts_grouped(x.to(gu.dtype), ids, w, gu, dn, act).float()
         return experts_grouped
     if executor == "fused" and wfmt == "fp8":
-        from .kernels.fp8_experts import fp8_experts
+        from .backends.fused.kernels.fp8_experts import fp8_experts
         return lambda x, ids, w, gu, dn: fp8_experts(x, ids, w, gu, dn)
     if executor == "fused" and wfmt == "mxfp4" and cute_experts_ok(shape):
-        from .kernels.cute_experts import cute_experts, frag_of
+        from .backends.fused.kernels.cute_experts import cute_experts, frag_of
         return lambda x, ids, w, gu, dn: cute_experts(x, ids, w, frag_of(gu), frag_of(dn), act=act, split=False)
     if executor == "fused":
-        from .kernels.grouped_experts import routed_experts
+        from .backends.fused.kernels.grouped_experts import routed_experts
         return lambda x, ids, w, gu, dn: routed_experts(x, ids, w, gu, dn, act=act)
     return f"unknown executor {executor!r} for MoE presets (torch, graph, fused)"
 
@@ -92,7 +92,7 @@ def _path(executor: str, shape: dict, wfmt: str):
 def cute_experts_ok(shape: dict) -> bool:
     """Whether the fused executor's K3 experts would be the CuTe DSL kernels here (sm_90, the DSL installed,
     dims that are multiples of a record's k span)."""
-    from .kernels.cute_experts import KREC
+    from .backends.fused.kernels.cute_experts import KREC
 
     try:
         import cutlass  # noqa: F401

@@ -29,9 +29,10 @@ from . import bench, ranks, tune
 from .checkpoint import CheckpointError, make_checkpoint
 from .config import ConfigError
 from .engine import Engine, NonFiniteError, RequestError, model_config, resolve_dtype
-from .executors import EXECUTORS
+from .backends import EXECUTORS
+from .backends.auto import resolve_executor
 from .hub import resolve_model
-from .kernels import require_triton
+from .backends.fused.kernels import require_triton
 from .measure import seed_arg
 from .parallel.group import RankFailed, agree, stuck_teardown
 from .presets import PRESETS
@@ -99,9 +100,10 @@ def _add_generate(sub) -> None:
                    help="tokens to generate per prompt (sequences stop early at EOS)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and cache dtype")
-    p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch",
-                   help="how the decode step runs (README, Executors); fused needs Triton (on the CPU only under "
-                        "TRITON_INTERPRET=1)")
+    p.add_argument("--executor", choices=["auto", *sorted(EXECUTORS)], default="auto",
+                   help="how the decode step runs (README, Executors); auto: torch on the CPU, on a GPU the fastest "
+                        "validated for the model at this batch from a measured table (named in one line); fused "
+                        "needs Triton (on the CPU only under TRITON_INTERPRET=1)")
     p.add_argument("--greedy", action="store_true",
                    help="argmax decoding (ignores --temperature, --top-p, --top-k, --min-p)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, >= 0 (0: greedy)")
@@ -171,8 +173,6 @@ def cmd_generate(args, argv) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
-    if args.executor == "fused":
-        require_triton("--executor fused")
     if args.max_new_tokens < 0:
         raise RequestError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     sampling = _sampling(args)
@@ -192,6 +192,9 @@ def cmd_generate(args, argv) -> int:
     if ranks.must_spawn(args.ep):
         return ranks.spawn(argv, args.ep)
     ep = ranks.join(args)
+    resolve_executor(args, cfg, len(prompts), ranks.leader() and not args.json)
+    if args.executor == "fused":
+        require_triton("--executor fused")
     try:
         res = _generate(args, cfg, ep, prompts, need, sampling, tqdm)
     finally:  # after the engine is gone (_generate returned): its captured graphs would hold NCCL's teardown

@@ -12,7 +12,8 @@ import torch
 from .cache import KVCache
 from .checkpoint import load_weights
 from .config import ModelConfig, load_config
-from .executors import EXECUTORS
+from .backends import EXECUTORS
+from .backends.base import Executor
 from .memory import check_fits
 from .plan import build_plan
 from .presets import PRESETS, preset_config
@@ -65,7 +66,7 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None
         t = weights[name]
         if spec.quant == "mxfp4" and spec.stacked and (t.dim() == 4 if name.endswith(".weight_packed") else
                                                         t.dim() == 3 and t.shape[-1] == 0):
-            want = entry_shape(name, spec.shape)  # K3's routed experts in fragment order (executors/expert_layout.py)
+            want = entry_shape(name, spec.shape)  # K3's routed experts in fragment order (backends/expert_layout.py)
         else:
             want = spec.shape
         if tuple(t.shape) != want:
@@ -82,17 +83,15 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None
         raise RequestError(f"weights are spread over several devices {sorted(map(str, devices))}")
 
 
-def _build_extra(cfg: ModelConfig, executor: str, device, dtype: torch.dtype, shard) -> tuple[int, str] | None:
-    """Memory the engine's build needs for a while beside the weights and cache: the fused executor's re-layout
-    of K3's routed experts (executors/expert_layout.py), where it makes one."""
-    if executor != "fused" or not str(device).startswith("cuda"):
-        return None
-    from .executors import expert_layout
-    from .executors.fused_executor import expert_order
-
-    if expert_order(cfg, dtype, device) != expert_layout.FRAGMENT:
-        return None
-    return expert_layout.conversion_bytes(cfg, shard), "while the fused executor re-lays out a stack of routed experts"
+def executor_class(name: str, cfg: ModelConfig):
+    """The executor class `name`, once it says it runs this model's family (config/registry.py): an unknown name
+    is a ValueError, an executor not validated for the family a RequestError, both naming the choices."""
+    if name not in EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; choose from {sorted(EXECUTORS)}")
+    why = EXECUTORS[name].supports(cfg)
+    if why:
+        raise RequestError(why)
+    return EXECUTORS[name]
 
 
 def check_seed(seed) -> None:
@@ -136,13 +135,12 @@ class Engine:
     `weights` hold its experts only, and every rank must run the same calls in the same order (the MoE layers'
     combines are collectives). None: one process holds the whole model.
     The engine takes `weights`: its executor may replace K3's routed expert tensors in that dict with the order it
-    reads (the fused executor's fragment order; executors/expert_layout.py), so that the experts' bytes are held
+    reads (the fused executor's fragment order; backends/expert_layout.py), so that the experts' bytes are held
     once; an engine built later on the same dict turns them back if it reads the other order."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, executor: str = "torch",
                  max_batch: int = 8, max_seq_len: int | None = None, parallel=None):
-        if executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {executor!r}; choose from {sorted(EXECUTORS)}")
+        ex = executor_class(executor, cfg)
         self.cfg = cfg
         self.parallel = parallel
         shard = None if parallel is None else parallel.shard
@@ -152,7 +150,7 @@ class Engine:
         max_batch, self.max_seq_len = cache_dims(cfg, max_batch, max_seq_len)
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, self.device, self.dtype)
         self.plan = build_plan(cfg)
-        self.executor = EXECUTORS[executor](self.plan, weights, self.cache, parallel=parallel)
+        self.executor: Executor = ex(self.plan, weights, self.cache, parallel=parallel)
         self.lengths: list[int] = []
         self._slots = torch.arange(max_batch, device=self.device)
 
@@ -169,8 +167,9 @@ class Engine:
         check_seed(seed)
         cfg = model_config(model)
         shard = None if parallel is None else parallel.shard
+        ex = executor_class(kw.get("executor", "torch"), cfg)
         check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len), shard=shard,
-                   extra=_build_extra(cfg, kw.get("executor", "torch"), device, dt, shard))
+                   extra=ex.build_extra(cfg, device, dt, shard))
         kw.update(max_batch=max_batch, max_seq_len=max_seq_len, parallel=parallel)
         if model in PRESETS:
             return cls(cfg, random_weights(cfg, device, dt, seed, shard), **kw)
@@ -283,10 +282,9 @@ class Engine:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         tw = time.perf_counter()
-        # executors that sample inside the captured decode step (fused: kernels/lm_head.py) take greedy and
+        # executors that sample inside the captured decode step (fused: backends/fused/kernels/lm_head.py) take greedy and
         # plain temperature sampling; the first token (prefill) and top-p, top-k, min-p use sampling.sample
-        in_step = getattr(self.executor, "set_sampling", None)
-        in_step = in_step is not None and in_step(sampling, len(prompts))
+        in_step = self.executor.set_sampling(sampling, len(prompts))
         # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay
         lens = [len(p) for p in prompts]
         warm_steps = self.warmup([len(prompts)], max(lens) + 1, max(lens) + max_new_tokens - 1) \
@@ -313,9 +311,7 @@ class Engine:
                 progress.update(1)
         sync()
         t2 = time.perf_counter()
-        check = getattr(self.executor, "check_errors", None)
-        if check is not None:  # the mega executor: a wait that timed out inside a launch
-            check()
+        self.executor.check_errors()  # the mega executor: a wait that timed out inside a launch
         self._check_finite([len(p) for p in prompts], max_new_tokens)
         if self.parallel is not None and toks:
             self.parallel.check_same(torch.stack(toks, 1), "the generated tokens")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .weights import param_specs
 
-# Op kinds. Each names what it computes; the reference implementation lives in executors/torch_ops.py.
+# Op kinds. Each names what it computes; the reference implementation lives in backends/torch/ops.py.
 # ATTN_KDA (kimi_linear's linear-attention layers) reads/writes per-sequence state (conv window, recurrent
 # state) instead of per-token KV; its cache is still `cache.{layer}`.
 # kimi_k3 (megadecode/k3.md): ATTN_MLA with the output gate when the config has one (the gate weight is among

@@ -43,7 +43,7 @@ class SamplingParams:
     @property
     def truncates(self) -> bool:
         """Whether a draw is cut to part of the vocabulary (top_p, top_k or min_p): the in-step samplers
-        (kernels/lm_head.py, the mega executor) take only greedy and plain temperature sampling."""
+        (backends/fused/kernels/lm_head.py, the mega executor) take only greedy and plain temperature sampling."""
         return not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
 
 

@@ -1,10 +1,10 @@
 """`megadecode tune`: sweep a kernel's launch parameters on the GPU and store the best per batch in its
-tuning file (megadecode/kernels/tuning.py; GPU only).
+tuning file (megadecode/backends/fused/kernels/tuning.py; GPU only).
 
     megadecode tune --kernel fused-experts --shape k3 --batch 1,2,4,8,16
     megadecode tune --kernel grouped-experts --shape qwen3-30b-a3b --batch 1,8,64
 
-Kernels: fused-experts (kernels/fused_experts.py, batch <= 16) and grouped-experts (kernels/grouped_experts.py:
+Kernels: fused-experts (backends/fused/kernels/fused_experts.py, batch <= 16) and grouped-experts (backends/fused/kernels/grouped_experts.py:
 per pair at <= 16 tokens, grouped by expert above; its tuning keys carry ",grouped=0|1").
 Method, per batch T: random expert weights of the shape (MXFP4: random packed bytes and e8m0 scales
 118..123; bf16: N(0, 1/in)) for all E experts on the GPU; ROTATIONS id sets, each token drawing A distinct
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import tuning
+from .backends.fused.kernels import tuning
 from .measure import (
     HBM_READ_BPS,
     SHAPES,
@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="sweep a kernel's launch parameters on the GPU; store the best as JSON",
                        description="Sweep launch parameters per batch on the GPU, check each against the "
                                    "default config's output, time it, and merge the fastest into the "
-                                   "kernel's tuning file (megadecode/kernels/configs/<kernel>/<gpu>.json).")
+                                   "kernel's tuning file (megadecode/backends/fused/kernels/configs/<kernel>/<gpu>.json).")
     p.add_argument("--kernel", required=True, choices=KERNELS, help="the kernel whose launch parameters are swept")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES),
                    help="the MoE layer shape to tune for")
@@ -142,7 +142,7 @@ def format_table(rows: list[dict], keys=tuple(GRID)) -> str:
 def run(args, argv: list[str]) -> int:
     if not torch.cuda.is_available():
         raise ValueError("tune needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
-    from .kernels import fused_experts, grouped_experts
+    from .backends.fused.kernels import fused_experts, grouped_experts
 
     fe = {"fused-experts": fused_experts, "grouped-experts": grouped_experts}[args.kernel]
     grid = GRIDS[args.kernel]

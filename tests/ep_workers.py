@@ -10,7 +10,7 @@ every rank holds. Scenarios:
   graph          tiny-qwen3-moe through the graph executor (sync-free experts: torch._grouped_mm)
   fused          tiny-deepseek-v3 and tiny-k3 through the fused executor (the Triton variants over the local experts,
                  under the interpreter: FAST_TOKENS only, it is slow)
-  fused-frag     tiny-k3-wide through the fused executor, its experts in fragment order (executors/expert_layout.py),
+  fused-frag     tiny-k3-wide through the fused executor, its experts in fragment order (backends/expert_layout.py),
                  the CuTe kernel replaced by a torch stand-in (tests/frag_emulation.py)
   modes          the two combine modes on random partials: equal bit for bit, and to the rank-order sum
   missing:DIR    a checkpoint whose rank-1 experts are missing: every rank must fail, agreeing on the message
@@ -28,7 +28,7 @@ from pathlib import Path
 
 if __name__ == "__main__":
     # the ranks run on the CPU (gloo) even where there is a GPU: the fused scenario's Triton kernels must be decorated
-    # for the interpreter, before megadecode.kernels is first imported (tests/conftest.py does this only without one)
+    # for the interpreter, before megadecode.backends.fused.kernels is first imported (tests/conftest.py does this only without one)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch

@@ -1,5 +1,5 @@
-"""A torch stand-in for kernels/cute_experts.cute_experts, so that the CPU suite can run the fused executor's
-fragment-order paths (executors/expert_layout.py; prefill, chunked decode, expert parallelism) where the CuTe
+"""A torch stand-in for backends/fused/kernels/cute_experts.cute_experts, so that the CPU suite can run the fused executor's
+fragment-order paths (backends/expert_layout.py; prefill, chunked decode, expert parallelism) where the CuTe
 kernels cannot run: the same arguments, the records turned back into the checkpoint's order
 (quant/mxfp4_frag.restore_experts) and the experts computed as the reference does, in fp32. What it checks is the
 executor's wiring (which weights, which ids, which chunks, the combine), not the kernel (tests/test_cute_experts.py
@@ -40,8 +40,8 @@ def emulated_cute_experts(x, ids, weights, gate_up: MXFP4Frag, down: MXFP4Frag, 
 def patch_cute(setattr_=None):
     """Apply the stand-in with `setattr_(obj, name, value)` (default: setattr); returns a function that undoes it
     (the default's case)."""
-    from megadecode.executors.fused_executor import FusedExecutor
-    from megadecode.kernels import cute_experts as ce
+    from megadecode.backends.fused.executor import FusedExecutor
+    from megadecode.backends.fused.kernels import cute_experts as ce
 
     saved = [(FusedExecutor, "_expert_order", FusedExecutor.__dict__["_expert_order"]),
              (ce, "cute_experts", ce.cute_experts)]
@@ -52,9 +52,9 @@ def patch_cute(setattr_=None):
 def _patch(setattr_) -> None:
     """setattr_(obj, name, value): the fused executor reads K3's experts in fragment order wherever the model's
     dims allow it (not only on an H200 with CuTe DSL), and cute_experts is the stand-in."""
-    from megadecode.executors import expert_layout
-    from megadecode.executors.fused_executor import FusedExecutor
-    from megadecode.kernels import cute_experts as ce
+    from megadecode.backends import expert_layout
+    from megadecode.backends.fused.executor import FusedExecutor
+    from megadecode.backends.fused.kernels import cute_experts as ce
 
     def order(self, plan, weights):
         cfg = plan.config

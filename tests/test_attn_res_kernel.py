@@ -1,4 +1,4 @@
-"""triton-attn-res (megadecode/kernels/attn_res.py) under the Triton interpreter: the harness's checks on tiny-k3
+"""triton-attn-res (megadecode/backends/fused/kernels/attn_res.py) under the Triton interpreter: the harness's checks on tiny-k3
 (ops that close a block included), the kernel against reference/attn_res.py for every source arrangement
 (the partial sum alone, closed blocks alone, both), input checks and the static sm_90 audit."""
 
@@ -11,7 +11,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-AR = import_interpreted("megadecode.kernels.attn_res", "megadecode.validate.catalog")
+AR = import_interpreted("megadecode.backends.fused.kernels.attn_res", "megadecode.validate.catalog")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.attn_res import attn_res  # noqa: E402
@@ -55,4 +55,4 @@ def test_rejects_mismatched_sources():
 
 
 def test_static_audit_sm90():
-    assert len(static_audits(("megadecode.kernels.attn_res", [{}]))) == 1
+    assert len(static_audits(("megadecode.backends.fused.kernels.attn_res", [{}]))) == 1

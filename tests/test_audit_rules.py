@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from megadecode.mega import spec as S
+from megadecode.backends.mega import spec as S
 from megadecode.validate import audit as A
 
 # prog, ctr, f32, wtab, ptab, err: %rd1..%rd6; thread 0 is the one with !%p1
@@ -324,7 +324,7 @@ def test_without_a_barrier_after_the_wait_the_other_threads_are_uncovered():
 # ---- the real kernels -----------------------------------------------------------------------------------------
 
 def _audit_mega(ptx: str) -> A.AuditReport:
-    """The audit as mega/spec.py declares the megakernel."""
+    """The audit as backends/mega/spec.py declares the megakernel."""
     return A.audit_ptx(ptx, list(S.AUDIT_PARAMS), dict(S.AUDIT_ROLES), pointees=dict(S.POINTEES), reports=S.REPORTS,
                        cta_signals=True)
 
@@ -333,7 +333,7 @@ def _audit_mega(ptx: str) -> A.AuditReport:
 def embed_ptx() -> str:
     """The megakernel with only its EMBED body (0.4 s to compile instead of ~100 s): the persistent loop's waits,
     barriers and signal, and a body that reads a static tensor through the table and writes f32."""
-    K = pytest.importorskip("megadecode.mega.cute_kernel", reason="the megakernel needs nvidia-cutlass-dsl")
+    K = pytest.importorskip("megadecode.backends.mega.cute_kernel", reason="the megakernel needs nvidia-cutlass-dsl")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(K, "BODIES", tuple(b for b in K.BODIES if b[0] == "EMBED"))
         return K.compile_ptx_cubin().__ptx__

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from megadecode import bench
 from megadecode.cli import build_parser, main
-from megadecode.executors import EXECUTORS
+from megadecode.backends import EXECUTORS
 from megadecode.presets import preset_config
 
 GEN = ["generate", "--model", "tiny-qwen3-moe", "--greedy", "--json", "--max-new-tokens", "5"]

@@ -1,4 +1,4 @@
-"""The CuTe DSL MXFP4 routed experts (kernels/cute_experts.py) and their weight order (quant/mxfp4_frag.py).
+"""The CuTe DSL MXFP4 routed experts (backends/fused/kernels/cute_experts.py) and their weight order (quant/mxfp4_frag.py).
 
 CPU: the fragment order round-trips; a model of the kernel's per-lane arithmetic (`emulate`: the words each lane
 loads, the two shifts and masks a register, the mma fragment tables, the block scale shifted into fp32's exponent)
@@ -101,7 +101,7 @@ def test_frag_of_relays_out_once_and_forgets_a_freed_weight():
     chunks of experts equal to one relayout, dropped when the weight's storage is freed."""
     import gc
 
-    from megadecode.kernels import cute_experts as ce
+    from megadecode.backends.fused.kernels import cute_experts as ce
 
     w = _mx(5, 32, 256, seed=9)
     f = ce.frag_of(w)
@@ -116,7 +116,7 @@ def test_frag_of_relays_out_once_and_forgets_a_freed_weight():
 
 
 def test_launcher_refuses_bad_input_on_cpu():
-    from megadecode.kernels.cute_experts import cute_experts
+    from megadecode.backends.fused.kernels.cute_experts import cute_experts
 
     gu, dn = relayout(_mx(4, 512, 256)), relayout(_mx(4, 256, 256))
     x = torch.randn(2, 256)
@@ -135,10 +135,10 @@ def test_launcher_refuses_bad_input_on_cpu():
 
 
 def test_variant_scope():
-    from megadecode.kernels.cute_experts import CUTE_LATENT_MOE_VARIANT as V
+    from megadecode.backends.fused.kernels.cute_experts import CUTE_LATENT_MOE_VARIANT as V
     from megadecode.presets import preset_config
 
-    from megadecode.kernels.cute_experts import _k3_dims
+    from megadecode.backends.fused.kernels.cute_experts import _k3_dims
 
     assert "multiples of 256" in _k3_dims(preset_config("tiny-k3"))  # the dims rule alone, on any machine
     if importlib.util.find_spec("cutlass") is not None:
@@ -154,7 +154,7 @@ def test_static_audit_every_configuration():
     records a trip), nothing produced takes that path, no findings but the SASS rule's warning that the DSL's cubin
     carries no line table to attribute its loads by."""
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the test extra installs it)")
-    from megadecode.kernels.cute_experts import DEFAULT_TUNE, audit_specs
+    from megadecode.backends.fused.kernels.cute_experts import DEFAULT_TUNE, audit_specs
     from megadecode.validate.audit import audit_spec
 
     for spec in audit_specs():
@@ -175,8 +175,8 @@ def test_registers_and_no_spills():
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the test extra installs it)")
     import re
 
-    from megadecode.kernels.cute_experts import audit_specs
-    from megadecode.mega.runtime import assemble
+    from megadecode.backends.fused.kernels.cute_experts import audit_specs
+    from megadecode.backends.mega.runtime import assemble
 
     for spec in audit_specs():
         cubin, report = assemble(spec.compile().ptx)
@@ -209,7 +209,7 @@ def _gpu_weights(E=64, D=512, I=256, seed=0):
 @pytest.mark.parametrize("split", [True, False])
 def test_against_exact_reference(T, grouped, split):
     pytest.importorskip("cutlass")
-    from megadecode.kernels.cute_experts import cute_experts, frag_of
+    from megadecode.backends.fused.kernels.cute_experts import cute_experts, frag_of
     from megadecode.reference.latent_moe import latent_experts
 
     gu, dn = _gpu_weights()
@@ -238,7 +238,7 @@ def test_against_exact_reference(T, grouped, split):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_input_silu_and_graph_replay():
     pytest.importorskip("cutlass")
-    from megadecode.kernels.cute_experts import cute_experts, frag_of
+    from megadecode.backends.fused.kernels.cute_experts import cute_experts, frag_of
     from megadecode.reference.latent_moe import latent_experts
 
     gu, dn = _gpu_weights(seed=1)

@@ -1,4 +1,4 @@
-"""K3's routed experts held in fragment order by the executor that reads them (executors/expert_layout.py): the
+"""K3's routed experts held in fragment order by the executor that reads them (backends/expert_layout.py): the
 conversion in place both ways, what the engine accepts, and the fused executor's paths over fragment-ordered
 experts (prefill, decode, decode in chunks) on the CPU with a torch stand-in for the CuTe kernel
 (tests/frag_emulation.py) against the torch executor. On the GPU the real kernels: tests/test_cute_experts.py."""
@@ -20,8 +20,8 @@ import_interpreted("megadecode.validate.catalog")
 from frag_emulation import with_emulated_cute  # noqa: E402
 from megadecode import Engine  # noqa: E402
 from megadecode.engine import RequestError, check_weights  # noqa: E402
-from megadecode.executors import expert_layout as EL  # noqa: E402
-from megadecode.kernels import linear as LIN  # noqa: E402
+from megadecode.backends import expert_layout as EL  # noqa: E402
+from megadecode.backends.fused.kernels import linear as LIN  # noqa: E402
 from megadecode.plan import build_plan  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.quant.mxfp4 import MXFP4Tensor  # noqa: E402
@@ -88,7 +88,7 @@ def test_mixed_orders_and_bad_entries_are_refused():
 def test_fused_over_fragment_order_matches_torch(monkeypatch):
     """Prefill (chunked: MAX_CHUNK 2), decode per variant, decode in chunks, then a torch engine on the same dict
     (the experts turned back): tokens equal, logits within 1e-4."""
-    from megadecode.kernels import cute_experts as ce
+    from megadecode.backends.fused.kernels import cute_experts as ce
 
     with_emulated_cute(monkeypatch)
     monkeypatch.setattr(ce, "MAX_CHUNK", 2)
@@ -117,7 +117,7 @@ def test_expert_shards_sum_to_the_whole_on_the_gpu(T):
     experts), the router's ids made local (-1 for the other rank's pairs), and the two fp32 partial sums added
     equal the whole within fp32 rounding (per pair at 3 tokens, grouped at 40)."""
     _cute_gpu()
-    from megadecode.kernels.cute_experts import cute_experts
+    from megadecode.backends.fused.kernels.cute_experts import cute_experts
     from megadecode.parallel.experts import ExpertShard
     from megadecode.quant.mxfp4_frag import MXFP4Frag, relayout_experts
 
@@ -201,18 +201,18 @@ def test_conversion_memory_is_counted_before_the_build(monkeypatch):
     """The fused executor's re-layout needs a stack in its new order plus a chunk's scratch beside the weights:
     conversion_bytes (k3-mini: 13.3 GB; the H200 measured a peak 13.2 GB over the steady 72.2 GB at 41aad87), which
     Engine.from_pretrained adds to its fit check when the fused executor will make one."""
-    from megadecode import engine as ENG
+    from megadecode.backends import EXECUTORS
     from megadecode import memory
-    from megadecode.executors import fused_executor as FE
+    from megadecode.backends.fused import executor as FE
 
     cfg = preset_config("k3-mini")
     E, R, K = cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.latent_size
     assert EL.conversion_bytes(cfg) == E * R * (K // 2 + K // 32) + 8 * R * K * 16
     assert EL.conversion_bytes(preset_config("qwen3-30b-a3b")) == 0
-    assert ENG._build_extra(cfg, "graph", "cuda", torch.bfloat16, None) is None
-    assert ENG._build_extra(cfg, "fused", "cpu", torch.bfloat16, None) is None
+    assert EXECUTORS["graph"].build_extra(cfg, "cuda", torch.bfloat16, None) is None
+    assert EXECUTORS["fused"].build_extra(cfg, "cpu", torch.bfloat16, None) is None
     monkeypatch.setattr(FE, "expert_order", lambda *a, **k: EL.FRAGMENT)
-    more, why = ENG._build_extra(cfg, "fused", "cuda", torch.bfloat16, None)
+    more, why = EXECUTORS["fused"].build_extra(cfg, "cuda", torch.bfloat16, None)
     assert more == EL.conversion_bytes(cfg) and "re-lays out" in why
     monkeypatch.setattr(memory, "available_bytes", lambda d: 80e9)
     memory.check_fits("k3-mini", cfg, "cuda", torch.bfloat16, 1, 1024)  # ~72 GB of weights fit alone

@@ -153,11 +153,11 @@ def test_fp8_model_decodes_like_its_dequantized_reference(fp8_pair, executor):
 
 
 def test_graph_decode_runs_the_fp8_kernels(monkeypatch):
-    """The graph executor's decode steps run kernels/fp8_experts.py (sync-free), its prefill the reference ops. On the
+    """The graph executor's decode steps run backends/fused/kernels/fp8_experts.py (sync-free), its prefill the reference ops. On the
     GPU the decode step is captured in a CUDA graph: the kernels are called while it is warmed up and captured."""
     from interp import import_interpreted
 
-    mod = import_interpreted("megadecode.kernels.fp8_experts")
+    mod = import_interpreted("megadecode.backends.fused.kernels.fp8_experts")
     calls = []
     real = mod.fp8_experts
     monkeypatch.setattr(mod, "fp8_experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

@@ -1,4 +1,4 @@
-"""The FP8 routed-experts kernels (megadecode/kernels/fp8_experts.py) under the Triton interpreter against the
+"""The FP8 routed-experts kernels (megadecode/backends/fused/kernels/fp8_experts.py) under the Triton interpreter against the
 torch reference (experts dequantized exactly, fp32 math), their registered variant in the harness, which
 variants take FP8 experts, and the static sm_90 audit. Same interpreter arrangement as tests/test_grouped_experts.py
 (the interpreter loads float8_e4m3fn tensors and converts them exactly, NaN codes aside)."""
@@ -12,7 +12,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-F8 = import_interpreted("megadecode.kernels.fp8_experts", "megadecode.kernels.catalog", "megadecode.validate.catalog")
+F8 = import_interpreted("megadecode.backends.fused.kernels.fp8_experts", "megadecode.backends.fused.kernels.catalog", "megadecode.validate.catalog")
 
 from megadecode.config import config_from_hf  # noqa: E402
 from megadecode.presets import preset_config, preset_hf_config  # noqa: E402
@@ -147,5 +147,5 @@ def test_variant_passes_the_quick_matrix_on_the_fp8_presets():
 
 
 def test_static_audit_sm90_all_kernels():
-    rows = static_audits(("megadecode.kernels.fp8_experts", [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False}]))
+    rows = static_audits(("megadecode.backends.fused.kernels.fp8_experts", [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False}]))
     assert [r[0] for r in rows] == ["fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2

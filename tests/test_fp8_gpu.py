@@ -1,4 +1,4 @@
-"""FP8 experts on the GPU (skipped without CUDA): kernels/fp8_experts.py in bf16 against the dequantized fp32
+"""FP8 experts on the GPU (skipped without CUDA): backends/fused/kernels/fp8_experts.py in bf16 against the dequantized fp32
 reference, captured in a CUDA graph, at Qwen3-30B-A3B-FP8's expert shape; and the graph / fused executors on an
 FP8 preset against the torch executor."""
 
@@ -27,7 +27,7 @@ def _stack(E, out_dim, in_dim, gen, block=(128, 128)):
 
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_qwen3_30b_fp8_experts_bf16_close_to_reference_and_capturable(T):
-    from megadecode.kernels.fp8_experts import fp8_experts
+    from megadecode.backends.fused.kernels.fp8_experts import fp8_experts
 
     D, I, E, A = 2048, 768, 128, 8
     gen = torch.Generator(device="cuda").manual_seed(T)

@@ -1,4 +1,4 @@
-"""The `fused` executor (megadecode/executors/fused_executor.py) on the CPU under the Triton interpreter,
+"""The `fused` executor (megadecode/backends/fused/executor.py) on the CPU under the Triton interpreter,
 fp32: its decode steps run the registered Triton variants (scope permitting) and match the torch executor.
 Same interpreter arrangement as tests/test_fused_experts.py."""
 
@@ -14,7 +14,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
 CATALOG = import_interpreted("megadecode.validate.catalog")
 
 from megadecode import Engine  # noqa: E402
-from megadecode.kernels import grouped_experts as GE  # noqa: E402
+from megadecode.backends.fused.kernels import grouped_experts as GE  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.weights import random_weights  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_fused_decode_matches_torch(preset, batch):
 
 @needs_triton
 def test_generate_samples_inside_the_step():
-    """Engine.generate with the fused executor samples in the decode step (kernels/lm_head.py) for greedy and
+    """Engine.generate with the fused executor samples in the decode step (backends/fused/kernels/lm_head.py) for greedy and
     temperature sampling: greedy gives the torch executor's tokens; sampled tokens repeat for a seed, change
     with it, and their logprobs are log_softmax of the step's logits at the token. Top-p stays outside."""
     from megadecode.sampling import SamplingParams

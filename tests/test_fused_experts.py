@@ -1,4 +1,4 @@
-"""The small-batch fused experts kernel (megadecode/kernels/fused_experts.py) under the Triton interpreter
+"""The small-batch fused experts kernel (megadecode/backends/fused/kernels/fused_experts.py) under the Triton interpreter
 (fp32, tiny dims), its registered variant in the harness, and the static sm_90 audit of both stages.
 
 Without a GPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
@@ -15,7 +15,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.validate.catalog")
+FE = import_interpreted("megadecode.backends.fused.kernels.fused_experts", "megadecode.validate.catalog")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4  # noqa: E402
@@ -208,7 +208,7 @@ def test_variant_scope():
 
 # ---- static audit at sm_90 (compiled, not interpreted) ------------------------------------------------
 def test_static_audit_sm90_both_stages():
-    rows = static_audits(("megadecode.kernels.fused_experts", [
+    rows = static_audits(("megadecode.backends.fused.kernels.fused_experts", [
         {"dtype": "bf16", "mxfp4": False, "act": "silu"}, {"dtype": "bf16", "mxfp4": True, "act": "situ"},
         {"dtype": "fp16", "mxfp4": True, "act": "silu"}]))
     assert {r[0] for r in rows} == {"experts_up_kernel", "experts_down_kernel"} and len(rows) == 6

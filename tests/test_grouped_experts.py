@@ -1,4 +1,4 @@
-"""The grouped routed-experts kernels (megadecode/kernels/grouped_experts.py) under the Triton interpreter
+"""The grouped routed-experts kernels (megadecode/backends/fused/kernels/grouped_experts.py) under the Triton interpreter
 (fp32, tiny dims), the batch dispatch of routed_experts, the registered variant, and the static sm_90 audit.
 Same interpreter arrangement as tests/test_fused_experts.py."""
 
@@ -12,7 +12,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-GE = import_interpreted("megadecode.kernels.grouped_experts", "megadecode.validate.catalog")
+GE = import_interpreted("megadecode.backends.fused.kernels.grouped_experts", "megadecode.validate.catalog")
 FE = GE.fe
 
 from megadecode.presets import preset_config  # noqa: E402
@@ -163,7 +163,7 @@ def test_variant_passes_check_op(preset, batch):
 
 
 def test_static_audit_sm90_all_kernels():
-    rows = static_audits(("megadecode.kernels.grouped_experts", [
+    rows = static_audits(("megadecode.backends.fused.kernels.grouped_experts", [
         {"dtype": "bf16", "mxfp4": False, "act": "silu"}, {"dtype": "fp32", "mxfp4": True, "act": "situ"},
         {"dtype": "fp32", "mxfp4": True, "act": "situ", "grouped": False},
         {"dtype": "fp32", "mxfp4": True, "act": "situ", "fast": True}]))

@@ -10,7 +10,7 @@ import torch
 
 from interp import DEVICE, import_interpreted, interpreter_env  # noqa: F401 (autouse fixture)
 
-K_NORM = import_interpreted("megadecode.kernels.rmsnorm", "megadecode.validate.catalog")
+K_NORM = import_interpreted("megadecode.backends.fused.kernels.rmsnorm", "megadecode.validate.catalog")
 
 import harness_kernels  # noqa: E402
 from megadecode import plan as P  # noqa: E402
@@ -147,7 +147,7 @@ def test_validate_audits_in_every_mode(capsys):
 def test_shipped_variants_audit_clean():
     """Every kernel path of every shipped variant, in one fresh process (~45 kernels; ~0.3 s each with Triton's
     cache warm)."""
-    from megadecode.kernels.catalog import shipped
+    from megadecode.backends.fused.kernels.catalog import shipped
 
     specs = [s for v in shipped() for s in check_kernels(v)]
     reports = audit_specs(specs, unique=True)

@@ -13,8 +13,8 @@ import_interpreted("megadecode.validate.catalog")
 
 from megadecode import plan as P  # noqa: E402
 from megadecode.contract import Manifest, Scope, Variant  # noqa: E402
-from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
-from megadecode.kernels.splitk import split_plan  # noqa: E402
+from megadecode.backends.torch.ops import OP_IMPLS, StepContext  # noqa: E402
+from megadecode.backends.fused.kernels.splitk import split_plan  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.validate import cases as C  # noqa: E402
 from megadecode.validate.catalog import get  # noqa: E402

@@ -18,7 +18,7 @@ from megadecode.checkpoint import CheckpointError, load_weights, make_checkpoint
 from megadecode.cli import main
 from megadecode.config import ConfigError, config_from_hf
 from megadecode.engine import RequestError
-from megadecode.executors.torch_ops import OP_IMPLS, StepContext
+from megadecode.backends.torch.ops import OP_IMPLS, StepContext
 from megadecode.presets import preset_config, preset_hf_config
 from megadecode.reference.attention import mla_attention
 from megadecode.reference.kda import kda_attention

@@ -16,12 +16,12 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     ON_GPU, DEVICE, import_interpreted, interpreter_env, triton_gate,
 )
 
-FE = import_interpreted("megadecode.kernels.fused_experts", "megadecode.kernels.grouped_experts")
-GE = import_interpreted("megadecode.kernels.grouped_experts")
+FE = import_interpreted("megadecode.backends.fused.kernels.fused_experts", "megadecode.backends.fused.kernels.grouped_experts")
+GE = import_interpreted("megadecode.backends.fused.kernels.grouped_experts")
 
 from megadecode import Engine  # noqa: E402
 from megadecode import plan as P  # noqa: E402
-from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
+from megadecode.backends.torch.ops import OP_IMPLS, StepContext  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.routing import route  # noqa: E402
 from megadecode.step import Step  # noqa: E402

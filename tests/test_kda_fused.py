@@ -1,6 +1,6 @@
-"""triton-kda-fused (megadecode/kernels/kda_fused.py) under the Triton interpreter: the harness's checks on the kimi
+"""triton-kda-fused (megadecode/backends/fused/kernels/kda_fused.py) under the Triton interpreter: the harness's checks on the kimi
 families (output, conv state and recurrent state against the reference, slots permuted and kept), the weight
-packing the fused executor does for it (kernels/packed.py: values kept, views of one tensor, the caller's dict
+packing the fused executor does for it (backends/fused/kernels/packed.py: values kept, views of one tensor, the caller's dict
 too), a mutant the checks must catch, and the static sm_90 audit."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-KF = import_interpreted("megadecode.kernels.kda_fused", "megadecode.validate.catalog")
+KF = import_interpreted("megadecode.backends.fused.kernels.kda_fused", "megadecode.validate.catalog")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.validate.catalog import get  # noqa: E402
@@ -58,7 +58,7 @@ def test_check_op_catches_a_wrong_delta_rule(monkeypatch):
 
 
 def test_pack_rows_keeps_values_and_makes_one_view():
-    from megadecode.kernels import packed as KF  # plain torch: the fused executor's packing
+    from megadecode.backends.fused.kernels import packed as KF  # plain torch: the fused executor's packing
 
     w = {n: torch.randn(r, 8) for n, r in zip("abc", (3, 5, 2))}
     caller = dict(w)
@@ -95,5 +95,5 @@ def test_decode_rejects_a_wrong_state():
 
 
 def test_static_audit_sm90():
-    rows = static_audits(("megadecode.kernels.kda_fused", [{}]))
+    rows = static_audits(("megadecode.backends.fused.kernels.kda_fused", [{}]))
     assert len(rows) == 3  # the per-head kernel and both projections, coherent loads checked

@@ -1,4 +1,4 @@
-"""The KDA decode recurrence kernel (megadecode/kernels/kda.py) under the Triton interpreter: against the
+"""The KDA decode recurrence kernel (megadecode/backends/fused/kernels/kda.py) under the Triton interpreter: against the
 reference delta_rule_step, on non-contiguous slots, its harness variant on the kimi families (output and
 recurrent state compared), the fused executor using it end to end, and the static sm_90 audit."""
 
@@ -12,7 +12,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-KD = import_interpreted("megadecode.kernels.kda", "megadecode.validate.catalog")
+KD = import_interpreted("megadecode.backends.fused.kernels.kda", "megadecode.validate.catalog")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.kda import decode_recurrence  # noqa: E402
@@ -85,7 +85,7 @@ def test_fused_executor_runs_it_on_kimi_linear():
 
 
 def test_static_audit_sm90():
-    assert len(static_audits(("megadecode.kernels.kda", [{}]))) == 1  # passed, coherent loads checked
+    assert len(static_audits(("megadecode.backends.fused.kernels.kda", [{}]))) == 1  # passed, coherent loads checked
 
 
 

@@ -1,4 +1,4 @@
-"""The Triton LatentMoE op (megadecode/kernels/latent_moe.py) under the Triton interpreter: the projection
+"""The Triton LatentMoE op (megadecode/backends/fused/kernels/latent_moe.py) under the Triton interpreter: the projection
 kernel (with and without the fused RMSNorm), the registered variant in the harness on tiny-k3, and the static
 sm_90 audit. Same interpreter arrangement as tests/test_fused_experts.py."""
 
@@ -13,8 +13,8 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-LM = import_interpreted("megadecode.kernels.latent_moe", "megadecode.validate.catalog")
-RT = import_interpreted("megadecode.kernels.router")
+LM = import_interpreted("megadecode.backends.fused.kernels.latent_moe", "megadecode.validate.catalog")
+RT = import_interpreted("megadecode.backends.fused.kernels.router")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.reference.norm import rms_norm  # noqa: E402
@@ -115,7 +115,7 @@ def test_router_split_matches_one_kernel(preset):
 def test_linear_partials_sum_to_the_projection():
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(5, 300, generator=g).to(DEVICE), torch.randn(24, 300, generator=g).to(DEVICE)
-    parts = import_interpreted("megadecode.kernels.linear").linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
+    parts = import_interpreted("megadecode.backends.fused.kernels.linear").linear_partials(x, w, 3)  # BLOCK_K 128: chunks of 128, 128, 44
     assert parts.shape == (3, 5, 24)
     torch.testing.assert_close(parts.sum(0), x @ w.T, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(parts[2], x[:, 256:] @ w[:, 256:].T, rtol=1e-5, atol=1e-4)
@@ -125,7 +125,7 @@ def test_linear_partials_sum_to_the_projection():
 def test_router_adds_k_chunks(monkeypatch):
     """With many SMs the logits come as several K chunks; the selection kernel adds them (a dropped chunk
     changes the route)."""
-    from megadecode.kernels import splitk
+    from megadecode.backends.fused.kernels import splitk
     from megadecode.reference.routing import route
 
     monkeypatch.setattr(splitk, "num_sms", lambda device: 64)
@@ -147,7 +147,7 @@ def test_variant_scope():
 
 
 def test_static_audit_sm90():
-    rows = static_audits(("megadecode.kernels.linear", [{"dtype": "bf16", "norm": False},
+    rows = static_audits(("megadecode.backends.fused.kernels.linear", [{"dtype": "bf16", "norm": False},
                                                             {"dtype": "bf16", "norm": True},
                                                             {"dtype": "fp32", "norm": True}]))
     assert len(rows) == 3

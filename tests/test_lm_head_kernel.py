@@ -1,4 +1,4 @@
-"""lm_head + greedy/temperature sampling in Triton (megadecode/kernels/lm_head.py) under the Triton interpreter
+"""lm_head + greedy/temperature sampling in Triton (megadecode/backends/fused/kernels/lm_head.py) under the Triton interpreter
 (fp32/fp16: the interpreter's bf16 arithmetic is wrong, see shared/GPU.md), against the reference
 `sampling.sample(F.linear(x, w).float(), params)`, plus the static sm_90 audit. Same interpreter arrangement
 as tests/test_latent_moe_kernels.py. bf16 and CUDA-graph replay with a new seed: GPU-only tests at the end."""
@@ -14,7 +14,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     triton_gate,
 )
 
-LH = import_interpreted("megadecode.kernels.lm_head")
+LH = import_interpreted("megadecode.backends.fused.kernels.lm_head")
 
 from megadecode.sampling import SamplingParams, sample  # noqa: E402
 
@@ -229,7 +229,7 @@ def test_rejects_bad_arguments():
 
 
 def test_static_audit_sm90():
-    rows = static_audits(("megadecode.kernels.lm_head", [{"dtype": "bf16"}, {"dtype": "fp32"}]))
+    rows = static_audits(("megadecode.backends.fused.kernels.lm_head", [{"dtype": "bf16"}, {"dtype": "fp32"}]))
     assert len(rows) == 8  # both kernels, greedy and sampling forms, two dtypes
     assert {r[0] for r in rows} == {"lm_head_kernel", "finalize_kernel"}
 

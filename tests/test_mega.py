@@ -9,7 +9,7 @@ import torch
 
 from megadecode.cache import KVCache
 from megadecode.engine import Engine
-from megadecode.mega.isa import (
+from megadecode.backends.mega.isa import (
     F_MXFP4,
     F_PAIR1,
     PAIR1_MAX_B,
@@ -22,9 +22,9 @@ from megadecode.mega.isa import (
     up_chunks,
     up_passes,
 )
-from megadecode.mega.lower import Unsupported, lower
-from megadecode.mega.pyvm import DeadlockError, PyVM, WaitViolation
-from megadecode.mega.schedule import report, schedule
+from megadecode.backends.mega.lower import Unsupported, lower
+from megadecode.backends.mega.pyvm import DeadlockError, PyVM, WaitViolation
+from megadecode.backends.mega.schedule import report, schedule
 from megadecode.presets import preset_config
 from megadecode.sampling import SamplingParams
 from megadecode.weights import random_weights
@@ -335,7 +335,7 @@ def _bf16_program(preset: str, batch: int):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_kernel_check_passes_the_bf16_programs_of_every_family(preset):
-    from megadecode.mega.kernel_check import check_program
+    from megadecode.backends.mega.kernel_check import check_program
 
     *_, prog = _bf16_program(preset, 3)
     check_program(prog)
@@ -346,7 +346,7 @@ def test_kernel_check_passes_the_bf16_programs_of_every_family(preset):
 
 
 def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
-    from megadecode.mega.kernel_check import KernelLimit, check_program
+    from megadecode.backends.mega.kernel_check import KernelLimit, check_program
 
     cfg, w, cache, _ = _bf16_program("tiny-k3", 2)
     w32 = dict(w)
@@ -375,7 +375,7 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
 
 def test_k3_lowers_at_true_dims_and_batch_64_within_the_kernels_limits():
     """K3's 896 experts x top-16 at batch 64 (1024 pairs) lower and pass the kernel check, on meta tensors."""
-    from megadecode.mega.kernel_check import check_program
+    from megadecode.backends.mega.kernel_check import check_program
     from megadecode.weights import param_specs
 
     cfg = preset_config("k3-layer")
@@ -388,30 +388,11 @@ def test_k3_lowers_at_true_dims_and_batch_64_within_the_kernels_limits():
     assert (route.args["E"], route.args["A"], route.args["B"]) == (896, 16, 64)
 
 
-def test_mega_executor_runs_an_unvalidated_family_only_when_asked(monkeypatch):
-    """A family whose opcodes were not yet diffed against pyvm on a GPU runs only with the env var (kimi_k3 was
-    one until cb7d1bc; the mechanism is tested by marking it unvalidated again)."""
-    from megadecode.executors import mega_executor
-    from megadecode.executors.mega_executor import UNVALIDATED_ENV
-
-    monkeypatch.setattr(mega_executor, "UNVALIDATED_FAMILIES", ("kimi_k3",))
-    monkeypatch.setattr(mega_executor, "KERNEL_FAMILIES", ("qwen3_moe", "deepseek_v3"))
-    cfg = preset_config("tiny-k3")
-    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
-    monkeypatch.delenv(UNVALIDATED_ENV, raising=False)
-    with pytest.raises(ValueError, match=f"not been diffed against pyvm on a GPU yet; set {UNVALIDATED_ENV}=1"):
-        Engine(cfg, w, executor="mega", max_batch=1, max_seq_len=16)
-    monkeypatch.setenv(UNVALIDATED_ENV, "1")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="runs on a CUDA GPU"):
-            Engine(cfg, w, executor="mega", max_batch=1, max_seq_len=16)
-
-
 def test_tc_input_is_the_input_times_the_norm_weight_as_two_bf16_within_2e_16():
     """isa.tc_input, the input F_TC's rows multiply: hi + lo, both bf16, hi the input times the norm weight rounded to
     bf16; within 2**-16 of the fp32 product relatively. Two inputs one fp32 step apart on the two sides of a bf16
     rounding boundary give hi a bf16 step apart but hi + lo within 2**-15 (one bf16 rounding alone differs by 2**-8)."""
-    from megadecode.mega.isa import tc_input
+    from megadecode.backends.mega.isa import tc_input
 
     x = torch.randn(3, 64) * 7
     g = torch.randn(64).to(torch.bfloat16)
@@ -433,7 +414,7 @@ def test_tensor_core_rows_flag_bf16_rows_from_two_tokens(preset):
     """Builder.tc: F_TC on the MATVEC / GLU of a bf16 program from batch 2 whose K is a multiple of TC_K (most of the
     tiny presets' rows, so mega_check's batches 3 and 16 run the tensor-core loop on the GPU), never at batch 1 or on
     fp32 rows."""
-    from megadecode.mega.isa import F_TC, TC_K
+    from megadecode.backends.mega.isa import F_TC, TC_K
 
     for batch, want in ((1, False), (3, True), (16, True)):
         *_, prog = _bf16_program(preset, batch)
@@ -451,7 +432,7 @@ def test_pyvm_tensor_core_rows_take_the_input_as_two_bf16_and_stay_close_to_torc
     """A bf16 tiny-qwen3 step at batch 3 in pyvm: under F_TC its rows multiply the input as bf16 pairs hi + lo
     (isa.tc_input), so its logits are those of the same program with F_TC cleared to 1e-4, and both stay within
     bf16 tolerance of torch's bf16 step."""
-    from megadecode.mega.isa import F_TC
+    from megadecode.backends.mega.isa import F_TC
 
     cfg = preset_config("tiny-qwen3-moe")
     w = random_weights(cfg, "cpu", torch.bfloat16, 3)
@@ -487,7 +468,7 @@ def _bf16_cfg_program(cfg, batch: int, max_len: int, ctas: int = 16):
 def test_the_wide_mxfp4_case_lowers_to_rows_of_several_chunks():
     """mega_gpu.CASES' tiny-k3-wide (the GPU checks' MXFP4 rows longer than one 1024-weight chunk, neither a
     multiple of it): its config overrides tiny-k3's, and its program passes the kernel's pre-launch check."""
-    from megadecode.mega.kernel_check import check_program
+    from megadecode.backends.mega.kernel_check import check_program
     from megadecode.validate.mega_gpu import case_config
 
     cfg = case_config("tiny-k3-wide")
@@ -504,7 +485,7 @@ def test_the_gqa_case_has_qwen3s_attention_shape_and_wider_heads_are_refused_bef
     cute/attention.py gqa_chunk), a program that passes the kernel's check; head_dim 256 or 32 q heads a KV head
     are refused by name before any launch (the body covers 128 dims and 16 heads)."""
     from megadecode.config import config_from_hf
-    from megadecode.mega.kernel_check import KernelLimit, check_program
+    from megadecode.backends.mega.kernel_check import KernelLimit, check_program
     from megadecode.presets import preset_hf_config
     from megadecode.validate.mega_gpu import case_config
 

@@ -12,16 +12,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("cutlass", reason="the megakernel needs nvidia-cutlass-dsl")
 
-from megadecode.executors.mega_executor import UNVALIDATED_ENV
 from megadecode.validate.mega_gpu import (PATH_CASES, diff_failures, diff_program, e2e_failures, end_to_end,  # noqa: E402
                                          timeout_case, timeout_failures)
 
 PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3"]
 
-
-@pytest.fixture(autouse=True)
-def _unvalidated(monkeypatch):
-    monkeypatch.setenv(UNVALIDATED_ENV, "1")
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("cutlass", reason="the megakernel needs nvidia-cutlass-dsl (the test extra installs it)")
 
-from megadecode.mega import cute_kernel as K  # noqa: E402
-from megadecode.mega.runtime import assemble, ctas_per_sm, cubin_registers, registers_per_thread  # noqa: E402
+from megadecode.backends.mega import cute_kernel as K  # noqa: E402
+from megadecode.backends.mega.runtime import assemble, ctas_per_sm, cubin_registers, registers_per_thread  # noqa: E402
 from megadecode.validate.mega_audit import audit_megakernel  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_the_launches_compile_is_made_once_from_placeholders_and_keeps_the_regis
     """runtime.compiled_launcher: the one compile per process that the engine build (default_ctas) and every
     runtime's launches share, made from placeholder tensors (here on the CPU: the compile needs no GPU). Its cubin
     has the kernel's register count, the same as the audited compile's; a second call compiles nothing."""
-    from megadecode.mega import runtime as R
+    from megadecode.backends.mega import runtime as R
 
     monkeypatch.setattr(R, "_COMPILED", None)
     c = R.compiled_launcher("cpu")
@@ -125,7 +125,7 @@ def test_mxfp4_fp16_decode_of_e2m1x8_times_its_block_scale_equals_the_table_for_
     import numpy as np
     import torch
 
-    from megadecode.mega.cute.base import E2M1X8_MAG, E2M1X8_SHIFTS, E2M1X8_SIGN
+    from megadecode.backends.mega.cute.base import E2M1X8_MAG, E2M1X8_SHIFTS, E2M1X8_SIGN
     from megadecode.quant.mxfp4 import E2M1_VALUES, e8m0_to_float
 
     scales = e8m0_to_float(torch.arange(256, dtype=torch.uint8)).numpy().astype(np.float32)
@@ -152,7 +152,7 @@ def test_kernel_keeps_fp32_subnormals():
     """The MXFP4 decode keeps subnormals: e2m1x8's fp16 halves carry e = 0 as fp16 subnormals (converted without
     flush), and e8m0's byte 0 is the fp32 subnormal 2**-127; no flush-to-zero on the kernel's fp32 multiplies, adds
     and FMAs (the approximate ex2 / rcp of softmax and sigmoid may flush: they never see the decode's values)."""
-    from megadecode.mega import cute_kernel as K
+    from megadecode.backends.mega import cute_kernel as K
 
     ptx = K.compile_for().__ptx__
     assert re.search(r"\bmul(\.rn)?\.f32", ptx)
@@ -162,8 +162,8 @@ def test_kernel_keeps_fp32_subnormals():
 
 
 def test_kernel_check_constants_are_the_kernels():
-    from megadecode.mega.cute import attention, base
-    from megadecode.mega.kernel_check import MLA_HB, NT, SMEM_F
+    from megadecode.backends.mega.cute import attention, base
+    from megadecode.backends.mega.kernel_check import MLA_HB, NT, SMEM_F
 
     assert (NT, SMEM_F) == (base.NT, base.SMEM_F)
     assert MLA_HB == attention.MLA_HB
@@ -172,8 +172,8 @@ def test_kernel_check_constants_are_the_kernels():
 def test_the_shared_int_words_of_the_kernel_do_not_overlap():
     """smi's fixed words (cute/base.py): ROUTE's counts, starts and scans stay below the instruction row (kernel_check
     refuses an E past that), and the row, FLAG_S, the timeline address and the wait flag take distinct words."""
-    from megadecode.mega.cute import base
-    from megadecode.mega.kernel_check import ROW_S
+    from megadecode.backends.mega.cute import base
+    from megadecode.backends.mega.kernel_check import ROW_S
 
     assert ROW_S == base.ROW_S
     fixed = {"row": range(base.ROW_S, base.ROW_S + base.ROW), "flag": [base.FLAG_S],

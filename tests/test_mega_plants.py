@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("cutlass", reason="the megakernel needs nvidia-cutlass-dsl (the test extra installs it)")
 
 from megadecode.cache import KVCache  # noqa: E402
-from megadecode.mega.lower import lower  # noqa: E402
+from megadecode.backends.mega.lower import lower  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.validate.mega_audit import audit_rules, plant_verdicts  # noqa: E402
 from megadecode.validate.mega_plants import CONTROLS, PLANTS, audit_plant, planted  # noqa: E402
@@ -48,7 +48,7 @@ def test_weights_through_the_non_coherent_path_pass_and_are_proven_static():
 
 
 def test_plants_swap_module_attributes_only_while_compiling():
-    from megadecode.mega import cute_kernel as K
+    from megadecode.backends.mega import cute_kernel as K
     from megadecode.validate.mega_plants import _patches
 
     bodies = K.BODIES
@@ -81,7 +81,7 @@ def _program(preset, batch, max_len, ctas=8):
 
 
 def test_kernel_check_keeps_caches_out_of_the_static_table_and_weights_out_of_the_produced_one():
-    from megadecode.mega.kernel_check import KernelLimit, check_program
+    from megadecode.backends.mega.kernel_check import KernelLimit, check_program
 
     prog = _program("tiny-deepseek-v3", 2, 64)
     check_program(prog)

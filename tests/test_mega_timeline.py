@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import mega_timeline  # noqa: E402
 
 from megadecode.cache import KVCache  # noqa: E402
-from megadecode.mega.lower import lower  # noqa: E402
-from megadecode.mega.schedule import schedule  # noqa: E402
+from megadecode.backends.mega.lower import lower  # noqa: E402
+from megadecode.backends.mega.schedule import schedule  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.weights import param_specs  # noqa: E402
 
@@ -75,9 +75,9 @@ def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
     instruction, and as many mark calls in op_route (op_attn_gqa) as MARKS names segments, less one."""
     import re
 
-    from megadecode.mega.isa import TLW
+    from megadecode.backends.mega.isa import TLW
 
-    root = Path(__file__).resolve().parent.parent / "megadecode/mega/cute"
+    root = Path(__file__).resolve().parent.parent / "megadecode/backends/mega/cute"
     for op, file, start, end in (("ROUTE", "moe.py", "def op_route", "def up_mx_rows1"),
                                  ("ATTN_GQA", "attention.py", "def op_attn_gqa", "def op_mla_kv")):
         src = (root / file).read_text()
@@ -85,7 +85,7 @@ def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
         marks = sorted({int(k) for k in re.findall(r"mark\(smi, idx, (\d)\)", body)})  # ROUTE's 3: either path
         assert marks == list(range(len(mega_timeline.MARKS[op]) - 1)), op
     # the kernel's own timeline words and base.mark's slots (4 + k) fit the TLW words a row has
-    kernel = (Path(__file__).resolve().parent.parent / "megadecode/mega/cute_kernel.py").read_text()
+    kernel = (Path(__file__).resolve().parent.parent / "megadecode/backends/mega/cute_kernel.py").read_text()
     assert {int(i) for i in re.findall(r"tl\[TLW \* idx \+ (\d)\]", kernel)} == {1, 2, 3}
     assert "tl[TLW * idx] = " in kernel and 4 + max(marks) < TLW
 
@@ -130,10 +130,10 @@ def test_sass_mix_compiles_each_opcode_alone_and_leaves_the_whole_kernel(monkeyp
     import functools
     import types
 
-    cute_kernel = pytest.importorskip("megadecode.mega.cute_kernel")  # needs the cute extra (CuTe DSL)
+    cute_kernel = pytest.importorskip("megadecode.backends.mega.cute_kernel")  # needs the cute extra (CuTe DSL)
     import mega_sass_mix
 
-    from megadecode.mega import runtime
+    from megadecode.backends.mega import runtime
     from megadecode.validate import audit
 
     @functools.lru_cache(maxsize=4)
@@ -207,8 +207,8 @@ def test_mega_check_exit_status_says_whether_every_launch_agreed(tmp_path, monke
 def test_timeline_rows_read_tlw_words_and_the_marks_stamped():
     """MegaRuntime.timeline_rows (on a CPU runtime, its buffer filled by hand as the kernel would): times relative
     to the earliest wait, marks None where not stamped."""
-    from megadecode.mega.isa import TLW
-    from megadecode.mega.runtime import MegaRuntime
+    from megadecode.backends.mega.isa import TLW
+    from megadecode.backends.mega.runtime import MegaRuntime
 
     from megadecode.weights import random_weights
 

@@ -1,4 +1,4 @@
-"""The decode attention kernels (megadecode/kernels/mla.py: MLA over the latent cache; kernels/gqa.py: GQA over
+"""The decode attention kernels (megadecode/backends/fused/kernels/mla.py: MLA over the latent cache; backends/fused/kernels/gqa.py: GQA over
 the KV cache) under the Triton interpreter: against the reference attention (ragged positions, non-contiguous
 slots, position 0), their harness variants, and the static sm_90 audits."""
 
@@ -13,8 +13,8 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     triton_gate,
 )
 
-ML = import_interpreted("megadecode.kernels.mla", "megadecode.validate.catalog")
-GQ = import_interpreted("megadecode.kernels.gqa")
+ML = import_interpreted("megadecode.backends.fused.kernels.mla", "megadecode.validate.catalog")
+GQ = import_interpreted("megadecode.backends.fused.kernels.gqa")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.step import Step  # noqa: E402
@@ -93,7 +93,7 @@ def test_gqa_matches_sdpa(contiguous, splits):
 
 
 def test_split_plan_covers_the_cache():
-    from megadecode.kernels.splitk import split_plan
+    from megadecode.backends.fused.kernels.splitk import split_plan
 
     for programs, kv_len, forced in [(4, 1025, None), (1, 1, None), (512, 4096, None), (4, 70, 3), (4, 70, 50)]:
         s, chunk = split_plan(programs, kv_len, 32, torch.device("cuda"), forced) if ON_GPU else \
@@ -141,6 +141,6 @@ def test_gqa_variant_passes_check_op(dtype):
 
 def test_static_audit_sm90():
     dtypes = [{"dtype": "bf16"}, {"dtype": "fp32"}]
-    rows = static_audits(("megadecode.kernels.mla", dtypes), ("megadecode.kernels.gqa", dtypes))
+    rows = static_audits(("megadecode.backends.fused.kernels.mla", dtypes), ("megadecode.backends.fused.kernels.gqa", dtypes))
     assert len(rows) == 10  # mla: split + merge; gqa: split + prologue + merge; per dtype
 

@@ -1,4 +1,4 @@
-"""triton-mlp (megadecode/kernels/mlp.py) under the Triton interpreter: the harness's checks on every family with
+"""triton-mlp (megadecode/backends/fused/kernels/mlp.py) under the Triton interpreter: the harness's checks on every family with
 an MLP op (dense layers, shared experts), at batches on both sides of packed.project's switch to cuBLAS, a
 rounding mutant the checks must catch, and the static sm_90 audit."""
 
@@ -11,7 +11,7 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
-MK = import_interpreted("megadecode.kernels.mlp", "megadecode.validate.catalog")
+MK = import_interpreted("megadecode.backends.fused.kernels.mlp", "megadecode.validate.catalog")
 
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.validate.catalog import get  # noqa: E402
@@ -54,14 +54,14 @@ def test_rejects_mismatched_weights():
 
 
 def test_static_audit_sm90():
-    assert len(static_audits(("megadecode.kernels.mlp", [{}]))) == 3
+    assert len(static_audits(("megadecode.backends.fused.kernels.mlp", [{}]))) == 3
 
 
 def test_tuned_blocks_give_way_to_the_defaults_where_they_would_not_fit_shared_memory():
     """packed.fit_blocks: the blocks tuned on bf16 weights (the MLP's down projection, KDA's o_proj, the LatentMoE
     projections) asked the H200 for 240 KB of shared memory with fp32 weights and failed to launch (4228b59)."""
-    from megadecode.kernels.cute_experts import LATENT_BLOCKS
-    from megadecode.kernels.packed import SMEM_BUDGET, fit_blocks
+    from megadecode.backends.fused.kernels.cute_experts import LATENT_BLOCKS
+    from megadecode.backends.fused.kernels.packed import SMEM_BUDGET, fit_blocks
 
     bf16, f32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
     assert fit_blocks(MK.DOWN_BLOCKS, bf16, bf16) == MK.DOWN_BLOCKS

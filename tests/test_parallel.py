@@ -164,7 +164,7 @@ def _problem_cpu(mxfp4: bool, fp8: bool = False):
 
 
 def _kernels():
-    from megadecode.kernels import fp8_experts, fused_experts, grouped_experts
+    from megadecode.backends.fused.kernels import fp8_experts, fused_experts, grouped_experts
 
     return {
         "grouped": lambda *a, **kw: grouped_experts.grouped_experts(*a, grouped=True, **kw),
@@ -202,7 +202,7 @@ def test_pairs_with_id_minus_one_are_skipped(impl):
 
 
 def test_a_token_with_no_local_pair_gets_zeros():
-    from megadecode.kernels.grouped_experts import grouped_experts
+    from megadecode.backends.fused.kernels.grouped_experts import grouped_experts
 
     x, ids, w, gu, dn = _problem(False)
     none = torch.full_like(ids, -1)
@@ -302,7 +302,7 @@ def test_combine_mode_is_read_from_measurements(tmp_path, monkeypatch):
                                                              "64": "reduce-scatter"}}}}))
     try:
         ep = ExpertParallel(ExpertShard(896, 2, 0), device_name="NVIDIA H200")
-        # the entry of the smallest measured batch >= the batch (kernels/tuning.py's rule), else the largest
+        # the entry of the smallest measured batch >= the batch (backends/fused/kernels/tuning.py's rule), else the largest
         assert [ep.mode_for(b, 3584) for b in (1, 8, 9, 64, 500)] == ["all-gather"] * 2 + ["reduce-scatter"] * 3
         assert ep.mode_for(1, 2048) == "all-gather"  # no measurement for this width: the default
         assert ExpertParallel(ExpertShard(896, 4, 0), device_name="NVIDIA H200").mode_for(64, 3584) == "all-gather"

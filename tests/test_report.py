@@ -104,9 +104,9 @@ def test_tolerance_table_and_per_dtype_plots():
 def test_a_report_is_stale_when_what_it_depends_on_changed(tmp_path):
     from megadecode.validate import staleness as S
 
-    src = "megadecode/kernels/rmsnorm.py"
+    src = "megadecode/backends/fused/kernels/rmsnorm.py"
     h = S.inputs_hash((src,))
-    assert len(h) == 16 and h == S.inputs_hash((src,)) and h != S.inputs_hash(("megadecode/kernels/kda.py",))
+    assert len(h) == 16 and h == S.inputs_hash((src,)) and h != S.inputs_hash(("megadecode/backends/fused/kernels/kda.py",))
     _, md = build_report("v", manifest={}, rows=[_cell("float32")], audits=[], perf_rows=[], env={}, command="c",
                          coverage={"inputs hash": h})
     report = tmp_path / "v-h200.md"

@@ -253,7 +253,7 @@ def test_engine_checks_weights_against_the_table():
 def test_compiled_executor_refuses_unvalidated_families():
     from megadecode.engine import Engine
 
-    with pytest.raises(ValueError, match="not validated for 'deepseek_v3'"):
+    with pytest.raises(ValueError, match="the compiled executor is not validated for deepseek_v3"):
         Engine.from_pretrained("tiny-deepseek-v3", executor="compiled")
 
 

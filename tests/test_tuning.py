@@ -1,4 +1,4 @@
-"""Tuned launch parameters (megadecode/kernels/tuning.py), their use by fused_experts, and `megadecode tune`
+"""Tuned launch parameters (megadecode/backends/fused/kernels/tuning.py), their use by fused_experts, and `megadecode tune`
 (megadecode/tune.py) where it can run without a GPU: argument handling and the no-CUDA exit."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ON_GPU = torch.cuda.is_available()
 _saved = os.environ.get("TRITON_INTERPRET")
 if not ON_GPU:  # as tests/test_fused_experts.py: never decorate the kernels for a GPU on the CPU
     os.environ["TRITON_INTERPRET"] = "1"
-from megadecode.kernels import fused_experts as FE  # noqa: E402
+from megadecode.backends.fused.kernels import fused_experts as FE  # noqa: E402
 
 if _saved is None:
     os.environ.pop("TRITON_INTERPRET", None)
@@ -24,7 +24,7 @@ else:
 
 from megadecode import tune  # noqa: E402
 from megadecode.cli import main  # noqa: E402
-from megadecode.kernels import tuning  # noqa: E402
+from megadecode.backends.fused.kernels import tuning  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 
 KEY = "D=64,I=32,A=2,wdtype=fp32,act=silu"

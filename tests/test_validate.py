@@ -19,12 +19,12 @@ from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, i
     ON_GPU, DEVICE, import_interpreted, interpreter_env, triton_gate,
 )
 
-router_kernel = import_interpreted("megadecode.kernels.router", "megadecode.validate.catalog").router_kernel
+router_kernel = import_interpreted("megadecode.backends.fused.kernels.router", "megadecode.validate.catalog").router_kernel
 
 from megadecode import plan as P  # noqa: E402
 from megadecode.cli import main  # noqa: E402
 from megadecode.engine import Engine  # noqa: E402
-from megadecode.executors.torch_ops import OP_IMPLS, StepContext  # noqa: E402
+from megadecode.backends.torch.ops import OP_IMPLS, StepContext  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
 from megadecode.step import Step  # noqa: E402
 from megadecode.validate.e2e import compare_generation  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megadecode.engine import Engine
-from megadecode.executors.graph_executor import KV_BUCKET, GraphExecutor
+from megadecode.backends.graph.executor import KV_BUCKET, GraphExecutor
 from megadecode.runner import ModelRunner
 from megadecode.sampling import SamplingParams
 from megadecode.scheduler import Scheduler

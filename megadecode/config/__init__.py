@@ -4,7 +4,8 @@
                   megadecode reads
     fields.py     typed readers of HF fields, shared by the parsers
     hf_class.py   config.json through transformers' own config class of the family (aliases, defaults)
-    families/     one parser per family (qwen3_moe, deepseek_v3, kimi_linear, kimi_k3), registered below
+    families/     one parser per family (qwen3_moe, deepseek_v3, kimi_linear, kimi_k3)
+    registry.py   the families: model_type values, parser, validated executors (the one list of them)
 
 The families transformers knows are read through its config class (Qwen3MoeConfig, DeepseekV3Config,
 KimiLinearConfig): every spelling of a field it accepts is read (`num_local_experts` for `num_experts`,
@@ -20,9 +21,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from .families import deepseek_v3, kimi_k3, kimi_linear, qwen3_moe
 from .model import (
-    FAMILIES,
     ConfigError,
     ConfigWarning,
     ModelConfig,
@@ -30,14 +29,11 @@ from .model import (
     yarn_mscale,
 )
 
-# HF `model_type` -> the parser of its family.
-PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
-    "qwen3_moe": qwen3_moe.parse, "deepseek_v3": deepseek_v3.parse, "kimi_k2": deepseek_v3.parse,
-    "kimi_linear": kimi_linear.parse, "kimi_k3": kimi_k3.parse}
-MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
-               "kimi_linear": "kimi_linear", "kimi_k3": "kimi_k3"}  # HF `model_type` -> our family
+from .registry import FAMILIES, MODEL_TYPES, PARSERS, REGISTRY
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "PARSERS", "ConfigError", "ConfigWarning", "ModelConfig", "RopeConfig",
+_: dict[str, Callable[[dict], ModelConfig]] = PARSERS  # HF `model_type` -> the parser of its family
+
+__all__ = ["FAMILIES", "MODEL_TYPES", "PARSERS", "REGISTRY", "ConfigError", "ConfigWarning", "ModelConfig", "RopeConfig",
            "config_from_hf", "load_config", "yarn_mscale"]
 
 

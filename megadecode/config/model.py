@@ -21,8 +21,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
-
 
 class ConfigError(ValueError):
     """A config.json that megadecode cannot run, with the reason."""
@@ -107,6 +105,8 @@ class ModelConfig:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(msg)
+
+        from .registry import FAMILIES
 
         need(self.family in FAMILIES, f"unsupported family {self.family!r}; supported: {FAMILIES}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k",

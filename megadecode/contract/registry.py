@@ -1,7 +1,7 @@
 """The registry of variants, by name. Registering a variant is what makes it visible to executors and to
 the validation harness; a module of kernels registers its variants when it is imported.
 
-Which modules get imported is the caller's choice: `megadecode.kernels.catalog` imports the shipped kernels
+Which modules get imported is the caller's choice: `megadecode.backends.fused.kernels.catalog` imports the shipped kernels
 (what the `fused` executor may run), `megadecode.validate.catalog` those plus the harness's own variants
 (torch restatements, the deliberately broken `broken-*`)."""
 

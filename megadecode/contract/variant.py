@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config.registry import FAMILIES
 from ..config import ModelConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -25,7 +26,7 @@ def dtype_name(dtype) -> str:
 class Scope:
     """Where a variant may run. `dims(cfg)` returns why the model's dimensions are out of scope, or None."""
 
-    families: tuple[str, ...] = ("qwen3_moe", "deepseek_v3")
+    families: tuple[str, ...] = FAMILIES[:2]  # registered families (config/registry.py); default qwen3_moe, deepseek_v3
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     devices: tuple[str, ...] = ("cpu", "cuda")
     batch: tuple[int, int] = (1, 4096)  # inclusive range of tokens per step
@@ -34,6 +35,11 @@ class Scope:
     # (ModelConfig field, lo, hi): inclusive ranges the kernels handle, declared as data so that the harness
     # can test at the edges (validate/cases.py) as well as refuse beyond them
     limits: tuple[tuple[str, int, int], ...] = ()
+
+    def __post_init__(self):
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown:
+            raise ValueError(f"Scope names unregistered families {unknown} (config/registry.py: {', '.join(FAMILIES)})")
 
     def describe(self) -> str:
         parts = [f"families={','.join(self.families)}", f"dtypes={','.join(self.dtypes)}",
@@ -132,7 +138,7 @@ class Variant:
             if f"sm_{major}{minor}" != s.arch:
                 return f"needs {s.arch}, this GPU is sm_{major}{minor}"
         if dev == "cpu" and self.manifest.uses_triton and not triton_interpreted(self.triton_kernel()):
-            return ("Triton on cpu needs TRITON_INTERPRET=1 set before triton and megadecode.kernels are "
+            return ("Triton on cpu needs TRITON_INTERPRET=1 set before triton and megadecode.backends.fused.kernels are "
                     f"first imported (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now)")
         if dev == "cpu" and self.manifest.uses_triton and dtype_name(dtype) == "bfloat16":
             return "the Triton interpreter computes bf16 arithmetic wrongly: test bf16 on the GPU"

@@ -8,7 +8,7 @@ the largest, so it is refused with the divisors that work.
 
 The router runs on every rank on the same (replicated) activations and picks the same global ids; `local_ids`
 turns them into this rank's view: the local index of an owned expert, -1 for a pair another rank serves (the
-routed-expert implementations skip -1 pairs: reference/moe.py, kernels/grouped_experts.py).
+routed-expert implementations skip -1 pairs: reference/moe.py, backends/fused/kernels/grouped_experts.py).
 """
 
 from __future__ import annotations

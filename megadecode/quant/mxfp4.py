@@ -57,7 +57,7 @@ def check_mxfp4(packed: torch.Tensor, scales: torch.Tensor, allow_nan: bool = Fa
     if packed.dim() == 4 and scales.dim() == 3 and scales.shape[-1] == 0:
         raise ValueError(f"MXFP4 packed {tuple(packed.shape)} with empty scales is a weight in fragment order "
                          "(quant/mxfp4_frag.py, re-laid out for the fused executor's CuTe experts): this path reads "
-                         "the checkpoint's order (executors/expert_layout.py converts between the two)")
+                         "the checkpoint's order (backends/expert_layout.py converts between the two)")
     if packed.dim() == 0 or packed.shape[:-1] != scales.shape[:-1]:
         raise ValueError(f"MXFP4 packed {tuple(packed.shape)} and scales {tuple(scales.shape)} "
                          "must agree on every dim but the last")

@@ -1,5 +1,5 @@
 """MXFP4 weights re-laid out once, at load time, in the order a tensor-core kernel's inner loop reads them
-(kernels/cute_experts.py): each lane's 16-byte load is its own A fragments of mma.sync m16n8k16, and the
+(backends/fused/kernels/cute_experts.py): each lane's 16-byte load is its own A fragments of mma.sync m16n8k16, and the
 block scales of those weights sit next to them.
 
 Legend: a weight [E, R, K] (R output rows, K the reduction dim); a tile = 16 consecutive rows; a record = one
@@ -20,7 +20,7 @@ The k order inside a block is permuted (thread c's fragment columns 2c, 2c+1, 2c
 reads the matching activations as one 16-byte load per block, and an mma's k-step never crosses a scale block, so
 the block scale multiplies the mma's fp32 sums.
 
-Decode (kernels/cute_experts.py, `emulate` here): register j = ((word << (9 - MAG_AT[j])) & 0x0E000E00) |
+Decode (backends/fused/kernels/cute_experts.py, `emulate` here): register j = ((word << (9 - MAG_AT[j])) & 0x0E000E00) |
 ((word << (15 - SIGN_AT[j])) & 0x80008000) (one mask 0x8E008E00 when both shifts agree) is the fp16 pair whose
 values are e2m1 * 2**-14 exactly (the magnitude bits e1 e0 m land on fp16's exponent's two low bits and its top mantissa
 bit; 0.5 is the fp16 subnormal 2**-15); the kernel multiplies a block's sum by 2**(e - 127) (the scale byte
@@ -135,7 +135,7 @@ def restore_experts(f: MXFP4Frag, chunk: int = 8) -> MXFP4Tensor:
 
 # ---- a stacked weight's two entries of the weight table (weights.py) in either order -------------------------
 # In the checkpoint's order a stacked MXFP4 weight [E, R, K] is two entries, `.weight_packed` [E, R, K/2] and
-# `.weight_scale` [E, R, K/32]. Re-laid out (an executor that reads this order: executors/expert_layout.py), the
+# `.weight_scale` [E, R, K/32]. Re-laid out (an executor that reads this order: backends/expert_layout.py), the
 # records take the `.weight_packed` entry, [E, R/16, K/256, RECORD], and `.weight_scale` holds an empty
 # [E, R, 0] (the scales are inside the records): the entries' shapes say which order a weight is in.
 def entry_shape(name: str, shape: tuple) -> tuple:

@@ -38,7 +38,7 @@ def gqa_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
                   k_cache: torch.Tensor, v_cache: torch.Tensor, core=None) -> torch.Tensor:
     """Qwen3-MoE attention. x [N, D] -> [N, D]. Caches [S, Lmax, K, d]. rope = (cos, sin) [N, d/2].
     `core`: for decode steps, a replacement of the attention over the cache,
-    core(qg [N, K, G, d], k_cache, v_cache, step, scale) -> o [N, K, G, d] (kernels/gqa.py)."""
+    core(qg [N, K, G, d], k_cache, v_cache, step, scale) -> o [N, K, G, d] (backends/fused/kernels/gqa.py)."""
     N, H, K, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     p = prefix
     q = rms_norm(F.linear(x, w[f"{p}.q_proj.weight"]).view(N, H, d), w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
@@ -78,7 +78,7 @@ def mla_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
     rope = (cos, sin), or None for MLA without positional encoding (kimi_linear: nothing is rotated).
     kimi_k3's output gate (`cfg.mla_output_gate`): o_proj(o * sigmoid(x gate_proj^T)), gate_proj [H*V, D].
     `core`: for decode steps, a replacement of the attention over the cache,
-    core(q_lat [N, H, C], q_pe [N, H, R], latent_cache, step, scale) -> o_lat [N, H, C] (kernels/mla.py)."""
+    core(q_lat [N, H, C], q_pe [N, H, R], latent_cache, step, scale) -> o_lat [N, H, C] (backends/fused/kernels/mla.py)."""
     N, H = x.shape[0], cfg.num_heads
     C, R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     p, eps = prefix, cfg.rms_norm_eps

@@ -45,7 +45,7 @@ def _conv_silu(windows: torch.Tensor, conv_w: torch.Tensor) -> torch.Tensor:
 
 def decode_recurrence(q, k, v, g, beta, rec_state: torch.Tensor, rows) -> torch.Tensor:
     """One decode token per sequence: read the slots' states (rec_state[rows]), advance them by the delta
-    rule, write them back, return o [N, H, V]. The reference; kernels/kda.py has the fused Triton form."""
+    rule, write them back, return o [N, H, V]. The reference; backends/fused/kernels/kda.py has the fused Triton form."""
     o, S = delta_rule_step(q, k, v, g, beta, rec_state[rows])
     rec_state[rows] = S
     return o

@@ -49,7 +49,7 @@ def experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (ids -1) sort after every expert's run, outside the groups, and add 0. Result in `out_dtype` (None: x.dtype).
     act: "silu" (SwiGLU) or "situ" (K3's SiTU-GLU, reference/latent_moe.py). FP8 experts are dequantized whole
     into the activations' dtype first (a copy of every expert: the graph executor's eager prefill; its decode
-    runs kernels/fp8_experts.py)."""
+    runs backends/fused/kernels/fp8_experts.py)."""
     if act not in GLUS:
         raise ValueError(f"act must be one of {sorted(GLUS)}, got {act!r}")
     if isinstance(gate_up, FP8Tensor):

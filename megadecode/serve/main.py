@@ -6,7 +6,7 @@ import socket
 import sys
 
 from .. import ranks
-from ..executors import EXECUTORS
+from ..backends import EXECUTORS
 from ..measure import int_list, seed_arg
 from ..presets import PRESETS
 
@@ -24,8 +24,9 @@ def add_parser(sub) -> None:
                                                              "directory, or ORG/NAME in the local Hugging Face cache")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: --model)")
-    p.add_argument("--executor", choices=sorted(EXECUTORS), default="torch",
-                   help="how the decode step runs (README, Executors); on a GPU the fastest validated is fused")
+    p.add_argument("--executor", choices=["auto", *sorted(EXECUTORS)], default="auto",
+                   help="how the decode step runs (README, Executors); auto: torch on the CPU, on a GPU the fastest "
+                        "validated for the model at --max-batch from a measured table (named on startup)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and cache dtype")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -100,7 +101,10 @@ def build_server(args, ep):
     from .lockstep import Leader
     from .server import Server
 
+    from ..backends.auto import resolve_executor
+
     leads = ep is not None and ep.rank == 0
+    resolve_executor(args, model_config(args.model), args.max_batch, ep is None or ep.rank == 0)
     return agree(ep, Server.build, args.model, max_batch=args.max_batch, executor=args.executor,
                  device=ranks.device(args, ep), dtype=args.dtype, max_seq_len=args.max_seq_len, seed=args.seed,
                  check_finite=args.check_finite, ignore_unknown=args.ignore_unknown_tensors,

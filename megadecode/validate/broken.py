@@ -53,12 +53,12 @@ import torch
 import triton
 
 from ..contract import Variant, register
-from ..kernels import attn_res as K_ATTN_RES
-from ..kernels import kda as K_KDA
-from ..kernels import lm_head as K_LM_HEAD
-from ..kernels import mla as K_MLA
-from ..kernels import rmsnorm as K_NORM
-from ..kernels import router as K_ROUTER
+from ..backends.fused.kernels import attn_res as K_ATTN_RES
+from ..backends.fused.kernels import kda as K_KDA
+from ..backends.fused.kernels import lm_head as K_LM_HEAD
+from ..backends.fused.kernels import mla as K_MLA
+from ..backends.fused.kernels import rmsnorm as K_NORM
+from ..backends.fused.kernels import router as K_ROUTER
 from ..reference.attention import mla_attention
 from ..reference.kda import kda_attention
 from ..sampling import SamplingParams
@@ -162,7 +162,7 @@ def _router_one_kernel(op, inputs, weights, outputs, cfg, step, cache=None):
 
 
 def _mla_core_no_rescale(q_lat, q_pe, latent_cache, step, scale, block_h: int = 16, block_l: int = 32):
-    """kernels/mla.py mla_decode_core with a merge that adds the chunks' partial sums as they are: right when
+    """backends/fused/kernels/mla.py mla_decode_core with a merge that adds the chunks' partial sums as they are: right when
     one chunk holds the whole cache, wrong when several do (their running maxima differ)."""
     N, H, C = q_lat.shape
     R = q_pe.shape[-1]

@@ -1,4 +1,4 @@
-"""A copy of the RMSNorm kernel (kernels/rmsnorm.py) with planted mistakes, one constexpr each, for the
+"""A copy of the RMSNorm kernel (backends/fused/kernels/rmsnorm.py) with planted mistakes, one constexpr each, for the
 `broken-rmsnorm-*` variants of broken.py: realistic slips that the base cases of the harness (power-of-two
 hidden sizes, well-scaled rows, a name-keyed audit) used to let through.
 
@@ -62,8 +62,8 @@ def rmsnorm_mutant_kernel(x_ptr, w_ptr, out_ptr, T, stride_x, stride_out, eps, D
 
 
 def rms_norm_mutant(x, weight, eps: float, out, **planted) -> None:
-    """kernels/rmsnorm.rms_norm_triton with the planted flags (FLAGS, default False)."""
-    from ..kernels.rmsnorm import check_args
+    """backends/fused/kernels/rmsnorm.rms_norm_triton with the planted flags (FLAGS, default False)."""
+    from ..backends.fused.kernels.rmsnorm import check_args
 
     unknown = set(planted) - set(FLAGS)
     if unknown:

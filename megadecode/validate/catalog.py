@@ -1,4 +1,4 @@
-"""Every variant the harness knows: the shipped kernels (megadecode.kernels.catalog), the plain-torch variants
+"""Every variant the harness knows: the shipped kernels (megadecode.backends.fused.kernels.catalog), the plain-torch variants
 (torch_variants.py) and the deliberately broken ones (broken.py). `get` and `all_variants` import them first.
 
 Triton kernels are decorated when their module is first imported: on a CPU-only machine set
@@ -7,7 +7,7 @@ TRITON_INTERPRET=1 before that (their variants otherwise SKIP on cpu, saying why
 from __future__ import annotations
 
 from ..contract import Variant, lookup, registered
-from ..kernels import catalog as _shipped  # noqa: F401  (registers the shipped variants)
+from ..backends.fused.kernels import catalog as _shipped  # noqa: F401  (registers the shipped variants)
 from . import broken, torch_variants  # noqa: F401  (register the harness's own)
 
 

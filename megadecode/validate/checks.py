@@ -26,7 +26,6 @@ import torch
 from ..config import ModelConfig
 from ..contract import (
     DTYPE_NAMES,
-    SIDE_OUTPUTS,
     Variant,
     check_kernels,
     dtype_name,
@@ -35,7 +34,7 @@ from ..contract import (
     side_output_specs,
     unwritten,
 )
-from .guards import guard_failures, guarded_outputs
+from .guards import guard_failures, guarded_outputs, side_names
 from .launches import record_launches, undeclared
 from .inputs import OpCase, build_case, reference_outputs, token_rows
 from .tolerances import ABSOLUTE_FLOORS, UNORDERED, Bound, derive, errors
@@ -62,11 +61,6 @@ def _bitwise_same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.numel():
         return True
     return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
-
-
-def side_names(variant: Variant, kind: str) -> tuple[str, ...]:
-    """The side outputs the variant declares for an op of `kind` (the harness hands them in and compares them)."""
-    return tuple(n for n in variant.manifest.side_outputs if n in SIDE_OUTPUTS.get(kind, ()))
 
 
 def run_variant(variant: Variant, case: OpCase) -> tuple[dict[str, torch.Tensor], tuple | None, list[str]]:

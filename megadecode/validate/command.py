@@ -57,7 +57,7 @@ def _device() -> str:
 
 
 def cmd_validate(args, argv) -> int:
-    from ..kernels import require_triton
+    from ..backends.fused.kernels import require_triton
 
     if _device() == "cpu":  # before triton is first imported (require_triton imports it): the interpreter needs it
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -225,7 +225,7 @@ def _cmd_executor(args, argv) -> int:
         Path(args.json).write_text(json.dumps({"command": "megadecode " + shlex.join(argv), "executor": args.executor,
                                                "rows": rows}, indent=1, default=str))
     if args.report:
-        manifest = {"name": args.executor, "subject": "the CuTe DSL megakernel (mega/cute_kernel.py): its static "
+        manifest = {"name": args.executor, "subject": "the CuTe DSL megakernel (backends/mega/cute_kernel.py): its static "
                     "audit, the harness's planted mistakes (validate/mega_plants.py) and greedy generation against "
                     + ("pyvm" if args.executor == "mega" else "torch"),
                     "plants": {p.name: p.what for p in _plants()}}

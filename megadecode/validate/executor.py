@@ -18,8 +18,8 @@ import torch
 
 from ..cache import KVCache
 from ..contract import ManifestViolation, Variant, output_specs, poisoned, unwritten
-from ..executors.torch_executor import TorchExecutor
-from ..executors.torch_ops import OP_IMPLS, StepContext
+from ..backends.torch.executor import TorchExecutor
+from ..backends.torch.ops import OP_IMPLS, StepContext
 from ..plan import DecodePlan, Op
 from ..step import Step
 

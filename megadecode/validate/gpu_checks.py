@@ -20,13 +20,12 @@ from __future__ import annotations
 import torch
 
 from ..contract import output_specs, side_output_specs
+from .guards import side_names
 from .inputs import OpCase
 
 
 def _outputs(case: OpCase, variant) -> dict[str, torch.Tensor]:
-    """The op's outputs and the side outputs the variant declares (checks.side_names), filled with NaN / -1."""
-    from .checks import side_names
-
+    """The op's outputs and the side outputs the variant declares (guards.side_names), filled with NaN / -1."""
     buf = dict(case.inputs)
     specs = {**output_specs(case.cfg, case.op, buf, case.weights),
              **side_output_specs(case.op, buf, side_names(variant, case.op.kind))}

@@ -51,3 +51,11 @@ def guard_failures(views: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]
             fails.append(f"{what}: wrote outside its bounds ({before} elements before it, {after} after it, "
                          f"in the guard regions around its {v.numel()} elements)")
     return fails
+
+
+def side_names(variant, kind: str) -> tuple[str, ...]:
+    """The side outputs the variant declares for an op of `kind` (the harness hands them in, guards and compares
+    them)."""
+    from ..contract.outputs import SIDE_OUTPUTS
+
+    return tuple(n for n in variant.manifest.side_outputs if n in SIDE_OUTPUTS.get(kind, ()))

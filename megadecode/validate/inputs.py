@@ -37,7 +37,7 @@ import torch
 from .. import plan as P
 from ..cache import FP32_PARTS
 from ..config import ModelConfig
-from ..executors.torch_ops import StepContext
+from ..backends.torch.ops import StepContext
 from ..reference.routing import route
 from ..step import Step
 from ..weights import param_specs, random_tensor
@@ -313,13 +313,13 @@ def _to(case: OpCase, device) -> OpCase:
 
 def reference_outputs(case: OpCase, dtype: torch.dtype = torch.float32,
                       side: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], tuple | None]:
-    """The torch reference op (executors/torch_ops.py) on the case, computed in `dtype`: fp32 (the target the
+    """The torch reference op (backends/torch/ops.py) on the case, computed in `dtype`: fp32 (the target the
     harness compares with) or the dtype under test (what the same computation errs by in it: tolerances.py).
     Buffers the model keeps in fp32 whatever its dtype stay fp32. `side`: side outputs to add (contract
     SIDE_OUTPUTS: LM_HEAD's greedy tokens and logprobs). Returns (outputs, cache after)."""
     from ..contract import side_output_reference
 
-    from ..executors.torch_ops import OP_IMPLS
+    from ..backends.torch.ops import OP_IMPLS
 
     c = case.clone(dtype)
     step = replace(c.step, positions=c.inputs.get("positions", c.step.positions),

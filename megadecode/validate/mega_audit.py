@@ -1,12 +1,12 @@
 """The static ordering audit (validate/audit.py) of the CuTe DSL megakernel, through its declaration
-(mega/spec.py MegaKernelSpec): its PTX from a compile without a GPU, and its SASS where ptxas and nvdisasm are
+(backends/mega/spec.py MegaKernelSpec): its PTX from a compile without a GPU, and its SASS where ptxas and nvdisasm are
 found, against the roles its parameters play and what its address tables point to. `plant_verdicts` audits the
 harness's planted builds (validate/mega_plants.py): each must be caught by the rules it names, and the controls
 must pass."""
 
 from __future__ import annotations
 
-from ..mega.spec import MegaKernelSpec
+from ..backends.mega.spec import MegaKernelSpec
 from .audit import AuditReport, audit_spec
 from .mega_plants import CONTROLS, PLANTS, audit_plant
 

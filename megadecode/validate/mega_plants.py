@@ -1,6 +1,6 @@
 """The harness's own planted mistakes in the megakernel: each is a build of the kernel with one ordering or coverage
 bug swapped in, which a named check must catch. They live here, beside the checks, not in the shipped kernel: a
-plant replaces one of the module-level functions the kernel is traced from (mega/cute_kernel.py's synchronisation
+plant replaces one of the module-level functions the kernel is traced from (backends/mega/cute_kernel.py's synchronisation
 steps, an opcode body's helper) for the length of one compile, so the shipped source holds no switch for them.
 
 Each plant says which check catches it: a rule of the static audit (validate/audit.py, on the CPU, in CI) or a GPU
@@ -15,7 +15,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ..contract.kernels import register_spec_kind
-from ..mega.spec import MegaKernelSpec
+from ..backends.mega.spec import MegaKernelSpec
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
-    from ..mega import cute_kernel as K
-    from ..mega.cute import attention, base, dense
+    from ..backends.mega import cute_kernel as K
+    from ..backends.mega.cute import attention, base, dense
 
     acquire = K.wait_load
 
@@ -130,7 +130,7 @@ def planted(name: str, bodies: tuple[str, ...] | None = None):
     """Inside: the kernel's module attributes the plant replaces, and BODIES cut to `bodies` (None: all). Compile
     inside (uncached); every attribute is restored on exit."""
     plant(name)
-    from ..mega import cute_kernel as K
+    from ..backends.mega import cute_kernel as K
 
     swaps = _patches(name)
     if bodies is not None:
@@ -157,7 +157,7 @@ def planted_ptx(name: str, bodies: tuple[str, ...] | None = None) -> str:
 def planted_launcher(name: str, device, bodies: tuple[str, ...] | None = None):
     """A planted build, compiled for launches on `device` (MegaRuntime(..., kernel=...)): every body by default;
     `bodies` cuts them (a timeout test needs only the waits: the other opcodes then compute nothing)."""
-    from ..mega.runtime import compile_launcher
+    from ..backends.mega.runtime import compile_launcher
 
     with planted(name, bodies):
         return compile_launcher(device, cache=False)

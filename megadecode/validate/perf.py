@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..contract import Variant, output_specs
-from ..executors.torch_ops import OP_IMPLS, StepContext
+from ..backends.torch.ops import OP_IMPLS, StepContext
 from ..presets import preset_config
 from .inputs import build_case
 

@@ -16,7 +16,7 @@ HARNESS = ("megadecode/validate/checks.py", "megadecode/validate/inputs.py", "me
            "megadecode/validate/tolerances.py", "megadecode/validate/guards.py", "megadecode/validate/launches.py",
            "megadecode/validate/gpu_checks.py", "megadecode/validate/matrix.py", "megadecode/validate/audit.py",
            "megadecode/validate/kernel_audit.py", "megadecode/contract", "megadecode/reference",
-           "megadecode/executors/torch_ops.py")
+           "megadecode/backends/torch/ops.py")
 ORDERING_SOURCES = ("megadecode/validate/handoff.py", "megadecode/validate/ordering.py")  # the ordering audit's
 _LINE = re.compile(r"^\| inputs hash \| ([0-9a-f]{16}) \|", re.M)
 

@@ -12,6 +12,7 @@ from ..contract import Manifest, Scope, Variant, float_experts, register
 from ..plan import ADD, ATTN_GQA, ATTN_RES, EMBED, EXPERTS, MLP
 from ..reference.attention import gqa_attention
 from ..reference.moe import experts_grouped
+from ..config.registry import FAMILIES
 from ..reference.rope import rope_cos_sin
 
 
@@ -63,14 +64,14 @@ GROUPED_EXPERTS = register(Variant(Manifest(
     name="torch-grouped-experts",
     description="routed experts as two torch._grouped_mm over expert-sorted pairs (reference/moe.py "
                 "experts_grouped), no host sync",
-    replaces=(EXPERTS,), scope=Scope(dtypes=("float32", "bfloat16"), dims=float_experts),  # no fp16 _grouped_mm on cpu
+    replaces=(EXPERTS,), scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "bfloat16"), dims=float_experts),  # no fp16 _grouped_mm on cpu
     sources=("megadecode/reference/moe.py", "megadecode/validate/torch_variants.py")), _grouped_experts))
 
 LOOP_EXPERTS = register(Variant(Manifest(
     name="torch-loop-experts",
     description="routed experts over expert-sorted pairs with explicit per-expert offsets, one host loop "
                 "over the experts (the offset bookkeeping a grouped GEMM kernel needs)",
-    replaces=(EXPERTS,), scope=Scope(dims=float_experts), sources=("megadecode/validate/torch_variants.py",),
+    replaces=(EXPERTS,), scope=Scope(families=("qwen3_moe", "deepseek_v3"), dims=float_experts), sources=("megadecode/validate/torch_variants.py",),
     graph_capturable=False),
     _loop_experts))
 
@@ -117,7 +118,7 @@ def _attn_res(op, inputs, weights, outputs, cfg, step, cache=None):
     outputs["layer_in"].copy_(sum(a[:, None] * v for a, v in zip(alpha, values)))
 
 
-_K = ("qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
+_K = FAMILIES  # every registered family
 EMBED_TORCH = register(Variant(Manifest(
     name="torch-embed", description="embedding lookup as index_select", replaces=(EMBED,), scope=Scope(families=_K),
     sources=("megadecode/validate/torch_variants.py",)), _embed))

@@ -1,0 +1,236 @@
+"""Constants and device helpers shared by the megakernel's opcode bodies. Global memory is reached by address
+(the arenas' bases and the tensor table's entries are Int64), so one body serves every buffer of its kind."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
+
+from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported for the bodies)
+    _g, from_bits, ldf, ldi, ldi64, ldu8, sigmoid, silu, situ, sti, stf, warp_argmax, warp_max, warp_sum,
+)
+from ..isa import HEADER, OPS, PASS, ROW, TLW
+
+NT = 256  # threads per CTA
+NW = NT // 32
+TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
+CH = 64  # cache positions scored per attention chunk
+SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
+SMEM_I = 2048  # int32 words (8 KiB)
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
+ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
+TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
+FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
+NEG_INF = float("-inf")
+
+ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
+
+
+@cute.jit
+def mark(smi: cute.Tensor, idx: Int32, k: Constexpr):
+    """In a timeline build, stamp mark k (0..3) of instruction idx with the globaltimer (ns): the calling thread's
+    progress through its body, for `MegaRuntime.timeline_rows`' "marks". A no-op otherwise. One thread calls it."""
+    lo = Int64(smi[TL_S]) & Int64(0xFFFFFFFF)
+    base = (Int64(smi[TL_S + 1]) << Int64(32)) | lo
+    if base != Int64(0):
+        t = cute.make_tensor(_g(base + Int64(TLW * idx + 4 + k) * 8, Int64, 8), cute.make_layout(1))
+        t[0] = Int64(cute.arch.globaltimer())
+
+
+@cute.jit
+def e8m0(s: Uint32) -> Float32:
+    """An MXFP4 block scale byte as fp32 2**(s - 127), exactly (s = 0: the subnormal 2**-127; 255: NaN)."""
+    bits = s << 23
+    if s == Uint32(0):
+        bits = Uint32(0x00400000)
+    if s == Uint32(255):
+        bits = Uint32(0x7FC00000)
+    return from_bits(bits)
+
+
+# e2m1x8: per pair of nibbles (j, j + 4) the left shifts (negative: right) that take the magnitude bits 4j..4j+2 to
+# 9..11 and the sign bit 4j+3 to 15 (nibble j + 4's to 25..27 and 31, the high fp16 half), and the masks after them
+E2M1X8_SHIFTS = tuple((9 - 4 * j, 12 - 4 * j) for j in range(4))
+E2M1X8_MAG, E2M1X8_SIGN = 0x0E000E00, 0x80008000
+
+
+@cute.jit
+def h2f(h: Uint32):
+    """The two fp16 halves of h (low, high) as fp32, exactly."""
+    return cute.arch.inline_ptx("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.f32.f16 {$w0}, lo; "
+                                "cvt.f32.f16 {$w1}, hi; }", write_only_types=[Float32, Float32], read_only_args=[h])
+
+
+@cute.jit
+def bf16x2_split(x0: Float32, x1: Float32):
+    """x0 and x1 as bf16 pairs hi + lo (words, x0 in the low halves, as bf16x2 packs them): hi the values rounded to
+    bf16 (nearest even), lo their remainders x - hi (exact in fp32) rounded to bf16 alike, so hi + lo is within
+    2**-16 of x relatively (isa.tc_input). A product summed over both pairs then barely depends on where x falls
+    against a bf16 rounding boundary."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 h, e0, e1; .reg .f32 f0, f1; cvt.rn.bf16x2.f32 h, {$r1}, {$r0}; shl.b32 e0, h, 16; "
+        "and.b32 e1, h, 0xFFFF0000; mov.b32 f0, e0; mov.b32 f1, e1; sub.rn.f32 f0, {$r0}, f0; "
+        "sub.rn.f32 f1, {$r1}, f1; "
+        "cvt.rn.bf16x2.f32 {$w1}, f1, f0; mov.b32 {$w0}, h; }",
+        write_only_types=[Uint32, Uint32], read_only_args=[x0, x1])
+
+
+@cute.jit
+def mma_bf16(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
+             c2: Float32, c3: Float32):
+    """One warp-wide mma.sync m16n8k16 (bf16 operands, fp32 sums): this lane's 4 sums of C + A B, where lane
+    (g = lane / 4, t = lane % 4) holds A[g, 2t..2t+1] (a0), A[g + 8, 2t..] (a1), A[g, 2t + 8..] (a2),
+    A[g + 8, 2t + 8..] (a3), B[2t..2t+1, g] (b0), B[2t + 8.., g] (b1), and C / D[g, 2t..2t+1], [g + 8, 2t..2t+1]."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, "
+        "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def e2m1x8(word: Uint32, wr: cute.Tensor):
+    """The 8 e2m1 codes of one packed MXFP4 word (nibble j: element j) times 2**-14, exactly, into wr: nibbles j and
+    j + 4 become the two fp16 halves of one register (magnitude bits e1 e0 m to 11..9, the sign to 15, with the same
+    two shifts for both halves), which is the e2m1 value times 2**-14 (fp16's subnormals carry e = 0), then each
+    half is converted. 4 operations per weight with the multiply, where an fp32 subnormal decode takes 8: the block
+    scale (and the 2**14) is applied once to a block's sum instead (`mx_scale`)."""
+    for j in cutlass.range_constexpr(4):
+        sm, ss = E2M1X8_SHIFTS[j]
+        mag = (word << Uint32(sm)) if cutlass.const_expr(sm >= 0) else (word >> Uint32(-sm))
+        sgn = (word << Uint32(ss)) if cutlass.const_expr(ss > 0) else word
+        lo, hi = h2f((mag & Uint32(E2M1X8_MAG)) | (sgn & Uint32(E2M1X8_SIGN)))
+        wr[j] = lo
+        wr[j + 4] = hi
+
+
+@cute.jit
+def mx_scale(s: Float32, sc: Uint32) -> Float32:
+    """A block's sum of e2m1x8 weights times inputs, times 2**14 and its e8m0 scale byte: both powers of two, so
+    exact where no overflow or underflow."""
+    return s * Float32(16384.0) * e8m0(sc)
+
+
+@cute.jit
+def ld4u32(addr: Int64):
+    """4 consecutive 32-bit words (16-byte aligned) in one load: an MXFP4 block of 32 weights (mx8_word each)."""
+    return cute.make_tensor(_g(addr, Uint32, 16), cute.make_layout(4)).load()
+
+
+@cute.jit
+def ld8(dtype: Constexpr, addr: Int64):
+    """8 consecutive elements (16-byte aligned for 16-bit types, 32-byte for fp32) as fp32."""
+    return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load().to(Float32)
+
+
+@cute.jit
+def st8f(addr: Int64, v):
+    """Store 8 fp32 values (a TensorSSA of 8) to 8 consecutive fp32 elements (16-byte aligned)."""
+    cute.make_tensor(_g(addr, Float32, 16), cute.make_layout(8)).store(v)
+
+
+@cute.jit
+def ld8raw(dtype: Constexpr, addr: Int64):
+    """8 consecutive 16-bit elements (16-byte aligned) as they are: a load whose conversion waits for its use."""
+    return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load()
+
+
+@cute.jit
+def ld4bf(addr: Int64):
+    """4 consecutive bf16 (8-byte aligned) as fp32."""
+    return cute.make_tensor(_g(addr, BFloat16, 8), cute.make_layout(4)).load().to(Float32)
+
+
+@cute.jit
+def sm8(sm: cute.Tensor, i: Int32):
+    return cute.make_tensor(sm.iterator + i, cute.make_layout(8)).load()
+
+
+@cute.jit
+def dot8(a, b) -> Float32:
+    return (a * b).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+
+
+@cute.jit
+def hash32(seed: Uint32, b: Uint32, v: Uint32) -> Uint32:
+    x = seed * Uint32(0x9E3779B1) + b * Uint32(0x85EBCA77) + v * Uint32(0xC2B2AE3D)
+    x = x ^ (x >> 16)
+    x = x * Uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * Uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@cute.jit
+def arg(smi: cute.Tensor, j: Constexpr) -> Int32:
+    """Word j of the current instruction (copied into shared memory while thread 0 waits)."""
+    return smi[ROW_S + j]
+
+
+def args(smi: cute.Tensor, op: str, names: str) -> tuple:
+    """The named words of the current instruction of opcode `op` (isa.OPS' argument names, space-separated), in order."""
+    return tuple(arg(smi, ARG[op][n]) for n in names.split())
+
+
+def tensors(tab: cute.Tensor, smi: cute.Tensor, op: str, names: str) -> tuple:
+    """The base addresses of the named tensor arguments (words that index an address table: wtab or ptab)."""
+    return tuple(tab[a] for a in args(smi, op, names))
+
+
+@cute.jit
+def argf(pb: Int64, idx: Int32, j: Constexpr) -> Float32:
+    """Argument word j of instruction idx, as the fp32 whose bits it holds."""
+    return ldf(Float32, pb + Int64(idx * ROW + j) * 4)
+
+
+@cute.jit
+def fa(fb: Int64, e) -> Int64:
+    """Address of fp32 arena element e."""
+    return fb + Int64(e) * 4
+
+
+@cute.jit
+def ia(ib: Int64, e) -> Int64:
+    """Address of int32 arena element e."""
+    return ib + Int64(e) * 4
+
+
+@cute.jit
+def rope_pair(a: Float32, b: Float32, pos: Int32, inv: Float32, att: Float32):
+    f = Float32(pos) * inv
+    cs = cute.math.cos(f) * att
+    sn = cute.math.sin(f) * att
+    return a * cs - b * sn, b * cs + a * sn
+
+
+@cute.jit
+def rope_index(i: Int32, half: Int32, interleaved: cutlass.Boolean):
+    """(first, second) element of rotation pair i: (2i, 2i + 1) interleaved, else (i, i + half)."""
+    a, b = i, i + half
+    if interleaved:
+        a, b = 2 * i, 2 * i + 1
+    return a, b
+
+
+@cute.jit
+def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: Constexpr, AL: Constexpr, G: Int32):
+    """Per row g < G of the chunk's scores SC[g * CH + p]: update the running max M[g] and sum L[g], turn the
+    scores into exp(score - max), and leave the rescale factor of the old accumulator in AL[g]."""
+    warp, lane = tid // 32, tid % 32
+    for g in cutlass.range(warp, G, NW):
+        s0 = sm[SC + g * CH + lane]
+        s1 = sm[SC + g * CH + 32 + lane]
+        cm = warp_max(cute.arch.fmax(s0, s1))
+        m_old = sm[M + g]
+        m_new = cute.arch.fmax(m_old, cm)
+        p0 = cute.math.exp(s0 - m_new)
+        p1 = cute.math.exp(s1 - m_new)
+        sm[SC + g * CH + lane] = p0
+        sm[SC + g * CH + 32 + lane] = p1
+        tot = warp_sum(p0 + p1)
+        if lane == 0:
+            alpha = cute.math.exp(m_old - m_new)
+            sm[AL + g] = alpha
+            sm[L + g] = sm[L + g] * alpha + tot
+            sm[M + g] = m_new

@@ -1,0 +1,622 @@
+"""Routing for the whole batch (ROUTE) and the routed experts (EXPERT_UP, EXPERT_DOWN)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..isa import F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE
+from .base import (
+    ARG,
+    FLAG_S,
+    NEG_INF,
+    NT,
+    NW,
+    SMEM_F,
+    TB,
+    arg,
+    argf,
+    args,
+    dot8,
+    e2m1x8,
+    fa,
+    ia,
+    ld4u32,
+    ld8,
+    ldf,
+    ldi,
+    ldu8,
+    mark,
+    mx_scale,
+    silu,
+    situ,
+    stf,
+    sti,
+    warp_argmax,
+    warp_max,
+    warp_sum,
+)
+from .dense import WU1, row_sums
+
+SC_E = 4  # ROUTE's sigmoid scores: experts a thread takes per pass (E = 896 over 256 threads: one pass)
+
+
+@cute.jit
+def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
+    """(sum of v over the threads before this one, sum over all NT threads); NW int words at smi[base] as scratch,
+    free again on return. Every thread of the CTA must call it."""
+    warp, lane = tid // 32, tid % 32
+    inc = v
+    for i in cutlass.range_constexpr(5):
+        o = cute.arch.shuffle_sync_up(inc, offset=1 << i)
+        if lane >= (1 << i):
+            inc = inc + o
+    if lane == 31:
+        smi[base + warp] = inc
+    cute.arch.sync_threads()
+    before, total = Int32(0), Int32(0)
+    for w in cutlass.range_constexpr(NW):
+        x = smi[base + w]
+        total += x
+        if w < warp:
+            before += x
+    cute.arch.sync_threads()
+    return before + inc - v, total
+
+
+@cute.jit
+def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+             tid: Int32):
+    warp, lane = tid // 32, tid % 32
+    A_ = "ROUTE"
+    flags = arg(smi, 3)
+    logits_off, E, A, B = args(smi, A_, "logits_off E A B")
+    bias_w, G, TG = args(smi, A_, "bias_w n_group topk_group")
+    scale = argf(pb, idx, ARG[A_]["scale_bits"])
+    ids_off, wts_off = args(smi, A_, "ids_off wts_off")
+    sigmoid = (flags & F_SIGMOID) != 0
+    nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
+    region = 2 * E + 32
+    SCW = warp * region  # the warp's token's weights (probabilities or sigmoid scores)
+    CHW = SCW + E  # the choice values (-inf once picked or masked)
+    PK = CHW + E  # the picked weights
+    for t0 in cutlass.range(0, B, nwu):  # rounds of up to nwu tokens: a score region and a warp each
+        nr = cutlass.min(nwu, B - t0)
+        if sigmoid:  # the round's sigmoid scores by every thread of the CTA, not the token's warp alone
+            # A thread takes up to SC_E experts a pass: their bias values loaded once for the round's tokens, then
+            # the logits of 2 tokens at a time, every load of a group issued before any is used. Why: a thread per
+            # (token, expert) item loads each item's logit, tensor-table entry and bias one after the other
+            # (3 dependent global loads an item): ~1.5 us an item, 10.4 us a layer at k3-mini batch 1 and 44.7 at
+            # batch 8 (the kernel's marks on the H200). The same operations per score, so the same values.
+            bias_base = fa(fb, logits_off)  # a valid address when there is no bias (its loads are not used)
+            if bias_w >= 0:
+                bias_base = wtab[bias_w]
+            for e0 in cutlass.range(tid, E, NT * SC_E):
+                es = [cutlass.min(e0 + NT * u, E - 1) for u in range(SC_E)]  # past E: expert E - 1, not stored
+                bv = [ldf(Float32, bias_base + Int64(es[u]) * 4) for u in range(SC_E)]
+                for r0 in cutlass.range(0, nr, 2):
+                    rr = [r0, cutlass.min(r0 + 1, nr - 1)]  # past the round: its last token again, not stored
+                    lg = [[ldf(Float32, fa(fb, logits_off + (t0 + rr[h]) * E + es[u])) for u in range(SC_E)]
+                          for h in range(2)]
+                    for h in cutlass.range_constexpr(2):
+                        for u in cutlass.range_constexpr(SC_E):
+                            if e0 + NT * u < E and r0 + h < nr:
+                                sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg[h][u]))
+                                sm[rr[h] * region + es[u]] = sv
+                                ch = sv
+                                if bias_w >= 0:
+                                    ch = sv + bv[u]
+                                sm[rr[h] * region + E + es[u]] = ch
+            cute.arch.sync_threads()
+        if warp < nr:
+            t = t0 + warp
+            lrow = logits_off + t * E
+            if not sigmoid:  # softmax: the token's warp (a max and a sum over its row). The row is loaded once,
+                # into the warp's score words (each lane reads back only its own), not in each of the 3 passes
+                # (3 dependent trips: ROUTE's scores 3.6 us a layer at qwen3-30b-a3b batch 1 on the H200)
+                mx = Float32(NEG_INF)
+                for e in cutlass.range(lane, E, 32, unroll=4):
+                    lv = ldf(Float32, fa(fb, lrow + e))
+                    sm[SCW + e] = lv
+                    mx = cute.arch.fmax(mx, lv)
+                mx = warp_max(mx)
+                tot = Float32(0.0)
+                for e in cutlass.range(lane, E, 32, unroll=4):
+                    tot += cute.math.exp(sm[SCW + e] - mx)
+                tot = warp_sum(tot)
+                for e in cutlass.range(lane, E, 32, unroll=4):
+                    pv = cute.math.exp(sm[SCW + e] - mx) / tot
+                    sm[SCW + e] = pv
+                    sm[CHW + e] = pv
+            cute.arch.sync_warp()
+            if tid == 0:
+                mark(smi, idx, 0)  # timeline builds: thread 0's token's scores done
+            if G > 1:  # expert groups: keep the topk_group groups with the best top-2 sums
+                gs = E // G
+                gsc = Float32(NEG_INF)
+                if lane < G:
+                    b1, b2 = Float32(NEG_INF), Float32(NEG_INF)
+                    for e in cutlass.range(lane * gs, (lane + 1) * gs):
+                        v = sm[CHW + e]
+                        if v > b1:
+                            b2 = b1
+                            b1 = v
+                        elif v > b2:
+                            b2 = v
+                    gsc = b1 + b2
+                keep = Int32(0)
+                for _ in cutlass.range(TG):
+                    bv, bi = warp_argmax(gsc, lane)
+                    if lane == bi:
+                        keep = Int32(1)
+                        gsc = Float32(NEG_INF)
+                sm[PK + lane] = Float32(keep)  # every lane: its group's flag (shuffles need all 32 lanes)
+                cute.arch.sync_warp()
+                for e in cutlass.range(lane, E, 32):
+                    if sm[PK + e // gs] == Float32(0.0):
+                        sm[CHW + e] = Float32(NEG_INF)
+                cute.arch.sync_warp()
+            for a in cutlass.range(A):
+                bv, bi = Float32(NEG_INF), Int32(E)
+                # 4 candidates' shared-memory loads issued together, then compared in order (one load, its
+                # compare, the next load would make ~28 dependent trips per lane per pick at E = 896, 16 picks per
+                # token; an unrolled range keeps a bounds branch after every load). Past E: expert E - 1 read, never
+                # picked
+                for e0 in cutlass.range(lane, E, 128):
+                    vs = []
+                    for u in cutlass.range_constexpr(4):
+                        vs.append(sm[CHW + cutlass.min(e0 + 32 * u, E - 1)])
+                    for u in cutlass.range_constexpr(4):
+                        if e0 + 32 * u < E and vs[u] > bv:
+                            bv = vs[u]
+                            bi = e0 + 32 * u
+                bv, bi = warp_argmax(bv, bi)
+                if lane == 0:
+                    sti(ia(ib, ids_off + t * A + a), bi)
+                    sm[PK + a] = sm[SCW + bi]
+                    sm[CHW + bi] = Float32(NEG_INF)
+                cute.arch.sync_warp()
+            if tid == 0:
+                mark(smi, idx, 1)  # its A picks done
+            if lane == 0:
+                tot = Float32(0.0)
+                for a in cutlass.range(A):
+                    tot += sm[PK + a]
+                if sigmoid:
+                    tot = tot + Float32(1e-20)
+                for a in cutlass.range(A):
+                    v = sm[PK + a]
+                    if (flags & F_RENORM) != 0:
+                        v = v / tot
+                    stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
+            cute.arch.sync_warp()
+        cute.arch.sync_threads()  # the round's regions are free again
+    if tid == 0:
+        mark(smi, idx, 2)  # every token's picks and weights (the warps' last token)
+    # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
+    nuniq_off, uniq_off, pstart_off = args(smi, A_, "nuniq_off uniq_off pstart_off")
+    ptok_off, pslot_off, pairof_off = args(smi, A_, "ptok_off pslot_off pairof_off")
+    qst_off = arg(smi, ARG[A_]["qst_off"])
+    n = B * A
+    # one token (a batch-1 step) whose picks are distinct experts, as top-k picks are (NaN scores are not: every
+    # pick then stays at id E): warp 0 writes the tables at once, a lane a pick, its place being the number of
+    # picks of lower id; every expert holds one pair and one pass. The same tables as the general path below
+    # (experts ascending), without its zeroing of E counts, its 3 block scans and 4 CTA barriers (ROUTE's marks at
+    # qwen3-30b-a3b batch 1 on the H200 for the general path: counts and table 3.0 us, pair lists 1.5 of its 11.3)
+    fast = Int32(0)
+    if B == 1 and n <= 32:  # uniform over the CTA
+        if warp == 0:
+            pe = E
+            if lane < n:
+                pe = ldi(ia(ib, ids_off + lane))
+            pos, dup = Int32(0), Int32(0)
+            for k in cutlass.range(n):
+                v = cute.arch.shuffle_sync(pe, k)
+                if v < pe:
+                    pos += 1
+                if v == pe and k != lane:
+                    dup = 1
+            if cute.arch.vote_all_sync(dup == 0):
+                if lane < n:
+                    sti(ia(ib, uniq_off + pos), pe)
+                    sti(ia(ib, pstart_off + pos), pos)
+                    sti(ia(ib, qst_off + pos), pos)
+                    sti(ia(ib, pairof_off + lane), pos)
+                    sti(ia(ib, ptok_off + pos), Int32(0))
+                    sti(ia(ib, pslot_off + pos), lane)
+                if lane == 0:
+                    sti(ia(ib, pstart_off + n), n)
+                    sti(ia(ib, qst_off + n), n)
+                    sti(ia(ib, nuniq_off), n)
+                    smi[FLAG_S] = Int32(1)
+            elif lane == 0:
+                smi[FLAG_S] = Int32(0)
+        cute.arch.sync_threads()
+        fast = smi[FLAG_S]
+        if tid == 0:
+            mark(smi, idx, 3)
+    if fast == 0:
+        route_tables(ib, sm, smi, tid, E, A, B, n, ids_off, nuniq_off, uniq_off, pstart_off, qst_off, ptok_off,
+                     pslot_off, pairof_off, idx)
+
+
+@cute.jit
+def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: Int32, A: Int32, B: Int32, n: Int32,
+                 ids_off: Int32, nuniq_off: Int32, uniq_off: Int32, pstart_off: Int32, qst_off: Int32,
+                 ptok_off: Int32, pslot_off: Int32, pairof_off: Int32, idx: Int32):
+    """ROUTE's tables from the picks in ids: the (token, slot) pairs grouped by expert, experts ascending, pairs in
+    (token, slot) order; each expert's pair and pass prefix."""
+    CNT, START = 0, E  # int words 0 .. 2E (below the instruction row at ROW_S)
+    RK = n  # float words n .. 2n: each pick's rank among the earlier picks of its expert (kernel_check: 2n fit)
+    for j in cutlass.range(tid, n, NT):  # the picked ids, as exact small floats in the (now free) score space
+        sm[j] = Float32(ldi(ia(ib, ids_off + j)))
+    for e in cutlass.range(tid, E, NT):
+        smi[CNT + e] = Int32(0)
+    cute.arch.sync_threads()
+    # a thread per pick: its rank among the earlier picks of the same expert, and the expert's count written by its
+    # last pick (exactly one pick per selected expert has no later one). Not a thread per expert scanning all n
+    # picks for its count and again for its pair list, E / NT experts a thread: that is 3.5 x 2 x 128 compares a
+    # thread at k3-mini batch 8 (ROUTE's marks put such counts and pair lists at 9.4 + 22.0 us of its 98 us on the
+    # H200). The same lists: pairs of an expert in pick order
+    for j in cutlass.range(tid, n, NT):
+        pe = sm[j]
+        rank, later = Int32(0), Int32(0)
+        for k in cutlass.range(n, unroll=8):
+            if sm[k] == pe:
+                if k < j:
+                    rank += 1
+                if k > j:
+                    later += 1
+        sm[RK + j] = Float32(rank)
+        if later == 0:
+            smi[CNT + Int32(pe)] = rank + 1
+    cute.arch.sync_threads()
+    # every thread a run of consecutive experts: its counts of selected experts, pairs and passes, scanned over the
+    # CTA for where its run starts (one thread walking all E experts takes ~10 us at E = 896)
+    per = (E + NT - 1) // NT
+    e0 = cutlass.min(E, tid * per)
+    e1 = cutlass.min(E, e0 + per)
+    nu, npairs, nq = Int32(0), Int32(0), Int32(0)
+    for e in cutlass.range(e0, e1):
+        c = smi[CNT + e]
+        if c > 0:
+            nu += 1
+            npairs += c
+            nq += (c + TB - 1) // TB
+    SCAN = 2 * E  # 3 x NW int words after CNT and START (kernel_check keeps them below the row)
+    u, tu = block_excl_scan(nu, tid, smi, SCAN)
+    start, tp = block_excl_scan(npairs, tid, smi, SCAN + NW)
+    q, tq = block_excl_scan(nq, tid, smi, SCAN + 2 * NW)
+    for e in cutlass.range(e0, e1):
+        c = smi[CNT + e]
+        if c > 0:
+            sti(ia(ib, uniq_off + u), e)
+            sti(ia(ib, pstart_off + u), start)
+            sti(ia(ib, qst_off + u), q)
+            smi[START + e] = start
+            start += c
+            q += (c + TB - 1) // TB
+            u += 1
+    if tid == 0:
+        sti(ia(ib, pstart_off + tu), tp)
+        sti(ia(ib, qst_off + tu), tq)
+        sti(ia(ib, nuniq_off), tu)
+    cute.arch.sync_threads()
+    if tid == 0:
+        mark(smi, idx, 3)  # the counts, scans and expert table; the pair lists follow
+    for j in cutlass.range(tid, n, NT):  # each pick's place in its expert's pair list
+        p = smi[START + Int32(sm[j])] + Int32(sm[RK + j])
+        sti(ia(ib, pairof_off + j), p)
+        sti(ia(ib, ptok_off + p), j // A)
+        sti(ia(ib, pslot_off + p), j % A)
+
+
+# rows a warp streams at once in a single-pair MXFP4 pass (up_mx_rows1: gate and up each; down_mx_rows1); the
+# accumulators hold TB. EXPERT_UP at 4 rows took the kernel to 192 registers (1 CTA per SM)
+RW_UP, RW_DN = 2, 4
+assert max(RW_UP, RW_DN) <= TB
+
+
+@cute.jit
+def up_mx_rows1(gu: Int64, gus: Int64, gbase: Int64, rb: Int32, r1: Int32, I: Int32, rowb: Int64, D: Int32,
+                x0: Int32, fb: Int64, lane: Int32, accg: cute.Tensor, accu: cute.Tensor, wr: cute.Tensor):
+    """Gate and up MXFP4 rows rb, rb + NW, ... (RW_UP of them; a row past r1 reads row r1 - 1, not stored) of one
+    expert (rows from gbase) against one pair's x (from element x0). Per lane and iteration every row's block of 32
+    weights is loaded before the first is used, and each 8 values of x once for all the rows: a loop that waits for
+    one row's block at a time is bound by latency, not bytes (218 us an instruction in an H200 timeline)."""
+    for k in cutlass.range(lane * 32, D, 1024):
+        gq, uq, gsc, usc = [], [], [], []
+        for i in cutlass.range_constexpr(RW_UP):
+            g = gbase + Int64(cutlass.min(rb + i * NW, r1 - 1))
+            gq.append(ld4u32(gu + g * rowb + Int64(k // 2)))
+            uq.append(ld4u32(gu + (g + Int64(I)) * rowb + Int64(k // 2)))
+            gsc.append(ldu8(gus + g * Int64(D // 32) + Int64(k // 32)))
+            usc.append(ldu8(gus + (g + Int64(I)) * Int64(D // 32) + Int64(k // 32)))
+        pg, pu = [], []  # each row's block sums, scaled once per block (mx_scale)
+        for s8 in cutlass.range_constexpr(4):
+            xv = ld8(Float32, fa(fb, x0 + k + 8 * s8))
+            for i in cutlass.range_constexpr(RW_UP):
+                e2m1x8(gq[i][s8], wr)
+                g = dot8(wr.load(), xv)
+                e2m1x8(uq[i][s8], wr)
+                u = dot8(wr.load(), xv)
+                if cutlass.const_expr(s8 == 0):
+                    pg.append(g)
+                    pu.append(u)
+                else:
+                    pg[i] = pg[i] + g
+                    pu[i] = pu[i] + u
+        for i in cutlass.range_constexpr(RW_UP):
+            accg[i] += mx_scale(pg[i], gsc[i])
+            accu[i] += mx_scale(pu[i], usc[i])
+
+
+@cute.jit
+def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, rowb: Int64, I: Int32, fb: Int64,
+                  h0: Int32, lane: Int32, acc: cute.Tensor, wr: cute.Tensor):
+    """Down MXFP4 rows rb, rb + 1, ... (RW_DN of them; a row past r1 reads row r1 - 1, not stored) of one expert
+    (rows from dbase) against one pair's h (from element h0), every row's block loaded before the first is used."""
+    for k in cutlass.range(lane * 32, I, 1024):
+        wq, sc = [], []
+        for i in cutlass.range_constexpr(RW_DN):
+            w = dbase + Int64(cutlass.min(rb + i, r1 - 1))
+            wq.append(ld4u32(dn + w * rowb + Int64(k // 2)))
+            sc.append(ldu8(dns + w * Int64(I // 32) + Int64(k // 32)))
+        ps = []  # each row's block sum, scaled once per block (mx_scale)
+        for s8 in cutlass.range_constexpr(4):
+            hv = ld8(Float32, fa(fb, h0 + k + 8 * s8))
+            for i in cutlass.range_constexpr(RW_DN):
+                e2m1x8(wq[i][s8], wr)
+                d = dot8(wr.load(), hv)
+                if cutlass.const_expr(s8 == 0):
+                    ps.append(d)
+                else:
+                    ps[i] = ps[i] + d
+        for i in cutlass.range_constexpr(RW_DN):
+            acc[i] += mx_scale(ps[i], sc[i])
+
+
+@cute.jit
+def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+                 tid: Int32):
+    """Gate and up rows of each selected expert against its tokens, GLU'd into h. Weights bf16 [E, 2I, D], or
+    MXFP4 (F_MXFP4): packed bytes [E, 2I, D/2] (`gu`) and e8m0 scales [E, 2I, D/32] (`gus`), decoded in registers.
+    This item's share: units [w * N / W, (w + 1) * N / W) of N = qst[nuniq] * I, a unit being one row of one of an
+    expert's passes over TB of its pairs (isa.up_chunks, which pyvm runs): every item streams and decodes the same
+    number of rows to within one, however the pairs fall on the experts."""
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_UP"
+    flags = arg(smi, 3)
+    mx = (flags & F_MXFP4) != 0
+    use_situ = (flags & F_SITU) != 0
+    gu = wtab[arg(smi, ARG[A_]["gu"])]
+    gus = gu
+    if mx:
+        gus = wtab[arg(smi, ARG[A_]["gus"])]
+    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
+    w, W = args(smi, A_, "w W")
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off, ptok_off = args(smi, A_, "uniq_off pstart_off ptok_off")
+    # the pass prefix (isa.up_passes): bf16 ROUTE's qst, PASS pairs a pass; MXFP4 and F_PAIR1 its pair prefix
+    # pstart, one pair a pass, so that every pass takes a single-pair loop (passes of 2-4 pairs take 2.3-3.6x as
+    # long on the H200; bf16 at qwen3-30b-a3b batch 8, 1.8-2.0x: isa.up_passes)
+    pre_off = arg(smi, ARG[A_]["qst_off"])
+    PP = Int32(TB)
+    if mx or (flags & F_PAIR1) != 0:
+        pre_off = pstart_off
+        PP = Int32(1)
+    for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's prefix (produced in this launch: coherent loads)
+        smi[u] = ldi(ia(ib, pre_off + u))
+    cute.arch.sync_threads()
+    N = Int64(smi[nuniq]) * Int64(I)
+    lo = Int64(w) * N // Int64(W)
+    hi = Int64(w + 1) * N // Int64(W)
+    # the experts holding units lo and hi - 1: the last u with qst[u] * I <= unit (qst strictly increases)
+    u0, ua = Int32(0), nuniq
+    u1, ub = Int32(0), nuniq
+    for _ in cutlass.range_constexpr(11):  # nuniq <= 1024
+        if ua - u0 > 1:
+            mid = (u0 + ua) // 2
+            if Int64(smi[mid]) * Int64(I) <= lo:
+                u0 = mid
+            else:
+                ua = mid
+        if ub - u1 > 1:
+            mid = (u1 + ub) // 2
+            if Int64(smi[mid]) * Int64(I) <= hi - 1:
+                u1 = mid
+            else:
+                ub = mid
+    if lo >= hi:
+        u1 = u0 - 1  # an empty share
+    rowb = Int64(D) * 2  # bytes per weight row (MXFP4: D / 2 packed, D / 32 scales)
+    if mx:
+        rowb = Int64(D // 2)
+    # no L2 prefetch of the share's rows before the loops: such prefetches only queue ahead of the loads that need
+    # the same bytes (launches with / without them on the H200, median of 20: qwen3-30b-a3b batch 1 / 8 / 64
+    # 5345 / 5115, 17515 / 15475, 73344 / 67688 us, k3-mini 3224 / 3145, 10203 / 9213, 72423 / 68257)
+    accg = cute.make_rmem_tensor(TB, Float32)
+    accu = cute.make_rmem_tensor(TB, Float32)
+    wg = cute.make_rmem_tensor(8, Float32)
+    xrow = cute.make_rmem_tensor(TB, Int32)
+    acc1 = cute.make_rmem_tensor(1, Float32)
+    acu1 = cute.make_rmem_tensor(1, Float32)
+    xa1 = cute.make_rmem_tensor(1, Int64)
+    for u in cutlass.range(u0, u1 + 1):
+        e = ldi(ia(ib, uniq_off + u))
+        ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
+        for q in cutlass.range(smi[u], smi[u + 1]):
+            r0 = Int32(cutlass.max(lo - Int64(q) * Int64(I), Int64(0)))
+            r1 = Int32(cutlass.min(hi - Int64(q) * Int64(I), Int64(I)))
+            p0 = ps + (q - smi[u]) * PP
+            pn = cutlass.min(pe - p0, PP)  # this pass's pairs
+            if mx:  # one pair (isa.up_passes): RW_UP rows at once
+                x0 = x_off + ldi(ia(ib, ptok_off + p0)) * D
+                for rb in cutlass.range(r0 + warp, r1, NW * RW_UP):
+                    for i in cutlass.range_constexpr(RW_UP):
+                        accg[i] = Float32(0.0)
+                        accu[i] = Float32(0.0)
+                    up_mx_rows1(gu, gus, Int64(e) * Int64(2 * I), rb, r1, I, rowb, D, x0, fb, lane, accg, accu, wg)
+                    for i in cutlass.range_constexpr(RW_UP):
+                        g = warp_sum(accg[i])
+                        up = warp_sum(accu[i])
+                        if lane == 0 and rb + i * NW < r1:
+                            hv = silu(g) * up
+                            if use_situ:
+                                hv = situ(g, up)
+                            stf(Float32, fa(fb, h_off + p0 * I + rb + i * NW), hv)
+            elif pn == 1:  # bf16, one pair (a decode step's common case): MATVEC's batch-1 GLU loop (row_sums), WU1
+                # chunks of the gate and up rows in flight per lane; the general loop below predicates TB tokens and
+                # waits on one chunk at a time. The same chunks in the same k order per lane, so the same sums
+                xa1[0] = fa(fb, x_off + ldi(ia(ib, ptok_off + p0)) * D)
+                gbase = gu + Int64(e) * Int64(2 * I) * rowb
+                for r in cutlass.range(r0 + warp, r1, NW):
+                    acc1[0] = Float32(0.0)
+                    acu1[0] = Float32(0.0)
+                    row_sums(acc1, acu1, gbase, gbase + Int64(I) * rowb, r, r1, D, lane, gu, xa1, xa1, Int32(0),
+                             Int32(1), False, False, 1, True, WU1)
+                    g = warp_sum(acc1[0])
+                    up = warp_sum(acu1[0])
+                    if lane == 0:
+                        hv = silu(g) * up
+                        if use_situ:
+                            hv = situ(g, up)
+                        stf(Float32, fa(fb, h_off + p0 * I + r), hv)
+            else:
+                for r in cutlass.range(r0 + warp, r1, NW):
+                    for j in cutlass.range_constexpr(TB):
+                        accg[j] = Float32(0.0)
+                        accu[j] = Float32(0.0)
+                    gidx = Int64(e) * Int64(2 * I) + Int64(r)
+                    uidx = gidx + Int64(I)
+                    for j in cutlass.range_constexpr(TB):  # each pair's row of x, once per row, not per chunk
+                        xrow[j] = x_off
+                        if j < pn:
+                            xrow[j] = x_off + ldi(ia(ib, ptok_off + p0 + j)) * D
+                    for k in cutlass.range(lane * 8, D, 256, unroll=4):  # bf16 (MXFP4 took the branch above)
+                        gv = ld8(BFloat16, gu + gidx * rowb + Int64(k) * 2)
+                        uv = ld8(BFloat16, gu + uidx * rowb + Int64(k) * 2)
+                        for j in cutlass.range_constexpr(TB):
+                            if j < pn:
+                                xv = ld8(Float32, fa(fb, xrow[j] + k))
+                                accg[j] += dot8(gv, xv)
+                                accu[j] += dot8(uv, xv)
+                    for j in cutlass.range_constexpr(TB):
+                        g = warp_sum(accg[j])
+                        up = warp_sum(accu[j])
+                        if lane == 0 and j < pn:
+                            hv = silu(g) * up
+                            if use_situ:
+                                hv = situ(g, up)
+                            stf(Float32, fa(fb, h_off + (p0 + j) * I + r), hv)
+
+
+@cute.jit
+def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
+                   tid: Int32):
+    """Down rows [r0, r1) of every selected expert against its pairs' h, then each token's weighted sum of its
+    experts' rows (plus the shared experts' output with F_SHARED) added to `out`, or stored with F_STORE. Weights
+    bf16 [E, D, I] or MXFP4 (packed [E, D, I/2] `dn`, scales [E, D, I/32] `dns`)."""
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_DOWN"
+    flags = arg(smi, 3)
+    mx = (flags & F_MXFP4) != 0
+    dn = wtab[arg(smi, ARG[A_]["dn"])]
+    dns = dn
+    if mx:
+        dns = wtab[arg(smi, ARG[A_]["dns"])]
+    I, D, h_off, y_off, out_off = args(smi, A_, "I D h_off y_off out_off")
+    r0, r1, B, A = args(smi, A_, "r0 r1 B A")
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off = args(smi, A_, "uniq_off pstart_off")
+    wts_off, pairof_off, shared_off = args(smi, A_, "wts_off pairof_off shared_off")
+    rowb = Int64(I) * 2
+    if mx:
+        rowb = Int64(I // 2)
+    acc = cute.make_rmem_tensor(TB, Float32)
+    wr = cute.make_rmem_tensor(8, Float32)
+    acc1 = cute.make_rmem_tensor(2, Float32)
+    acu1 = cute.make_rmem_tensor(1, Float32)
+    xa1 = cute.make_rmem_tensor(1, Int64)
+    npairs = ldi(ia(ib, pstart_off + nuniq))
+    # flat: every pair on its own, the (pair, rows) units of all selected experts dealt to the warps at once. MXFP4
+    # always; bf16 up to 2 pairs an expert on average (an expert's second pair reads its rows again, from L2), past
+    # that the bf16 loop below (expert after expert, each row read once for up to TB of its pairs). Measured on the
+    # H200 (qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the loop, 89 flat;
+    # batch 64 (4.1) 442 with the loop, 486 flat
+    flat = mx or npairs <= 2 * nuniq
+    if flat:
+        for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
+            e = ldi(ia(ib, uniq_off + u))
+            for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
+                smi[p] = e
+        cute.arch.sync_threads()
+    if flat and not mx:
+        # bf16: units (pair, 2 adjacent rows), MATVEC's batch-1 loop (row_sums, WU1 chunks of both rows in flight per
+        # lane) against the pair's h; the same chunks in the same k order per lane as the loop below, so the same sums
+        gp2 = (r1 - r0 + 1) // 2
+        for g in cutlass.range(warp, npairs * gp2, NW):
+            p = g // gp2
+            r = r0 + (g % gp2) * 2
+            acc1[0] = Float32(0.0)
+            acc1[1] = Float32(0.0)
+            xa1[0] = fa(fb, h_off + p * I)
+            w0 = dn + Int64(smi[p]) * Int64(D) * rowb
+            row_sums(acc1, acu1, w0, w0, r, r1, I, lane, dn, xa1, xa1, Int32(0), Int32(1), False, False, 1, False,
+                     WU1)
+            for q in cutlass.range_constexpr(2):
+                s = warp_sum(acc1[q])
+                if lane == 0 and r + q < r1:
+                    stf(Float32, fa(fb, y_off + p * D + r + q), s)
+    if mx:
+        # MXFP4: the units are (pair, group of RW_DN consecutive rows), over every pair of every selected expert at
+        # once, dealt to the warps; each group's RW_DN rows are loaded together and its pair's h once for them. A
+        # row serving several pairs is read again (L1 / L2). Not expert after expert, its rows over the 8 warps:
+        # with ~14 rows an instruction (1-2 rows per warp) that makes 16 experts x 3 dependent round trips in a row
+        # at batch 1 (150 us an instruction, 2.3 GB/s per CTA, in an H200 timeline)
+        gpp = (r1 - r0 + RW_DN - 1) // RW_DN  # groups per pair
+        for g in cutlass.range(warp, npairs * gpp, NW):
+            p = g // gpp
+            rb = r0 + (g % gpp) * RW_DN
+            for i in cutlass.range_constexpr(RW_DN):
+                acc[i] = Float32(0.0)
+            down_mx_rows1(dn, dns, Int64(smi[p]) * Int64(D), rb, r1, rowb, I, fb, h_off + p * I, lane, acc, wr)
+            for i in cutlass.range_constexpr(RW_DN):
+                s = warp_sum(acc[i])
+                if lane == 0 and rb + i < r1:
+                    stf(Float32, fa(fb, y_off + p * D + rb + i), s)
+    for u in cutlass.range(nuniq):
+        e = ldi(ia(ib, uniq_off + u))
+        ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
+        if flat:
+            pe = ps  # done above: no passes for the bf16 loop below
+        for p0 in cutlass.range(ps, pe, TB):
+            for r in cutlass.range(r0 + warp, r1, NW):
+                for j in cutlass.range_constexpr(TB):
+                    acc[j] = Float32(0.0)
+                widx = Int64(e) * Int64(D) + Int64(r)
+                for k in cutlass.range(lane * 8, I, 256, unroll=4):  # bf16 (MXFP4 took the branch above)
+                    wv = ld8(BFloat16, dn + widx * rowb + Int64(k) * 2)
+                    for j in cutlass.range_constexpr(TB):
+                        if p0 + j < pe:
+                            acc[j] += dot8(wv, ld8(Float32, fa(fb, h_off + (p0 + j) * I + k)))
+                for j in cutlass.range_constexpr(TB):
+                    s = warp_sum(acc[j])
+                    if lane == 0 and p0 + j < pe:
+                        stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
+    cute.arch.sync_threads()
+    rows = r1 - r0
+    store = (flags & F_STORE) != 0
+    for e in cutlass.range(tid, B * rows, NT):
+        t, r = e // rows, r0 + e % rows
+        o = fa(fb, out_off + t * D + r)
+        v = Float32(0.0)
+        if not store:
+            v = ldf(Float32, o)
+        for a in cutlass.range(A):
+            p = ldi(ia(ib, pairof_off + t * A + a))
+            v += ldf(Float32, fa(fb, wts_off + t * A + a)) * ldf(Float32, fa(fb, y_off + p * D + r))
+        if (flags & F_SHARED) != 0:
+            v += ldf(Float32, fa(fb, shared_off + t * D + r))
+        stf(Float32, o, v)

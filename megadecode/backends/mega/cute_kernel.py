@@ -1,0 +1,226 @@
+"""The megakernel in CuTe DSL: one persistent launch walks a decode step's instruction queues (backends/mega/isa.py).
+
+Each CTA (NT threads) runs its queue in order. For every instruction: thread 0 spins on the counters it waits on
+(`wait_counter`: `ld.acquire.gpu`, bounded: on a timeout it records the instruction, counter and value in `err`,
+sets the abort flag that every spinner also polls, and the launch drains), then a block barrier; the opcode's
+body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `fence.acq_rel.gpu`, then
+`atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
+writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent `ld.global` after the
+acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
+non-coherent path, which the static audit proves per load site reads only wtab's tensors (backends/mega/spec.py,
+validate/audit.py). Opcode semantics: backends/mega/pyvm.py, which this kernel is diffed against.
+
+Weights and caches are bf16 (routed experts bf16 or MXFP4; KDA's recurrent state fp32); activations fp32. Dot
+products: each warp takes rows, each lane 8 consecutive elements at a time (16-byte loads), TB tokens per pass, fp32
+accumulation, shuffle reductions. What the bodies assume of a program (dtypes, multiples of 8, alignment, shared
+memory) is checked on the host before a launch (`backends/mega/kernel_check.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import cuda.bindings.driver as cuda_drv  # noqa: E402
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, Int64, Uint32  # noqa: E402
+from cutlass.memory import SmemAllocator  # noqa: E402
+
+from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
+from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
+from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32  # noqa: E402,F401
+from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
+from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
+from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
+from .isa import OPCODES  # noqa: E402
+
+
+@cute.jit
+def op_matvec(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+              smi: cute.Tensor, tid: Int32):
+    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, False)
+
+
+@cute.jit
+def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+           smi: cute.Tensor, tid: Int32):
+    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, True)
+
+
+# Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
+BODIES = (("MATVEC", op_matvec), ("GLU", op_glu), ("EMBED", op_embed), ("ATTN_GQA", op_attn_gqa),
+          ("MERGE", op_merge), ("ROUTE", op_route), ("EXPERT_UP", op_expert_up), ("EXPERT_DOWN", op_expert_down),
+          ("SAMPLE", op_sample), ("MLA_KV", op_mla_kv), ("MLA_Q", op_mla_q), ("MLA_ATTN", op_mla_attn),
+          ("ATTN_RES", op_attn_res), ("KDA_STEP", op_kda_step))
+
+
+# ---- the persistent loop ------------------------------------------------------------------------------------
+# The synchronisation steps are module-level functions, looked up when the kernel is traced, so that the harness's
+# planted mistakes (validate/mega_plants.py) can swap one of them in a build of their own; the shipped kernel
+# never changes.
+
+
+@cute.jit
+def wait_load(p) -> Int32:
+    """One poll of a counter: an acquire load, so the data its producers released is visible after it."""
+    return cute.arch.load(p, Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
+def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
+                 max_spin: Int32, instr: Int32) -> Int32:
+    """Thread 0: spin (acquire) until counter c_idx reached this launch's target; 1 when it did. After max_spin polls,
+    or once another wait has aborted the launch, 0: the first to time out records the instruction, the counter,
+    the value seen and the target in err and raises err[0], the abort flag every spinner polls, so the launch
+    drains instead of hanging and the host raises MegaError (runtime.MegaRuntime.check)."""
+    ok = Int32(1)
+    if c_idx >= 0:
+        target = (epoch - 1) * per + need
+        p = (ctr.iterator + c_idx).llvm_ptr
+        v = wait_load(p)
+        spins = Int32(0)
+        aborted = Int32(0)
+        while (v - target) < 0 and spins < max_spin and aborted == 0:
+            v = wait_load(p)
+            aborted = cute.arch.load(err.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
+            spins += 1
+        if (v - target) < 0:
+            ok = Int32(0)
+            if aborted == 0:
+                old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+                if old == 0:
+                    err[1] = instr
+                    err[2] = c_idx
+                    err[3] = v
+                    err[4] = target
+    return ok
+
+
+@cute.jit
+def order_body_stores():
+    """Between an instruction's body and its signal: a block barrier, so every thread's stores are done before
+    thread 0's fence and release publish them."""
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def signal(ctr: cute.Tensor, sig: Int32):
+    """Thread 0, after order_body_stores: a gpu-scope fence, then the release add that consumers acquire."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
+    """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
+    ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
+
+
+@cute.kernel
+def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
+                i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32,
+                tl: cute.Tensor, timeline: Int32, delay_ns: Int32):
+    """`wtab`: the device address of every static tensor of the program's tensor table (weights; 0 for the others),
+    `ptab`: of every tensor written in the launch (caches, states; 0 for the others), one index space: a body reads
+    a weight's address from wtab and a cache's from ptab, so the audit can tell, per load, what it reads
+    (backends/mega/spec.py). `timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer
+    ns), SM, and up to 4 marks its body stamps (base.mark)] in tl, TLW words each. `delay_ns` > 0 (the debug
+    build): thread 0 sleeps a random 0..delay_ns after its wait and after its signal, and every warp sleeps its own
+    random 0..delay_ns before the body, so that warps store at different times and a signal that does not wait for
+    all of them would be seen early."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    alloc = SmemAllocator()
+    sm = alloc.allocate_tensor(Float32, cute.make_layout(SMEM_F), 16)
+    smi = alloc.allocate_tensor(Int32, cute.make_layout(SMEM_I), 16)
+    pb = prog.iterator.toint()
+    fb = f32.iterator.toint()
+    ib = i32.iterator.toint()
+    # the launch number (written before the launch): read with acquire like every other read of the counters
+    epoch = cute.arch.load(ctr.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
+    if tid == 0:  # where base.mark stamps (timeline builds; 0: no marks); read after the first instruction's barrier
+        tla = Int64(0)
+        if (timeline & 1) != 0:
+            tla = tl.iterator.toint()
+        smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
+        smi[TL_S + 1] = Int32(tla >> Int64(32))
+    for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
+        idx = qorder[qi]
+        if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
+            smi[ROW_S + tid - 32] = prog[idx, tid - 32]
+        t_wait = Int64(0)
+        if tid == 0:
+            t_wait = cute.arch.globaltimer()
+            ok = wait_counter(ctr, err, prog[idx, 4], prog[idx, 5], prog[idx, 6], epoch, max_spin, idx)
+            if ok == 1:
+                ok = wait_counter(ctr, err, prog[idx, 7], prog[idx, 8], prog[idx, 9], epoch, max_spin, idx)
+            smi[SMEM_I - 1] = ok
+            cute.arch.fence_acq_rel_gpu()
+            if delay_ns > 0:
+                nap(delay_ns, idx, epoch, bid * 4 + 1)
+        cute.arch.sync_threads()
+        t_start = Int64(0)
+        if tid == 0:
+            t_start = cute.arch.globaltimer()
+        if smi[SMEM_I - 1] == 1:
+            if delay_ns > 0:  # each warp its own delay before any of its stores
+                nap(delay_ns, idx, epoch, (bid * NW + tid // 32) * 4 + 3)
+            op = prog[idx, 0]
+            for k in cutlass.range_constexpr(len(BODIES)):
+                if op == OPCODES[BODIES[k][0]]:
+                    BODIES[k][1](pb, idx, fb, ib, wtab, ptab, sm, smi, tid)
+            order_body_stores()
+            sig = prog[idx, 2]
+            if tid == 0 and sig >= 0:
+                signal(ctr, sig)
+        if tid == 0:
+            if (timeline & 1) != 0:
+                tl[TLW * idx] = t_wait
+                tl[TLW * idx + 1] = t_start
+                tl[TLW * idx + 2] = cute.arch.globaltimer()
+                tl[TLW * idx + 3] = Int64(cute.arch.smid())
+            if delay_ns > 0:
+                nap(delay_ns, idx, epoch, bid * 4 + 2)
+        cute.arch.sync_threads()
+
+
+@cute.jit
+def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
+           i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
+           timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream):
+    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns).launch(
+        grid=(num_ctas, 1, 1), block=(NT, 1, 1), stream=stream)
+
+
+def current_stream_arg():
+    """The current torch CUDA stream as the launcher's stream argument (so a step can be graph-captured)."""
+    import torch
+
+    return cuda_drv.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def fake_args():
+    """The launcher's arguments as placeholders (no GPU needed): what a compile for the audit is traced with."""
+    from cutlass.cute.runtime import make_fake_compact_tensor as fk
+
+    return (fk(Int32, (64, ROW)), fk(Int32, (9,)), fk(Int32, (64,)), fk(Int32, (64,)),
+            fk(Float32, (4096,), assumed_align=16), fk(Int32, (1024,), assumed_align=16), fk(Int64, (16,)),
+            fk(Int64, (16,)), fk(Int32, (8,)), Int32(1 << 20), fk(Int64, (256,)), Int32(0), Int32(0), Int32(8),
+            cuda_drv.CUstream(0))
+
+
+def compile_ptx_cubin():
+    """cute.compile the launcher with placeholder tensors, no GPU needed, keeping the PTX (`.__ptx__`, what the
+    static audit and the occupancy calculation read; the dump goes to a temporary directory) and the DSL's cubin
+    (`.artifacts.CUBIN`). Uncached: `compile_for` is the cached form."""
+    dump = tempfile.mkdtemp(prefix="megadecode-cute-")
+    return cute.compile(launch, *fake_args(), options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
+                        no_cache=True)
+
+
+@functools.lru_cache(maxsize=1)
+def compile_for():
+    """The shipped kernel compiled for the audit, once per process (~100 s on a 2-core CPU)."""
+    return compile_ptx_cubin()

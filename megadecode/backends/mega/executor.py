@@ -1,0 +1,153 @@
+"""The `mega` executor: each decode step is one persistent CuTe DSL kernel launch (megadecode/backends/mega/), captured in a
+CUDA graph per batch size. Each sequence's cache length is read inside the launch, so one graph serves every
+length. Prefill runs the torch reference. bf16 weights on an sm_90 GPU; qwen3_moe and deepseek_v3, batch <= 64.
+
+`generate` samples inside the launch (greedy, or temperature with top_p = 1: SAMPLE instructions after the
+lm_head), like the fused executor; a wait that timed out inside the kernel is raised by `check_errors()` (the
+engine calls it after generating; the error buffer is read once, not per step).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...cache import KVCache
+from ...plan import DecodePlan
+from ...step import Step
+from ..torch.executor import TorchExecutor
+
+
+class MegaExecutor(TorchExecutor):
+    name = "mega"
+
+    @classmethod
+    def supports(cls, cfg) -> str | None:
+        """The registry's word, then what the lowering takes (lower.supports: MLA with rope, LatentMoE, 16-bit
+        experts, the expert count ROUTE holds)."""
+        from .lower import supports
+
+        why = super().supports(cfg) or supports(cfg, 1)
+        return why and f"the {cls.name} executor cannot run {cfg.family}: {why}"
+
+    def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
+                 num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):
+        """`timeline`: record each instruction's times (MegaRuntime.timeline_rows); `delay_ns`: the debug build's
+        random delays (0: off). Refuses expert parallelism (pyvm_executor.refuse_parallel)."""
+        from .lower import check_plan
+        from .pyvm_executor import refuse_parallel
+
+        refuse_parallel(self.name, parallel)
+        check_plan(plan, plan.config)
+        why = self.supports(plan.config)
+        if why:
+            raise ValueError(why)
+        super().__init__(plan, weights, cache)
+        any_w = next(iter(weights.values()))
+        self.device = any_w.device
+        if self.device.type != "cuda":
+            raise ValueError("the mega executor runs on a CUDA GPU (the `pyvm` executor interprets the same "
+                             "instructions on the CPU)")
+        if any_w.dtype != torch.bfloat16:
+            raise ValueError(f"the mega executor runs bf16 weights, got {any_w.dtype} (use --dtype bfloat16)")
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) != (9, 0):
+            raise ValueError(f"the mega executor is built for sm_90 (H100/H200), this GPU is sm_{major}{minor}")
+        self.num_ctas = num_ctas or int(os.environ.get("MEGADECODE_MEGA_CTAS", 0)) or default_ctas(self.device)
+        self.timeline, self.delay_ns = timeline, delay_ns
+        self.runtimes: dict[tuple, object] = {}
+        self.graphs: dict[tuple, tuple] = {}
+        self._pool = None
+        self.sampling = None
+        self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_sampling(self, params, batch: int = 1) -> bool:
+        """Sample inside the launch (greedy, or plain temperature: no top_p, top_k, min_p); returns whether it does."""
+        ok = params is not None and not params.truncates
+        self.sampling = params if ok else None
+        return ok
+
+    def graph_lengths(self, batch: int, kv_lo: int, kv_hi: int) -> list[int]:
+        """One graph per batch size serves every length (the launch reads the positions): capture it once."""
+        return [self.cache.max_len]
+
+    def _mode(self):
+        if self.sampling is None:
+            return None, 1.0
+        return ("greedy", 1.0) if self.sampling.greedy else ("temperature", 1.0 / self.sampling.temperature)
+
+    def runtime(self, batch: int):
+        from .isa import f32_bits
+        from .lower import lower
+        from .runtime import MegaRuntime
+        from .schedule import schedule
+
+        mode, inv_t = self._mode()
+        key = (batch, mode, inv_t)
+        if key not in self.runtimes:
+            prog = lower(self.cfg, self.weights, self.cache, batch, self.num_ctas, sample=mode)
+            for ins in prog.instrs:
+                if ins.op == "SAMPLE":
+                    ins.args["inv_temp_bits"] = f32_bits(inv_t)
+            self.runtimes[key] = MegaRuntime(schedule(prog, self.num_ctas), self.device, timeline=self.timeline,
+                                             delay_ns=self.delay_ns)
+        return key, self.runtimes[key]
+
+    def _stage(self, rt, step: Step) -> None:
+        rt.view("tokens").copy_(step.tokens)
+        rt.view("positions").copy_(step.positions)
+        rt.view("slots").copy_(step.slots)
+        if "seed" in rt.prog.i32:
+            rt.view("seed").copy_(self.seed)
+
+    @torch.inference_mode()
+    def decode(self, step: Step) -> torch.Tensor:
+        B = step.num_tokens
+        key, rt = self.runtime(B)
+        entry = self.graphs.get(key)
+        if entry is None:
+            static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),
+                          logit_rows=step.logit_rows, kv_len=step.kv_len)
+            saved = self.cache.save_state()  # the warm-up launch advances KDA state; the replay must start from it
+            self._stage(rt, static)
+            rt.launch()  # compiles on first use; the same step's cache writes, repeated by the replay
+            self.flag_nonfinite(rt.view("logits").view(B, -1), static)
+            torch.cuda.synchronize(self.device)
+            rt.check()
+            self.cache.restore_state(saved)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._stage(rt, static)
+                rt.launch()
+                self.flag_nonfinite(rt.view("logits").view(B, -1), static)  # on the device, in the graph
+            self._pool = graph.pool()
+            entry = self.graphs[key] = (graph, static)
+        graph, static = entry
+        static.tokens.copy_(step.tokens, non_blocking=True)
+        static.positions.copy_(step.positions, non_blocking=True)
+        static.slots.copy_(step.slots, non_blocking=True)
+        graph.replay()
+        if self.sampling is not None:
+            self.sampled = (rt.view("sampled")[:B].long(), rt.view("sampled_lp")[:B])
+        return rt.view("logits").view(B, -1)
+
+    def check_errors(self) -> None:
+        """Raise mega.runtime.MegaError if any launch reported a wait that timed out."""
+        for rt in self.runtimes.values():
+            rt.check()
+
+
+def default_ctas(device) -> int:
+    """Every CTA the GPU holds at once: SMs x the kernel's resident CTAs per SM (registers, shared memory)."""
+    from . import cute_kernel as K
+    from .runtime import compiled_launcher, ctas_per_sm, cubin_registers, registers_per_thread
+
+    # the launches' own compile (once per process): the DSL's cubin holds the register count; ptxas on the PTX of
+    # the compile without a GPU (~20 s more) only where it does not
+    regs = cubin_registers(getattr(compiled_launcher(device).artifacts, "CUBIN", None))
+    if regs is None:
+        regs = registers_per_thread(K.compile_for().__ptx__)
+    per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
+    return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count

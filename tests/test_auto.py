@@ -1,0 +1,66 @@
+"""`--executor auto` (backends/auto.py): the pick from the committed table of measured step times, and the table
+itself held to a recomputation from bench/results (bench/auto_picks.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megadecode.backends import auto
+from megadecode.presets import preset_config
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_the_committed_table_is_the_recomputation_of_the_results():
+    import auto_picks
+
+    committed = json.loads(auto_picks.OUT.read_text())
+    assert committed == auto_picks.table(auto_picks.rows())
+    q = committed["families"]["qwen3_moe"]["batches"]
+    assert [c["executor"] for c in q["1"]][:2] == ["fused", "mega"]  # fused 4.22 ms, mega 5.33 (54cee2c)
+    assert all(c["from"].startswith("bench/results/") for cs in q.values() for c in cs)
+
+
+def test_on_the_cpu_auto_is_the_reference():
+    name, why = auto.choose(preset_config("tiny-qwen3-moe"), "cpu", torch.float32, 1)
+    assert name == "torch" and why.startswith("auto -> torch")
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+
+
+def test_on_the_h200_the_fastest_measured_that_can_run(h200):
+    cfg = preset_config("tiny-qwen3-moe")
+    name, why = auto.choose(cfg, "cuda", torch.bfloat16, 1)
+    assert name == "fused" and "fastest for qwen3_moe at batch 1" in why and "mega 5.33" in why
+    assert auto.choose(cfg, "cuda", torch.bfloat16, 3)[1].count("at batch 2") == 1  # nearest measured at or below
+    k3 = preset_config("tiny-k3")
+    name, why = auto.choose(k3, "cuda", torch.bfloat16, 2)  # mega measured fastest at batch 2 (54cee2c)
+    assert name == ("mega" if importlib.util.find_spec("cutlass") else "fused")
+    name, why = auto.choose(k3, "cuda", torch.float32, 2)  # mega runs bf16 only: the next
+    assert name == "fused" and "mega skipped: it runs bf16 weights" in why
+
+
+def test_a_family_or_gpu_without_a_table_takes_fused(h200, monkeypatch):
+    name, why = auto.choose(preset_config("tiny-kimi-linear"), "cuda", torch.bfloat16, 1)
+    assert name == "fused" and "no measured table for kimi_linear" in why
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    name, why = auto.choose(preset_config("tiny-qwen3-moe"), "cuda", torch.bfloat16, 1)
+    assert name == "fused" and "no measured table for NVIDIA B200" in why
+
+
+def test_generate_names_its_pick(capsys):
+    from megadecode.cli import main
+
+    assert main(["generate", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "megadecode: auto -> torch" in err
