@@ -17,19 +17,12 @@ from ...cache import KVCache
 from ...plan import DecodePlan
 from ...step import Step
 from ..torch.executor import TorchExecutor
+from .pyvm_executor import stream_supports
 
 
 class MegaExecutor(TorchExecutor):
     name = "mega"
-
-    @classmethod
-    def supports(cls, cfg) -> str | None:
-        """The registry's word, then what the lowering takes (lower.supports: MLA with rope, LatentMoE, 16-bit
-        experts, the expert count ROUTE holds)."""
-        from .lower import supports
-
-        why = super().supports(cfg) or supports(cfg, 1)
-        return why and f"the {cls.name} executor cannot run {cfg.family}: {why}"
+    supports = classmethod(lambda cls, cfg: stream_supports(cls, cfg))
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):

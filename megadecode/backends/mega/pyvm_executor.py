@@ -12,6 +12,7 @@ import torch
 from ...cache import KVCache
 from ...plan import DecodePlan
 from ...step import Step
+from ..base import ExecutorBase
 from ..torch.executor import TorchExecutor
 
 PYVM_CTAS = 8  # CTAs the schedule assumes for pyvm (any number is valid; small keeps the step fast)
@@ -25,17 +26,18 @@ def refuse_parallel(name: str, parallel) -> None:
                          f"torch, graph or fused executors")
 
 
+def stream_supports(cls, cfg) -> str | None:
+    """An instruction-stream executor's (pyvm, mega) `supports`: the family registry's word, then what the lowering
+    takes (lower.supports: MLA with rope, LatentMoE, 16-bit experts, the expert count ROUTE holds)."""
+    from .lower import supports
+
+    why = ExecutorBase.supports.__func__(cls, cfg) or supports(cfg, 1)
+    return why and f"the {cls.name} executor cannot run {cfg.family}: {why}"
+
+
 class PyVMExecutor(TorchExecutor):
     name = "pyvm"
-
-    @classmethod
-    def supports(cls, cfg) -> str | None:
-        """The registry's word, then what the lowering takes (lower.supports: MLA with rope, LatentMoE, 16-bit
-        experts, the expert count ROUTE holds)."""
-        from .lower import supports
-
-        why = super().supports(cfg) or supports(cfg, 1)
-        return why and f"the {cls.name} executor cannot run {cfg.family}: {why}"
+    supports = classmethod(lambda cls, cfg: stream_supports(cls, cfg))
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False, parallel=None):
