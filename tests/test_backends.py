@@ -110,3 +110,14 @@ def test_model_types_come_from_the_registry():
 
     assert MODEL_TYPES["kimi_k2"] == "deepseek_v3" and set(MODEL_TYPES) == set(PARSERS)
     assert set(MODEL_TYPES.values()) == set(FAMILIES) and Path(PKG / "config" / "registry.py").is_file()
+
+
+def test_the_package_holds_no_commit_hashes():
+    """History lives in git and docs/: a comment or docstring in the package names no commit (a 7-12 digit hex word
+    with letters and digits, the way the journal cites them)."""
+    import re
+
+    word = re.compile(r"(?<![\w.#/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}(?![\w-])")
+    found = [f"{p.relative_to(PKG.parent)}:{n}: {m.group(0)}" for p in sorted(PKG.rglob("*.py")) + sorted(PKG.rglob("*.md"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) for m in word.finditer(line)]
+    assert found == []
