@@ -58,9 +58,12 @@ def test_a_family_or_gpu_without_a_table_takes_fused(h200, monkeypatch):
     assert name == "fused" and "no measured table for NVIDIA B200" in why
 
 
-def test_generate_names_its_pick(capsys):
+def test_generate_names_its_pick_on_a_gpu_only(capsys, h200, monkeypatch):
+    from megadecode.backends.auto import resolve_executor
     from megadecode.cli import main
 
-    assert main(["generate", "--max-new-tokens", "2"]) == 0
-    err = capsys.readouterr().err
-    assert "megadecode: auto -> torch" in err
+    assert main(["generate", "--max-new-tokens", "2"]) == 0  # the CPU: torch, nothing said (errors stay one line)
+    assert "auto" not in capsys.readouterr().err
+    args = type("A", (), {"executor": "auto", "device": "cuda", "dtype": "bfloat16"})()
+    resolve_executor(args, preset_config("tiny-qwen3-moe"), 1, True)
+    assert args.executor == "fused" and "megadecode: auto -> fused: fastest for qwen3_moe" in capsys.readouterr().err

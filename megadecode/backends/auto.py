@@ -75,9 +75,10 @@ def choose(cfg: ModelConfig, device, dtype: torch.dtype, batch: int) -> tuple[st
 
 
 def resolve_executor(args, cfg, batch: int, say: bool) -> None:
-    """`--executor auto` replaced by its pick for `batch` sequences (backends/auto.py), the reason printed once."""
+    """`--executor auto` replaced by its pick for `batch` sequences, the reason printed once (on a GPU; on the CPU
+the pick is always `torch`)."""
     if args.executor != "auto":
         return
     args.executor, why = choose(cfg, args.device, getattr(torch, args.dtype), batch)  # float32 | bfloat16
-    if say:
+    if say and args.device != "cpu":  # on the CPU it is always the reference: nothing to name
         print(f"megadecode: {why}", file=sys.stderr, flush=True)
