@@ -71,7 +71,7 @@ def test_side_outputs_are_declared_for_a_kind_that_has_them_and_guarded():
 
     v = Variant(Manifest("t-token-overrun", "t", (P.LM_HEAD,), base.manifest.scope, uses_triton=True,
                          kernels=base.manifest.kernels, side_outputs=("tokens", "logprobs")), overrun)
-    _, _, fails = run_variant(v, build_case(QWEN, P.LM_HEAD, 3, 0))
+    _, _, fails = run_variant(v, build_case(QWEN, P.LM_HEAD, 3, 0, device=DEVICE))
     assert fails == ["output tokens: wrote outside its bounds (0 elements before it, 1 after it, in the guard regions "
                      "around its 3 elements)"], fails
 

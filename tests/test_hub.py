@@ -48,6 +48,8 @@ def test_generate_a_cached_hub_model(hub, capsys):
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_a_hub_model_not_in_the_cache_is_one_line_naming_the_cache(hub, capsys, command):
+    if command == "serve":
+        pytest.importorskip("uvicorn", reason="serve needs the serve stack")
     argv = [command, "--model", "acme/absent"] + (["--port", "0"] if command == "serve" else [])
     assert main(argv) == 2
     err = capsys.readouterr().err
