@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..config.registry import executor_refusal
 
 PICKS = Path(__file__).with_name("picks")
 TABLES = {"NVIDIA H200": "nvidia-h200.json"}  # torch.cuda.get_device_name() -> table
@@ -27,7 +26,7 @@ def _needs(name: str, cfg: ModelConfig, dtype: torch.dtype) -> str | None:
     """Why executor `name` cannot run here, or None."""
     from . import EXECUTORS
 
-    why = executor_refusal(name, cfg.family) or EXECUTORS[name].supports(cfg)
+    why = EXECUTORS[name].supports(cfg)  # the registry's word, and the executor's own conditions
     if why:
         return why
     if name in ("fused", "compiled") and importlib.util.find_spec("triton") is None:

@@ -18,7 +18,6 @@ the vocabulary are a ConfigWarning (and are ignored), not an error.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from .model import (
@@ -28,10 +27,7 @@ from .model import (
     RopeConfig,
     yarn_mscale,
 )
-
-from .registry import FAMILIES, MODEL_TYPES, PARSERS, REGISTRY
-
-_: dict[str, Callable[[dict], ModelConfig]] = PARSERS  # HF `model_type` -> the parser of its family
+from .registry import FAMILIES, MODEL_TYPES, PARSERS, REGISTRY  # PARSERS: HF `model_type` -> its family's parser
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "PARSERS", "REGISTRY", "ConfigError", "ConfigWarning", "ModelConfig", "RopeConfig",
            "config_from_hf", "load_config", "yarn_mscale"]

@@ -118,16 +118,15 @@ def _attn_res(op, inputs, weights, outputs, cfg, step, cache=None):
     outputs["layer_in"].copy_(sum(a[:, None] * v for a, v in zip(alpha, values)))
 
 
-_K = FAMILIES  # every registered family
 EMBED_TORCH = register(Variant(Manifest(
-    name="torch-embed", description="embedding lookup as index_select", replaces=(EMBED,), scope=Scope(families=_K),
+    name="torch-embed", description="embedding lookup as index_select", replaces=(EMBED,), scope=Scope(families=FAMILIES),
     sources=("megadecode/validate/torch_variants.py",)), _embed))
 ADD_TORCH = register(Variant(Manifest(
     name="torch-add", description="residual add as torch.add into the output", replaces=(ADD,),
-    scope=Scope(families=_K), sources=("megadecode/validate/torch_variants.py",)), _add))
+    scope=Scope(families=FAMILIES), sources=("megadecode/validate/torch_variants.py",)), _add))
 MLP_TORCH = register(Variant(Manifest(
     name="torch-mlp", description="dense SwiGLU MLP with fp32 products, rounded once", replaces=(MLP,),
-    scope=Scope(families=_K), sources=("megadecode/validate/torch_variants.py",)), _mlp))
+    scope=Scope(families=FAMILIES), sources=("megadecode/validate/torch_variants.py",)), _mlp))
 ATTN_RES_TORCH = register(Variant(Manifest(
     name="torch-attn-res", description="Block AttnRes over explicit sources, fp32 softmax", replaces=(ATTN_RES,),
     scope=Scope(families=("kimi_k3",)), sources=("megadecode/validate/torch_variants.py",)), _attn_res))

@@ -22,7 +22,7 @@ from .pyvm_executor import stream_supports
 
 class MegaExecutor(TorchExecutor):
     name = "mega"
-    supports = classmethod(lambda cls, cfg: stream_supports(cls, cfg))
+    supports = classmethod(stream_supports)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):

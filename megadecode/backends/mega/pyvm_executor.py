@@ -37,7 +37,7 @@ def stream_supports(cls, cfg) -> str | None:
 
 class PyVMExecutor(TorchExecutor):
     name = "pyvm"
-    supports = classmethod(lambda cls, cfg: stream_supports(cls, cfg))
+    supports = classmethod(stream_supports)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False, parallel=None):
