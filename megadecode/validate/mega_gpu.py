@@ -56,7 +56,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # 8 there), what GQA attention's thread layout (cute/attention.py gqa_chunk) is built for; tiny-qwen3-moe's
 # head_dim 16 and 2 q heads a KV head take its clamped pieces and partial head groups.
 CASES = {"tiny-k3-wide": ("tiny-k3", {"latent_size": 1056, "moe_intermediate_size": 2080}),
-         "tiny-qwen3-gqa": ("tiny-qwen3-moe", {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128})}
+         "tiny-qwen3-gqa": ("tiny-qwen3-moe", {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128}),
+         # true dims, 2 layers: the batch-1 tiles as the real model stages them (several a CTA a phase, so each
+         # ring slot is reused, k slices on the staged rows), the lm_head of 151936 rows unstaged
+         "qwen3-30b-a3b-2l": ("qwen3-30b-a3b", {"num_hidden_layers": 2})}
 
 
 def case_config(name: str):
