@@ -10,8 +10,6 @@ checks (which must pass). Exit 0 when every plant is caught and every control pa
   (splits of several chunks); the same plant at the old cases' contexts (splits of one chunk) is run too, to show
   what they missed.
 - gpu:delayed-build (no_body_barrier): diff_program's delayed launches (every warp delayed before its stores).
-- gpu:ring (ring_overtake, ring_no_wait): diff_program at batch 1 (the staged instructions' batch), plain and
-  delayed launches; a launch that times out on a slot (MegaError) counts as caught.
 - nc_cache (caught by the static audit): run too, to record whether a GPU run sees it.
 """
 
@@ -25,7 +23,6 @@ import traceback
 
 import torch
 
-from megadecode.backends.mega.runtime import MegaError
 from megadecode.validate.mega_gpu import diff_failures, diff_program, timeout_case, timeout_failures
 from megadecode.validate.mega_plants import planted_launcher
 
@@ -33,11 +30,7 @@ CTAS = 16
 
 
 def _diff(preset, batch, context, kernel, delay_runs=3):
-    try:
-        r = diff_program(preset, batch, CTAS, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
-    except MegaError as e:  # a wait that timed out and said so: the launch did not pass
-        return {"preset": preset, "batch": batch, "context": context, "longest_split": None,
-                "failures": [f"MegaError: {e}"]}
+    r = diff_program(preset, batch, CTAS, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
     return {"preset": preset, "batch": batch, "context": context, "longest_split": r["longest_split"],
             "failures": diff_failures(r)}
 
@@ -64,13 +57,6 @@ def run(out: dict) -> None:
     # long splits: the shipped kernel passes them; skip_last_chunk fails them, and passes the old contexts
     presets = ("tiny-qwen3-moe", "tiny-deepseek-v3")
     add("mega_kernel", "gpu:long-splits", False, [_diff(p, b, "max", None, 1) for p in presets for b in (1, 5)])
-    # the ring: the shipped kernel passes batch 1 (every MATVEC / GLU staged); each ring plant fails it
-    add("mega_kernel", "gpu:ring", False, [_diff(p, 1, "random", None, 3) for p in presets + ("tiny-k3",)])
-    for name in ("ring_overtake", "ring_no_wait"):
-        t0 = time.perf_counter()
-        k = planted_launcher(name, dev)
-        out["compile_s"][name] = time.perf_counter() - t0
-        add(f"mega_kernel+{name}", "gpu:ring", True, [_diff(p, 1, "random", k, 3) for p in presets + ("tiny-k3",)])
     for name in ("skip_last_chunk", "no_body_barrier", "nc_cache"):
         t0 = time.perf_counter()
         k = planted_launcher(name, dev)

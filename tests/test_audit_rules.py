@@ -96,29 +96,6 @@ def test_bulk_reads_of_global_memory_are_held_to_the_non_coherent_rule():
     assert f.params == ("ptab[]",) and "produced during the launch" in f.text
 
 
-def _bulk_copy(table_reg: str) -> str:
-    """The copy engine's copy of a table entry's bytes into shared memory (the megakernel's ring): the source is
-    the second address, the first a shared one."""
-    return f"""
-        ld.global.b32 %r2, [%rd1];
-        mul.wide.s32 %rd10, %r2, 8;
-        add.s64 %rd11, {table_reg}, %rd10;
-        ld.global.b64 %rd12, [%rd11];
-        mov.u32 %r3, 4096;
-        mov.u32 %r4, 1024;
-        mov.u32 %r5, 64;
-        cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r4], [%rd12], %r3, [%r5];
-    """
-
-
-def test_bulk_copies_into_shared_memory_are_held_to_the_non_coherent_rule_by_their_source():
-    rep = _audit(_bulk_copy("%rd4"))
-    assert rep.findings == [], rep.to_markdown()
-    assert [p for _, p in rep.nc_loads] == [("wtab[]",)]
-    (f,) = _errors(_audit(_bulk_copy("%rd5")), A.R_NC)
-    assert f.params == ("ptab[]",) and "produced during the launch" in f.text
-
-
 def test_unattributed_nc_load_is_an_error_only_with_pointees():
     body = """
         ld.global.b64 %rd12, [%rd1];
@@ -368,9 +345,7 @@ def test_the_embed_megakernel_passes_every_rule(embed_ptx):
     assert set(A.RULES) - {A.R_SASS} == set(rep.rules_checked)
     assert rep.checked[A.R_TIMEOUT] == "2 spin loops"  # the instruction's two counters
     assert rep.checked[A.R_BAR].startswith("1 signal against")
-    # the only reads outside the coherent path: the ring's copies of a staged instruction's two ranges, each
-    # proven to read the static table's tensors
-    assert [p for _, p in rep.nc_loads] == [("wtab[]",)] * 2, rep.nc_loads
+    assert not rep.nc_loads
 
 
 def test_the_embed_megakernel_reads_its_rows_through_the_table(embed_ptx):
@@ -380,8 +355,8 @@ def test_the_embed_megakernel_reads_its_rows_through_the_table(embed_ptx):
     rep = _audit_mega(ptx)
     assert rep.passed, rep.to_markdown()
     static = {f"{t}[]" for t, r in S.POINTEES.items() if r == "static"}
-    assert len(rep.nc_loads) == n + 2 and all(p and set(p) <= static for _, p in rep.nc_loads), rep.nc_loads
-    assert rep.checked[A.R_NC] == f"{A._count(n + 2, 'non-coherent load')}, {n + 2} proven static"
+    assert len(rep.nc_loads) == n and all(p and set(p) <= static for _, p in rep.nc_loads), rep.nc_loads
+    assert rep.checked[A.R_NC] == f"{A._count(n, 'non-coherent load')}, {n} proven static"
 
 
 def _drop(ptx: str, pattern: str, before: str | None = None) -> str:

@@ -27,35 +27,31 @@ def test_audit_passes_the_kernel_with_every_rule():
     assert rep.passed, rep.to_markdown()
     assert {"nc-load-of-produced", "wait-without-acquire", "signal-without-release", "store-after-signal",
             "signal-before-barrier", "timeout-unreported", "produced-read-uncovered"} <= set(rep.rules_checked)
-    # off the coherent path only the ring's copies (cute_kernel.ring_issue: a staged range and its second tensor),
-    # each proven to read the static table; the bodies' weights take plain loads or the ring's shared memory
-    assert [p for _, p in rep.nc_loads] == [("wtab[]",)] * 2, rep.nc_loads
+    assert not rep.nc_loads  # no non-coherent load at all: weights take the same plain loads
     if assemble(K.compile_for().__ptx__)[0] is not None:
         assert "sass-nc-load-of-produced" in rep.rules_checked and not rep.sass_nc_loads
 
 
 def test_co_residency_arithmetic():
     # 123 registers x 256 threads: 4096 registers per warp-allocation unit x 8 warps -> 2 CTAs in 64K registers
-    assert ctas_per_sm(123, 256, 56 * 1024) == 2
-    assert ctas_per_sm(64, 256, 56 * 1024) == 4  # registers and shared memory (56 KiB + 1 KiB) both allow 4
+    assert ctas_per_sm(123, 256, K.SMEM_BYTES) == 2
+    assert ctas_per_sm(64, 256, K.SMEM_BYTES) == 4  # registers and shared memory (57 KiB + 1 KiB) both allow 4
     assert ctas_per_sm(64, 256, 100 * 1024) == 2  # then shared memory decides
     assert ctas_per_sm(None, 256, K.SMEM_BYTES) == 1  # unknown registers: one CTA always fits
-    assert ctas_per_sm(128, K.NT, K.SMEM_BYTES) == 1  # the shipped kernel: 512 threads, the ring: one CTA an SM
     regs = registers_per_thread(K.compile_for().__ptx__)
     if assemble(K.compile_for().__ptx__)[0] is not None:
         assert regs is not None and 32 <= regs <= 255
 
 
-def test_the_kernel_keeps_one_cta_per_sm():
-    """132 CTAs of 512 threads on the H200 need <= 128 registers per thread and the working space and ring in one
-    SM's shared memory: a loop that holds more in flight can tip ptxas over (EXPERT_UP with 4 MXFP4 rows per warp
-    at once compiled to 192), and then no CTA would fit at all."""
+def test_the_kernel_keeps_two_ctas_per_sm():
+    """264 CTAs on the H200 need <= 128 registers per thread: a loop that holds more in flight can tip ptxas over
+    (EXPERT_UP with 4 MXFP4 rows per warp at once compiled to 192, so default_ctas would halve the launch)."""
     ptx = K.compile_for().__ptx__
     cubin, report = assemble(ptx)
     if cubin is None:
         pytest.skip(f"no ptxas here: {report}")
     regs = registers_per_thread(ptx)
-    assert ctas_per_sm(regs, K.NT, K.SMEM_BYTES) == 1, f"{regs} registers per thread, {K.SMEM_BYTES} shared bytes"
+    assert ctas_per_sm(regs, K.NT, K.SMEM_BYTES) >= 2, f"{regs} registers per thread: 1 CTA per SM"
     # what the runtime's residency check reads instead of running ptxas again: the DSL's own cubin's count
     assert cubin_registers(K.compile_for().artifacts.CUBIN) == regs == cubin_registers(cubin)
 

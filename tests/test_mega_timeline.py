@@ -86,9 +86,8 @@ def test_the_kernel_marks_route_and_keeps_tlw_words_per_instruction():
         assert marks == list(range(len(mega_timeline.MARKS[op]) - 1)), op
     # the kernel's own timeline words and base.mark's slots (4 + k) fit the TLW words a row has
     kernel = (Path(__file__).resolve().parent.parent / "megadecode/backends/mega/cute_kernel.py").read_text()
-    assert {int(i) for i in re.findall(r"tl\[TLW \* idx \+ (\d)\]", kernel)} == {1, 2, 3, 9}  # 9: slot landed
-    assert "tl[TLW * nxt + 8] = " in kernel  # the issuer's stamp: the staged instruction's copy started
-    assert "tl[TLW * idx] = " in kernel and 4 + max(marks) < 8 and TLW == 10
+    assert {int(i) for i in re.findall(r"tl\[TLW \* idx \+ (\d)\]", kernel)} == {1, 2, 3}
+    assert "tl[TLW * idx] = " in kernel and 4 + max(marks) < TLW
 
 
 def test_a_recording_of_another_program_is_refused():

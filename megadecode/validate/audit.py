@@ -188,10 +188,8 @@ def _parse_ptx(ptx: str):
                 dest_s, rest2 = "", rest
             else:
                 dest_s, _, rest2 = rest.partition(",")
-            brackets = re.findall(r"\[([^\]]*)\]", rest2)
-            if op.startswith("cp.async.bulk.shared") and ".global" in op and len(brackets) > 1:
-                brackets = brackets[1:]  # a bulk copy into shared memory: its global source is the second address
-            addr_regs = _REG.findall(brackets[0]) if brackets else []
+            am = re.search(r"\[([^\]]*)\]", rest2)
+            addr_regs = _REG.findall(am.group(1)) if am else []
             pm = re.search(r"_param_(\d+)\]", rest2) if op.startswith("ld.param") else None
             operands = [o.strip() for o in rest2.split(",") if o.strip()]
             ins.append(_Ins(no, op, tuple(parts[1:]), _REG.findall(dest_s), _REG.findall(rest2),
@@ -246,12 +244,10 @@ def _provenance(ins: list[_Ins], tables: dict[int, int] | None = None
 
 
 def _is_bulk_read(i: _Ins) -> bool:
-    """A copy-engine read of global memory (the async proxy, which no acquire of the generic proxy orders): held to
-    the non-coherent loads' rule, static data only. Both forms: `cp.async.bulk.prefetch.L2.global [src]` and the
-    copy into shared memory `cp.async.bulk.shared::cluster.global... [dst], [src], ...` (the megakernel's ring),
-    whose address traced is its global source (_parse_ptx)."""
-    return i.base == "cp" and "bulk" in i.mods and "global" in i.mods and (
-        "prefetch" in i.mods or "shared::cluster" in i.mods or "shared::cta" in i.mods)
+    """A copy-engine read of global memory (cp.async.bulk[.prefetch.L2].global...: the async proxy, which no acquire
+    of the generic proxy orders): held to the non-coherent loads' rule, static data only. Its first address is
+    the global source of the prefetch form (the form the megakernel issues)."""
+    return i.base == "cp" and "bulk" in i.mods and "global" in i.mods and "prefetch" in i.mods
 
 
 def _is_global(i: _Ins) -> bool:

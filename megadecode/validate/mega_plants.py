@@ -40,16 +40,6 @@ PLANTS = {p.name: p for p in (
           "non-coherent path", ("audit:nc-load-of-produced",), ("MLA_KV", "MLA_ATTN")),
     Plant("skip_last_chunk", "attention skips the last partial 64-position chunk of a split longer than one chunk",
           ("gpu:long-splits",), ("ATTN_GQA",)),
-    # the ring (cute_kernel.py). A slot is released by the block barrier that ends its instruction, and the issuer
-    # runs only between instructions, so releasing a slot before its last reader is the issuer counting the
-    # running instruction's slot as free: ring_overtake
-    Plant("ring_overtake", "the ring's copy issuer counts the running instruction's slot as free: it copies a later "
-          "instruction's rows into the slot its body is reading (a slot released before its last reader)",
-          ("gpu:ring",), ("MATVEC", "GLU")),
-    Plant("ring_no_wait", "a staged body reads its slot without waiting for the slot's copies to land",
-          ("gpu:ring",), ("MATVEC", "GLU")),
-    Plant("ring_produced", "the ring's copies read their source through the produced table (a cache written in "
-          "the launch) instead of the static one", ("audit:nc-load-of-produced",), ("EMBED",)),
 )}
 CONTROLS = {"nc_weights": Plant("nc_weights", "EMBED reads the embedding rows (static) through the non-coherent "
                                 "path: the audit must pass it", (), ("EMBED",))}
@@ -113,39 +103,6 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
 
     whole_split = attention.split_bounds
 
-    def ring_issue_with(ahead: int, produced: bool):
-        @cute.jit
-        def ring_issue(prog: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, smi: cute.Tensor, ring0: Int32,
-                       mbar0: Int32, tl: cute.Tensor, timeline: Int32):
-            done = smi[K.RING_S]
-            issued = smi[K.RING_S + 1]
-            nxt = smi[K.RING_S + 2]
-            tab = ptab if cutlass.const_expr(produced) else wtab
-            while issued < done + K.SLOTS + ahead and nxt >= 0:
-                slot = issued % K.SLOTS
-                dst = ring0 + slot * K.SLOT_BYTES
-                mb = mbar0 + slot * 8
-                t, t2 = prog[nxt, K.W_STAGE], prog[nxt, K.W_STAGE + 1]
-                off = Int64(prog[nxt, K.W_STAGE + 2]) * 16
-                n = prog[nxt, K.W_STAGE + 3] * 16
-                tot = n
-                if t2 >= 0:
-                    tot = 2 * n
-                cute.arch.fence_proxy("async.shared", space="cta")
-                K.expect_tx(mb, tot)
-                K.bulk_copy(dst, tab[t] + off, n, mb)
-                if t2 >= 0:
-                    K.bulk_copy(dst + n, tab[t2] + off, n, mb)
-                issued += 1
-                nxt = prog[nxt, K.W_STAGE + 4]
-            smi[K.RING_S + 1] = issued
-            smi[K.RING_S + 2] = nxt
-        return ring_issue
-
-    @cute.jit
-    def ring_no_wait(smi: cute.Tensor, mbar0: Int32, max_spin: Int32) -> Int32:
-        return Int32(1)
-
     def short_split_bounds(s, S, pos):
         lo, hi = whole_split(s, S, pos)
         n = hi - lo
@@ -157,9 +114,6 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
             "silent_timeout": [(K, "wait_counter", silent_wait_counter)],
             "nc_cache": [(attention, "ld8", ld8_nc)],
             "skip_last_chunk": [(attention, "split_bounds", short_split_bounds)],
-            "ring_overtake": [(K, "ring_issue", ring_issue_with(1, False))],
-            "ring_no_wait": [(K, "ring_wait", ring_no_wait)],
-            "ring_produced": [(K, "ring_issue", ring_issue_with(0, True))],
             "nc_weights": [(dense, "ldf", ldf_nc)],
             }[name]
 

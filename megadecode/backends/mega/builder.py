@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .isa import F_NORM, F_RESID, F_TC, F_WRITE_NORMED, SLOT_BYTES, SLOTS, TC_K, XS_MAX, Instr, Wait, f32_bits
+from .isa import F_NORM, F_RESID, F_TC, F_WRITE_NORMED, TC_K, Instr, Wait, f32_bits
 from .program import Tensor
 
 
@@ -113,7 +113,6 @@ class Builder:
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         rows = max(rows or self.rows_per_tile(N), min(N, MIN_ROWS_B1 if self.B == 1 else MIN_ROWS))
-        rows = self.staged_rows(rows, N, K * self.wbytes)
         flags = (F_NORM if norm else 0) | (F_RESID if resid else 0) | (F_WRITE_NORMED if write_normed else 0)
         flags |= self.tc(K, w)
         for r0 in range(0, N, rows):
@@ -124,18 +123,7 @@ class Builder:
                      r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,
                      normed_off=self.f32[write_normed][0] if write_normed else -1, x2_off=self.off(x2),
                      add0_off=self.off(add0), add1_off=self.off(add1))
-            ins.stage = self.stage(w, r0 * K, (r1 - r0) * K)
-
-    def staged_rows(self, rows: int, total_rows: int, row_bytes: int) -> int:
-        """At batch 1, tiles capped to one ring slot's bytes (the kernel stages them in shared memory ahead of the
-        instruction, cute_kernel.py) where the phase then takes at most SLOTS instructions a CTA: each instruction
-        has a fixed cost (its wait, barriers and signal) that the staging does not remove, so a long phase (an
-        lm_head, a dense MLP) keeps its one large tile a CTA, read from global memory."""
-        if self.B != 1 or rows * row_bytes <= SLOT_BYTES:
-            return rows
-        if total_rows * row_bytes > SLOTS * self.ctas * SLOT_BYTES:
-            return rows
-        return max(1, SLOT_BYTES // row_bytes)
+            ins.prefetch = self.range16(w, r0 * K, (r1 - r0) * K)
 
     def tc(self, K: int, *weights: str) -> int:
         """F_TC for bf16 rows of K columns at this batch: the tensor-core loop from 2 tokens, where the CUDA-core
@@ -152,7 +140,6 @@ class Builder:
         Wg = self.weights[wg]
         N, K = Wg.shape
         rows = max(self.rows_per_tile(2 * N), min(N, MIN_ROWS // 2))
-        rows = self.staged_rows(rows, N, 2 * K * self.wbytes)
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         for r0 in range(0, N, rows):
@@ -162,19 +149,13 @@ class Builder:
                      wg=self.t(wg), wu=self.t(wu), K=K, x_off=xo, x_stride=xs, out_off=oo, out_stride=os_,
                      out_col=0, r0=r0, r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,
                      x2_off=self.off(x2))
-            ins.stage = self.stage(wg, r0 * K, (r1 - r0) * K, wu)  # the up rows after the gate rows
+            ins.prefetch = self.range16(wg, r0 * K, (r1 - r0) * K)  # the up rows: the kernel's own loads
 
-    def stage(self, w: str, first: int, count: int, wu: str | None = None) -> tuple[int, int, int, int]:
-        """The stage of elements [first, first + count) of weight w (and of wu at the same offset, after them in
-        the slot): (tensor, second tensor or -1, byte offset, bytes); none (-1, ...) at batch 2 and more (the
-        bodies read the ring at batch 1), past a slot, off the copy engine's 16-byte units, or rows wider than the
-        input the body stages beside them (XS_MAX)."""
+    def range16(self, w: str, first: int, count: int) -> tuple[int, int, int]:
+        """(tensor, byte offset, bytes) of elements [first, first + count) of weight w, widened to 16-byte units."""
         es = self.weights[w].element_size()
-        lo, n = first * es, count * es
-        K = self.weights[w].shape[-1]
-        if self.B != 1 or n * (2 if wu else 1) > SLOT_BYTES or lo % 16 or n % 16 or K > XS_MAX:
-            return (-1, -1, 0, 0)
-        return (self.t(w), self.t(wu) if wu else -1, lo, n)
+        lo, hi = first * es // 16 * 16, -(-(first + count) * es // 16) * 16
+        return (self.t(w), lo, hi - lo)
 
     def splits(self, units: int) -> int:
         """Splits of the cache length per attention unit: about one instruction per CTA in all, and no more

@@ -3,8 +3,7 @@
 Each CTA (NT threads) runs its queue in order. For every instruction: thread 0 spins on the counters it waits on
 (`wait_counter`: `ld.acquire.gpu`, bounded: on a timeout it records the instruction, counter and value in `err`,
 sets the abort flag that every spinner also polls, and the launch drains), then a block barrier; the opcode's
-body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `fence.acq_rel.gpu`, then
-`atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
+body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
 writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent `ld.global` after the
 acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
 non-coherent path, which the static audit proves per load site reads only wtab's tensors (backends/mega/spec.py,
@@ -29,27 +28,11 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import (  # noqa: E402,F401
-    NT,
-    NW,
-    RING_BYTES,
-    RING_S,
-    ROW,
-    ROW_S,
-    SMEM_BYTES,
-    SMEM_F,
-    SMEM_I,
-    TL_S,
-    TLW,
-    bulk_copy,
-    expect_tx,
-    hash32,
-    slot_wait,
-)
+from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32  # noqa: E402,F401
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
-from .isa import OPCODES, SLOT_BYTES, SLOTS, W_STAGE  # noqa: E402
+from .isa import OPCODES  # noqa: E402
 
 
 @cute.jit
@@ -114,73 +97,20 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
 
 
 @cute.jit
-def report_slot_timeout(err: cute.Tensor, instr: Int32, serial: Int32):
-    """A slot whose copies did not land within the bound: reported like a counter's timeout, counter -2 (the ring)
-    and the staged serial as the value seen; the launch drains."""
-    old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-    if old == 0:
-        err[1] = instr
-        err[2] = Int32(-2)
-        err[3] = serial
-        err[4] = Int32(0)
-
-
-@cute.jit
 def order_body_stores():
     """Between an instruction's body and its signal: a block barrier, so every thread's stores are done before
-    thread 0's fence and release publish them."""
+    thread 0's release publishes them."""
     cute.arch.sync_threads()
 
 
 @cute.jit
 def signal(ctr: cute.Tensor, sig: Int32):
-    """Thread 0, after order_body_stores: a gpu-scope fence, then the release add that consumers acquire."""
-    cute.arch.fence_acq_rel_gpu()
+    """Thread 0, after order_body_stores: the release add (`atom.add.release.gpu`) that consumers acquire. Its
+    release orders the stores the block barrier ordered before it, as a fence then a relaxed add would (both are
+    the PTX memory model's release pattern); a fence before it as well was a second gpu-scope membar on every
+    instruction: without it, launches 0.4-1.7% faster on the H200 at qwen3-30b-a3b and k3-mini batch 1 and 8
+    (bench/mega_sync_ab.py, docs/megakernel.md)."""
     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
-
-
-ISSUER = 64  # the thread that issues the ring's copies (warp 2's first lane: warp 1 fetches the row, thread 0 waits)
-
-
-@cute.jit
-def ring_issue(prog: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, smi: cute.Tensor, ring0: Int32, mbar0: Int32,
-               tl: cute.Tensor, timeline: Int32):
-    """The issuer: while fewer than SLOTS staged instructions are ahead of those its CTA finished, start the copy of
-    the chain's next one (isa.Instr.stage: static bytes only, kernel_check) into slot (its serial) % SLOTS. That
-    slot's previous user finished before the block barrier that ended it, which every thread passed before this
-    runs; the proxy fence orders those generic reads before the copy engine's writes. No counter is waited on:
-    weights do not change during a launch, so only the static table's tensors are staged (never ptab's)."""
-    done = smi[RING_S]
-    issued = smi[RING_S + 1]
-    nxt = smi[RING_S + 2]
-    while issued < done + SLOTS and nxt >= 0:
-        slot = issued % SLOTS
-        dst = ring0 + slot * SLOT_BYTES
-        mb = mbar0 + slot * 8
-        t, t2 = prog[nxt, W_STAGE], prog[nxt, W_STAGE + 1]
-        off = Int64(prog[nxt, W_STAGE + 2]) * 16
-        n = prog[nxt, W_STAGE + 3] * 16
-        tot = n
-        if t2 >= 0:
-            tot = 2 * n
-        if (timeline & 1) != 0:
-            tl[TLW * nxt + 8] = cute.arch.globaltimer()
-        cute.arch.fence_proxy("async.shared", space="cta")
-        expect_tx(mb, tot)
-        bulk_copy(dst, wtab[t] + off, n, mb)
-        if t2 >= 0:
-            bulk_copy(dst + n, wtab[t2] + off, n, mb)
-        issued += 1
-        nxt = prog[nxt, W_STAGE + 4]
-    smi[RING_S + 1] = issued
-    smi[RING_S + 2] = nxt
-
-
-@cute.jit
-def ring_wait(smi: cute.Tensor, mbar0: Int32, max_spin: Int32) -> Int32:
-    """Wait, bounded, for the current staged instruction's slot (serial smi[RING_S]): 1 once its copies landed."""
-    done = smi[RING_S]
-    return slot_wait(mbar0 + (done % SLOTS) * 8, (done // SLOTS) & 1, max_spin)
 
 
 @cute.jit
@@ -207,10 +137,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     alloc = SmemAllocator()
     sm = alloc.allocate_tensor(Float32, cute.make_layout(SMEM_F), 16)
     smi = alloc.allocate_tensor(Int32, cute.make_layout(SMEM_I), 16)
-    ring = alloc.allocate_tensor(Int32, cute.make_layout(RING_BYTES // 4), 128)  # SLOTS slots of staged weights
-    mbar = alloc.allocate_tensor(Int64, cute.make_layout(SLOTS), 8)  # a slot's copies complete on its mbarrier
-    ring0 = ring.iterator.toint()
-    mbar0 = mbar.iterator.toint()
     pb = prog.iterator.toint()
     fb = f32.iterator.toint()
     ib = i32.iterator.toint()
@@ -222,47 +148,17 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             tla = tl.iterator.toint()
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
-        for k in cutlass.range_constexpr(SLOTS):
-            cute.arch.mbarrier_init(mbar.iterator + k, 1)
-        cute.arch.mbarrier_init_fence()
-        smi[RING_S] = Int32(0)
-    qs, qe = qstart[bid], qstart[bid + 1]
-    if tid == ISSUER:  # the head of the stage chain: the queue's first staged instruction
-        head = Int32(-1)
-        q = qs
-        while head < 0 and q < qe:
-            if prog[qorder[q], W_STAGE] >= 0:
-                head = qorder[q]
-            q += 1
-        smi[RING_S + 1] = Int32(0)
-        smi[RING_S + 2] = head
-    cute.arch.sync_threads()  # the mbarriers and the ring's words before any copy or wait
-    for qi in cutlass.range(qs, qe):
+    for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = qorder[qi]
         if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
             smi[ROW_S + tid - 32] = prog[idx, tid - 32]
-        if tid == ISSUER:  # and the issuer starts the copies the ring has room for, ahead of the waits
-            if delay_ns > 0:
-                nap(delay_ns, idx, epoch, bid * 4)
-            ring_issue(prog, wtab, ptab, smi, ring0, mbar0, tl, timeline)
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()
             ok = wait_counter(ctr, err, prog[idx, 4], prog[idx, 5], prog[idx, 6], epoch, max_spin, idx)
             if ok == 1:
                 ok = wait_counter(ctr, err, prog[idx, 7], prog[idx, 8], prog[idx, 9], epoch, max_spin, idx)
-            slot = Int32(-1)
-            landed = Int32(1)
-            if prog[idx, W_STAGE] >= 0:  # a staged instruction: its slot's copies landed (bounded, reported; also
-                # after a counter's timeout, so that no copy is in flight when the launch drains)
-                slot = ring0 + (smi[RING_S] % SLOTS) * SLOT_BYTES
-                landed = ring_wait(smi, mbar0, max_spin)
-                if landed == 0:
-                    report_slot_timeout(err, idx, smi[RING_S])
-                if (timeline & 1) != 0:
-                    tl[TLW * idx + 9] = cute.arch.globaltimer()
-            smi[RING_S + 3] = slot
-            smi[SMEM_I - 1] = ok * landed
+            smi[SMEM_I - 1] = ok
             cute.arch.fence_acq_rel_gpu()
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 1)
@@ -271,8 +167,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         if tid == 0:
             t_start = cute.arch.globaltimer()
         if smi[SMEM_I - 1] == 1:
-            if smi[RING_S + 3] >= 0 and tid != 0:  # every reader of the slot observes its copies' completion
-                ring_wait(smi, mbar0, max_spin)  # (thread 0 saw it: returns at once)
             if delay_ns > 0:  # each warp its own delay before any of its stores
                 nap(delay_ns, idx, epoch, (bid * NW + tid // 32) * 4 + 3)
             op = prog[idx, 0]
@@ -284,8 +178,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             if tid == 0 and sig >= 0:
                 signal(ctr, sig)
         if tid == 0:
-            if prog[idx, W_STAGE] >= 0:  # its slot is free for the issuer once every thread passes the barrier below
-                smi[RING_S] = smi[RING_S] + 1
             if (timeline & 1) != 0:
                 tl[TLW * idx] = t_wait
                 tl[TLW * idx + 1] = t_start

@@ -5,13 +5,9 @@ An instruction is a small dataclass that serializes to a fixed-width row of int3
     0 opcode   1 layer   2 signal counter (-1: none)   3 flags
     4..6   wait 0: counter, count needed, count per launch   (counter -1: no wait)
     7..9   wait 1: the same
-    10..14 its stage (`Instr.stage`): static bytes the kernel copies into a shared-memory slot of its CTA's ring
-           ahead of the instruction (the copy engine, before the wait: weights never change in a launch), which
-           the body then reads instead of global memory: tensor (-1: none), a second tensor (-1: none; its bytes at
-           the same offset follow the first's in the slot: GLU's up rows after the gate rows), offset and length
-           in 16-byte units, and the next staged instruction of the same CTA's queue (-1: none; `set_stage_chain`
-           writes it once the program is scheduled)
-    15..   arguments (ARGS ints; their meaning per opcode is in OPS)
+    10..12 the static bytes the instruction streams, to prefetch before its wait: tensor (-1: none), offset and
+           length in 16-byte units
+    13..   arguments (ARGS ints; their meaning per opcode is in OPS)
 
 Dependencies are counters in global memory. An instruction waits until each of its counters reached its
 count for this launch, then runs, then (after its stores) adds 1 to its signal counter with release semantics.
@@ -31,16 +27,8 @@ from dataclasses import dataclass, field
 
 ROW = 40  # int32 per instruction
 PASS = 4  # tokens (or expert pairs) per pass of the kernel's dot-product loops (its TB)
-HEADER = 15
-W_STAGE = 10  # the stage's first header word
-# the ring (cute_kernel.py): SLOTS shared-memory slots of SLOT_BYTES a CTA; a staged instruction takes one slot, so
-# its staged bytes are at most SLOT_BYTES (Builder caps its tiles), and the copies run up to SLOTS staged
-# instructions ahead of the one the CTA is running
-SLOTS = 2
-SLOT_BYTES = 80 * 1024
-XS_MAX = 12096  # the widest input a staged body puts in shared memory beside its rows (cute/dense.py stage_x)
-TLW = 10  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body
-# marks, and for a staged instruction its copy issued and seen landed
+HEADER = 13
+TLW = 8  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body marks
 ARGS = ROW - HEADER
 
 # flags
@@ -178,9 +166,7 @@ class Instr:
     bytes: int = 0
     flops: int = 0
     name: str = ""  # e.g. "L3.qkv[5]", for printing
-    # (tensor, second tensor, byte offset, bytes) the kernel stages in a ring slot, or none (header words 10..14)
-    stage: tuple[int, int, int, int] = (-1, -1, 0, 0)
-    stage_next: int = -1  # the next staged instruction in the same CTA's queue (set_stage_chain), -1: none
+    prefetch: tuple[int, int, int] = (-1, 0, 0)  # (tensor, byte offset, bytes) of static data read, or none
 
     def row(self) -> list[int]:
         code, names = OPS[self.op]
@@ -194,10 +180,10 @@ class Instr:
         for i in range(2):
             w = self.waits[i] if i < len(self.waits) else Wait(-1, 0, 0)
             r += [w.counter, w.need, w.per_launch]
-        t, t2, off, n = self.stage
+        t, off, n = self.prefetch
         if off % 16 or n % 16:
-            raise ValueError(f"{self.name}: staged range ({off}, {n}) is not in 16-byte units")
-        r += [t, t2, off // 16, n // 16, self.stage_next]
+            raise ValueError(f"{self.name}: prefetch range ({off}, {n}) is not in 16-byte units")
+        r += [t, off // 16, n // 16]
         r += [int(self.args[n]) for n in names]
         r += [0] * (ROW - len(r))
         for v in r:
@@ -211,13 +197,7 @@ class Instr:
         names = OPS[name][1]
         waits = [Wait(r[4 + 3 * i], r[5 + 3 * i], r[6 + 3 * i]) for i in range(2) if r[4 + 3 * i] >= 0]
         return Instr(name, r[1], {n: r[HEADER + i] for i, n in enumerate(names)}, signal=r[2], waits=waits,
-                     flags=r[3], stage=(r[10], r[11], 16 * r[12], 16 * r[13]), stage_next=r[14])
-
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes the stage puts in the instruction's slot (0: not staged)."""
-        t, t2, _, n = self.stage
-        return 0 if t < 0 else n * (2 if t2 >= 0 else 1)
+                     flags=r[3], prefetch=(r[10], 16 * r[11], 16 * r[12]))
 
     def describe(self) -> str:
         waits = " ".join(f"wait c{w.counter}>={w.need}/{w.per_launch}" for w in self.waits)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .isa import F_MXFP4, F_TC, SLOT_BYTES, TC_K, XS_MAX
+from .isa import F_MXFP4, F_TC, TC_K
 from .program import Program
 
-NT = 512  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
+NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
 SMEM_F = 12288  # fp32 words of shared memory per CTA (cute/base.py)
 MLA_HB = 8  # the most heads an MLA_ATTN instruction may hold (cute/attention.py: its score sums per thread)
 ROW_S = 2048 - 64  # int32 shared words below the instruction's row (cute/base.py SMEM_I - 64)
@@ -60,50 +60,8 @@ def _tensor_args(op: str) -> list[str]:
     return sorted({a for (o, a) in DTYPES if o == op} | {a for (o, a) in MXFP4_ARGS if o == op})
 
 
-def check_stage(prog: Program, ins) -> None:
-    """A staged instruction (isa.Instr.stage): its body reads the weights from its ring slot, laid out as the
-    kernel's batch-1 rows expect (cute/dense.py op_rows: MATVEC's rows r0 .. r1 of w; GLU's of wg, then wu's at the
-    same offset), so the stage must be exactly those bytes, of static tensors, within a slot."""
-    a, op, where = ins.args, ins.op, ins.name or ins.op
-    t, t2, off, n = ins.stage
-    if op not in ("MATVEC", "GLU") or a["B"] != 1 or ins.flags & F_TC:
-        raise KernelLimit(f"{where}: staged, but only batch-1 MATVEC / GLU bodies read the ring")
-    w, w2 = (a["wg"], a["wu"]) if op == "GLU" else (a["w"], -1)
-    es = prog.tensors[w].tensor.element_size()
-    want = (w, w2, a["r0"] * a["K"] * es, (a["r1"] - a["r0"]) * a["K"] * es)
-    if (t, t2, off, n) != want:
-        raise KernelLimit(f"{where}: stage {ins.stage} is not its rows' bytes {want}")
-    for k in (t, t2):
-        if k >= 0 and prog.tensors[k].role != "static":
-            raise KernelLimit(f"{where}: stages {prog.tensors[k].name} ({prog.tensors[k].role}); only static "
-                              f"tensors may be copied ahead of the waits")
-    if a["K"] > XS_MAX:
-        raise KernelLimit(f"{where}: staged rows of {a['K']} columns (the body stages its input beside them: at most "
-                          f"{XS_MAX})")
-    if ins.staged_bytes > SLOT_BYTES or off % 16 or n % 16:
-        raise KernelLimit(f"{where}: stage of {ins.staged_bytes} bytes at offset {off} (at most {SLOT_BYTES}, "
-                          f"16-byte units)")
-
-
-def check_stage_chain(prog: Program) -> None:
-    """Each CTA's staged instructions chained in queue order (schedule.set_stage_chain): the kernel's copy issuer
-    walks the chain while its CTA walks the queue and both count staged instructions to pick slots, so a chain
-    that skipped or reordered one would put a body's rows in another slot."""
-    for c, q in enumerate(prog.queues):
-        staged = [i for i in q if prog.instrs[i].stage[0] >= 0]
-        for a, b in zip(staged, staged[1:] + [-1]):
-            if prog.instrs[a].stage_next != b:
-                raise KernelLimit(f"CTA {c}: staged instruction {a} chains to {prog.instrs[a].stage_next}, the "
-                                  f"queue's next staged one is {b}")
-        for i in q:
-            if prog.instrs[i].stage[0] < 0 and prog.instrs[i].stage_next != -1:
-                raise KernelLimit(f"CTA {c}: instruction {i} is not staged but chains to one")
-
-
 def check_program(prog: Program) -> None:
     """Raise KernelLimit for the first instruction the CuTe kernel would read wrongly."""
-    if prog.queues:
-        check_stage_chain(prog)
     for ins in prog.instrs:
         a, op, where = ins.args, ins.op, ins.name or ins.op
         mx = bool(ins.flags & F_MXFP4)
@@ -120,8 +78,10 @@ def check_program(prog: Program) -> None:
             if want is not None and got != want:
                 raise KernelLimit(f"{where}: {name} ({prog.tensors[t].name}) is {got}; the megakernel reads it as "
                                   f"{want}")
-        if ins.stage[0] >= 0:
-            check_stage(prog, ins)
+        t = ins.prefetch[0]
+        if t >= 0 and prog.tensors[t].role != "static":
+            raise KernelLimit(f"{where}: declares {prog.tensors[t].name} ({prog.tensors[t].role}) as static bytes "
+                              f"to stream")
         for (o, name), m in LENGTHS.items():
             if o == op:
                 need = 32 if mx else m
@@ -140,10 +100,10 @@ def check_program(prog: Program) -> None:
             raise KernelLimit(f"{where}: {a['S']} attention splits (MERGE's split weights take 64 shared words)")
         if op == "KDA_STEP" and 6 * a["K"] + max(NT, a["K"]) + 4 > SMEM_F:
             raise KernelLimit(f"{where}: KDA head dim {a['K']} does not fit the step's shared memory")
-        if op == "ROUTE" and 2 * a["E"] + 3 * (NT // 32) > ROW_S:
+        if op == "ROUTE" and 2 * a["E"] + 3 * 8 > ROW_S:
             # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
             raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
-                              f"take 2 E + {3 * (NT // 32)} of the {ROW_S} shared int words below the instruction row)")
+                              f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
         if op == "MLA_ATTN" and a["HB"] > MLA_HB:
             raise KernelLimit(f"{where}: {a['HB']} heads in one MLA attention instruction (at most {MLA_HB})")
         if op in ("MATVEC", "GLU") and ins.flags & F_TC and (a["K"] % TC_K or a["B"] < 2):

@@ -236,8 +236,7 @@ class MegaRuntime:
         t0 = int(t[:, 0].min())
         return [{"instr": i, "name": ins.name, "op": ins.op, "layer": ins.layer, "sm": int(t[i, 3]),
                  "wait": int(t[i, 0]) - t0, "start": int(t[i, 1]) - t0, "end": int(t[i, 2]) - t0,
-                 "marks": [int(m) - t0 if m else None for m in t[i, 4:8].tolist()],
-                 "staged": int(t[i, 8]) - t0 if t[i, 8] else None, "landed": int(t[i, 9]) - t0 if t[i, 9] else None}
+                 "marks": [int(m) - t0 if m else None for m in t[i, 4:].tolist()]}
                 for i, ins in enumerate(self.prog.instrs)]
 
     def check(self) -> None:
@@ -245,10 +244,6 @@ class MegaRuntime:
         e = self.err.tolist()
         if e[0]:
             ins = self.prog.instrs[e[1]] if 0 <= e[1] < len(self.prog.instrs) else None
-            if e[2] == -2:
-                raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited "
-                                f"for its ring slot's copies (staged instruction {e[3]} of its CTA), which never "
-                                f"landed")
             raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "
                             f"counter {e[2]} ({self.prog.phases[e[2] - 1] if 0 < e[2] <= len(self.prog.phases) else '?'})"
                             f" for {e[4]}, saw {e[3]}")

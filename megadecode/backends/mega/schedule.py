@@ -59,19 +59,7 @@ def schedule(prog: Program, num_ctas: int, cost: CostModel = CostModel()) -> Pro
         if ins.signal >= 0:
             done_at[ins.signal] = max(done_at.get(ins.signal, 0.0), finish[idx])
     prog.num_ctas, prog.queues, prog.predicted_us = num_ctas, queues, finish
-    set_stage_chain(prog)
     return prog
-
-
-def set_stage_chain(prog: Program) -> None:
-    """Each staged instruction's `stage_next`: the next staged instruction of its CTA's queue (-1: none), the
-    chain the kernel's copy issuer walks to stage instructions ahead of the one its CTA runs (cute_kernel.py)."""
-    for ins in prog.instrs:
-        ins.stage_next = -1
-    for q in prog.queues:
-        staged = [i for i in q if prog.instrs[i].stage[0] >= 0]
-        for a, b in zip(staged, staged[1:]):
-            prog.instrs[a].stage_next = b
 
 
 def report(prog: Program, top: int = 12) -> str:

@@ -191,7 +191,7 @@ def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rs
     sc = fold_lanes([acc[i] for i in range(16)], lane, (2, 1))  # heads 4 qd .. 4 qd + 3
     for k in cutlass.range_constexpr(4):
         g = qd * 4 + k
-        if g < G and kp < CH:  # 4 CH threads score the chunk; the CTA's others hold clamped copies, not stored
+        if g < G:
             v = Float32(NEG_INF)
             if kp < n:
                 v = sc[k] * scale
@@ -367,7 +367,6 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
 
 MLA_HB = 8  # the most heads an MLA_ATTN instruction holds (layers.py: HB = min(H, 8); kernel_check)
 assert NT % CH == 0 and (NT // CH) & (NT // CH - 1) == 0 and NT // CH <= 32  # MLA scores: lanes per position
-MLA_FOLDS = (NT // CH).bit_length() - 1  # the butterfly steps that add a position's NT / CH lanes
 
 
 @cute.jit
@@ -394,14 +393,14 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     init_stats(sm, tid, M, L, HB)
     cute.arch.sync_threads()
     lo, hi = split_bounds(s, S, pos)
-    KS = NT // CH  # threads a cached position (a power of 2), each 8-element chunks j, j + KS, ... of its row
+    KS = NT // CH  # 4 threads a cached position, each 8-element chunks j, j + KS, ... of its row
     acc = cute.make_rmem_tensor(MLA_HB, Float32)
     for c0 in cutlass.range(lo, hi, CH):
         n = cutlass.min(CH, hi - c0)
         # a thread per (position, k slice) scores every head of the instruction: each chunk of the cached row is
         # loaded once for the HB heads (a thread per (head, position) loads the row once per head, each task's 72
-        # chunks in 9 dependent trips of 8: 60.7 us an MLA_ATTN instruction at k3-mini batch 1 on the H200). The KS
-        # slices' sums meet by butterfly shuffles (a fixed order)
+        # chunks in 9 dependent trips of 8: 60.7 us an MLA_ATTN instruction at k3-mini batch 1 on the H200). The 4
+        # slices' sums meet by two butterfly shuffles (a fixed order)
         p, j = tid // KS, tid % KS
         for hh in cutlass.range_constexpr(MLA_HB):
             acc[hh] = Float32(0.0)
@@ -417,8 +416,8 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                     acc[hh] += dot8(kv, sm8(sm, QP + cutlass.min(hh, HB - 1) * R + k))
         for hh in cutlass.range_constexpr(MLA_HB):
             v = acc[hh]
-            for o in cutlass.range_constexpr(MLA_FOLDS):  # every lane: full-mask shuffles within the
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << o)  # position's KS lanes
+            for o in cutlass.range_constexpr(2):  # every lane: full-mask shuffles within the position's 4 lanes
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << o)
             if j == 0 and hh < HB:
                 sc = Float32(NEG_INF)
                 if p < n:

@@ -10,21 +10,16 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported for the bodies)
     _g, from_bits, ldf, ldi, ldi64, ldu8, sigmoid, silu, situ, sti, stf, warp_argmax, warp_max, warp_sum,
 )
-from ..isa import HEADER, OPS, PASS, ROW, SLOT_BYTES, SLOTS, TLW
+from ..isa import HEADER, OPS, PASS, ROW, TLW
 
-NT = 512  # threads per CTA: one CTA an SM, its shared memory mostly the ring
+NT = 256  # threads per CTA
 NW = NT // 32
 TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
 SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
 SMEM_I = 2048  # int32 words (8 KiB)
-RING_BYTES = SLOTS * SLOT_BYTES  # the ring of staged weights (cute_kernel.py), after the working space
-SMEM_BYTES = 4 * (SMEM_F + SMEM_I) + RING_BYTES + 8 * SLOTS + 256  # with the slots' mbarriers and alignment
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
-# the ring's words (cute_kernel.py): [0] staged instructions the CTA finished (thread 0), [1] staged instructions
-# whose copies were issued and [2] the next to issue, -1: none (the issuer), [3] the current instruction's slot (its
-# shared-memory byte address; -1: not staged), which a body reading the ring takes
-RING_S = SMEM_I - 24
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
 NEG_INF = float("-inf")
@@ -142,15 +137,6 @@ def ld8raw(dtype: Constexpr, addr: Int64):
 
 
 @cute.jit
-def ld8w(dtype: Constexpr, addr: Int64, SRC: Constexpr):
-    """ld8raw of weights: from shared memory at byte address addr (a ring slot) when SRC, else from global memory."""
-    if cutlass.const_expr(SRC):
-        return cute.make_tensor(cute.make_ptr(dtype, Int32(addr), cute.AddressSpace.smem, assumed_align=16),
-                                cute.make_layout(8)).load()
-    return cute.make_tensor(_g(addr, dtype, 16), cute.make_layout(8)).load()
-
-
-@cute.jit
 def ld4bf(addr: Int64):
     """4 consecutive bf16 (8-byte aligned) as fp32."""
     return cute.make_tensor(_g(addr, BFloat16, 8), cute.make_layout(4)).load().to(Float32)
@@ -248,37 +234,3 @@ def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: C
             sm[AL + g] = alpha
             sm[L + g] = sm[L + g] * alpha + tot
             sm[M + g] = m_new
-
-
-# ---- the ring (cute_kernel.py): static weights copied into shared memory by the copy engine ------------------------
-@cute.jit
-def bulk_copy(dst: Int32, src: Int64, nbytes: Int32, mbar: Int32):
-    """cp.async.bulk of nbytes (a multiple of 16, both ends 16-byte aligned) of static weights at global src into
-    shared dst, completing as transaction bytes on the mbarrier at shared mbar."""
-    cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, "
-                         "[{$r3}];", read_only_args=[dst, src, nbytes, mbar])
-
-
-@cute.jit
-def expect_tx(mbar: Int32, nbytes: Int32):
-    """Arrive on the mbarrier (arrival count 1) expecting nbytes of transactions: its phase completes when they land."""
-    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[mbar, nbytes])
-
-
-@cute.jit
-def phase_done(mbar: Int32, parity: Int32) -> Int32:
-    """1 once the mbarrier's phase of this parity completed (mbarrier.try_wait.parity, acquire at CTA scope: the
-    copies' bytes are visible to the caller after it; it may suspend the thread a while)."""
-    return cute.arch.inline_ptx("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
-                                "selp.b32 {$w0}, 1, 0, p; }", write_only_types=[Int32], read_only_args=[mbar, parity])
-
-
-@cute.jit
-def slot_wait(mbar: Int32, parity: Int32, max_tries: Int32) -> Int32:
-    """Wait, bounded, for a slot's copies (its mbarrier's phase of this parity); 1 if they landed."""
-    ok = phase_done(mbar, parity)
-    tries = Int32(0)
-    while ok == 0 and tries < max_tries:
-        ok = phase_done(mbar, parity)
-        tries += 1
-    return ok

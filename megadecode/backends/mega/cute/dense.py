@@ -12,7 +12,6 @@ from .base import (
     NEG_INF,
     NT,
     NW,
-    RING_S,
     SMEM_F,
     TB,
     arg,
@@ -25,7 +24,7 @@ from .base import (
     ia,
     ld4u32,
     ld8,
-    ld8w,
+    ld8raw,
     ldf,
     ldi,
     mark,
@@ -42,21 +41,19 @@ from .base import (
 
 @cute.jit
 def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, gaddr: Int64, xa: cute.Tensor,
-             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr,
-             SRC: Constexpr = False):
+             xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr):
     """Chunks of 8 columns at k0, k0 + 256, ... (one per entry of wq / uq: raw 16-bit loads of a warp's row(s)) against
     its tokens: the norm weight folded into the rows once for every token (rstd after the sum), then each token's
     x (+ x2) dotted with both rows (GLU: gate and up), chunk after chunk in k order. Every chunk's rows are used in
     the first token's block, so the loads stay ahead of the tokens' branches (the compiler sinks a load used only
-    after them to its use, which leaves one chunk's loads in flight at a time). SRC (the staged batch-1 rows,
-    stage_x): xa[0] is the shared-memory byte address of the token's x (+ x2) already times the norm weight."""
+    after them to its use, which leaves one chunk's loads in flight at a time)."""
     WU = len(wq)
     ws = []
     us = []
     for u in cutlass.range_constexpr(WU):
         wv = wq[u].to(Float32)
         uv = uq[u].to(Float32)
-        if norm and not SRC:
+        if norm:
             gv = ld8(BFloat16, gaddr + Int64(k0 + u * 256) * 2)
             wv = wv * gv
             uv = uv * gv
@@ -66,12 +63,9 @@ def rows_mac(acc: cute.Tensor, acu: cute.Tensor, wq: list, uq: list, k0: Int32, 
         if t0 + j < B:
             for u in cutlass.range_constexpr(WU):
                 k = k0 + u * 256
-                if cutlass.const_expr(SRC):
-                    xv = ld8w(Float32, xa[j] + Int64(k) * 4, True)
-                else:
-                    xv = ld8(Float32, xa[j] + Int64(k) * 4)
-                    if has_x2:
-                        xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
+                xv = ld8(Float32, xa[j] + Int64(k) * 4)
+                if has_x2:
+                    xv = xv + ld8(Float32, xb[j] + Int64(k) * 4)
                 acc[j] += dot8(ws[u], xv)
                 if cutlass.const_expr(glu):
                     acu[j] += dot8(us[u], xv)
@@ -86,22 +80,21 @@ WU1 = 4  # the same for one token (batch 1): the registers of the other tokens' 
 @cute.jit
 def row_sums(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32, lane: Int32,
              gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32, B: Int32, norm, has_x2, TT: Constexpr,
-             glu: Constexpr, NU: Constexpr, SRC: Constexpr = False):
+             glu: Constexpr, NU: Constexpr):
     """row_sums_range over all K columns."""
-    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU,
-                   SRC)
+    row_sums_range(acc, acu, w0, w1, r, r1, K, Int32(0), K, lane, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, NU)
 
 
 @cute.jit
 def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: Int32, r1: Int32, K: Int32,
                    kb: Int32, ke: Int32, lane: Int32, gaddr: Int64, xa: cute.Tensor, xb: cute.Tensor, t0: Int32,
-                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr, SRC: Constexpr = False):
+                   B: Int32, norm, has_x2, TT: Constexpr, glu: Constexpr, NU: Constexpr):
     """A warp's lane sums of row r (MATVEC: rows r and r + 1, the second clamped to r1 - 1 and not stored past it;
     GLU: gate and up rows r) against tokens t0 .. t0 + TT - 1, NU chunks of 256 columns per iteration with their
     weight loads issued together before the tokens' branches split the block: 2 x NU x 16 B per lane in flight.
     One chunk at a time (1 KB per warp) holds a CTA near 9 GB/s at ~1 us of latency (a fit to an H200 timeline).
     Chunks in k order, so the sums do not depend on NU; the columns past the last full group of NU chunks take the
-    one-chunk loop. SRC: w0 and w1 are shared-memory byte addresses (a ring slot), else global ones."""
+    one-chunk loop."""
     wrow = w0 + Int64(r) * Int64(K) * 2
     urow = w1 + Int64(r) * Int64(K) * 2
     if cutlass.const_expr(not glu):
@@ -111,12 +104,12 @@ def row_sums_range(acc: cute.Tensor, acu: cute.Tensor, w0: Int64, w1: Int64, r: 
         wq = []
         uq = []
         for u in cutlass.range_constexpr(NU):
-            wq.append(ld8w(BFloat16, wrow + Int64(k0 + u * 256) * 2, SRC))
-            uq.append(ld8w(BFloat16, urow + Int64(k0 + u * 256) * 2, SRC))  # GLU: up row; MATVEC: 2nd row
-        rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, SRC)
+            wq.append(ld8raw(BFloat16, wrow + Int64(k0 + u * 256) * 2))
+            uq.append(ld8raw(BFloat16, urow + Int64(k0 + u * 256) * 2))  # GLU: up row; MATVEC: 2nd row
+        rows_mac(acc, acu, wq, uq, k0, gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
     for k in cutlass.range(kmain + lane * 8, ke, 256, unroll=4):
-        rows_mac(acc, acu, [ld8w(BFloat16, wrow + Int64(k) * 2, SRC)], [ld8w(BFloat16, urow + Int64(k) * 2, SRC)], k,
-                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu, SRC)
+        rows_mac(acc, acu, [ld8raw(BFloat16, wrow + Int64(k) * 2)], [ld8raw(BFloat16, urow + Int64(k) * 2)], k,
+                 gaddr, xa, xb, t0, B, norm, has_x2, TT, glu)
 
 
 @cute.jit
@@ -305,126 +298,6 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
     cute.arch.sync_threads()
 
 
-XS = 64  # stage_x's shared fp32 words (after the k slices' sums, below RSTD_PART): at most isa.XS_MAX
-
-
-@cute.jit
-def stage_x(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, has_x2, gaddr: Int64, norm, K: Int32,
-            eps: Float32, tid: Int32):
-    """The batch-1 token's input x (+ x2) into shared memory words XS .. XS + K, times the norm weight when the
-    instruction norms (its rstd, from the same loads, into RSTD), every thread 8 columns at a time: one global trip
-    for the CTA, where each warp's row loop would load x per chunk (every call: two barriers)."""
-    warp, lane = tid // 32, tid % 32
-    ss = Float32(0.0)
-    for k in cutlass.range(tid * 8, K, NT * 8):
-        xv = ld8(Float32, fa(fb, x_off + k))
-        if has_x2:
-            xv = xv + ld8(Float32, fa(fb, x2_off + k))
-        ss += dot8(xv, xv)
-        if norm:
-            xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
-        cute.make_tensor(sm.iterator + XS + k, cute.make_layout(8)).store(xv)
-    ss = warp_sum(ss)
-    if lane == 0:
-        sm[RSTD_PART + warp] = ss
-    cute.arch.sync_threads()
-    if tid == 0 and norm:  # the partials in warp order: the same sum every launch
-        tot = Float32(0.0)
-        for w in cutlass.range_constexpr(NW):
-            tot += sm[RSTD_PART + w]
-        sm[RSTD] = cute.math.rsqrt(tot / Float32(K) + eps)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def rows_b1(sm: cute.Tensor, smi: cute.Tensor, idx: Int32, fb: Int64, tid: Int32, w0: Int64, w1: Int64, r0: Int32,
-            r1: Int32, K: Int32, gaddr: Int64, x_off: Int32, x2_off: Int32, x_stride: Int32, has_x2, norm,
-            eps: Float32, flags: Int32, out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32,
-            RS: Constexpr, RP: Constexpr, glu: Constexpr, SRC: Constexpr):
-    """op_rows at batch 1: rows [r0, r1) of w0 (GLU: gate rows of w0, up rows of w1) against the one token. SRC:
-    the rows are in the instruction's ring slot (w0, w1 shared-memory byte addresses of rows 0) and the token's
-    input is put beside them (stage_x), so the row loop makes no global trip; else both are in global memory."""
-    warp, lane = tid // 32, tid % 32
-    B = Int32(1)
-    # one token (a batch-1 step, the headline case): WU1 chunks' weight loads in flight per warp, in the
-    # registers the other tokens' sums and x take at TT tokens (a fit to an H200 timeline: ~10 GB/s per CTA with
-    # 2 chunks in flight, bytes in flight per SM being the limit). Same k order per row, so the same sums
-    acc1 = cute.make_rmem_tensor(RP, Float32)
-    acu1 = cute.make_rmem_tensor(1, Float32)
-    xa1 = cute.make_rmem_tensor(1, Int64)
-    xb1 = cute.make_rmem_tensor(1, Int64)
-    xa1[0] = fa(fb, x_off)
-    xb1[0] = fa(fb, x2_off)
-    if cutlass.const_expr(SRC):  # the rows in shared memory: the token's input beside them, normed, once
-        stage_x(sm, fb, x_off, x2_off, has_x2, gaddr, norm, K, eps, tid)
-        xa1[0] = Int64(sm.iterator.toint() + XS * 4)
-    nu = (r1 - r0 + RP - 1) // RP  # the warps' row units (MATVEC: pairs)
-    ks = 1
-    if nu < NW:  # fewer units than warps: each unit's columns split over ks warps, each slice >= 1024 columns
-        ks = cutlass.min(NW // nu, cutlass.max(K // 1024, 1))
-    if ks == 1:
-        for it in cutlass.range((nu + NW - 1) // NW):  # rounds of NW units, the same count on every warp
-            r = r0 + (it * NW + warp) * RP
-            if r < r1:
-                for j in cutlass.range_constexpr(RP):
-                    acc1[j] = Float32(0.0)
-                acu1[0] = Float32(0.0)
-                row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2,
-                         1, glu, WU1, SRC)
-                if tid == 0 and it == 0:
-                    mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
-            if it == 0 and norm and not SRC:  # uniform over the CTA: the norm once the first round's loads flew
-                norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
-            if r < r1:
-                store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off,
-                           out_stride, out_col, add0, add1, RS, 1, RP, glu)
-        if tid == 0:
-            mark(smi, idx, 2)  # thread 0's rows summed and stored (no slices: marks 2 and 3 together)
-            mark(smi, idx, 3)
-    else:
-        # k slices (an instruction of fewer rows than warps x RP, the builder's 8-row tiles at batch 1: twice
-        # the CTAs on a phase, half the dependent trips per warp). Slice sl of unit u: columns
-        # [sl K / ks, (sl + 1) K / ks) in multiples of 8; the slices' sums meet in shared memory words
-        # 0 .. NW * (RP + 1) and are added in slice order: fixed slices and order, the result timing-free
-        u, sl = warp % nu, warp // nu
-        r = r0 + u * RP
-        if sl < ks:  # uniform over the warp
-            for j in cutlass.range_constexpr(RP):
-                acc1[j] = Float32(0.0)
-            acu1[0] = Float32(0.0)
-            kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
-            row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
-                           has_x2, 1, glu, WU1, SRC)
-            if tid == 0:
-                mark(smi, idx, 1)  # thread 0's slice summed
-            for j in cutlass.range_constexpr(RP):
-                tot = warp_sum(acc1[j])
-                if lane == 0:
-                    sm[(sl * nu + u) * (RP + 1) + j] = tot
-            if cutlass.const_expr(glu):
-                tot = warp_sum(acu1[0])
-                if lane == 0:
-                    sm[(sl * nu + u) * (RP + 1) + RP] = tot
-        if norm and not SRC:  # uniform over the CTA: the norm once the slices' loads flew
-            norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
-        cute.arch.sync_threads()
-        if tid == 0:
-            mark(smi, idx, 2)  # every slice summed
-        if sl == 0 and lane == 0:
-            for j in cutlass.range_constexpr(RP):
-                t = Float32(0.0)
-                tu = Float32(0.0)
-                for q in cutlass.range(ks):
-                    t += sm[(q * nu + u) * (RP + 1) + j]
-                    tu += sm[(q * nu + u) * (RP + 1) + RP]
-                if r + j < r1:
-                    store_one(t, tu, r + j, Int32(0), sm, fb, flags, norm, out_off, out_stride, out_col, add0,
-                              add1, RS, glu)
-        if tid == 0:
-            mark(smi, idx, 3)  # its unit's rows stored
-        cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
-
-
 @cute.jit
 def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
             tid: Int32, glu: Constexpr):
@@ -464,14 +337,80 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
     RP = 1 if glu else 2
     TT = TB if glu else 2 * TB  # tokens per pass over the rows: MATVEC reads each weight once up to 8 tokens
     if B == 1:
-        slot = smi[RING_S + 3]  # the instruction's ring slot (cute_kernel.py), -1: not staged
-        if slot >= 0:  # its rows were copied there ahead of the wait, gate rows then up rows (kernel_check)
-            ws = Int64(slot) - Int64(r0) * Int64(K) * 2
-            rows_b1(sm, smi, idx, fb, tid, ws, ws + Int64(r1 - r0) * Int64(K) * 2, r0, r1, K, gaddr, x_off, x2_off,
-                    x_stride, has_x2, norm, eps, flags, out_off, out_stride, out_col, add0, add1, RS, RP, glu, True)
+        # one token (a batch-1 step, the headline case): WU1 chunks' weight loads in flight per warp, in the
+        # registers the other tokens' sums and x take at TT tokens (a fit to an H200 timeline: ~10 GB/s per CTA with
+        # 2 chunks in flight, bytes in flight per SM being the limit). Same k order per row, so the same sums
+        acc1 = cute.make_rmem_tensor(RP, Float32)
+        acu1 = cute.make_rmem_tensor(1, Float32)
+        xa1 = cute.make_rmem_tensor(1, Int64)
+        xb1 = cute.make_rmem_tensor(1, Int64)
+        xa1[0] = fa(fb, x_off)
+        xb1[0] = fa(fb, x2_off)
+        nu = (r1 - r0 + RP - 1) // RP  # the warps' row units (MATVEC: pairs)
+        ks = 1
+        if nu < NW:  # fewer units than warps: each unit's columns split over ks warps, each slice >= 1024 columns
+            ks = cutlass.min(NW // nu, cutlass.max(K // 1024, 1))
+        if ks == 1:
+            for it in cutlass.range((nu + NW - 1) // NW):  # rounds of NW units, the same count on every warp
+                r = r0 + (it * NW + warp) * RP
+                if r < r1:
+                    for j in cutlass.range_constexpr(RP):
+                        acc1[j] = Float32(0.0)
+                    acu1[0] = Float32(0.0)
+                    row_sums(acc1, acu1, w0, w1, r, r1, K, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm, has_x2,
+                             1, glu, WU1)
+                    if tid == 0 and it == 0:
+                        mark(smi, idx, 1)  # thread 0's first row sums (its loads landed)
+                if it == 0 and norm:  # uniform over the CTA: the norm once the first round's loads flew
+                    norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
+                if r < r1:
+                    store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off,
+                               out_stride, out_col, add0, add1, RS, 1, RP, glu)
+            if tid == 0:
+                mark(smi, idx, 2)  # thread 0's rows summed and stored (no slices: marks 2 and 3 together)
+                mark(smi, idx, 3)
         else:
-            rows_b1(sm, smi, idx, fb, tid, w0, w1, r0, r1, K, gaddr, x_off, x2_off, x_stride, has_x2, norm, eps,
-                    flags, out_off, out_stride, out_col, add0, add1, RS, RP, glu, False)
+            # k slices (an instruction of fewer rows than warps x RP, the builder's 8-row tiles at batch 1: twice
+            # the CTAs on a phase, half the dependent trips per warp). Slice sl of unit u: columns
+            # [sl K / ks, (sl + 1) K / ks) in multiples of 8; the slices' sums meet in shared memory words
+            # 0 .. NW * (RP + 1) and are added in slice order: fixed slices and order, the result timing-free
+            u, sl = warp % nu, warp // nu
+            r = r0 + u * RP
+            if sl < ks:  # uniform over the warp
+                for j in cutlass.range_constexpr(RP):
+                    acc1[j] = Float32(0.0)
+                acu1[0] = Float32(0.0)
+                kb, ke = (sl * (K // 8) // ks) * 8, ((sl + 1) * (K // 8) // ks) * 8
+                row_sums_range(acc1, acu1, w0, w1, r, r1, K, kb, ke, lane, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
+                               has_x2, 1, glu, WU1)
+                if tid == 0:
+                    mark(smi, idx, 1)  # thread 0's slice summed
+                for j in cutlass.range_constexpr(RP):
+                    tot = warp_sum(acc1[j])
+                    if lane == 0:
+                        sm[(sl * nu + u) * (RP + 1) + j] = tot
+                if cutlass.const_expr(glu):
+                    tot = warp_sum(acu1[0])
+                    if lane == 0:
+                        sm[(sl * nu + u) * (RP + 1) + RP] = tot
+            if norm:  # uniform over the CTA: the norm once the slices' loads flew
+                norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
+            cute.arch.sync_threads()
+            if tid == 0:
+                mark(smi, idx, 2)  # every slice summed
+            if sl == 0 and lane == 0:
+                for j in cutlass.range_constexpr(RP):
+                    t = Float32(0.0)
+                    tu = Float32(0.0)
+                    for q in cutlass.range(ks):
+                        t += sm[(q * nu + u) * (RP + 1) + j]
+                        tu += sm[(q * nu + u) * (RP + 1) + RP]
+                    if r + j < r1:
+                        store_one(t, tu, r + j, Int32(0), sm, fb, flags, norm, out_off, out_stride, out_col, add0,
+                                  add1, RS, glu)
+            if tid == 0:
+                mark(smi, idx, 3)  # its unit's rows stored
+            cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
     elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
         tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
                 out_off, out_stride, out_col, add0, add1, RS, glu)
