@@ -165,6 +165,8 @@ def test_megadecode_serve_command():
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-seq-len", "100000"], "max_seq_len 100000 is outside [1, 512]"),
     (["--model", "no-such-model"], "'no-such-model' is neither a preset"),
+    (["--api-key", ""], "--api-key must be a non-empty key without surrounding spaces"),
+    (["--api-key", " key"], "--api-key must be a non-empty key without surrounding spaces"),
 ])
 def test_serve_flags_errors(capsys, argv, text):
     from megadecode.cli import main

@@ -1,5 +1,6 @@
 """The HTTP layer (FastAPI on uvicorn): OpenAI's /v1/completions and /v1/chat/completions (server-sent events
-when `stream`), /v1/models, /health and /metrics.
+when `stream`), /v1/models, /health and /metrics; vLLM's /tokenize, /detokenize and /version. With an API key
+(`--api-key`) every route but /health answers 401 unless the request carries `Authorization: Bearer <key>`.
 
 A handler checks the request (protocol.py: 400 with an OpenAI-style error body), queues it (429 when the queue
 is full), then turns the deltas the engine loop sends into text (text.py) and a response. A client that leaves
@@ -11,6 +12,7 @@ handler becomes a 500 for that request alone.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -24,7 +26,8 @@ from starlette.exceptions import HTTPException
 
 from ..scheduler import QueueFull
 from ..sequence import ERROR, STOP
-from .protocol import APIError, parse_json, parse_request
+from .. import __version__
+from .protocol import APIError, parse_detokenize, parse_json, parse_request, parse_tokenize
 from .server import Server
 from .text import TextStream
 
@@ -42,9 +45,26 @@ def _dump(doc: dict) -> str:
     return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
-def build_app(server: Server, max_body_bytes: int | None = None) -> FastAPI:
+def build_app(server: Server, max_body_bytes: int | None = None, api_key: str | None = None) -> FastAPI:
+    """`api_key`: what every request but GET /health must present as `Authorization: Bearer <key>` (None: none)."""
     app = FastAPI(title="megadecode", docs_url=None, redoc_url=None, openapi_url=None)
     limit = max_body_bytes or max(1 << 20, 64 * server.max_seq_len)
+
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("the API key is empty")
+        want = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            if request.url.path == "/health":
+                return await call_next(request)
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, want):  # the same time whatever prefix matches
+                why = "no API key given" if not got else "the API key is not this server's"
+                return error_response(APIError(f"{why}: send Authorization: Bearer <key>", status=401,
+                                               code="invalid_api_key"))
+            return await call_next(request)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -77,6 +97,28 @@ def build_app(server: Server, max_body_bytes: int | None = None) -> FastAPI:
             return error_response(APIError(f"model {model!r} is not served here; this server serves "
                                            f"{server.model_name!r}", "model", status=404, code="model_not_found"))
         return card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            tokens = parse_tokenize(parse_json(await _read_body(request, limit)), model=server.model_name,
+                                    tokenizer=server.tokenizer)
+        except APIError as e:
+            return error_response(e)
+        return {"count": len(tokens), "max_model_len": server.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            tokens = parse_detokenize(parse_json(await _read_body(request, limit)), model=server.model_name,
+                                      vocab=server.vocab_size)
+        except APIError as e:
+            return error_response(e)
+        return {"prompt": server.tokenizer.decode(tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

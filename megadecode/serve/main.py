@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -17,7 +18,7 @@ SWITCH_INTERVAL_S = 0.0005
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API, with continuous batching",
                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
-                                   "/health, /metrics). Requests join and leave the running decode batch between "
+                                   "/health, /metrics, /tokenize, /detokenize, /version). Requests join and leave the running decode batch between "
                                    "steps; every decode graph is compiled and captured at startup. Needs the serve "
                                    "extra: pip install -e '.[serve]'.")
     p.add_argument("--model", default="tiny-qwen3-moe", help=f"preset ({', '.join(sorted(PRESETS))}), checkpoint "
@@ -47,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf, naming them")
     p.add_argument("--ignore-unknown-tensors", action="store_true",
                    help="load a checkpoint that holds tensors the model does not use, with a warning naming them")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require Authorization: Bearer KEY on every route but /health (default: the "
+                        "MEGADECODE_API_KEY environment variable; neither: no key)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="uvicorn's log level (info logs every request)")
     ranks.add_args(p)
@@ -54,6 +58,10 @@ def add_parser(sub) -> None:
 
 
 def check_args(args) -> None:
+    if args.api_key is None:
+        args.api_key = os.environ.get("MEGADECODE_API_KEY") or None
+    if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip()):
+        raise ValueError("--api-key must be a non-empty key without surrounding spaces")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
@@ -180,12 +188,14 @@ def _serve(args, server, sock, build_app, tqdm, uvicorn) -> int:
     host, port = sock.getsockname()[:2]
     cold = f"{server.cold_start_s:.1f} s" if server.cold_start_s is not None else "unknown"
     where = f", {args.ep} ranks" if args.ep > 1 else ""
+    where += ", API key required" if args.api_key else ""
     print(f"megadecode: serving {name!r} ({args.executor}, {args.device}, {args.dtype}{where}) at "
           f"http://{host}:{port}/v1; "
           f"max batch {server.max_batch}, context {server.max_seq_len}; {server.graphs} decode graphs captured; "
           f"warm-up {server.warmup_s:.1f} s; cold start (process start to first token) {cold}", file=sys.stderr,
           flush=True)
-    config = uvicorn.Config(build_app(server), log_level=args.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(build_app(server, api_key=args.api_key), log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again

@@ -181,13 +181,58 @@ def chat_messages(doc: dict) -> list[dict]:
     return out
 
 
-def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, max_seq_len: int,
-                  eos_ids: tuple[int, ...]) -> Request:
+def _model(doc: dict, model: str, required: bool = True) -> None:
     if doc.get("model") is None:
-        raise APIError(f"model is missing; this server serves {model!r}", "model")
+        if required:
+            raise APIError(f"model is missing; this server serves {model!r}", "model")
+        return
     if doc.get("model") != model:  # 404, as OpenAI and vLLM answer
         raise APIError(f"model {doc.get('model')!r} is not served here; this server serves {model!r}", "model",
                        status=404, code="model_not_found")
+
+
+def _only(doc: dict, taken: set[str], what: str) -> None:
+    for key, v in doc.items():
+        if key not in taken and v is not None:
+            raise APIError(f"{key} is not taken by {what} (it takes {', '.join(sorted(taken))})", key,
+                           code="unsupported")
+
+
+def parse_tokenize(doc: dict, *, model: str, tokenizer) -> list[int]:
+    """POST /tokenize (vLLM's): `prompt` (a string, tokenized as a completion's prompt is, or with
+    add_special_tokens false without the BOS) or `messages` (through the chat template, as a chat request's);
+    `model` optional, and when given, the served one."""
+    _only(doc, {"model", "prompt", "messages", "add_special_tokens"}, "/tokenize")
+    _model(doc, model, required=False)
+    has_p, has_m = doc.get("prompt") is not None, doc.get("messages") is not None
+    if has_p == has_m:
+        raise APIError("give exactly one of prompt (a string) and messages", "prompt" if has_p else "messages")
+    if has_m:
+        if doc.get("add_special_tokens") is not None:
+            raise APIError("add_special_tokens applies to a prompt; messages take the chat template's tokens",
+                           "add_special_tokens")
+        try:
+            return chat_prompt(tokenizer, chat_messages(doc))
+        except ChatError as e:
+            raise APIError(str(e), "messages") from None
+    p = doc["prompt"]
+    if not isinstance(p, str):
+        raise APIError(f"prompt must be a string, got {type(p).__name__}", "prompt")
+    return tokenizer.encode(p, add_bos=_bool(doc, "add_special_tokens", True))
+
+
+def parse_detokenize(doc: dict, *, model: str, vocab: int) -> list[int]:
+    """POST /detokenize (vLLM's): `tokens`, ids in the vocabulary; `model` optional, and when given, the served one."""
+    _only(doc, {"model", "tokens"}, "/detokenize")
+    _model(doc, model, required=False)
+    if doc.get("tokens") is None:
+        raise APIError("tokens is missing (a list of token ids)", "tokens")
+    return _token_ids(doc["tokens"], "tokens", vocab)
+
+
+def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, max_seq_len: int,
+                  eos_ids: tuple[int, ...]) -> Request:
+    _model(doc, model)
     _unsupported(doc, chat)
     if chat:
         try:
