@@ -3,7 +3,8 @@
 Each CTA (NT threads) runs its queue in order. For every instruction: thread 0 spins on the counters it waits on
 (`wait_counter`: `ld.acquire.gpu`, bounded: on a timeout it records the instruction, counter and value in `err`,
 sets the abort flag that every spinner also polls, and the launch drains), then a block barrier; the opcode's
-body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
+body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `fence.acq_rel.gpu`, then
+`atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
 writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent `ld.global` after the
 acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
 non-coherent path, which the static audit proves per load site reads only wtab's tensors (backends/mega/spec.py,
@@ -99,17 +100,14 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
 @cute.jit
 def order_body_stores():
     """Between an instruction's body and its signal: a block barrier, so every thread's stores are done before
-    thread 0's release publishes them."""
+    thread 0's fence and release publish them."""
     cute.arch.sync_threads()
 
 
 @cute.jit
 def signal(ctr: cute.Tensor, sig: Int32):
-    """Thread 0, after order_body_stores: the release add (`atom.add.release.gpu`) that consumers acquire. Its
-    release orders the stores the block barrier ordered before it, as a fence then a relaxed add would (both are
-    the PTX memory model's release pattern); a fence before it as well was a second gpu-scope membar on every
-    instruction: without it, launches 0.4-1.7% faster on the H200 at qwen3-30b-a3b and k3-mini batch 1 and 8
-    (bench/mega_sync_ab.py, docs/megakernel.md)."""
+    """Thread 0, after order_body_stores: a gpu-scope fence, then the release add that consumers acquire."""
+    cute.arch.fence_acq_rel_gpu()
     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
 
