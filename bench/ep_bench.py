@@ -29,7 +29,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadecode.measure import git_sha, int_list
+from megadecode.args import int_list
+from megadecode.measure import git_sha
 from megadecode.parallel import group
 from megadecode.parallel.combine import ALL_GATHER, MODES, REDUCE_SCATTER, gather_combine, modes_path, scatter_combine
 from megadecode.parallel.combine import sum_in_rank_order

@@ -34,12 +34,11 @@ import torch
 from . import ranks
 from .config import ModelConfig
 from .engine import Engine, resolve_dtype
+from .args import int_list, seed_arg
 from .measure import (
     HBM_READ_BPS,
     default_out,
     environment,
-    int_list,
-    seed_arg,
     write_result,
 )
 from .plan import ROUTER
@@ -209,8 +208,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="time decode steps per executor and batch on the GPU (MBU vs HBM floor)",
+def add_parser(sub, help_: str) -> None:
+    """The bench command's parser (`help_`: its line in `megadecode --help`, cli.HEAVY_COMMANDS)."""
+    p = sub.add_parser("bench", help=help_,
                        description="Time decode steps on the GPU with random weights and a filled cache; "
                                    "report ms/step, tokens/s and MBU against the HBM read floor.")
     p.add_argument("--preset", required=True,

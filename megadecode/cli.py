@@ -23,30 +23,46 @@ import sys
 import threading
 import warnings
 
-import torch
-
-from . import bench, ranks, tune
-from .checkpoint import CheckpointError, make_checkpoint
-from .config import ConfigError
-from .engine import Engine, NonFiniteError, RequestError, model_config, resolve_dtype
-from .backends import EXECUTORS
-from .backends.auto import resolve_executor
-from .hub import resolve_model
-from .backends.fused.kernels import require_triton
-from .measure import seed_arg
-from .parallel.group import RankFailed, agree, stuck_teardown
+from . import ranks
+from .args import seed_arg
+from .config.registry import EXECUTOR_NAMES
 from .presets import PRESETS
-from .sampling import GREEDY_BELOW, SamplingParams
-from .tokenizer import load_tokenizer
 from .serve import main as serve_command
-from .validate import command as validate_command
 
+# Building the parsers imports no torch (`megadecode --help` answers at once): the commands' own modules, and what
+# they need, are imported when a command runs; bench, validate and tune (whose modules import torch) are added only
+# when named or when every parser is built (build_parser without argv).
+# name -> (module with add_parser(sub, help) and the command, its one-line help)
+HEAVY_COMMANDS = {
+    "bench": ("megadecode.bench", "time decode steps per executor and batch on the GPU (MBU vs HBM floor)"),
+    "validate": ("megadecode.validate.command", "validate an op variant against the torch reference"),
+    "tune": ("megadecode.tune", "sweep a kernel's launch parameters on the GPU; store the best as JSON"),
+}
+COMMANDS = ("generate", "serve", "make-checkpoint", "bench", "validate", "tune")
 DEFAULT_PROMPT = "Hello, megadecode!"
-# What a user can get wrong; anything else is a bug and keeps its traceback. Out of memory past the up-front
-# check (memory.check_fits) is the user's to fix too (a smaller batch, context or dtype).
-# A failure that the ranks of expert parallelism agreed on (RankFailed) is reported once, by rank 0.
-USER_ERRORS = (ConfigError, CheckpointError, RequestError, FileNotFoundError, ValueError, torch.OutOfMemoryError,
-               RankFailed)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a user can get wrong; anything else is a bug and keeps its traceback. Out of memory past the up-front
+    check (memory.check_fits) is the user's to fix too (a smaller batch, context or dtype). A failure that the
+    ranks of expert parallelism agreed on (RankFailed) is reported once, by rank 0. (Imported when an error is
+    caught: by then the command ran, and torch is loaded.)"""
+    import torch
+
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .engine import RequestError
+    from .parallel.group import RankFailed
+
+    return (ConfigError, CheckpointError, RequestError, FileNotFoundError, ValueError, torch.OutOfMemoryError,
+            RankFailed)
+
+
+def agree(*args, **kw):
+    """parallel.group.agree, imported on use (a test replaces this name)."""
+    from .parallel.group import agree as run
+
+    return run(*args, **kw)
 
 
 class Parser(argparse.ArgumentParser):
@@ -100,7 +116,7 @@ def _add_generate(sub) -> None:
                    help="tokens to generate per prompt (sequences stop early at EOS)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and cache dtype")
-    p.add_argument("--executor", choices=["auto", *sorted(EXECUTORS)], default="auto",
+    p.add_argument("--executor", choices=["auto", *EXECUTOR_NAMES], default="auto",
                    help="how the decode step runs (README, Executors); auto: torch on the CPU, on a GPU the fastest "
                         "validated for the model at this batch from a measured table (named in one line); fused "
                         "needs Triton (on the CPU only under TRITON_INTERPRET=1)")
@@ -134,24 +150,43 @@ def _add_make_checkpoint(sub) -> None:
     p.set_defaults(func=cmd_make_checkpoint)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(argv: list[str]) -> str | None:
+    """The command argv names (its first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. With `argv`, bench, validate and tune get their flags (and their modules are
+    imported) only when argv names them; the others are listed with their help line alone. Without, every parser."""
+    import importlib
+
     parser = Parser(prog="megadecode", description="Decode engine for extremely sparse Mixture-of-Experts models.",
                     formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{generate,serve,make-checkpoint,bench,validate,tune}")
-    _add_generate(sub)
-    serve_command.add_parser(sub)
-    _add_make_checkpoint(sub)
-    bench.add_parser(sub)
-    validate_command.add_parser(sub)
-    tune.add_parser(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    chosen = None if argv is None else _command(argv)
+    for name in COMMANDS:
+        if name == "generate":
+            _add_generate(sub)
+        elif name == "serve":
+            serve_command.add_parser(sub)
+        elif name == "make-checkpoint":
+            _add_make_checkpoint(sub)
+        else:
+            module, help_ = HEAVY_COMMANDS[name]
+            if argv is None or chosen == name:
+                importlib.import_module(module).add_parser(sub, help_)
+            else:
+                sub.add_parser(name, help=help_)
     for p in sub.choices.values():  # add_parser takes no formatter from its parent
         p.formatter_class = HelpFormatter
     return parser
 
 
-def _sampling(args) -> SamplingParams:
+def _sampling(args):
     """SamplingParams from the flags, with errors that name the flags."""
+    from .engine import RequestError
+    from .sampling import GREEDY_BELOW, SamplingParams
+
     if not args.greedy and not (args.temperature >= 0 and math.isfinite(args.temperature)):
         raise RequestError(f"--temperature must be finite and >= 0 (0: argmax, as --greedy), got {args.temperature}")
     if 0 <= args.temperature < GREEDY_BELOW:  # the server's rule: 0 (or nearly) is greedy
@@ -167,7 +202,14 @@ def _sampling(args) -> SamplingParams:
 
 
 def cmd_generate(args, argv) -> int:
+    import torch
     from tqdm import tqdm
+
+    from .backends.auto import resolve_executor
+    from .backends.fused.kernels import require_triton
+    from .engine import NonFiniteError, RequestError, model_config
+    from .hub import resolve_model
+    from .tokenizer import load_tokenizer
 
     name, args.model = args.model, resolve_model(args.model)  # ORG/NAME: its snapshot in the local hub cache
 
@@ -228,6 +270,8 @@ def cmd_generate(args, argv) -> int:
 
 def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
     """Load the engine and generate; the engine (and its CUDA graphs) is freed when this returns."""
+    from .engine import Engine, NonFiniteError
+
     engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
                    executor=args.executor, seed=args.seed, check_finite=args.check_finite,
                    max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
@@ -245,6 +289,9 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
 
 
 def cmd_make_checkpoint(args, argv) -> int:
+    from .checkpoint import make_checkpoint
+    from .engine import resolve_dtype
+
     out = make_checkpoint(args.out, args.preset, seed=args.seed, dtype=resolve_dtype(args.dtype),
                           overwrite=args.overwrite)
     print(f"wrote {args.preset} checkpoint ({args.dtype}, seed {args.seed}) to {out}")
@@ -253,7 +300,8 @@ def cmd_make_checkpoint(args, argv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
-    if stuck_teardown():  # expert parallelism: NCCL's teardown hung (EPGroup.destroy); the interpreter's exit would
+    group = sys.modules.get("megadecode.parallel.group")  # loaded when a command ran with expert parallelism
+    if group is not None and group.stuck_teardown():  # expert parallelism: NCCL's teardown hung (EPGroup.destroy); the interpreter's exit would
         sys.stdout.flush()  # wait for it again
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
@@ -270,34 +318,46 @@ def _main(argv: list[str] | None) -> int:
         except (OSError, ValueError):  # stderr is not a file (captured, as under pytest): no stacks to print
             pass
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument (Parser.error printed it): the code, not an exception
         return e.code
     try:
         with warnings.catch_warnings():  # warnings (e.g. unknown checkpoint tensors) as one line each
             warnings.showwarning = _show_warning
             return args.func(args, argv)
-    except USER_ERRORS as e:
+    except Exception as e:
+        code = _report(e, args)
+        if code is None:  # a bug: its traceback
+            raise
+        return code
+
+
+def _report(e: Exception, args) -> int | None:
+    """A command's failure as one line and its exit code, or None when it is not one the user can fix."""
+    if isinstance(e, user_errors()):
+        from .parallel.group import RankFailed
+
         prefix = ranks.error_prefix()  # expert parallelism: who reports (ranks.py)
         if prefix is not None and not (isinstance(e, RankFailed) and prefix):
             print(f"megadecode: error: {prefix}{e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # expert parallelism: a collective failed because another rank is gone
+    if isinstance(e, RuntimeError):  # expert parallelism: a collective failed because another rank is gone
         lost = ranks.peer_failure(e)
         if lost is None:
-            raise
+            return None
         print(f"megadecode: error: {lost}", file=sys.stderr)
         return 1
-    except ModuleNotFoundError as e:  # an optional dependency this command needs
+    if isinstance(e, ModuleNotFoundError):  # an optional dependency this command needs
         if (e.name or "").split(".")[0] in serve_command.DEPS:  # `megadecode serve` without the serve extra
             print(f"megadecode: error: {e}", file=sys.stderr)
             return 2
         if (e.name or "").split(".")[0] != "triton":
-            raise
+            return None
         print(f"megadecode: error: {e}" if "install" in str(e) else
               f"megadecode: error: `megadecode {args.command}` needs Triton, which cannot be imported here ({e}); "
               f"install it with `pip install triton==3.6.0`", file=sys.stderr)
         return 2
+    return None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

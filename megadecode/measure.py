@@ -3,7 +3,6 @@ and file of a result, and the MoE-layer shapes they both run (`megadecode bench`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .engine import MAX_SEED
 from .hardware import HBM_READ_BPS  # noqa: F401  (re-exported: the benches' floor)
 from .quant.fp8 import FP8Tensor, scale_shape
 from .quant.mxfp4 import MXFP4Tensor
@@ -31,22 +29,6 @@ def graph_replay_ms(fn, calls: int = 1) -> float:
     with torch.cuda.graph(graph):
         fn()
     return float(do_bench(graph.replay)) / calls
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def seed_arg(text: str) -> int:
-    """argparse type of `--seed`: an integer in [0, 2**32 - 1] (torch generators take 64 bits, and generate
-    derives a seed per step from it: engine.MAX_SEED)."""
-    try:
-        seed = int(text)
-    except ValueError:
-        seed = None
-    if seed is None or not 0 <= seed <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}")
-    return seed
 
 
 def git_sha() -> str | None:

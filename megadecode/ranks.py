@@ -16,9 +16,11 @@ with gloo, at --dist-timeout with NCCL).
 
 from __future__ import annotations
 
-from .parallel import group, launch
-from .parallel.combine import ExpertParallel
-from .parallel.experts import ExpertShard
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # parallel's modules import torch: imported where used, so that `add_args` (the parsers' flags)
+    from .parallel import group  # does not wait for it
+    from .parallel.combine import ExpertParallel
 
 DEFAULT_TIMEOUT_S = 300.0
 _joined = False
@@ -34,6 +36,8 @@ def add_args(p) -> None:
 
 def check(cfg, ep: int) -> None:
     """--ep against the model: a positive divisor of its routed experts (parallel/experts.py says why)."""
+    from .parallel.experts import ExpertShard
+
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"--ep must be a positive integer, got {ep!r}")
     try:
@@ -44,15 +48,21 @@ def check(cfg, ep: int) -> None:
 
 def must_spawn(ep: int) -> bool:
     """Whether this process starts the ranks itself: --ep > 1 outside torchrun."""
+    from .parallel import group
+
     return ep > 1 and group.torchrun_env() is None
 
 
 def spawn(argv: list[str], ep: int) -> int:
+    from .parallel import launch
+
     return launch.spawn(argv, ep)
 
 
 def join(args) -> group.EPGroup | None:
     """Connect this rank to the others (None for one rank); from here on errors are this rank's own."""
+    from .parallel import group
+
     global _joined
     ep = group.init(args.ep, args.device, args.dist_timeout)
     _joined = ep is not None
@@ -65,6 +75,9 @@ def device(args, ep: group.EPGroup | None) -> str:
 
 
 def expert_parallel(ep: group.EPGroup | None, cfg) -> ExpertParallel | None:
+    from .parallel.combine import ExpertParallel
+    from .parallel.experts import ExpertShard
+
     if ep is None:
         return None
     name = None
@@ -78,6 +91,8 @@ def expert_parallel(ep: group.EPGroup | None, cfg) -> ExpertParallel | None:
 def error_prefix() -> str | None:
     """How this rank reports an error: "" on rank 0; "rank r: " on another rank once the ranks are connected; None
     (say nothing) before that, or for an agreed failure, which rank 0 reports."""
+    from .parallel import group
+
     r = group.rank()
     if r == 0:
         return ""
@@ -85,6 +100,8 @@ def error_prefix() -> str | None:
 
 
 def leader() -> bool:
+    from .parallel import group
+
     return group.rank() == 0
 
 
@@ -96,6 +113,8 @@ _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Timed o
 def peer_failure(e: BaseException) -> str | None:
     """The one-line report of a collective that failed because another rank stopped or hung, or None (not that)."""
     import torch.distributed as dist
+
+    from .parallel import group
 
     if not _joined or not isinstance(e, RuntimeError):
         return None

@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 
 from .backends.fused.kernels import tuning
+from .args import int_list, seed_arg
 from .measure import (
     HBM_READ_BPS,
     SHAPES,
     expert_weights,
     graph_replay_ms,
-    int_list,
-    seed_arg,
 )
 
 KERNELS = ("fused-experts", "grouped-experts")
@@ -68,8 +67,9 @@ def candidates(grid: dict = GRID):
         yield dict(zip(keys, values))
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="sweep a kernel's launch parameters on the GPU; store the best as JSON",
+def add_parser(sub, help_: str) -> None:
+    """The tune command's parser (`help_`: its line in `megadecode --help`, cli.HEAVY_COMMANDS)."""
+    p = sub.add_parser("tune", help=help_,
                        description="Sweep launch parameters per batch on the GPU, check each against the "
                                    "default config's output, time it, and merge the fastest into the "
                                    "kernel's tuning file (megadecode/backends/fused/kernels/configs/<kernel>/<gpu>.json).")

@@ -12,7 +12,7 @@ import pytest
 from megadecode.backends import EXECUTORS
 from megadecode.backends.base import Executor, ExecutorBase
 from megadecode.config import FAMILIES, REGISTRY
-from megadecode.config.registry import executor_refusal, families_for
+from megadecode.config.registry import EXECUTOR_NAMES, executor_refusal, families_for
 from megadecode.presets import preset_config
 from test_layering import PKG, import_graph
 
@@ -72,6 +72,7 @@ def test_the_registry_names_the_executors_of_every_family():
     for fam in REGISTRY.values():
         assert set(fam.executors) <= set(EXECUTORS), fam.name
         assert "torch" in fam.executors  # the reference runs everything
+    assert set(EXECUTOR_NAMES) == set(EXECUTORS)  # the command line offers every executor, from the table alone
     assert families_for("mega") == ("qwen3_moe", "deepseek_v3", "kimi_k3")
     why = executor_refusal("mega", "kimi_linear")
     assert "not validated for kimi_linear" in why and "torch, graph, fused" in why

@@ -56,6 +56,29 @@ def test_help_lists_subcommands():
         assert cmd in out
 
 
+@pytest.mark.parametrize("argv", [["--help"], [], ["generate", "--help"], ["serve", "--help"],
+                                  ["make-checkpoint", "--help"], ["generate", "--no-such-flag"]])
+def test_help_and_argument_errors_import_no_torch(argv):
+    """Building the parsers imports neither torch nor an executor (`--help` answers at once): what a command needs
+    is imported when it runs. bench, validate and tune import theirs when named."""
+    code = ("import sys; from megadecode.cli import main; rc = main(sys.argv[1:]); "
+            "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith('megadecode.backends')); "
+            "print('IMPORTED', heavy, rc, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert "IMPORTED [] " in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().endswith(" 0" if "--help" in argv else " 2"), r.stderr[-500:]
+
+
+def test_a_named_heavy_command_gets_its_flags_and_the_others_their_help_line():
+    sub = next(a for a in build_parser(["bench", "--help"])._actions if isinstance(a, argparse._SubParsersAction))
+    assert "--preset" in sub.choices["bench"].format_help()
+    assert "--kernel" not in sub.choices["tune"].format_help()  # listed, not built
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    full = {a.dest: a.help for a in next(a for a in build_parser()._actions
+                                         if isinstance(a, argparse._SubParsersAction))._choices_actions}
+    assert helps == full  # `megadecode --help` reads the same lines either way
+
+
 def test_every_flag_has_help_and_its_default():
     for name, parser in subcommands().items():
         formatter = parser._get_formatter()

@@ -34,6 +34,8 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     Family("kimi_k3", ("kimi_k3",), _ALL + ("pyvm", "mega")),
 )}
 FAMILIES = tuple(REGISTRY)
+# every executor some family is validated for: the command line's --executor choices (no executor module imported)
+EXECUTOR_NAMES = tuple(sorted({e for f in REGISTRY.values() for e in f.executors}))
 PARSERS = {mt: f.parse for f in REGISTRY.values() for mt in f.model_types}  # HF `model_type` -> parser
 MODEL_TYPES = {mt: f.name for f in REGISTRY.values() for mt in f.model_types}  # HF `model_type` -> family
 

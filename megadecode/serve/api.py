@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException
 
 from ..scheduler import QueueFull
 from ..sequence import ERROR, STOP
-from .. import __version__
 from .protocol import APIError, parse_detokenize, parse_json, parse_request, parse_tokenize
 from .server import Server
 from .text import TextStream
@@ -100,7 +99,9 @@ def build_app(server: Server, max_body_bytes: int | None = None, api_key: str | 
 
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        from importlib.metadata import version as installed
+
+        return {"version": installed("megadecode")}  # the installed distribution's (pyproject.toml)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

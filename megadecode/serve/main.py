@@ -7,8 +7,8 @@ import socket
 import sys
 
 from .. import ranks
-from ..backends import EXECUTORS
-from ..measure import int_list, seed_arg
+from ..config.registry import EXECUTOR_NAMES
+from ..args import int_list, seed_arg
 from ..presets import PRESETS
 
 DEPS = ("fastapi", "uvicorn", "prometheus_client")
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
                                                              "directory, or ORG/NAME in the local Hugging Face cache")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name requests must give (default: --model)")
-    p.add_argument("--executor", choices=["auto", *sorted(EXECUTORS)], default="auto",
+    p.add_argument("--executor", choices=["auto", *EXECUTOR_NAMES], default="auto",
                    help="how the decode step runs (README, Executors); auto: torch on the CPU, on a GPU the fastest "
                         "validated for the model at --max-batch from a measured table (named on startup)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")

@@ -21,8 +21,9 @@ import sys
 import torch
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("validate", help="validate an op variant against the torch reference",
+def add_parser(sub, help_: str) -> None:
+    """The validate command's parser (`help_`: its line in `megadecode --help`, cli.HEAVY_COMMANDS)."""
+    p = sub.add_parser("validate", help=help_,
                        description="Run a variant's validation matrix (ops x presets x batches x dtypes x "
                                    "routing distributions x seeds) and print PASS/FAIL/SKIP.")
     p.add_argument("variant", nargs="?", help="variant name (see --list; without one, --list)")

@@ -1,0 +1,31 @@
+"""argparse types the command line's parsers share. Nothing here imports torch, so that building the parsers
+(`megadecode --help`, `megadecode serve --help`) does not wait for it."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def int_list(text: str) -> list[int]:
+    """`--batch 1,8,64` -> [1, 8, 64]."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return out
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of `--seed`: an integer in [0, 2**32 - 1] (torch generators take 64 bits, and generate
+    derives a seed per step from it: engine.MAX_SEED)."""
+    from .engine import MAX_SEED  # on use: the engine imports torch
+
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = None
+    if seed is None or not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}")
+    return seed
