@@ -6,6 +6,26 @@ from __future__ import annotations
 import argparse
 
 
+def add_quiet(p) -> None:
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (they are off anyway when stderr is not a terminal)")
+
+
+def bar_off(args, *also: bool) -> bool | None:
+    """A progress bar's `disable` for tqdm: True with --quiet or any of `also` (--json, a rank that does not
+    report); else None, tqdm's own rule: off when stderr is not a terminal."""
+    return True if getattr(args, "quiet", False) or any(also) else None
+
+
+def byte_feed(bar):
+    """A progress(bytes, total bytes) callback (Engine.from_pretrained's) that advances a tqdm bar of bytes."""
+    def feed(n: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(n)
+    return feed
+
+
 def int_list(text: str) -> list[int]:
     """`--batch 1,8,64` -> [1, 8, 64]."""
     try:

@@ -25,7 +25,7 @@ from .parallel.experts import ExpertShard
 from .presets import preset_hf_config
 from .quant.fp8 import FP8, SCALE_DTYPES, dequantize_fp8, quantize_fp8
 from .parallel.vocab import VocabShard, pad_rows, shard_rows
-from .weights import param_specs, random_experts, random_tensor, vocab_shard
+from .weights import WeightProgress, param_specs, random_experts, random_tensor, vocab_shard
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -237,8 +237,8 @@ def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read, 
 
 
 def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cpu", dtype=torch.float32,
-                 check_finite: bool = False, ignore_unknown: bool = False, shard: ExpertShard | None = None
-                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                 check_finite: bool = False, ignore_unknown: bool = False, shard: ExpertShard | None = None,
+                 progress=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load every tensor the weight table expects, checking names, shapes and dtypes.
 
     Tensor names may follow any layout of the family that real checkpoints use (megadecode/layouts.py: the
@@ -249,7 +249,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     is dequantized here (quant/fp8.py) and cast to `dtype`. With `check_finite`, NaN/inf is an error naming the
     tensor. With `shard` (expert parallelism) the stacked routed experts hold the rank's experts only, and no other
     expert's tensor is read (per-expert tensors: not opened; stacked ones: their rows sliced lazily); an untied
-    lm_head holds the rank's rows (parallel/vocab.py), read as a slice.
+    lm_head holds the rank's rows (parallel/vocab.py), read as a slice. `progress(bytes, total bytes)`: called as
+    each tensor is loaded (weights.WeightProgress).
     """
     ckpt = Path(ckpt)
     cfg = cfg or load_config(ckpt)
@@ -296,6 +297,7 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
 
     weights = {}
     vshard = vocab_shard(cfg, shard)
+    tick = WeightProgress(cfg, dtype, shard, progress)
     for name, spec in specs.items():
         read = (lambda n, rows=None, q=spec.quant: reader(n, q, rows)) if spec.quant else read_float(name)
         if name == "lm_head.weight" and vshard is not None:
@@ -306,11 +308,13 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(spec.shape)}")
         if spec.quant:
             weights[name] = t.to(device=device)
+            tick(name)
             continue
         t = t.to(device=device, dtype=torch.float32 if spec.fp32 else dtype)
         if check_finite and not torch.isfinite(t).all():  # finite in the file, not after the cast
             raise CheckpointError(f"tensor {name!r} overflows {t.dtype} (values beyond its range)")
         weights[name] = t
+        tick(name)
     stray = sorted(n for t, src in sources.items() if _scale_target(t, specs, cfg) for n in src.pieces.values()
                    if n not in used_scales)
     if stray:

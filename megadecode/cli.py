@@ -24,7 +24,7 @@ import threading
 import warnings
 
 from . import ranks
-from .args import seed_arg
+from .args import add_quiet, bar_off, byte_feed, seed_arg
 from .config.registry import EXECUTOR_NAMES
 from .presets import PRESETS
 from .serve import main as serve_command
@@ -134,6 +134,7 @@ def _add_generate(sub) -> None:
                    help="load a checkpoint that holds tensors the model does not use, with a warning naming them "
                         "(without it, an error)")
     p.add_argument("--json", action="store_true", help="print one JSON object to stdout and nothing else")
+    add_quiet(p)
     ranks.add_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -272,13 +273,16 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
     """Load the engine and generate; the engine (and its CUDA graphs) is freed when this returns."""
     from .engine import Engine, NonFiniteError
 
-    engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
-                   executor=args.executor, seed=args.seed, check_finite=args.check_finite,
-                   max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
-                   parallel=ranks.expert_parallel(ep, cfg))
+    off = bar_off(args, args.json, not ranks.leader())
+    what = "build random weights" if args.model in PRESETS else "load weights"
+    with tqdm(desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=off) as bar:
+        engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
+                       executor=args.executor, seed=args.seed, check_finite=args.check_finite,
+                       max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
+                       parallel=ranks.expert_parallel(ep, cfg), progress=byte_feed(bar))
     engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
     progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
-                    disable=args.json or not ranks.leader())
+                    disable=off)
     try:
         with progress:
             return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)

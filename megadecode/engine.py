@@ -157,10 +157,11 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str, *, device="cpu", dtype="float32", seed: int = 0,
                         check_finite: bool = False, ignore_unknown: bool = False, max_batch: int = 8,
-                        max_seq_len: int | None = None, parallel=None, **kw) -> "Engine":
+                        max_seq_len: int | None = None, parallel=None, progress=None, **kw) -> "Engine":
         """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory. Whether the
         weights and the cache fit in the device's memory is checked before either is built (memory.check_fits).
-        `parallel`: this rank's share of expert parallelism (its experts alone are built or read)."""
+        `parallel`: this rank's share of expert parallelism (its experts alone are built or read). `progress`:
+        called as progress(bytes, total bytes) while the weights are built or read (a progress bar's feed)."""
         dt = resolve_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RequestError(f"device {device!r} requested but CUDA is not available")
@@ -172,9 +173,9 @@ class Engine:
                    extra=ex.build_extra(cfg, device, dt, shard))
         kw.update(max_batch=max_batch, max_seq_len=max_seq_len, parallel=parallel)
         if model in PRESETS:
-            return cls(cfg, random_weights(cfg, device, dt, seed, shard), **kw)
+            return cls(cfg, random_weights(cfg, device, dt, seed, shard, progress), **kw)
         _, weights = load_weights(model, cfg, device=device, dtype=dt, check_finite=check_finite,
-                                  ignore_unknown=ignore_unknown, shard=shard)
+                                  ignore_unknown=ignore_unknown, shard=shard, progress=progress)
         return cls(cfg, weights, **kw)
 
     # ---- request checks -------------------------------------------------------------------------

@@ -267,18 +267,43 @@ def random_experts(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.d
 
 
 def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0,
-                   shard: ExpertShard | None = None) -> dict[str, torch.Tensor]:
+                   shard: ExpertShard | None = None, progress=None) -> dict[str, torch.Tensor]:
     """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU). Stacked
     routed experts are drawn expert by expert (`random_experts`); with `shard`, only the rank's own experts are
-    kept, with the values the whole model holds for them, and of an untied lm_head the rank's rows."""
+    kept, with the values the whole model holds for them, and of an untied lm_head the rank's rows. `progress`:
+    called after each tensor as progress(bytes, total bytes) (`WeightProgress`)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     lo, hi = (0, None) if shard is None else (shard.lo, shard.hi)
-    out = {name: random_experts(s, gen, device, dtype, lo, hi) if s.stacked else random_tensor(s, gen, device, dtype)
-           for name, s in param_specs(cfg).items()}
+    tick = WeightProgress(cfg, dtype, shard, progress)
+    out = {}
+    for name, s in param_specs(cfg).items():
+        out[name] = random_experts(s, gen, device, dtype, lo, hi) if s.stacked else random_tensor(s, gen, device, dtype)
+        tick(name)
     v = vocab_shard(cfg, shard)
     if v is not None:  # drawn whole (the stream passes every row), the rank's rows kept
         out["lm_head.weight"] = shard_rows(out["lm_head.weight"], v)
     return out
+
+
+def spec_bytes(s: ParamSpec, dtype_bytes: int) -> int:
+    """Bytes of one weight as held (weight_bytes' count: quantized weights at their stored byte per value)."""
+    return math.prod(s.shape) * (1 if s.quant in ("mxfp4", "fp8") else 4 if s.fp32 else dtype_bytes)
+
+
+class WeightProgress:
+    """Reports a weight build or load to `progress(bytes, total bytes)` as each tensor is done, in weight_bytes'
+    bytes of the rank's share (the total: weight_bytes' `total`); a no-op without `progress`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, shard: ExpertShard | None, progress):
+        self.progress = progress
+        if progress is not None:
+            nb = torch.empty((), dtype=dtype).element_size()
+            self.sizes = {n: spec_bytes(s, nb) for n, s in param_specs(cfg, shard).items()}
+            self.total = sum(self.sizes.values())
+
+    def __call__(self, name: str) -> None:
+        if self.progress is not None:
+            self.progress(self.sizes.get(name, 0), self.total)
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, shard: ExpertShard | None = None) -> dict[str, int]:
@@ -289,7 +314,7 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, shard: ExpertShard | None =
     trunk = lm = total = 0
     expert_by_layer: dict[str, int] = {}
     for s in param_specs(cfg, shard).values():
-        n = math.prod(s.shape) * (1 if s.quant in ("mxfp4", "fp8") else 4 if s.fp32 else dtype_bytes)
+        n = spec_bytes(s, dtype_bytes)
         total += n
         if s.stacked:
             layer = s.name.split(".mlp.")[0]

@@ -8,7 +8,7 @@ import sys
 
 from .. import ranks
 from ..config.registry import EXECUTOR_NAMES
-from ..args import int_list, seed_arg
+from ..args import add_quiet, bar_off, byte_feed, int_list, seed_arg
 from ..presets import PRESETS
 
 DEPS = ("fastapi", "uvicorn", "prometheus_client")
@@ -53,6 +53,7 @@ def add_parser(sub) -> None:
                         "MEGADECODE_API_KEY environment variable; neither: no key)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="warning",
                    help="uvicorn's log level (info logs every request)")
+    add_quiet(p)
     ranks.add_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -101,9 +102,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(args, ep):
+def build_server(args, ep, progress=None):
     """The Server of this rank (every rank builds one: the same engine, runner and captured graphs). Under expert
-    parallelism rank 0's runner publishes its steps (lockstep.Leader); the others replay them (`follow`)."""
+    parallelism rank 0's runner publishes its steps (lockstep.Leader); the others replay them (`follow`).
+    `progress(bytes, total bytes)`: the weights' build or load."""
     from ..engine import model_config
     from ..parallel.group import agree
     from .lockstep import Leader
@@ -118,7 +120,8 @@ def build_server(args, ep):
                  check_finite=args.check_finite, ignore_unknown=args.ignore_unknown_tensors,
                  model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                  batch_sizes=args.batch_sizes, max_prefill_tokens=args.max_prefill_tokens or args.max_seq_len,
-                 parallel=ranks.expert_parallel(ep, model_config(args.model)), mirror=Leader(ep) if leads else None)
+                 parallel=ranks.expert_parallel(ep, model_config(args.model)), mirror=Leader(ep) if leads else None,
+                 progress=progress)
 
 
 def follow(server, ep) -> int:
@@ -161,7 +164,10 @@ def cmd_serve(args, argv) -> int:
 
 
 def _run(args, ep, sock, build_app, tqdm, uvicorn) -> int:
-    server = build_server(args, ep)
+    what = "build random weights" if args.model in PRESETS else "load weights"
+    with tqdm(desc=what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              disable=bar_off(args, not ranks.leader())) as bar:
+        server = build_server(args, ep, byte_feed(bar))
     if not ranks.leader():
         follow(server, ep)
         return 0
@@ -176,7 +182,7 @@ def _serve(args, server, sock, build_app, tqdm, uvicorn) -> int:
     sizes = ",".join(map(str, server.runner.batch_sizes if server.runner.pad else range(1, server.max_batch + 1)))
     try:
         with tqdm(desc=f"compile + capture decode graphs (batch {sizes})", unit="graph", file=sys.stderr, total=0,
-                  disable=not captures) as bar:
+                  disable=bar_off(args, not captures)) as bar:
             server.start(bar)
     except BaseException as e:
         server.stop()  # with expert parallelism: tells the other ranks to stop too

@@ -65,13 +65,14 @@ class Server:
     @classmethod
     def build(cls, model: str, *, max_batch: int, executor: str = "torch", device: str = "cpu",
               dtype: str = "float32", max_seq_len: int | None = None, seed: int = 0, check_finite: bool = False,
-              ignore_unknown: bool = False, parallel=None, **kw) -> "Server":
+              ignore_unknown: bool = False, parallel=None, progress=None, **kw) -> "Server":
         from ..presets import PRESETS
         from ..tokenizer import load_tokenizer
 
         engine = Engine.from_pretrained(model, device=device, dtype=dtype, executor=executor, seed=seed,
                                         check_finite=check_finite, ignore_unknown=ignore_unknown,
-                                        max_batch=max_batch + 1, max_seq_len=max_seq_len, parallel=parallel)
+                                        max_batch=max_batch + 1, max_seq_len=max_seq_len, parallel=parallel,
+                                        progress=progress)
         tok = load_tokenizer(None if model in PRESETS else model)
         kw.setdefault("model_name", model)
         return cls(engine, tok, **kw)
