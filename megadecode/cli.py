@@ -305,8 +305,9 @@ def cmd_make_checkpoint(args, argv) -> int:
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     group = sys.modules.get("megadecode.parallel.group")  # loaded when a command ran with expert parallelism
-    if group is not None and group.stuck_teardown():  # expert parallelism: NCCL's teardown hung (EPGroup.destroy); the interpreter's exit would
-        sys.stdout.flush()  # wait for it again
+    # expert parallelism: NCCL's teardown hung (EPGroup.destroy); the interpreter's exit would wait for it again
+    if group is not None and group.stuck_teardown():
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
     return code

@@ -1,8 +1,9 @@
-"""Next-token selection on the device, with no host synchronisation: greedy, temperature, min-p, top-k, top-p.
+"""Next-token selection on the device, with no host synchronisation: logit bias, greedy, temperature, min-p, top-k,
+top-p.
 
-The order is vLLM's: temperature, then min_p (drop tokens below min_p x the top token's probability), top_k (keep
-the tokens at least as probable as the k-th: ties at the k-th all stay), top_p (the nucleus of what is left,
-renormalized), then a draw from what remains. Repetition, presence and frequency penalties are not done here (they
+The order is vLLM's: the request's logit bias added to the logits (OpenAI's `logit_bias`), temperature, then
+min_p (drop tokens below min_p x the top token's probability), top_k (keep the tokens at least as probable as the
+k-th: ties at the k-th all stay), top_p (the nucleus of what is left, renormalized), then a draw from what remains. Repetition, presence and frequency penalties are not done here (they
 need each sequence's token counts on the device): the server refuses them.
 
 `sample` selects for a batch that shares one SamplingParams and one generator (Engine.generate); `sample_rows`
@@ -29,6 +30,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: every token
     min_p: float = 0.0
+    # (token id, bias) pairs added to the logits before any selection (greedy too); the reported logprobs stay the
+    # model's. Ids are checked against the vocabulary where the logits are (`check_bias`)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not self.greedy and not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -39,12 +43,35 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for pair in self.logit_bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
+                    or not isinstance(pair[0], int) or pair[0] < 0 or not isinstance(pair[1], (int, float))
+                    or isinstance(pair[1], bool) or not math.isfinite(pair[1])):
+                raise ValueError(f"logit_bias must hold (token id >= 0, finite bias) pairs, got {pair!r}")
 
     @property
     def truncates(self) -> bool:
-        """Whether a draw is cut to part of the vocabulary (top_p, top_k or min_p): the in-step samplers
-        (backends/fused/kernels/lm_head.py, the mega executor) take only greedy and plain temperature sampling."""
-        return not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+        """Whether a draw is cut to part of the vocabulary (top_p, top_k or min_p), or biased (logit_bias): the
+        in-step samplers (backends/fused/kernels/lm_head.py, the mega executor) take only greedy and plain
+        temperature sampling of the model's logits."""
+        return bool(self.logit_bias) or not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
+
+def _biased(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] (fp32) with params[i].logit_bias added to row rows[i] (a copy; `logits` itself untouched),
+    or `logits` when no row has a bias. One scatter-add of device tensors: no host sync."""
+    pairs = [(r, t, b) for r, p in zip(rows, params) for t, b in p.logit_bias]
+    if not pairs:
+        return logits
+    V = logits.shape[-1]
+    bad = next((t for _, t, _ in pairs if t >= V), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias names token id {bad}, outside the vocabulary [0, {V})")
+    dev = logits.device
+    r = _to_device([r for r, _, _ in pairs], torch.int64, dev)
+    t = _to_device([t for _, t, _ in pairs], torch.int64, dev)
+    b = _to_device([float(b) for _, _, b in pairs], torch.float32, dev)
+    return logits.index_put((r, t), b, accumulate=True)
 
 
 def _check(logits: torch.Tensor) -> torch.Tensor:
@@ -77,9 +104,11 @@ def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
-    """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32: log p(token) under the model, T = 1)."""
+    """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32: log p(token) under the model, T = 1, before any
+    logit bias)."""
     logits = _check(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _biased(logits, range(logits.shape[0]), [params] * logits.shape[0])
     if params.greedy:
         tokens = logits.argmax(-1)
     else:
@@ -104,6 +133,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"{B} rows of logits need {B} params and generators, got {len(params)} and "
                          f"{len(generators)}")
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _biased(logits, range(B), params)
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:

@@ -311,3 +311,62 @@ def test_invalid_top_k_and_min_p(kw, text):
 def test_truncates():
     assert not SamplingParams().truncates and not SamplingParams(greedy=True, top_k=3).truncates
     assert all(SamplingParams(**kw).truncates for kw in ({"top_k": 3}, {"min_p": 0.1}, {"top_p": 0.9}))
+
+
+# ---- logit_bias ----------------------------------------------------------------------------------------------
+
+def test_logit_bias_moves_greedy_and_leaves_the_model_logprobs():
+    from megadecode.sampling import sample_rows
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.5]])
+    p = SamplingParams(greedy=True, logit_bias=((2, 5.0),))
+    toks, lp = sample(logits, p)
+    assert toks.tolist() == [2, 2]
+    assert torch.allclose(lp, torch.log_softmax(logits, -1)[:, 2])  # the model's, not the biased ones
+    # per row: only the first row biased (-100 bans its argmax), the second as it was
+    toks, lp = sample_rows(logits, [SamplingParams(greedy=True, logit_bias=((0, -100.0),)),
+                                    SamplingParams(greedy=True)], [None, None])
+    assert toks.tolist() == [1, 1]
+
+
+def test_logit_bias_draws_from_the_biased_distribution():
+    """Temperature 0.7 over logits + bias against a plain torch reference: chi-square at p = 0.001."""
+    probs = [0.1, 0.2, 0.3, 0.4]
+    bias = ((0, 1.5), (3, -0.5))
+    b = torch.zeros(4)
+    for t, v in bias:
+        b[t] += v
+    want = torch.softmax((torch.tensor(probs).log() + b) / 0.7, -1).tolist()
+    toks, _ = sample(rows(probs, 40000), SamplingParams(temperature=0.7, logit_bias=bias), gen(5))
+    assert chi_square(toks, want) < CHI2_999[3]
+
+
+def test_a_row_with_a_bias_draws_alone_what_it_draws_in_a_batch():
+    from megadecode.sampling import sample_rows
+
+    logits = torch.randn(3, 50, generator=gen(1))
+    ps = [SamplingParams(temperature=0.9, logit_bias=((7, 3.0), (11, -2.0))), SamplingParams(temperature=1.2),
+          SamplingParams(greedy=True, logit_bias=((40, 9.0),))]
+    toks, lp = sample_rows(logits, ps, [gen(10), gen(11), None])
+    for i in range(3):
+        alone, alone_lp = sample(logits[i:i + 1], ps[i], gen(10 + i) if i < 2 else None)
+        assert alone.item() == toks[i].item() and torch.allclose(alone_lp, lp[i:i + 1])
+    assert toks[2].item() == 40
+
+
+def test_logit_bias_is_checked():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((-1, 1.0),))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((3, math.nan),))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sample(torch.zeros(1, 4), SamplingParams(greedy=True, logit_bias=((4, 1.0),)))
+    assert SamplingParams(greedy=True, logit_bias=((1, 1.0),)).truncates  # the in-step samplers do not bias
+
+
+def test_generate_applies_logit_bias():
+    from megadecode.engine import Engine
+
+    e = Engine.from_pretrained("tiny-qwen3-moe", max_batch=1, max_seq_len=32)
+    r = e.generate([[256, 5]], 4, SamplingParams(greedy=True, logit_bias=((65, 100.0),)), stop_at_eos=False)
+    assert r.token_ids[0] == [65] * 4

@@ -143,6 +143,17 @@ def test_top_k_one_is_greedy(srv):
     assert r.choices[0].token_ids == alone(ids("Hello"), 12).token_ids[0]
 
 
+def test_logit_bias_through_the_openai_client(srv):
+    """A bias of +100 on one token makes greedy pick it every step; -100 on the greedy token moves the first pick."""
+    r = complete(srv, prompt="Hello", max_tokens=4, temperature=0, logit_bias={"65": 100},
+                 extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == [65] * 4 and r.choices[0].text == "AAAA"
+    first = alone(ids("Hello"), 1).token_ids[0][0]
+    r = complete(srv, prompt="Hello", max_tokens=1, temperature=0, logit_bias={str(first): -100},
+                 extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids[0] != first
+
+
 def test_stop_strings_and_stop_ids(srv):
     full = complete(srv, prompt="Hello", max_tokens=16, temperature=0,
                     extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]

@@ -18,7 +18,8 @@ SWITCH_INTERVAL_S = 0.0005
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API, with continuous batching",
                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
-                                   "/health, /metrics, /tokenize, /detokenize, /version). Requests join and leave the running decode batch between "
+                                   "/health, /metrics, /tokenize, /detokenize, /version). Requests join and leave "
+                                   "the running decode batch between "
                                    "steps; every decode graph is compiled and captured at startup. Needs the serve "
                                    "extra: pip install -e '.[serve]'.")
     p.add_argument("--model", default="tiny-qwen3-moe", help=f"preset ({', '.join(sorted(PRESETS))}), checkpoint "

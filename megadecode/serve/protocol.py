@@ -2,10 +2,10 @@
 OpenAI-style body naming the field), never an exception that reaches the engine.
 
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
-(0: greedy), top_p, seed, stop, stream, stream_options.include_usage, n = 1; logprobs (the sampled token's:
-completions 0, chat true with top_logprobs 0); vLLM's extensions top_k, min_p, stop_token_ids, ignore_eos and
-return_token_ids (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing).
-Nothing is ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, penalties, logit_bias,
+(0: greedy), top_p, logit_bias, seed, stop, stream, stream_options.include_usage, n = 1; logprobs (the sampled
+token's: completions 0, chat true with top_logprobs 0); vLLM's extensions top_k, min_p, stop_token_ids, ignore_eos
+and return_token_ids (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes
+nothing). Nothing is ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, penalties,
 response_format other than text, ...) is refused unless it holds its neutral value, and any other field is refused
 as unknown (a null counts as absent).
 """
@@ -22,6 +22,8 @@ from ..sampling import GREEDY_BELOW, SamplingParams
 from .chat import ROLES, ChatError, chat_prompt
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
+MAX_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
+MAX_BIASED = 1024  # logit_bias entries per request
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
@@ -108,13 +110,13 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
 
 
 TAKEN = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-         "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user"}
+         "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
 TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
 # for nothing (what clients send by default), refused otherwise.
 NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
-           "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},), "top_logprobs": (0,),
+           "frequency_penalty": (0,), "repetition_penalty": (1,), "top_logprobs": (0,),
            "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
            "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
            "skip_special_tokens": (True,), "bad_words": ([],)}
@@ -230,6 +232,31 @@ def parse_detokenize(doc: dict, *, model: str, vocab: int) -> list[int]:
     return _token_ids(doc["tokens"], "tokens", vocab)
 
 
+def _logit_bias(doc: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {token id (as a string, or an integer): bias in [-100, 100]}, added to the logits
+    before every selection (greedy too), at most MAX_BIASED entries."""
+    v = doc.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise APIError(f"logit_bias must be an object of token id -> bias, got {type(v).__name__}", "logit_bias")
+    if len(v) > MAX_BIASED:
+        raise APIError(f"logit_bias has {len(v)} entries; at most {MAX_BIASED}", "logit_bias")
+    out = []
+    for key, b in v.items():
+        try:
+            t = int(key)
+        except (TypeError, ValueError):
+            t = None
+        if t is None or not 0 <= t < vocab:
+            raise APIError(f"logit_bias: {key!r} is not a token id in the vocabulary [0, {vocab})", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise APIError(f"logit_bias[{key!r}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b!r}",
+                           "logit_bias")
+        out.append((t, float(b)))
+    return tuple(sorted(out))
+
+
 def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, max_seq_len: int,
                   eos_ids: tuple[int, ...]) -> Request:
     _model(doc, model)
@@ -264,8 +291,9 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
     min_p = _number(doc, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise APIError(f"min_p must be in [0, 1], got {min_p}", "min_p")
-    params = SamplingParams(greedy=True) if temperature < GREEDY_BELOW else \
-        SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p)
+    bias = _logit_bias(doc, vocab)
+    params = SamplingParams(greedy=True, logit_bias=bias) if temperature < GREEDY_BELOW else \
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, logit_bias=bias)
     seed = _int(doc, "seed", None, 0, MAX_SEED)
     stop = doc.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
