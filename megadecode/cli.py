@@ -121,12 +121,18 @@ def _add_generate(sub) -> None:
                         "validated for the model at this batch from a measured table (named in one line); fused "
                         "needs Triton (on the CPU only under TRITON_INTERPRET=1)")
     p.add_argument("--greedy", action="store_true",
-                   help="argmax decoding (ignores --temperature, --top-p, --top-k, --min-p)")
+                   help="argmax decoding (ignores --temperature, --top-p, --top-k, --min-p; not the penalties)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, >= 0 (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: all)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens less probable than min-p x the most probable one, in [0, 1]")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit once it is in the output, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit per occurrence in the output, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="a prompt or output token's logit divided by it when positive, multiplied when not (> 0)")
     p.add_argument("--seed", type=seed_arg, default=0,
                    help="seed of the preset's random weights and of sampling, in [0, 2**32 - 1]")
     p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf, naming them")
@@ -198,8 +204,15 @@ def _sampling(args):
         raise RequestError(f"--top-k must be >= 0 (0: every token), got {args.top_k}")
     if not 0 <= args.min_p <= 1:
         raise RequestError(f"--min-p must be in [0, 1], got {args.min_p}")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        v = getattr(args, flag)
+        if not -2 <= v <= 2:
+            raise RequestError(f"--{flag.replace('_', '-')} must be in [-2, 2], got {v}")
+    if not (args.repetition_penalty > 0 and math.isfinite(args.repetition_penalty)):
+        raise RequestError(f"--repetition-penalty must be finite and > 0 (1: none), got {args.repetition_penalty}")
     return SamplingParams(greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p)
+                          min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
 
 
 def cmd_generate(args, argv) -> int:

@@ -18,7 +18,7 @@ from .memory import check_fits
 from .plan import build_plan
 from .presets import PRESETS, preset_config
 from .quant.mxfp4_frag import entry_shape
-from .sampling import SamplingParams, sample
+from .sampling import Counts, SamplingParams, sample
 from .step import Step
 from .weights import param_specs, random_weights
 
@@ -283,8 +283,9 @@ class Engine:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         tw = time.perf_counter()
-        # executors that sample inside the captured decode step (fused: backends/fused/kernels/lm_head.py) take greedy and
-        # plain temperature sampling; the first token (prefill) and top-p, top-k, min-p use sampling.sample
+        # executors that sample inside the captured decode step (fused: backends/fused/kernels/lm_head.py) take greedy
+        # and plain temperature sampling; the first token (prefill) and top-p, top-k, min-p, logit bias and the
+        # penalties use sampling.sample
         in_step = self.executor.set_sampling(sampling, len(prompts))
         # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay
         lens = [len(p) for p in prompts]
@@ -295,9 +296,16 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.prefill(prompts, max_new_tokens)
         toks, lps = [], []
+        counts = rows = None
+        if sampling.penalized:  # the penalties read each sequence's token counts, kept on the device
+            counts = Counts(len(prompts), self.cfg.vocab_size, self.device)
+            counts.start(range(len(prompts)), prompts)
+            rows = torch.arange(len(prompts), device=self.device)
         if max_new_tokens:
-            tok, lp = sample(logits, sampling, gen)
+            tok, lp = sample(logits, sampling, gen, counts)
             toks.append(tok), lps.append(lp)
+            if counts is not None:
+                counts.add(rows, tok)
         sync()
         t1 = time.perf_counter()
         for k in range(max_new_tokens - 1):
@@ -306,7 +314,9 @@ class Engine:
                 self.decode(tok)
                 tok, lp = (t.clone() for t in self.executor.sampled)  # the graph's buffers are reused
             else:
-                tok, lp = sample(self.decode(tok), sampling, gen)
+                tok, lp = sample(self.decode(tok), sampling, gen, counts)
+                if counts is not None:
+                    counts.add(rows, tok)
             toks.append(tok), lps.append(lp)
             if progress is not None:
                 progress.update(1)

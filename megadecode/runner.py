@@ -8,7 +8,8 @@ policy (nano-vllm's ModelRunner).
   slot (the cache's last slot, never given to a request: token 0 at position 0, results dropped), so a batch
   whose size changes replays a graph captured at startup (`warmup`) and never captures mid-stream;
 - sampling: per sequence (its own params and generator: sampling.sample_rows), with the tokens, logprobs and a
-  finite flag per row brought to the host in one copy per step;
+  finite flag per row brought to the host in one copy per step; the token counts penalties read are kept per slot
+  on the device (sampling.Counts), counted from each step's sampled tokens there;
 - a step is launched, then collected: the loop can launch the next decode step (fed on the device with this one's
   tokens) before it waits for this one's results, so the GPU does not wait for the host between steps;
 - `mirror` (expert parallelism, serve/lockstep.py): told each prefill, decode step and slot clear before it runs,
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine
-from .sampling import sample_rows
+from .sampling import Counts, to_device, sample_rows
 from .sequence import Sequence
 
 
@@ -75,6 +76,7 @@ class ModelRunner:
                       for _ in range(2)]
         self._turn = 0
         self._dev = torch.zeros(3, self.max_batch, dtype=torch.int64, device=self.device)
+        self.counts: Counts | None = None  # per slot, the token counts penalties read (made for the first one)
 
     def warmup(self, progress=None) -> int:
         """Compile and capture every decode graph serving can replay: each prepared batch size, at every cache
@@ -163,7 +165,20 @@ class ModelRunner:
                 s.generator = g.manual_seed(s.seed) if s.seed is not None else g
                 if s.seed is None:
                     g.seed()  # a fresh random seed: OpenAI's requests without one are not reproducible
-        tokens, logprobs = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        pen = [i for i, s in enumerate(seqs) if s.params.penalized]
+        if pen:  # counted on the device per slot, so a step launched before the last one was read sees its token
+            if self.counts is None:
+                self.counts = Counts(self.engine.cache.num_slots, self.engine.cfg.vocab_size, self.device)
+            new = [seqs[i] for i in pen if not seqs[i].counted]  # their first token: counts from the prompt
+            if new:
+                self.counts.start([s.slot for s in new], [s.prompt for s in new])
+                for s in new:
+                    s.counted = True
+        tokens, logprobs = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs], self.counts,
+                                       [s.slot for s in seqs])
+        if pen:
+            idx = to_device(pen, torch.int64, self.device)
+            self.counts.add(to_device([seqs[i].slot for i in pen], torch.int64, self.device), tokens[idx])
         finite = torch.isfinite(logits).all(-1)
         out = torch.stack((tokens.double(), logprobs.double(), finite.double()))  # token ids < 2**53: exact
         if self.device.type != "cuda":

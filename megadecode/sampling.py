@@ -1,10 +1,12 @@
-"""Next-token selection on the device, with no host synchronisation: logit bias, greedy, temperature, min-p, top-k,
-top-p.
+"""Next-token selection on the device, with no host synchronisation: penalties, logit bias, greedy, temperature,
+min-p, top-k, top-p.
 
-The order is vLLM's: the request's logit bias added to the logits (OpenAI's `logit_bias`), temperature, then
-min_p (drop tokens below min_p x the top token's probability), top_k (keep the tokens at least as probable as the
-k-th: ties at the k-th all stay), top_p (the nucleus of what is left, renormalized), then a draw from what remains. Repetition, presence and frequency penalties are not done here (they
-need each sequence's token counts on the device): the server refuses them.
+The order is vLLM's: the penalties, from each row's token counts on the device (`Counts`): repetition (a logit of a
+token in the prompt or the output divided by it when positive, multiplied when not), frequency (minus it times
+the token's count in the output) and presence (minus it once the token is in the output); then the request's logit
+bias (OpenAI's `logit_bias`); then temperature, min_p (drop tokens below min_p x the top token's probability),
+top_k (keep the tokens at least as probable as the k-th: ties at the k-th all stay), top_p (the nucleus of what is
+left, renormalized), and a draw from what remains.
 
 `sample` selects for a batch that shares one SamplingParams and one generator (Engine.generate); `sample_rows`
 for a batch whose rows each have their own params and generator (the server: one generator per request, so a
@@ -33,6 +35,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before any selection (greedy too); the reported logprobs stay the
     # model's. Ids are checked against the vocabulary where the logits are (`check_bias`)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0  # OpenAI's: in [-2, 2], once a token is in the output
+    frequency_penalty: float = 0.0  # OpenAI's: in [-2, 2], per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM's (HF's): > 0, on the prompt's and the output's tokens; 1: none
 
     def __post_init__(self):
         if not self.greedy and not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -43,6 +48,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r and math.isfinite(r)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: none), got {r!r}")
         for pair in self.logit_bias:
             if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
                     or not isinstance(pair[0], int) or pair[0] < 0 or not isinstance(pair[1], (int, float))
@@ -54,7 +66,59 @@ class SamplingParams:
         """Whether a draw is cut to part of the vocabulary (top_p, top_k or min_p), or biased (logit_bias): the
         in-step samplers (backends/fused/kernels/lm_head.py, the mega executor) take only greedy and plain
         temperature sampling of the model's logits."""
-        return bool(self.logit_bias) or not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+        return bool(self.logit_bias) or self.penalized or not self.greedy and (
+            self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies: the rows' token counts are needed."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+class Counts:
+    """Per row of a batch, on the device: how often each token was generated (`output` [R, V] fp32) and whether it
+    is in the prompt (`prompt` [R, V] bool), what the penalties read. `start(rows, prompts)` sets rows from their
+    prompts; `add(rows, tokens)` counts a step's tokens (device tensors: no host sync)."""
+
+    def __init__(self, rows: int, vocab: int, device):
+        self.output = torch.zeros(rows, vocab, device=device)
+        self.prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+
+    def start(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        dev = self.output.device
+        r = to_device(list(rows), torch.int64, dev)
+        self.output[r] = 0.0
+        self.prompt[r] = False
+        pr = to_device([i for i, p in zip(rows, prompts) for _ in p], torch.int64, dev)
+        pt = to_device([t for p in prompts for t in p], torch.int64, dev)
+        self.prompt.index_put_((pr, pt), torch.ones_like(pt, dtype=torch.bool))
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.output.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+
+
+def _penalized(logits: torch.Tensor, params: Sequence[SamplingParams], counts: Counts | None,
+               rows: Sequence[int] | None) -> torch.Tensor:
+    """logits [B, V] with each row's penalties applied from counts' row rows[i] (a copy), or `logits` when none
+    applies."""
+    pen = [i for i, p in enumerate(params) if p.penalized]
+    if not pen:
+        return logits
+    if counts is None or rows is None:
+        raise ValueError("presence, frequency and repetition penalties need the rows' token counts (Counts)")
+    dev = logits.device
+    b = to_device(pen, torch.int64, dev)
+    r = to_device([rows[i] for i in pen], torch.int64, dev)
+    out, seen = counts.output[r], counts.prompt[r]
+    rep = to_device([[float(params[i].repetition_penalty)] for i in pen], torch.float32, dev)
+    freq = to_device([[float(params[i].frequency_penalty)] for i in pen], torch.float32, dev)
+    pres = to_device([[float(params[i].presence_penalty)] for i in pen], torch.float32, dev)
+    x = logits[b]
+    x = torch.where(seen | (out > 0), torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * out - pres * (out > 0).float()
+    logits = logits.clone()
+    logits[b] = x
+    return logits
 
 
 def _biased(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -68,9 +132,9 @@ def _biased(logits: torch.Tensor, rows: Sequence[int], params: Sequence[Sampling
     if bad is not None:
         raise ValueError(f"logit_bias names token id {bad}, outside the vocabulary [0, {V})")
     dev = logits.device
-    r = _to_device([r for r, _, _ in pairs], torch.int64, dev)
-    t = _to_device([t for _, t, _ in pairs], torch.int64, dev)
-    b = _to_device([float(b) for _, _, b in pairs], torch.float32, dev)
+    r = to_device([r for r, _, _ in pairs], torch.int64, dev)
+    t = to_device([t for _, t, _ in pairs], torch.int64, dev)
+    b = to_device([float(b) for _, _, b in pairs], torch.float32, dev)
     return logits.index_put((r, t), b, accumulate=True)
 
 
@@ -103,12 +167,14 @@ def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
     return (probs / noise).masked_fill(probs <= 0, -1.0).argmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           counts: Counts | None = None):
     """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32: log p(token) under the model, T = 1, before any
-    logit bias)."""
+    logit bias or penalty). `counts`: the rows' token counts (row i of counts for row i), for the penalties."""
     logits = _check(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _biased(logits, range(logits.shape[0]), [params] * logits.shape[0])
+    B = logits.shape[0]
+    logits = _biased(_penalized(logits, [params] * B, counts, range(B)), range(B), [params] * B)
     if params.greedy:
         tokens = logits.argmax(-1)
     else:
@@ -123,44 +189,46 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]):
+                generators: Sequence[torch.Generator | None], counts: Counts | None = None,
+                rows: Sequence[int] | None = None):
     """`sample` with params[i] and generators[i] for row i of logits [B, V]: one exponential draw of V values
     per sampled row from its own generator (greedy rows draw nothing), so a row's tokens do not depend on the
-    other rows. Returns (tokens [B] int64, logprobs [B] fp32)."""
+    other rows. `counts` and `rows`: row i's token counts are counts' row rows[i] (the penalties). Returns
+    (tokens [B] int64, logprobs [B] fp32)."""
     logits = _check(logits)
     B, V = logits.shape
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} rows of logits need {B} params and generators, got {len(params)} and "
                          f"{len(generators)}")
     logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _biased(logits, range(B), params)
+    logits = _biased(_penalized(logits, params, counts, rows), range(B), params)
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         dev = logits.device
         sub = logits[drawn] if len(drawn) < B else logits
-        temperature = _to_device([[params[i].temperature] for i in drawn], torch.float32, dev)
+        temperature = to_device([[params[i].temperature] for i in drawn], torch.float32, dev)
         top_p = None
         if any(params[i].top_p < 1 for i in drawn):  # inf: the row keeps every token, as `sample` with top_p 1
-            top_p = _to_device([[params[i].top_p if params[i].top_p < 1 else math.inf] for i in drawn],
+            top_p = to_device([[params[i].top_p if params[i].top_p < 1 else math.inf] for i in drawn],
                                torch.float32, dev)
         top_k = min_p = None
         if any(params[i].top_k for i in drawn):  # V: the row keeps every token
-            top_k = _to_device([[min(params[i].top_k or V, V)] for i in drawn], torch.int64, dev)
+            top_k = to_device([[min(params[i].top_k or V, V)] for i in drawn], torch.int64, dev)
         if any(params[i].min_p for i in drawn):
-            min_p = _to_device([[params[i].min_p] for i in drawn], torch.float32, dev)
+            min_p = to_device([[params[i].min_p] for i in drawn], torch.float32, dev)
         noise = torch.empty_like(sub)
         for r, i in enumerate(drawn):
             noise[r].exponential_(1.0, generator=generators[i])
         picked = _select(sub, temperature, top_p, noise, top_k, min_p)
         if len(drawn) < B:
-            tokens[_to_device(drawn, torch.int64, dev)] = picked
+            tokens[to_device(drawn, torch.int64, dev)] = picked
         else:
             tokens = picked
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without waiting for the GPU (a blocking copy to CUDA synchronizes the stream:
     the server queues the next step before it reads this one's tokens)."""
     t = torch.tensor(values, dtype=dtype)

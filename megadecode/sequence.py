@@ -42,6 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     generator: object = None  # the model runner's per-request generator; opaque here
+    counted: bool = False  # the model runner keeps its token counts on the device (penalties): set from its prompt
 
     def __post_init__(self):
         if not self.prompt:

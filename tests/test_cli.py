@@ -355,3 +355,16 @@ def test_commands_that_need_triton_say_so_without_it(argv):
     p = subprocess.run([sys.executable, "-c", NO_TRITON, *argv], capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith("megadecode: error: ") and "pip install triton==3.6.0" in p.stderr
+
+
+def test_generate_penalties(capsys):
+    """--frequency-penalty / --presence-penalty / --repetition-penalty reach the sampler (the greedy tokens change)
+    and are checked with one line naming the flag."""
+    base = ["generate", "--model", "tiny-qwen3-moe", "--greedy", "--json", "--max-new-tokens", "16",
+            "--token-ids", "256,9,9"]
+    plain = run_json(capsys, base)["token_ids"][0]
+    pen = run_json(capsys, base + ["--frequency-penalty", "2", "--presence-penalty", "2",
+                                   "--repetition-penalty", "1.5"])["token_ids"][0]
+    assert pen != plain and len(set(pen)) >= len(set(plain))
+    assert "--presence-penalty must be in [-2, 2]" in fails(capsys, base + ["--presence-penalty", "3"])
+    assert "--repetition-penalty must be finite and > 0" in fails(capsys, base + ["--repetition-penalty", "0"])

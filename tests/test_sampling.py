@@ -370,3 +370,75 @@ def test_generate_applies_logit_bias():
     e = Engine.from_pretrained("tiny-qwen3-moe", max_batch=1, max_seq_len=32)
     r = e.generate([[256, 5]], 4, SamplingParams(greedy=True, logit_bias=((65, 100.0),)), stop_at_eos=False)
     assert r.token_ids[0] == [65] * 4
+
+
+# ---- presence, frequency and repetition penalties -------------------------------------------------------------
+
+def _reference_penalties(logits, prompt, output, p: SamplingParams):
+    """The penalties in plain torch, one row at a time (vLLM's definitions)."""
+    x = logits.clone()
+    counts = torch.zeros(x.shape[-1])
+    for t in output:
+        counts[t] += 1
+    for t in range(x.shape[-1]):
+        if t in prompt or counts[t] > 0:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        x[t] -= p.frequency_penalty * counts[t] + p.presence_penalty * float(counts[t] > 0)
+    return x
+
+
+def test_penalties_against_a_plain_torch_reference():
+    from megadecode.sampling import Counts
+
+    V = 12
+    logits = torch.randn(2, V, generator=gen(3)) * 3
+    prompts, outputs = [[1, 2, 2], [5]], [[2, 7, 7, 7], []]
+    p = SamplingParams(greedy=True, presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1.3)
+    c = Counts(2, V, "cpu")
+    c.start([0, 1], prompts)
+    for r, out in enumerate(outputs):
+        for t in out:
+            c.add(torch.tensor([r]), torch.tensor([t]))
+    toks, lp = sample(logits, p, counts=c)
+    for r in range(2):
+        want = _reference_penalties(logits[r], prompts[r], outputs[r], p)
+        assert toks[r].item() == int(want.argmax())
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, toks[:, None])[:, 0])  # the model's
+
+
+def test_frequency_penalty_draws_from_the_penalized_distribution():
+    from megadecode.sampling import Counts
+
+    probs = [0.1, 0.2, 0.3, 0.4]
+    n = 40000
+    c = Counts(n, 4, "cpu")
+    c.start(range(n), [[0]] * n)
+    c.add(torch.arange(n), torch.full((n,), 3))  # every row generated token 3 twice
+    c.add(torch.arange(n), torch.full((n,), 3))
+    p = SamplingParams(temperature=0.8, frequency_penalty=0.6, repetition_penalty=1.5)
+    ref = _reference_penalties(torch.tensor(probs).log(), [0], [3, 3], p)
+    want = torch.softmax(ref / 0.8, -1).tolist()
+    toks, _ = sample(rows(probs, n), p, gen(9), counts=c)
+    assert chi_square(toks, want) < CHI2_999[3]
+
+
+def test_penalties_need_counts_and_are_checked():
+    with pytest.raises(ValueError, match="token counts"):
+        sample(torch.zeros(1, 4), SamplingParams(greedy=True, presence_penalty=1.0))
+    for kw in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+               {"repetition_penalty": math.inf}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+    assert SamplingParams(greedy=True, repetition_penalty=1.1).truncates  # the in-step samplers do not penalize
+
+
+def test_generate_with_penalties_repeats_less():
+    """Engine.generate counts on the device: a strong frequency penalty keeps greedy off the tokens it made."""
+    from megadecode.engine import Engine
+
+    e = Engine.from_pretrained("tiny-qwen3-moe", max_batch=2, max_seq_len=48)
+    plain = e.generate([[256, 5], [256, 9, 9]], 24, SamplingParams(greedy=True), stop_at_eos=False).token_ids
+    pen = e.generate([[256, 5], [256, 9, 9]], 24, SamplingParams(greedy=True, frequency_penalty=2.0,
+                                                                 presence_penalty=2.0), stop_at_eos=False).token_ids
+    for a, b in zip(plain, pen):
+        assert len(set(b)) >= len(set(a)) and len(set(b)) > 12, (a, b)

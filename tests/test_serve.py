@@ -143,6 +143,40 @@ def test_top_k_one_is_greedy(srv):
     assert r.choices[0].token_ids == alone(ids("Hello"), 12).token_ids[0]
 
 
+def test_penalties_get_what_generate_alone_gets_batched_or_not(srv):
+    """presence, frequency (OpenAI's) and repetition (vLLM's) penalties: the server counts each request's tokens
+    per slot on the device, Engine.generate per row; 12 requests at once, greedy and seeded, half of them
+    penalized and half streamed, each gets exactly what it gets alone."""
+    rng = random.Random(5)
+    pens = [{"presence_penalty": 0.8, "frequency_penalty": 1.2}, {"repetition_penalty": 1.4},
+            {"frequency_penalty": -0.5, "repetition_penalty": 0.9}, {}]
+    reqs = [(tuple([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(2, 12))]), rng.randrange(4, 16),
+             pens[i % 4], 0.0 if i % 3 else 0.9, i % 2) for i in range(12)]
+
+    async def one(client, prompt, n, pen, temp, stream):
+        kw = dict(model=QWEN, prompt=list(prompt), max_tokens=n, temperature=temp, seed=11,
+                  presence_penalty=pen.get("presence_penalty", 0), frequency_penalty=pen.get("frequency_penalty", 0),
+                  extra_body={"return_token_ids": True, "ignore_eos": True,
+                              "repetition_penalty": pen.get("repetition_penalty", 1)})
+        if not stream:
+            return (await client.completions.create(**kw)).choices[0].token_ids
+        out = []
+        async for c in await client.completions.create(stream=True, **kw):
+            out += c.choices[0].token_ids or [] if c.choices else []
+        return out
+
+    async def main():
+        client = srv.async_client()
+        return await asyncio.gather(*(one(client, *r) for r in reqs))
+
+    got = asyncio.run(main())
+    for (prompt, n, pen, temp, _), tokens in zip(reqs, got):
+        params = SamplingParams(greedy=True, **pen) if temp == 0 else SamplingParams(temperature=temp, **pen)
+        assert tokens == alone(prompt, n, False, params, 11).token_ids[0], (prompt, pen, temp)
+    assert any(alone(p, n, False, SamplingParams(greedy=True, **pen)).token_ids[0]
+               != alone(p, n, False).token_ids[0] for p, n, pen, t, _ in reqs if pen and t == 0)  # they bite
+
+
 def test_logit_bias_through_the_openai_client(srv):
     """A bias of +100 on one token makes greedy pick it every step; -100 on the greedy token moves the first pick."""
     r = complete(srv, prompt="Hello", max_tokens=4, temperature=0, logit_bias={"65": 100},

@@ -2,12 +2,12 @@
 OpenAI-style body naming the field), never an exception that reaches the engine.
 
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
-(0: greedy), top_p, logit_bias, seed, stop, stream, stream_options.include_usage, n = 1; logprobs (the sampled
-token's: completions 0, chat true with top_logprobs 0); vLLM's extensions top_k, min_p, stop_token_ids, ignore_eos
-and return_token_ids (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes
-nothing). Nothing is ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, penalties,
-response_format other than text, ...) is refused unless it holds its neutral value, and any other field is refused
-as unknown (a null counts as absent).
+(0: greedy), top_p, logit_bias, presence_penalty, frequency_penalty, seed, stop, stream,
+stream_options.include_usage, n = 1; logprobs (the sampled token's: completions 0, chat true with top_logprobs 0);
+vLLM's extensions top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos and return_token_ids (each choice,
+or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is ignored: a field
+that asks for what the server does not do (NEUTRAL: n > 1, response_format other than text, ...) is refused unless
+it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .chat import ROLES, ChatError, chat_prompt
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
 MAX_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
 MAX_BIASED = 1024  # logit_bias entries per request
+MAX_REPETITION = 10.0  # repetition_penalty's upper bound (vLLM takes any > 0; past ~2 it only garbles)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
@@ -110,13 +111,13 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
 
 
 TAKEN = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-         "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias"}
+         "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
+         "frequency_penalty", "repetition_penalty"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
 TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
 # for nothing (what clients send by default), refused otherwise.
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
-           "frequency_penalty": (0,), "repetition_penalty": (1,), "top_logprobs": (0,),
+NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
            "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
            "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
            "skip_special_tokens": (True,), "bad_words": ([],)}
@@ -291,9 +292,17 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
     min_p = _number(doc, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise APIError(f"min_p must be in [0, 1], got {min_p}", "min_p")
-    bias = _logit_bias(doc, vocab)
-    params = SamplingParams(greedy=True, logit_bias=bias) if temperature < GREEDY_BELOW else \
-        SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, logit_bias=bias)
+    pen = {"logit_bias": _logit_bias(doc, vocab)}
+    for key in ("presence_penalty", "frequency_penalty"):
+        pen[key] = _number(doc, key, 0.0)
+        if not -2 <= pen[key] <= 2:
+            raise APIError(f"{key} must be in [-2, 2], got {pen[key]}", key)
+    pen["repetition_penalty"] = _number(doc, "repetition_penalty", 1.0)
+    if not 0 < pen["repetition_penalty"] <= MAX_REPETITION:
+        raise APIError(f"repetition_penalty must be in (0, {MAX_REPETITION:g}] (1: none), got "
+                       f"{pen['repetition_penalty']}", "repetition_penalty")
+    params = SamplingParams(greedy=True, **pen) if temperature < GREEDY_BELOW else \
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, **pen)
     seed = _int(doc, "seed", None, 0, MAX_SEED)
     stop = doc.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
