@@ -649,7 +649,7 @@ def test_serve_frees_its_server_before_the_process_group_is_torn_down(monkeypatc
             gc.collect()
             seen.append([s() is None for s in servers])
 
-    def build(args, ep):
+    def build(args, ep, progress=None):
         s = Server()
         servers.append(weakref.ref(s))
         return s
