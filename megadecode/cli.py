@@ -114,6 +114,10 @@ def _add_generate(sub) -> None:
                           "(default: --prompt's)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
                    help="tokens to generate per prompt (sequences stop early at EOS)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS among a sequence's first N new tokens (vLLM's min_tokens), at most --max-new-tokens")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep the tokens after an EOS: every sequence gets --max-new-tokens")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and cache dtype")
     p.add_argument("--executor", choices=["auto", *EXECUTOR_NAMES], default="auto",
@@ -231,6 +235,9 @@ def cmd_generate(args, argv) -> int:
         raise ValueError("--device cuda: no CUDA GPU is available")
     if args.max_new_tokens < 0:
         raise RequestError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not 0 <= args.min_tokens <= args.max_new_tokens:
+        raise RequestError(f"--min-tokens must be in [0, --max-new-tokens = {args.max_new_tokens}], got "
+                           f"{args.min_tokens}")
     sampling = _sampling(args)
     cfg = model_config(args.model)
     tok = load_tokenizer(None if args.model in PRESETS else args.model)
@@ -298,7 +305,8 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
                     disable=off)
     try:
         with progress:
-            return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress)
+            return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress,
+                                   stop_at_eos=not args.ignore_eos, min_tokens=args.min_tokens)
     except NonFiniteError as e:
         hint = "" if args.model in PRESETS or args.check_finite else \
             " (--check-finite names a tensor that holds them)"

@@ -274,19 +274,25 @@ class Engine:
         return len(todo)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 *, seed: int = 0, stop_at_eos: bool = True, progress=None) -> GenerationResult:
+                 *, seed: int = 0, stop_at_eos: bool = True, min_tokens: int = 0, progress=None
+                 ) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt. Tokens stay on the device during the loop; the
         host reads them once at the end (sequences are cut after their first EOS). Every graph the decode steps
-        replay is compiled and captured first (`warmup_s`), so `decode_s` times steady steps only."""
+        replay is compiled and captured first (`warmup_s`), so `decode_s` times steady steps only. `min_tokens`:
+        no EOS is drawn among a sequence's first min_tokens tokens (vLLM's)."""
         check_seed(seed)
         self.check_request(prompts, max_new_tokens)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_new_tokens = {max_new_tokens}], got "
+                               f"{min_tokens!r}")
+        eos_ban = [tuple(self.cfg.eos_token_id)] * len(prompts)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         tw = time.perf_counter()
         # executors that sample inside the captured decode step (fused: backends/fused/kernels/lm_head.py) take greedy
         # and plain temperature sampling; the first token (prefill) and top-p, top-k, min-p, logit bias and the
-        # penalties use sampling.sample
-        in_step = self.executor.set_sampling(sampling, len(prompts))
+        # penalties use sampling.sample, and so do all steps under min_tokens (the in-step samplers ban no token)
+        in_step = self.executor.set_sampling(None if min_tokens else sampling, len(prompts))
         # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay
         lens = [len(p) for p in prompts]
         warm_steps = self.warmup([len(prompts)], max(lens) + 1, max(lens) + max_new_tokens - 1) \
@@ -302,7 +308,7 @@ class Engine:
             counts.start(range(len(prompts)), prompts)
             rows = torch.arange(len(prompts), device=self.device)
         if max_new_tokens:
-            tok, lp = sample(logits, sampling, gen, counts)
+            tok, lp = sample(logits, sampling, gen, counts, eos_ban if min_tokens > 0 else None)
             toks.append(tok), lps.append(lp)
             if counts is not None:
                 counts.add(rows, tok)
@@ -314,7 +320,7 @@ class Engine:
                 self.decode(tok)
                 tok, lp = (t.clone() for t in self.executor.sampled)  # the graph's buffers are reused
             else:
-                tok, lp = sample(self.decode(tok), sampling, gen, counts)
+                tok, lp = sample(self.decode(tok), sampling, gen, counts, eos_ban if k + 1 < min_tokens else None)
                 if counts is not None:
                     counts.add(rows, tok)
             toks.append(tok), lps.append(lp)

@@ -174,8 +174,11 @@ class ModelRunner:
                 self.counts.start([s.slot for s in new], [s.prompt for s in new])
                 for s in new:
                     s.counted = True
+        ban = [s.stop_ids if s.sampled < s.min_tokens else () for s in seqs]  # min_tokens: no stop id yet
         tokens, logprobs = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs], self.counts,
-                                       [s.slot for s in seqs])
+                                       [s.slot for s in seqs], ban)
+        for s in seqs:
+            s.sampled += 1
         if pen:
             idx = to_device(pen, torch.int64, self.device)
             self.counts.add(to_device([seqs[i].slot for i in pen], torch.int64, self.device), tokens[idx])

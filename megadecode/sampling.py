@@ -167,14 +167,27 @@ def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
     return (probs / noise).masked_fill(probs <= 0, -1.0).argmax(-1)
 
 
+def _banned(logits: torch.Tensor, ban: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """logits with row i's tokens ban[i] at -inf (a copy; min_tokens: EOS and stop ids before the minimum), or
+    `logits` when nothing is banned."""
+    pairs = [(r, t) for r, ids in enumerate(ban or ()) for t in ids]
+    if not pairs:
+        return logits
+    dev = logits.device
+    r = to_device([r for r, _ in pairs], torch.int64, dev)
+    t = to_device([t for _, t in pairs], torch.int64, dev)
+    return logits.index_put((r, t), torch.full((len(pairs),), -math.inf, device=dev))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           counts: Counts | None = None):
+           counts: Counts | None = None, ban: Sequence[Sequence[int]] | None = None):
     """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32: log p(token) under the model, T = 1, before any
-    logit bias or penalty). `counts`: the rows' token counts (row i of counts for row i), for the penalties."""
+    logit bias or penalty). `counts`: the rows' token counts (row i of counts for row i), for the penalties; `ban`:
+    per row, tokens it may not draw (after the penalties and the bias)."""
     logits = _check(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
     B = logits.shape[0]
-    logits = _biased(_penalized(logits, [params] * B, counts, range(B)), range(B), [params] * B)
+    logits = _banned(_biased(_penalized(logits, [params] * B, counts, range(B)), range(B), [params] * B), ban)
     if params.greedy:
         tokens = logits.argmax(-1)
     else:
@@ -190,10 +203,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], counts: Counts | None = None,
-                rows: Sequence[int] | None = None):
+                rows: Sequence[int] | None = None, ban: Sequence[Sequence[int]] | None = None):
     """`sample` with params[i] and generators[i] for row i of logits [B, V]: one exponential draw of V values
     per sampled row from its own generator (greedy rows draw nothing), so a row's tokens do not depend on the
-    other rows. `counts` and `rows`: row i's token counts are counts' row rows[i] (the penalties). Returns
+    other rows. `counts` and `rows`: row i's token counts are counts' row rows[i] (the penalties); `ban`: per row,
+    tokens it may not draw. Returns
     (tokens [B] int64, logprobs [B] fp32)."""
     logits = _check(logits)
     B, V = logits.shape
@@ -201,7 +215,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"{B} rows of logits need {B} params and generators, got {len(params)} and "
                          f"{len(generators)}")
     logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _biased(_penalized(logits, params, counts, rows), range(B), params)
+    logits = _banned(_biased(_penalized(logits, params, counts, rows), range(B), params), ban)
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:

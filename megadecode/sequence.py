@@ -43,6 +43,8 @@ class Sequence:
     error: str | None = None
     generator: object = None  # the model runner's per-request generator; opaque here
     counted: bool = False  # the model runner keeps its token counts on the device (penalties): set from its prompt
+    min_tokens: int = 0  # stop ids (EOS included) are not drawn before this many new tokens
+    sampled: int = 0  # tokens the model runner has drawn for it, read or still in flight
 
     def __post_init__(self):
         if not self.prompt:

@@ -368,3 +368,10 @@ def test_generate_penalties(capsys):
     assert pen != plain and len(set(pen)) >= len(set(plain))
     assert "--presence-penalty must be in [-2, 2]" in fails(capsys, base + ["--presence-penalty", "3"])
     assert "--repetition-penalty must be finite and > 0" in fails(capsys, base + ["--repetition-penalty", "0"])
+
+
+def test_generate_min_tokens_and_ignore_eos(capsys):
+    base = ["generate", "--model", "tiny-qwen3-moe", "--greedy", "--json", "--max-new-tokens", "6",
+            "--token-ids", "256,9"]
+    assert len(run_json(capsys, base + ["--ignore-eos", "--min-tokens", "6"])["token_ids"][0]) == 6
+    assert "--min-tokens must be in [0, --max-new-tokens = 6]" in fails(capsys, base + ["--min-tokens", "7"])

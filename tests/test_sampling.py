@@ -442,3 +442,33 @@ def test_generate_with_penalties_repeats_less():
                                                                  presence_penalty=2.0), stop_at_eos=False).token_ids
     for a, b in zip(plain, pen):
         assert len(set(b)) >= len(set(a)) and len(set(b)) > 12, (a, b)
+
+
+# ---- min_tokens: stop ids banned before the minimum ---------------------------------------------------------------
+
+def test_banned_tokens_are_never_drawn_and_the_logprobs_stay_the_models():
+    from megadecode.sampling import sample_rows
+
+    logits = torch.tensor([[5.0, 1.0, 0.0], [0.0, 0.0, 9.0]])
+    toks, lp = sample(logits, SamplingParams(greedy=True), ban=[(0,), (2,)])
+    assert toks.tolist() == [1, 0]
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, toks[:, None])[:, 0])
+    many = rows([0.05, 0.9, 0.05], 4000)
+    toks, _ = sample_rows(many, [SamplingParams(temperature=1.0)] * 4000, [gen(i) for i in range(4000)],
+                          ban=[(1,)] * 4000)
+    assert (toks != 1).all() and chi_square(toks, [0.5, 0.0, 0.5]) < CHI2_999[1]
+
+
+def test_generate_min_tokens_holds_eos_back():
+    """EOS forced by a bias: without min_tokens the first token ends the sequence; with 5, the sixth does."""
+    from megadecode.engine import Engine, RequestError
+
+    e = Engine.from_pretrained("tiny-qwen3-moe", max_batch=2, max_seq_len=48)
+    eos = e.cfg.eos_token_id[0]
+    p = SamplingParams(greedy=True, logit_bias=((eos, 100.0),))
+    assert e.generate([[256, 5]], 10, p).token_ids == [[eos]]
+    out = e.generate([[256, 5], [256, 7, 7]], 10, p, min_tokens=5).token_ids
+    assert all(len(r) == 6 and r[-1] == eos and eos not in r[:-1] for r in out), out
+    assert len(e.generate([[256, 5]], 10, p, min_tokens=5, stop_at_eos=False).token_ids[0]) == 10
+    with pytest.raises(RequestError, match="min_tokens"):
+        e.generate([[256, 5]], 3, p, min_tokens=4)

@@ -177,6 +177,21 @@ def test_penalties_get_what_generate_alone_gets_batched_or_not(srv):
                != alone(p, n, False).token_ids[0] for p, n, pen, t, _ in reqs if pen and t == 0)  # they bite
 
 
+def test_min_tokens_holds_the_stop_ids_back(srv):
+    """EOS forced by a bias (the tiny model's 257): without min_tokens it ends the completion at once; with 4, the
+    fifth token; a stop id counts alike."""
+    eos = 257
+    kw = dict(prompt="Hello", max_tokens=10, temperature=0, logit_bias={str(eos): 100})
+    r = complete(srv, **kw, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [eos] and r.choices[0].finish_reason == "stop"
+    r = complete(srv, **kw, extra_body={"return_token_ids": True, "min_tokens": 4})
+    ids_ = r.choices[0].token_ids
+    assert len(ids_) == 5 and ids_[-1] == eos and eos not in ids_[:-1] and r.choices[0].finish_reason == "stop"
+    r = complete(srv, prompt="Hello", max_tokens=10, temperature=0, logit_bias={"66": 100},
+                 extra_body={"return_token_ids": True, "stop_token_ids": [66], "min_tokens": 3, "ignore_eos": True})
+    assert r.choices[0].token_ids[-1] == 66 and len(r.choices[0].token_ids) == 4
+
+
 def test_logit_bias_through_the_openai_client(srv):
     """A bias of +100 on one token makes greedy pick it every step; -100 on the greedy token moves the first pick."""
     r = complete(srv, prompt="Hello", max_tokens=4, temperature=0, logit_bias={"65": 100},

@@ -71,7 +71,8 @@ BAD = [
     ({**OK, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({**OK, "best_of": 3}, "best_of", "not supported"),
     ({**OK, "top_logprobs": 2}, "top_logprobs", "not supported"),
-    ({**OK, "min_tokens": 4}, "min_tokens", "not supported"),
+    ({**OK, "min_tokens": -1}, "min_tokens", "must be in [0, "),
+    ({**OK, "max_tokens": 3, "min_tokens": 4}, "min_tokens", "in [0, 3]"),
     ({**OK, "echo": 0}, "echo", "not supported"),  # 0 is not false
     ({**OK, "guided_json": {"type": "object"}}, "guided_json", "unknown field"),
     ({**OK, "max_new_tokens": 5}, "max_new_tokens", "unknown field"),

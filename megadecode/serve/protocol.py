@@ -4,10 +4,10 @@ OpenAI-style body naming the field), never an exception that reaches the engine.
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
 (0: greedy), top_p, logit_bias, presence_penalty, frequency_penalty, seed, stop, stream,
 stream_options.include_usage, n = 1; logprobs (the sampled token's: completions 0, chat true with top_logprobs 0);
-vLLM's extensions top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos and return_token_ids (each choice,
-or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is ignored: a field
-that asks for what the server does not do (NEUTRAL: n > 1, response_format other than text, ...) is refused unless
-it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
+vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and return_token_ids
+(each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is
+ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, response_format other than text, ...)
+is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Request:
     include_usage: bool
     logprobs: bool
     return_token_ids: bool = False
+    min_tokens: int = 0
 
 
 def parse_json(body: bytes) -> dict:
@@ -112,14 +113,14 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
 
 TAKEN = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
          "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
-         "frequency_penalty", "repetition_penalty"}
+         "frequency_penalty", "repetition_penalty", "min_tokens"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
 TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
 # for nothing (what clients send by default), refused otherwise.
 NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
            "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-           "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
+           "include_stop_str_in_output": (False,), "use_beam_search": (False,),
            "skip_special_tokens": (True,), "bad_words": ([],)}
 
 
@@ -321,5 +322,6 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
         logprobs = _bool(doc, "logprobs", False)
     else:
         logprobs = _int(doc, "logprobs", None, 0, 0) is not None  # 0: the sampled tokens', no alternatives
+    min_tokens = _int(doc, "min_tokens", 0, 0, max_tokens)  # vLLM's: no EOS or stop id before this many tokens
     return Request(prompt, max_tokens, params, seed, tuple(stop), frozenset(stop_ids), stream, include_usage,
-                   logprobs, _bool(doc, "return_token_ids", False))
+                   logprobs, _bool(doc, "return_token_ids", False), min_tokens)
