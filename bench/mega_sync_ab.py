@@ -31,12 +31,13 @@ import torch
 
 from megadecode.backends.mega.executor import default_ctas
 from megadecode.backends.mega.lower import lower
-from megadecode.backends.mega.runtime import MegaRuntime, compile_launcher
+from megadecode.backends.mega.runtime import compile_launcher
 from megadecode.backends.mega.schedule import schedule
 from megadecode.cache import KVCache
 from megadecode.presets import preset_config
 from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
+from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
 VARIANTS = ("shipped", "relaxed_poll", "release_only")
 
@@ -102,18 +103,6 @@ def build(name: str, device):
         return compile_launcher(device, cache=False)
 
 
-def _runtime(prog, batch: int, context: int, kernel) -> MegaRuntime:
-    rt = MegaRuntime(prog, "cuda", kernel=kernel)
-    rt.view("tokens").copy_(torch.arange(batch))
-    rt.view("positions").fill_(context)
-    rt.view("slots").copy_(torch.arange(batch))
-    for _ in range(3):
-        rt.launch()
-    torch.cuda.synchronize()
-    rt.check()
-    return rt
-
-
 def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> dict:
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
@@ -123,7 +112,7 @@ def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> 
             t.normal_()
     ctas = default_ctas(torch.device("cuda"))
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rts = {n: _runtime(prog, batch, context, k) for n, k in kernels.items()}
+    rts = {n: _runtime(prog, batch, context, kernel=k) for n, k in kernels.items()}
     ts = {n: [] for n in rts}
     for _ in range(rounds):
         for n, rt in rts.items():

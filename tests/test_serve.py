@@ -90,28 +90,33 @@ def test_chat_with_the_fallback_template(srv):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def at_once(srv, reqs: list[tuple[dict, bool]]) -> list[list[int]]:
+    """Completions sent concurrently through the async openai client, each (its keyword arguments, streamed or
+    not): the token ids each got."""
+    async def one(client, kw, stream):
+        if not stream:
+            return (await client.completions.create(model=QWEN, **kw)).choices[0].token_ids
+        out = []
+        async for c in await client.completions.create(model=QWEN, stream=True, **kw):
+            out += c.choices[0].token_ids or [] if c.choices else []
+        return out
+
+    async def main():
+        client = srv.async_client()
+        return await asyncio.gather(*(one(client, kw, stream) for kw, stream in reqs))
+
+    return asyncio.run(main())
+
+
 def test_concurrent_requests_get_the_tokens_each_gets_alone(srv):
     """16 requests at once (twice the batch: some wait for a slot), different prompts and lengths, half of them
     streamed: every one gets exactly its greedy tokens alone."""
     rng = random.Random(0)
     reqs = [(tuple([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(1, 20))]), rng.randrange(1, 16), i % 2)
             for i in range(16)]
-
-    async def one(client, prompt, n, stream):
-        kw = dict(model=QWEN, prompt=list(prompt), max_tokens=n, temperature=0,
-                  extra_body={"return_token_ids": True, "ignore_eos": True})
-        if not stream:
-            return (await client.completions.create(**kw)).choices[0].token_ids
-        out = []
-        async for c in await client.completions.create(stream=True, **kw):
-            out += c.choices[0].token_ids or [] if c.choices else []
-        return out
-
-    async def main():
-        client = srv.async_client()
-        return await asyncio.gather(*(one(client, *r) for r in reqs))
-
-    got = asyncio.run(main())
+    got = at_once(srv, [(dict(prompt=list(p), max_tokens=n, temperature=0,
+                              extra_body={"return_token_ids": True, "ignore_eos": True}), stream)
+                        for p, n, stream in reqs])
     for (prompt, n, _), tokens in zip(reqs, got):
         assert tokens == alone(prompt, n, eos=False).token_ids[0], prompt
 
@@ -153,23 +158,12 @@ def test_penalties_get_what_generate_alone_gets_batched_or_not(srv):
     reqs = [(tuple([BOS_ID] + [rng.randrange(256) for _ in range(rng.randrange(2, 12))]), rng.randrange(4, 16),
              pens[i % 4], 0.0 if i % 3 else 0.9, i % 2) for i in range(12)]
 
-    async def one(client, prompt, n, pen, temp, stream):
-        kw = dict(model=QWEN, prompt=list(prompt), max_tokens=n, temperature=temp, seed=11,
-                  presence_penalty=pen.get("presence_penalty", 0), frequency_penalty=pen.get("frequency_penalty", 0),
-                  extra_body={"return_token_ids": True, "ignore_eos": True,
-                              "repetition_penalty": pen.get("repetition_penalty", 1)})
-        if not stream:
-            return (await client.completions.create(**kw)).choices[0].token_ids
-        out = []
-        async for c in await client.completions.create(stream=True, **kw):
-            out += c.choices[0].token_ids or [] if c.choices else []
-        return out
-
-    async def main():
-        client = srv.async_client()
-        return await asyncio.gather(*(one(client, *r) for r in reqs))
-
-    got = asyncio.run(main())
+    got = at_once(srv, [(dict(prompt=list(p), max_tokens=n, temperature=t, seed=11,
+                              presence_penalty=pen.get("presence_penalty", 0),
+                              frequency_penalty=pen.get("frequency_penalty", 0),
+                              extra_body={"return_token_ids": True, "ignore_eos": True,
+                                          "repetition_penalty": pen.get("repetition_penalty", 1)}), stream)
+                        for p, n, pen, t, stream in reqs])
     for (prompt, n, pen, temp, _), tokens in zip(reqs, got):
         params = SamplingParams(greedy=True, **pen) if temp == 0 else SamplingParams(temperature=temp, **pen)
         assert tokens == alone(prompt, n, False, params, 11).token_ids[0], (prompt, pen, temp)
