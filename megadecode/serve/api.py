@@ -103,23 +103,25 @@ def build_app(server: Server, max_body_bytes: int | None = None, api_key: str | 
 
         return {"version": installed("megadecode")}  # the installed distribution's (pyproject.toml)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    async def checked(request: Request, parse, answer):
+        """A small POST route: the body parsed and checked by `parse` (an APIError is its 400 / 404 / 413), then
+        `answer` of what it returned."""
         try:
-            tokens = parse_tokenize(parse_json(await _read_body(request, limit)), model=server.model_name,
-                                    tokenizer=server.tokenizer)
+            return answer(parse(parse_json(await _read_body(request, limit))))
         except APIError as e:
             return error_response(e)
-        return {"count": len(tokens), "max_model_len": server.max_seq_len, "tokens": tokens}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await checked(
+            request, lambda doc: parse_tokenize(doc, model=server.model_name, tokenizer=server.tokenizer),
+            lambda tokens: {"count": len(tokens), "max_model_len": server.max_seq_len, "tokens": tokens})
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        try:
-            tokens = parse_detokenize(parse_json(await _read_body(request, limit)), model=server.model_name,
-                                      vocab=server.vocab_size)
-        except APIError as e:
-            return error_response(e)
-        return {"prompt": server.tokenizer.decode(tokens)}
+        return await checked(
+            request, lambda doc: parse_detokenize(doc, model=server.model_name, vocab=server.vocab_size),
+            lambda tokens: {"prompt": server.tokenizer.decode(tokens)})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
