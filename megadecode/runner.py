@@ -24,14 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine
-from .sampling import Counts, to_device, sample_rows
+from .sampling import Counts, to_device, sample_rows, top_logprobs
 from .sequence import Sequence
 
 
 @dataclass(eq=False)
 class Launched:
     """A step whose kernels are queued: its sequences, the tokens it samples (on the device), its results (tokens,
-    logprobs, finite flags: [3, B] float64, on the host once `done` has fired; None: already there)."""
+    logprobs, finite flags, then K rows of the top tokens' ids and K of their logprobs, K the most any sequence
+    asks for: [3 + 2K, B] float64, on the host once `done` has fired; None: already there)."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor
@@ -144,18 +145,24 @@ class ModelRunner:
             self.mirror.lost(e)
             raise
 
-    def collect(self, step: Launched) -> list[tuple[int, float, bool]]:
-        """(token, logprob, finite) per sequence of a launched step, waiting for its copy to the host only (an
-        event wait that releases the GIL, so the server's HTTP thread runs meanwhile)."""
+    def collect(self, step: Launched) -> list[tuple[int, float, bool, tuple]]:
+        """(token, logprob, finite, top) per sequence of a launched step, top its `top_logprobs` most likely tokens
+        as (id, logprob) pairs, most likely first; waiting for the copy to the host only (an event wait that
+        releases the GIL, so the server's HTTP thread runs meanwhile)."""
         if step.done is not None:
             step.done.synchronize()
-        t, lp, ok = step.host.tolist()
-        return [(int(a), b, c > 0) for a, b, c in zip(t, lp, ok)]
+        rows = step.host.tolist()
+        t, lp, ok = rows[:3]
+        k = (len(rows) - 3) // 2
+        ids, tops = rows[3:3 + k], rows[3 + k:]
+        return [(int(t[i]), lp[i], ok[i] > 0,
+                 tuple((int(ids[j][i]), tops[j][i]) for j in range(min(s.top_logprobs, k))))
+                for i, s in enumerate(step.seqs)]
 
-    def prefill(self, seqs: list[Sequence]) -> list[tuple[int, float, bool]]:
+    def prefill(self, seqs: list[Sequence]) -> list[tuple[int, float, bool, tuple]]:
         return self.collect(self.launch_prefill(seqs))
 
-    def decode(self, seqs: list[Sequence]) -> list[tuple[int, float, bool]]:
+    def decode(self, seqs: list[Sequence]) -> list[tuple[int, float, bool, tuple]]:
         return self.collect(self.launch_decode(seqs))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Launched:
@@ -184,6 +191,10 @@ class ModelRunner:
             self.counts.add(to_device([seqs[i].slot for i in pen], torch.int64, self.device), tokens[idx])
         finite = torch.isfinite(logits).all(-1)
         out = torch.stack((tokens.double(), logprobs.double(), finite.double()))  # token ids < 2**53: exact
+        k = max(s.top_logprobs for s in seqs)
+        if k:
+            vals, ids = top_logprobs(logits, k)
+            out = torch.cat((out, ids.T.double(), vals.T.double()))
         if self.device.type != "cuda":
             return Launched(seqs, tokens, out, None)
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)  # pinned: the copy does not block

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (vLLM's default max_logprobs)
 GREEDY_BELOW = 1e-5  # temperatures in [0, this) are argmax (vLLM's choice): logits / T would overflow fp32 near 0
 
 
@@ -240,6 +241,15 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         else:
             tokens = picked
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row under the model (T = 1, before any logit bias or penalty, as the
+    sampled token's logprob is reported): (logprobs [B, k] fp32, token ids [B, k] int64), most likely first."""
+    if not 1 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top logprobs: k must be in [1, {MAX_TOP_LOGPROBS}], got {k}")
+    vals, ids = torch.log_softmax(_check(logits).float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return vals, ids
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

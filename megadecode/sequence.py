@@ -45,6 +45,7 @@ class Sequence:
     counted: bool = False  # the model runner keeps its token counts on the device (penalties): set from its prompt
     min_tokens: int = 0  # stop ids (EOS included) are not drawn before this many new tokens
     sampled: int = 0  # tokens the model runner has drawn for it, read or still in flight
+    top_logprobs: int = 0  # the most likely tokens reported beside each generated one (sampling.MAX_TOP_LOGPROBS)
 
     def __post_init__(self):
         if not self.prompt:

@@ -255,6 +255,27 @@ def test_a_spin_loop_that_gives_up_silently_is_flagged():
     assert [f.rule for f in rep.findings] == [A.R_TIMEOUT], rep.to_markdown()
 
 
+def test_a_silent_spin_loop_is_flagged_even_when_a_later_wait_reports_its_own_timeout():
+    """A second bounded wait after the first (a ring slot's, say) whose exit writes the error buffer: that record
+    is reachable from the first loop's exits too, but it reports the second wait, not the first."""
+    later = """
+        mov.u32 %r10, 0;
+    $L_spin2:
+        ld.shared.b32 %r11, [%r12];
+        add.s32 %r10, %r10, 1;
+        setp.eq.s32 %p6, %r11, 0;
+        setp.lt.s32 %p7, %r10, 1000;
+        and.pred %p8, %p6, %p7;
+        @%p8 bra $L_spin2;
+        @!%p6 bra $L_after;
+        atom.global.cas.b32 %r9, [%rd6], 0, 1;
+    """
+    rep = _audit(_spin(later), reports=("err",))
+    assert [f.rule for f in rep.findings] == [A.R_TIMEOUT], rep.to_markdown()
+    rep = _audit(_spin("atom.global.cas.b32 %r13, [%rd6], 0, 1;" + later), reports=("err",))
+    assert not rep.findings, rep.to_markdown()
+
+
 def test_timeout_rule_is_skipped_without_reports():
     rep = _audit(_spin(""))
     assert A.R_TIMEOUT in rep.skipped and A.R_TIMEOUT not in rep.rules_checked and not rep.findings

@@ -235,6 +235,55 @@ def test_logprobs(srv):
     assert len(c.choices[0].logprobs.content) == 3 and all(t.logprob <= 0 for t in c.choices[0].logprobs.content)
 
 
+def test_top_logprobs_are_the_models_most_likely_tokens(srv):
+    """Completions' integer logprobs and chat's top_logprobs: per generated token, that many alternatives, most
+    likely first, each the model's log-softmax at that position (the oracle: a prefill of the prompt and the tokens
+    before it), streamed or not; with greedy decoding the first alternative is the token drawn."""
+    import torch
+
+    from serving import oracle
+
+    def model_top(prompt: list[int], out: list[int], k: int) -> list[list[tuple[int, float]]]:
+        eng, rows = oracle(), []
+        for i in range(len(out)):
+            lp = torch.log_softmax(eng.prefill([list(prompt) + out[:i]]).float()[0], -1)
+            vals, top = lp.topk(k)
+            rows.append(list(zip(top.tolist(), vals.tolist())))
+        return rows
+
+    for stream in (False, True):
+        r = post(srv, {"model": QWEN, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "logprobs": 5,
+                       "return_token_ids": True, "ignore_eos": True, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            choices = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines() if line.startswith("data: {")]
+            toks = [t for c in choices for t in c["token_ids"]]
+            tops = [t for c in choices if c["logprobs"] for t in c["logprobs"]["top_logprobs"]]
+        else:
+            choice = r.json()["choices"][0]
+            toks, tops = choice["token_ids"], choice["logprobs"]["top_logprobs"]
+        want = model_top(ids("Hello"), toks, 5)
+        assert len(tops) == len(toks) == 4
+        for got, w, t in zip(tops, want, toks):
+            pieces = [TOK.decode([a]) for a, _ in w]  # a {piece: logprob} dict: pieces that decode alike share a key
+            first = {}
+            for p, (_, lp) in zip(pieces, w):
+                first.setdefault(p, lp)  # the likelier one's
+            assert list(got) == list(first) and all(abs(got[p] - lp) < 1e-4 for p, lp in first.items())
+            assert w[0][0] == t  # greedy: the most likely token is the one drawn
+    c = srv.client().chat.completions.create(model=QWEN, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                             logprobs=True, top_logprobs=3, temperature=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 3 for t in content)
+    for t in content:
+        lps = [a.logprob for a in t.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and lps[0] == pytest.approx(t.logprob, abs=1e-6)
+        assert t.top_logprobs[0].token == t.token and all(a.bytes == list(a.token.encode()) for a in t.top_logprobs)
+    none = post(srv, {"model": QWEN, "prompt": "Hello", "max_tokens": 2, "logprobs": 0})
+    assert none.json()["choices"][0]["logprobs"]["top_logprobs"] is None  # 0: the drawn tokens' only
+
+
 # ---- a bounded load test ------------------------------------------------------------------------------------------
 
 def test_load_every_request_answered(srv):

@@ -47,7 +47,8 @@ BAD = [
     ({**OK, "prompt": ["a", "b"]}, "prompt", "one per request"),
     ({**OK, "n": 2}, "n", "not supported"),
     ({**OK, "echo": True}, "echo", "not supported"),
-    ({**OK, "logprobs": 3}, "logprobs", "in [0, 0]"),
+    ({**OK, "logprobs": 21}, "logprobs", "in [0, 20]"),
+    ({**OK, "logprobs": True}, "logprobs", "must be an integer"),
     ({**OK, "stop": ""}, "stop", "non-empty string"),
     ({**OK, "stop": [1]}, "stop", "non-empty string"),
     ({**OK, "stop": ["a"] * 17}, "stop", "at most 16"),
@@ -99,8 +100,10 @@ CHAT_BAD = [
      "only text parts"),
     ({"model": QWEN, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens", ">= 1"),
-    ({"model": QWEN, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
-     "top_logprobs", "not supported"),
+    ({"model": QWEN, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "in [0, 20]"),
+    ({"model": QWEN, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "needs logprobs: true"),
 ]
 
 

@@ -203,11 +203,13 @@ class Output:
         self.created = int(time.time())
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[tuple] = []  # per token kept: its top_logprobs alternatives, (id, logprob)
         self.finish_reason: str | None = None
         self.error: str | None = None
 
-    def take(self, d) -> tuple[str, list[int], list[float]]:
-        """Apply one delta: returns (new text, new tokens kept, their logprobs) and sets finish_reason when the
+    def take(self, d) -> tuple[str, list[int], list[float], list[tuple]]:
+        """Apply one delta: returns (new text, new tokens kept, their logprobs, their alternatives) and sets
+        finish_reason when the
         sequence is done. A stop string ends it here (the tokens after the one that completed it are dropped, and
         the engine is told to abort the sequence)."""
         if d.token is not None and not self.tokens:
@@ -217,9 +219,10 @@ class Output:
         if d.finish_reason is not None and d.finish_reason != ERROR and not self.text.stopped:
             text += self.text.finish()
         kept = self.text.tokens_used - len(self.tokens)
-        ids, lps = ids[:kept], ([d.logprob] if ids else [])[:kept]
+        ids, lps, tops = ids[:kept], ([d.logprob] if ids else [])[:kept], ([d.top] if ids else [])[:kept]
         self.tokens += ids
         self.logprobs += lps
+        self.tops += tops
         if self.text.stopped:
             self.finish_reason = "stop"
             self.server.close(self.seq, STOP)  # ended: a step the engine may still run for it is dropped
@@ -227,7 +230,7 @@ class Output:
             self.finish_reason, self.error = ERROR, d.error
         elif d.finish_reason is not None:
             self.finish_reason = d.finish_reason
-        return text, ids, lps
+        return text, ids, lps, tops
 
     def _gone(self, watcher: asyncio.Future) -> None:
         if not watcher.cancelled():
@@ -255,7 +258,7 @@ class Output:
             return error_response(self.failure())
         text = "".join(text)
         choice = {"index": 0, "finish_reason": self.finish_reason,
-                  "logprobs": self._logprobs(self.tokens, self.logprobs) if self.req.logprobs else None}
+                  "logprobs": self._logprobs(self.tokens, self.logprobs, self.tops) if self.req.logprobs else None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -271,14 +274,14 @@ class Output:
         asked (stream_options.include_usage), then [DONE]. A failure is an `error` event."""
         try:
             if self.chat:
-                yield self._chunk({"role": "assistant", "content": ""}, None, [], [])
+                yield self._chunk({"role": "assistant", "content": ""}, None, [], [], [])
             while self.finish_reason is None:
-                text, ids, lps = self.take(await self.chan.queue.get())
+                text, ids, lps, tops = self.take(await self.chan.queue.get())
                 if self.finish_reason == ERROR:
                     yield f"data: {_dump(self.failure().body())}\n\n"
                     break
                 if text or self.finish_reason is not None or (ids and (self.req.logprobs or self.req.return_token_ids)):
-                    yield self._chunk({"content": text} if self.chat else text, self.finish_reason, ids, lps)
+                    yield self._chunk({"content": text} if self.chat else text, self.finish_reason, ids, lps, tops)
             if self.finish_reason != ERROR and self.req.include_usage:
                 yield f"data: {_dump(self._envelope([], usage=self._usage()))}\n\n"
             yield "data: [DONE]\n\n"
@@ -293,9 +296,9 @@ class Output:
             doc["usage"] = usage
         return doc
 
-    def _chunk(self, delta, finish_reason, ids, lps) -> str:
+    def _chunk(self, delta, finish_reason, ids, lps, tops) -> str:
         choice = {"index": 0, "finish_reason": finish_reason,
-                  "logprobs": self._logprobs(ids, lps) if self.req.logprobs and ids else None}
+                  "logprobs": self._logprobs(ids, lps, tops) if self.req.logprobs and ids else None}
         if self.chat:
             choice["delta"] = delta
         else:
@@ -308,10 +311,26 @@ class Output:
         n, m = len(self.req.prompt), len(self.tokens)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> dict:
-        pieces = [self.server.tokenizer.decode([t]) for t in ids]
-        lps = [lp if math.isfinite(lp) else LOGPROB_FLOOR for lp in lps]  # JSON has no -inf
+    def _logprobs(self, ids: list[int], lps: list[float], tops: list[tuple]) -> dict:
+        """OpenAI's logprobs object of the tokens ids: chat's `content` list (each with its top_logprobs list),
+        or completions' parallel lists (top_logprobs a {piece: logprob} dict per token, None when none asked)."""
+        def piece(t: int) -> str:
+            return self.server.tokenizer.decode([t])
+
+        def finite(lp: float) -> float:
+            return lp if math.isfinite(lp) else LOGPROB_FLOOR  # JSON has no -inf
+
         if self.chat:
-            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                                for p, lp in zip(pieces, lps)]}
-        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+            return {"content": [{"token": piece(t), "logprob": finite(lp), "bytes": list(piece(t).encode()),
+                                 "top_logprobs": [{"token": piece(a), "logprob": finite(alp),
+                                                   "bytes": list(piece(a).encode())} for a, alp in top]}
+                                for t, lp, top in zip(ids, lps, tops)]}
+        def by_piece(pairs) -> dict:  # tokens that decode alike keep the likelier one's logprob
+            d = {}
+            for a, alp in pairs:
+                d.setdefault(piece(a), finite(alp))
+            return d
+
+        top = [by_piece(t) for t in tops] if self.req.top_logprobs else None
+        return {"tokens": [piece(t) for t in ids], "token_logprobs": [finite(lp) for lp in lps],
+                "top_logprobs": top, "text_offset": None}

@@ -37,6 +37,7 @@ class Delta:
     logprob: float | None
     finish_reason: str | None = None
     error: str | None = None
+    top: tuple = ()  # the sequence's top_logprobs most likely tokens at this step: (id, logprob), most likely first
 
 
 class NullMetrics:
@@ -207,7 +208,7 @@ class EngineLoop:
 
     def _record(self, seqs: list[Sequence], results, out: list) -> None:
         done = []
-        for seq, (token, logprob, finite) in zip(seqs, results):
+        for seq, (token, logprob, finite, top) in zip(seqs, results):
             if seq.finished:
                 continue
             if not finite:
@@ -215,7 +216,7 @@ class EngineLoop:
                                          f"{seq.num_tokens - 1}) {NON_FINITE}"))
                 continue
             reason = seq.append(token, logprob)
-            out.append((seq, Delta(token, logprob, reason)))
+            out.append((seq, Delta(token, logprob, reason, top=top)))
             if reason is not None:
                 done.append((seq, reason, None))
         if done:

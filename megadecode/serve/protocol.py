@@ -3,7 +3,8 @@ OpenAI-style body naming the field), never an exception that reaches the engine.
 
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
 (0: greedy), top_p, logit_bias, presence_penalty, frequency_penalty, seed, stop, stream,
-stream_options.include_usage, n = 1; logprobs (the sampled token's: completions 0, chat true with top_logprobs 0);
+stream_options.include_usage, n = 1; logprobs (the sampled token's, with up to MAX_TOP_LOGPROBS most likely tokens
+beside it: completions' integer logprobs, chat's logprobs true and top_logprobs);
 vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and return_token_ids
 (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is
 ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, response_format other than text, ...)
@@ -18,7 +19,7 @@ import operator
 from dataclasses import dataclass
 
 from ..engine import MAX_SEED
-from ..sampling import GREEDY_BELOW, SamplingParams
+from ..sampling import GREEDY_BELOW, MAX_TOP_LOGPROBS, SamplingParams
 from .chat import ROLES, ChatError, chat_prompt
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
@@ -53,6 +54,7 @@ class Request:
     logprobs: bool
     return_token_ids: bool = False
     min_tokens: int = 0
+    top_logprobs: int = 0  # the most likely tokens reported beside each generated one (with logprobs)
 
 
 def parse_json(body: bytes) -> dict:
@@ -115,9 +117,10 @@ TAKEN = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"
          "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
          "frequency_penalty", "repetition_penalty", "min_tokens"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
-TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens"}
+TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
-# for nothing (what clients send by default), refused otherwise.
+# for nothing (what clients send by default), refused otherwise (top_logprobs: chat takes it; completions ask for
+# alternatives with an integer `logprobs`).
 NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
            "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
            "include_stop_str_in_output": (False,), "use_beam_search": (False,),
@@ -320,8 +323,12 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
     include_usage = _bool(opts or {}, "include_usage", False)
     if chat:
         logprobs = _bool(doc, "logprobs", False)
-    else:
-        logprobs = _int(doc, "logprobs", None, 0, 0) is not None  # 0: the sampled tokens', no alternatives
+        top = _int(doc, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        if top and not logprobs:
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    else:  # the sampled token's logprob and this many alternatives (0: none)
+        top = _int(doc, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        logprobs, top = top is not None, top or 0
     min_tokens = _int(doc, "min_tokens", 0, 0, max_tokens)  # vLLM's: no EOS or stop id before this many tokens
     return Request(prompt, max_tokens, params, seed, tuple(stop), frozenset(stop_ids), stream, include_usage,
-                   logprobs, _bool(doc, "return_token_ids", False), min_tokens)
+                   logprobs, _bool(doc, "return_token_ids", False), min_tokens, top)

@@ -125,7 +125,7 @@ class Server:
     def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None) -> tuple[Sequence, Channel]:
         """Queue a checked request; raises scheduler.QueueFull when the queue is full."""
         seq = Sequence(prompt=req.prompt, max_tokens=req.max_tokens, params=req.params, stop_ids=req.stop_ids,
-                       seed=req.seed, min_tokens=req.min_tokens)
+                       seed=req.seed, min_tokens=req.min_tokens, top_logprobs=req.top_logprobs)
         return seq, self.submit_sequence(seq, aio)
 
     def submit_sequence(self, seq: Sequence, aio) -> Channel:

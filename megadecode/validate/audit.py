@@ -412,12 +412,15 @@ def _stores_before(cfg: _Cfg, sites: _Sites, at: int, ev: list[list[int]]) -> li
 
 
 def _reports_on_exit(cfg: _Cfg, body: set[int], sites: _Sites, ev: list[list[int]]) -> bool:
-    """Whether a write to an error buffer is reachable from the loop's exits, outside the loop, before a barrier."""
+    """Whether a write to an error buffer is reachable from the loop's exits, outside the loop, before a barrier
+    and before any other loop: a loop after this one (another wait, bounded) reports its own timeout, and its
+    report reachable from here would pass a wait here that gives up silently."""
+    others = set().union(*(b2 for b2 in cfg.loops.values() if not body <= b2))
     work = [s for b in body for s in cfg.succ[b] if s not in body]
     seen: set[int] = set()
     while work:
         b = work.pop()
-        if b in seen:
+        if b in seen or b in others:
             continue
         seen.add(b)
         stopped = False
