@@ -80,6 +80,18 @@ class KVCache:
                 for t in ts:
                     t[slot].zero_()
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Slot dst holds what slot src holds for its first `length` positions (and its KDA state): a prompt
+        prefilled once serves several sequences (a request's n choices)."""
+        if src == dst or not (0 < length <= self.max_len):
+            raise ValueError(f"copy_slot: src {src}, dst {dst}, length {length} (max {self.max_len})")
+        for name, ts in self.layers.items():
+            for t in ts:
+                if name in self.state_layers:
+                    t[dst].copy_(t[src])
+                else:
+                    t[dst, :length].copy_(t[src, :length])
+
     def save_state(self) -> list[torch.Tensor]:
         """A copy of every KDA layer's recurrent and conv state. A decode step advances that state (it is not
         idempotent, unlike a KV write): an executor that runs a step to warm up before capturing it saves the

@@ -95,11 +95,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_prefill(self, seqs: list[Sequence]) -> Launched:
-        """Prefill each sequence's prompt into its slot; the step's results are its first new token."""
-        prompts, slots = [s.prompt for s in seqs], [s.slot for s in seqs]
+        """Prefill each sequence's prompt into its slot; the step's results are its first new token. Sequences with
+        the same prompt (a request's n choices) share one prefill: the first one's slot is computed and copied
+        into the others' (not under expert parallelism, whose other ranks replay the prefills as published)."""
+        first: dict[tuple, int] = {}
+        if self.mirror is None:
+            for i, s in enumerate(seqs):
+                first.setdefault(tuple(s.prompt), i)
+        run = sorted(first.values()) if first else list(range(len(seqs)))
+        prompts, slots = [seqs[i].prompt for i in run], [seqs[i].slot for i in run]
         if self.mirror is not None:
             self.mirror.prefill(prompts, slots)
         logits = self._published(self.engine.prefill_into, prompts, slots)
+        if len(run) < len(seqs):
+            row = {i: r for r, i in enumerate(run)}
+            src = [row[first[tuple(s.prompt)]] for s in seqs]
+            for s, r in zip(seqs, src):
+                if s.slot != slots[r]:
+                    self.engine.cache.copy_slot(slots[r], s.slot, len(s.prompt))
+            logits = logits[torch.tensor(src, device=logits.device)]
         return self._sample(logits, seqs)
 
     @torch.inference_mode()

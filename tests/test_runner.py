@@ -319,3 +319,54 @@ def test_stopping_the_loop_fails_what_is_in_flight(engine):
     assert all(s.finished for s in seqs)
     assert all(out.finish[s.id][0] in (ERROR, LENGTH) for s in seqs)
     assert any(out.finish[s.id] == (ERROR, "the server is shutting down") for s in seqs)
+
+
+def test_sequences_of_one_prompt_share_its_prefill(engine, monkeypatch):
+    """A prefill of sequences with the same prompt (a request's n choices) computes the prompt once and copies the
+    first one's cache slot into the others': the prefill sees each prompt once, the copied slots equal the computed
+    one over the prompt's positions, and every sequence still gets exactly its tokens alone, greedy or seeded."""
+    loop, out = make_loop(engine, overlap=False)
+    seen = []
+    real = engine.prefill_into
+    monkeypatch.setattr(engine, "prefill_into", lambda prompts, slots: seen.append(len(prompts)) or real(prompts, slots))
+    same = [Sequence(prompt=PROMPTS[1], max_tokens=6, params=SAMPLED, seed=40 + i) for i in range(3)]
+    other = Sequence(prompt=PROMPTS[0], max_tokens=6)
+    for s in same + [other]:
+        loop.submit(s)
+    loop.iteration()
+    assert seen == [2]  # the shared prompt and the other one
+    n = len(PROMPTS[1])
+    for part in engine.cache["cache.0"]:
+        for s in same[1:]:
+            assert part[s.slot, :n].equal(part[same[0].slot, :n])
+    run_all(loop)
+    for i, s in enumerate(same):
+        assert out.tokens[s.id] == alone(QWEN, tuple(PROMPTS[1]), 6, SAMPLED, 40 + i), i
+    assert out.tokens[other.id] == alone(QWEN, tuple(PROMPTS[0]), 6)
+
+
+def test_copy_slot_copies_positions_and_recurrent_state():
+    """KVCache.copy_slot (the shared prefill's copy): the first `length` positions of every per-token layer and
+    the whole KDA state of each state layer; later positions and other slots untouched."""
+    import torch
+
+    from megadecode.cache import KVCache
+    from megadecode.presets import preset_config
+
+    cfg = preset_config("tiny-k3")
+    cache = KVCache(cfg, 3, 8, "cpu", torch.float32)
+    for ts in cache.layers.values():
+        for t in ts:
+            t.normal_()
+    before = {n: [t.clone() for t in ts] for n, ts in cache.layers.items()}
+    cache.copy_slot(0, 2, 5)
+    assert cache.state_layers and set(cache.layers) - cache.state_layers
+    for name, ts in cache.layers.items():
+        for t, b in zip(ts, before[name]):
+            if name in cache.state_layers:
+                assert t[2].equal(b[0])
+            else:
+                assert t[2, :5].equal(b[0, :5]) and t[2, 5:].equal(b[2, 5:])
+            assert t[:2].equal(b[:2])
+    with pytest.raises(ValueError, match="copy_slot"):
+        cache.copy_slot(1, 1, 3)

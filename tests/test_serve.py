@@ -130,6 +130,34 @@ def test_seeded_sampling(srv):
     assert a == b == want and c != a
 
 
+def test_n_choices_each_draw_what_their_seed_draws_alone(srv):
+    """n > 1: choice i of a seeded request is what Engine.generate alone draws with seed + i (one prefill of the
+    prompt serves them all), whole or streamed (every chunk names its choice), the usage counting the prompt once
+    and every choice's tokens; with logprobs each choice has its own."""
+    params = SamplingParams(temperature=0.9)
+    want = [alone(ids("Roll"), 6, False, params, 500 + i).token_ids[0] for i in range(3)]
+    assert len({tuple(w) for w in want}) > 1
+    kw = dict(prompt="Roll", max_tokens=6, temperature=0.9, seed=500, n=3, logprobs=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = complete(srv, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.token_ids for c in r.choices] == want
+    assert all(len(c.logprobs.token_logprobs) == 6 for c in r.choices)
+    assert r.usage.prompt_tokens == len(ids("Roll")) and r.usage.completion_tokens == 18
+    got = [[] for _ in range(3)]
+    done = set()
+    for chunk in complete(srv, **kw, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            got[c.index] += c.token_ids or []
+            if c.finish_reason is not None:
+                done.add(c.index)
+    assert got == want and done == {0, 1, 2}
+    chat = srv.client().chat.completions.create(model=QWEN, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, n=2, temperature=0, extra_body={"ignore_eos": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+    srv.wait_idle()
+
+
 @pytest.mark.parametrize("kw", [{"top_k": 5}, {"min_p": 0.2}, {"top_k": 8, "min_p": 0.05, "top_p": 0.9}])
 def test_seeded_top_k_and_min_p(srv, kw):
     """vLLM's top_k and min_p, on the device in the server's sampler: a seeded request gets what Engine.generate

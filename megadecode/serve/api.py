@@ -155,7 +155,7 @@ async def _generate(server: Server, request: Request, *, chat: bool, limit: int)
         if not server.loop.alive:
             raise APIError("the engine loop has stopped", status=503, type="server_error")
         try:
-            seq, chan = server.submit(req, asyncio.get_running_loop())
+            seq, chan = server.submit(req, asyncio.get_running_loop())  # seq: the request's n choices
         except QueueFull as e:
             server.metrics.refused("rejected")
             raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
@@ -166,14 +166,14 @@ async def _generate(server: Server, request: Request, *, chat: bool, limit: int)
     except Exception as e:  # noqa: BLE001 - a bug in the checks: this request fails, the server stays up
         log.exception("request failed before it was queued")
         return error_response(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error"))
-    out = Output(server, req, seq, chan, chat, arrived)
+    reply = Reply(server, req, seq, chan, chat, arrived)
     if req.stream:
-        return EventStream(out.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(reply.events(), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await out.whole(request)
+        return await reply.whole(request)
     finally:
-        server.close(seq)
+        reply.close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -194,13 +194,12 @@ class EventStream(StreamingResponse):
 
 
 class Output:
-    """One request's response, built from the engine loop's deltas."""
+    """One choice of a response, built from the engine loop's deltas of its sequence."""
 
-    def __init__(self, server: Server, req, seq, chan, chat: bool, arrived: float):
-        self.server, self.req, self.seq, self.chan, self.chat, self.arrived = server, req, seq, chan, chat, arrived
+    def __init__(self, server: Server, req, seq, index: int, arrived: float | None):
+        """`arrived`: when the request came (the first token of choice 0 times the TTFT metric; None for others)."""
+        self.server, self.req, self.seq, self.index, self.arrived = server, req, seq, index, arrived
         self.text = TextStream(server.tokenizer, req.stop)
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.tops: list[tuple] = []  # per token kept: its top_logprobs alternatives, (id, logprob)
@@ -209,10 +208,9 @@ class Output:
 
     def take(self, d) -> tuple[str, list[int], list[float], list[tuple]]:
         """Apply one delta: returns (new text, new tokens kept, their logprobs, their alternatives) and sets
-        finish_reason when the
-        sequence is done. A stop string ends it here (the tokens after the one that completed it are dropped, and
-        the engine is told to abort the sequence)."""
-        if d.token is not None and not self.tokens:
+        finish_reason when the sequence is done. A stop string ends it here (the tokens after the one that
+        completed it are dropped, and the engine is told to abort the sequence)."""
+        if d.token is not None and not self.tokens and self.arrived is not None:
             self.server.metrics.ttft.observe(time.perf_counter() - self.arrived)
         ids = [] if d.token is None else [d.token]
         text = self.text.add(ids) if ids else ""
@@ -232,86 +230,22 @@ class Output:
             self.finish_reason = d.finish_reason
         return text, ids, lps, tops
 
-    def _gone(self, watcher: asyncio.Future) -> None:
-        if not watcher.cancelled():
-            watcher.exception()  # retrieved: a receive that failed means the client is gone too
-            self.chan.queue.put_nowait(GONE)
-
-    def failure(self) -> APIError:
-        return APIError(f"generation failed: {self.error}", status=500, type="server_error", code="generation_failed")
-
-    async def whole(self, request: Request):
-        # A task waits for the client's disconnect while the tokens flow, and wakes this handler (GONE in its
-        # queue) the moment it comes: the caller's `finally` aborts the sequence before the engine's next step.
-        watcher = asyncio.ensure_future(_disconnected(request))
-        watcher.add_done_callback(self._gone)
-        text = []
-        try:
-            while self.finish_reason is None:
-                d = await self.chan.queue.get()
-                if d is GONE:
-                    return Response(status_code=499)  # nobody reads it
-                text.append(self.take(d)[0])
-        finally:
-            watcher.cancel()
-        if self.finish_reason == ERROR:
-            return error_response(self.failure())
-        text = "".join(text)
-        choice = {"index": 0, "finish_reason": self.finish_reason,
-                  "logprobs": self._logprobs(self.tokens, self.logprobs, self.tops) if self.req.logprobs else None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+    def choice(self, text, ids: list[int], lps: list[float], tops: list[tuple], finish_reason, chat: bool,
+               chunk: bool) -> dict:
+        """This choice's part of a response (the whole text) or of a chunk (`text` the delta: a string, or chat's
+        delta object)."""
+        doc = {"index": self.index, "finish_reason": finish_reason,
+               "logprobs": self._logprobs(ids, lps, tops, chat) if self.req.logprobs and (ids or not chunk)
+               else None}
+        if chat:
+            doc["delta" if chunk else "message"] = text if chunk else {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            doc["text"] = text
         if self.req.return_token_ids:
-            choice["token_ids"] = self.tokens
-        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                             "created": self.created, "model": self.server.model_name, "choices": [choice],
-                             "usage": self._usage()})
-
-    async def events(self):
-        """Server-sent events: a chunk per delta with text, the last with the finish reason, the usage chunk when
-        asked (stream_options.include_usage), then [DONE]. A failure is an `error` event."""
-        try:
-            if self.chat:
-                yield self._chunk({"role": "assistant", "content": ""}, None, [], [], [])
-            while self.finish_reason is None:
-                text, ids, lps, tops = self.take(await self.chan.queue.get())
-                if self.finish_reason == ERROR:
-                    yield f"data: {_dump(self.failure().body())}\n\n"
-                    break
-                if text or self.finish_reason is not None or (ids and (self.req.logprobs or self.req.return_token_ids)):
-                    yield self._chunk({"content": text} if self.chat else text, self.finish_reason, ids, lps, tops)
-            if self.finish_reason != ERROR and self.req.include_usage:
-                yield f"data: {_dump(self._envelope([], usage=self._usage()))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client left: the stream is closed here, and the slot freed
-            self.server.close(self.seq)
-
-    # ---- response pieces ----------------------------------------------------------------------------------------
-    def _envelope(self, choices: list, usage=None) -> dict:
-        doc = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.server.model_name, "choices": choices}
-        if usage is not None:
-            doc["usage"] = usage
+            doc["token_ids"] = ids
         return doc
 
-    def _chunk(self, delta, finish_reason, ids, lps, tops) -> str:
-        choice = {"index": 0, "finish_reason": finish_reason,
-                  "logprobs": self._logprobs(ids, lps, tops) if self.req.logprobs and ids else None}
-        if self.chat:
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        if self.req.return_token_ids:
-            choice["token_ids"] = ids
-        return f"data: {_dump(self._envelope([choice]))}\n\n"
-
-    def _usage(self) -> dict:
-        n, m = len(self.req.prompt), len(self.tokens)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
-
-    def _logprobs(self, ids: list[int], lps: list[float], tops: list[tuple]) -> dict:
+    def _logprobs(self, ids: list[int], lps: list[float], tops: list[tuple], chat: bool) -> dict:
         """OpenAI's logprobs object of the tokens ids: chat's `content` list (each with its top_logprobs list),
         or completions' parallel lists (top_logprobs a {piece: logprob} dict per token, None when none asked)."""
         def piece(t: int) -> str:
@@ -320,17 +254,109 @@ class Output:
         def finite(lp: float) -> float:
             return lp if math.isfinite(lp) else LOGPROB_FLOOR  # JSON has no -inf
 
-        if self.chat:
-            return {"content": [{"token": piece(t), "logprob": finite(lp), "bytes": list(piece(t).encode()),
-                                 "top_logprobs": [{"token": piece(a), "logprob": finite(alp),
-                                                   "bytes": list(piece(a).encode())} for a, alp in top]}
-                                for t, lp, top in zip(ids, lps, tops)]}
         def by_piece(pairs) -> dict:  # tokens that decode alike keep the likelier one's logprob
             d = {}
             for a, alp in pairs:
                 d.setdefault(piece(a), finite(alp))
             return d
 
+        if chat:
+            return {"content": [{"token": piece(t), "logprob": finite(lp), "bytes": list(piece(t).encode()),
+                                 "top_logprobs": [{"token": piece(a), "logprob": finite(alp),
+                                                   "bytes": list(piece(a).encode())} for a, alp in top]}
+                                for t, lp, top in zip(ids, lps, tops)]}
         top = [by_piece(t) for t in tops] if self.req.top_logprobs else None
         return {"tokens": [piece(t) for t in ids], "token_logprobs": [finite(lp) for lp in lps],
                 "top_logprobs": top, "text_offset": None}
+
+
+class Reply:
+    """A request's response: its n choices (Output each), whose deltas arrive on one channel as (choice, delta)."""
+
+    def __init__(self, server: Server, req, seqs, chan, chat: bool, arrived: float):
+        self.server, self.req, self.chan, self.chat = server, req, chan, chat
+        self.outs = [Output(server, req, s, i, arrived if i == 0 else None) for i, s in enumerate(seqs)]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @property
+    def done(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outs)
+
+    def failed(self) -> Output | None:
+        return next((o for o in self.outs if o.finish_reason == ERROR), None)
+
+    def close(self) -> None:
+        for o in self.outs:
+            self.server.close(o.seq)
+
+    def failure(self, out: Output) -> APIError:
+        return APIError(f"generation failed: {out.error}", status=500, type="server_error", code="generation_failed")
+
+    def _gone(self, watcher: asyncio.Future) -> None:
+        if not watcher.cancelled():
+            watcher.exception()  # retrieved: a receive that failed means the client is gone too
+            self.chan.queue.put_nowait(GONE)
+
+    async def whole(self, request: Request):
+        # A task waits for the client's disconnect while the tokens flow, and wakes this handler (GONE in its
+        # queue) the moment it comes: the caller's `finally` aborts the sequences before the engine's next step.
+        watcher = asyncio.ensure_future(_disconnected(request))
+        watcher.add_done_callback(self._gone)
+        text = [[] for _ in self.outs]
+        try:
+            while not self.done and self.failed() is None:
+                item = await self.chan.queue.get()
+                if item is GONE:
+                    return Response(status_code=499)  # nobody reads it
+                i, d = item
+                text[i].append(self.outs[i].take(d)[0])
+        finally:
+            watcher.cancel()
+        bad = self.failed()
+        if bad is not None:
+            return error_response(self.failure(bad))
+        choices = [o.choice("".join(t), o.tokens, o.logprobs, o.tops, o.finish_reason, self.chat, False)
+                   for o, t in zip(self.outs, text)]
+        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                             "created": self.created, "model": self.server.model_name, "choices": choices,
+                             "usage": self._usage()})
+
+    async def events(self):
+        """Server-sent events: a chunk per delta with text (each naming its choice), the last of each choice with
+        its finish reason, the usage chunk when asked (stream_options.include_usage), then [DONE]. A failure is an
+        `error` event."""
+        try:
+            if self.chat:
+                for o in self.outs:
+                    yield self._chunk(o.choice({"role": "assistant", "content": ""}, [], [], [], None, True, True))
+            while not self.done:
+                i, d = await self.chan.queue.get()
+                o = self.outs[i]
+                text, ids, lps, tops = o.take(d)
+                if o.finish_reason == ERROR:
+                    yield f"data: {_dump(self.failure(o).body())}\n\n"
+                    break
+                if text or o.finish_reason is not None or (ids and (self.req.logprobs or self.req.return_token_ids)):
+                    yield self._chunk(o.choice({"content": text} if self.chat else text, ids, lps, tops,
+                                               o.finish_reason, self.chat, True))
+            if self.failed() is None and self.req.include_usage:
+                yield f"data: {_dump(self._envelope([], usage=self._usage()))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client left: the stream is closed here, and the slots freed
+            self.close()
+
+    def _envelope(self, choices: list, usage=None) -> dict:
+        doc = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.server.model_name, "choices": choices}
+        if usage is not None:
+            doc["usage"] = usage
+        return doc
+
+    def _chunk(self, choice: dict) -> str:
+        return f"data: {_dump(self._envelope([choice]))}\n\n"
+
+    def _usage(self) -> dict:
+        """The prompt once (its prefill is shared by the choices), the tokens of every choice."""
+        n, m = len(self.req.prompt), sum(len(o.tokens) for o in self.outs)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}

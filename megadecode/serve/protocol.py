@@ -3,11 +3,12 @@ OpenAI-style body naming the field), never an exception that reaches the engine.
 
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
 (0: greedy), top_p, logit_bias, presence_penalty, frequency_penalty, seed, stop, stream,
-stream_options.include_usage, n = 1; logprobs (the sampled token's, with up to MAX_TOP_LOGPROBS most likely tokens
+stream_options.include_usage, n (up to MAX_CHOICES choices, sampled independently from one prefill of the prompt;
+with a seed, choice i draws as seed + i would alone); logprobs (the sampled token's, with up to MAX_TOP_LOGPROBS most likely tokens
 beside it: completions' integer logprobs, chat's logprobs true and top_logprobs);
 vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and return_token_ids
 (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is
-ignored: a field that asks for what the server does not do (NEUTRAL: n > 1, response_format other than text, ...)
+ignored: a field that asks for what the server does not do (NEUTRAL: best_of > 1, response_format other than text, ...)
 is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
 """
 
@@ -27,6 +28,7 @@ MAX_BIAS = 100.0  # logit_bias values: OpenAI's range [-100, 100]
 MAX_BIASED = 1024  # logit_bias entries per request
 MAX_REPETITION = 10.0  # repetition_penalty's upper bound (vLLM takes any > 0; past ~2 it only garbles)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_CHOICES = 16  # n: choices per request (each a sequence: it takes a batch slot like a request)
 
 
 class APIError(Exception):
@@ -55,6 +57,11 @@ class Request:
     return_token_ids: bool = False
     min_tokens: int = 0
     top_logprobs: int = 0  # the most likely tokens reported beside each generated one (with logprobs)
+    n: int = 1  # choices: sequences of the same prompt, sampled independently
+
+    def seed_of(self, choice: int) -> int | None:
+        """Choice i's seed: seed + i (wrapping past MAX_SEED), so each choice draws what that seed draws alone."""
+        return None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
 
 
 def parse_json(body: bytes) -> dict:
@@ -113,7 +120,7 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
     return [operator.index(t) for t in v]
 
 
-TAKEN = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
+TAKEN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
          "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
          "frequency_penalty", "repetition_penalty", "min_tokens"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
@@ -121,7 +128,7 @@ TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
 # for nothing (what clients send by default), refused otherwise (top_logprobs: chat takes it; completions ask for
 # alternatives with an integer `logprobs`).
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
+NEUTRAL = {"best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
            "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
            "include_stop_str_in_output": (False,), "use_beam_search": (False,),
            "skip_special_tokens": (True,), "bad_words": ([],)}
@@ -308,6 +315,7 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
     params = SamplingParams(greedy=True, **pen) if temperature < GREEDY_BELOW else \
         SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p, **pen)
     seed = _int(doc, "seed", None, 0, MAX_SEED)
+    n = _int(doc, "n", 1, 1, MAX_CHOICES)
     stop = doc.get("stop")
     stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -331,4 +339,4 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
         logprobs, top = top is not None, top or 0
     min_tokens = _int(doc, "min_tokens", 0, 0, max_tokens)  # vLLM's: no EOS or stop id before this many tokens
     return Request(prompt, max_tokens, params, seed, tuple(stop), frozenset(stop_ids), stream, include_usage,
-                   logprobs, _bool(doc, "return_token_ids", False), min_tokens, top)
+                   logprobs, _bool(doc, "return_token_ids", False), min_tokens, top, n)

@@ -37,10 +37,12 @@ def process_age() -> float | None:
 
 class Channel:
     """Where a request's deltas arrive: an asyncio queue of the handler's event loop, or (aio None) a thread
-    queue."""
+    queue. `choices`: a request's sequences by id -> its choice index; their deltas arrive as (choice, delta)
+    (None: one sequence, its deltas as they are)."""
 
-    def __init__(self, aio: asyncio.AbstractEventLoop | None):
+    def __init__(self, aio: asyncio.AbstractEventLoop | None, choices: dict[int, int] | None = None):
         self.aio = aio
+        self.choices = choices
         self.queue: asyncio.Queue | queue.Queue = asyncio.Queue() if aio else queue.Queue()
 
 
@@ -122,11 +124,29 @@ class Server:
             mirror.stop()
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None) -> tuple[Sequence, Channel]:
-        """Queue a checked request; raises scheduler.QueueFull when the queue is full."""
-        seq = Sequence(prompt=req.prompt, max_tokens=req.max_tokens, params=req.params, stop_ids=req.stop_ids,
-                       seed=req.seed, min_tokens=req.min_tokens, top_logprobs=req.top_logprobs)
-        return seq, self.submit_sequence(seq, aio)
+    def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None) -> tuple[list[Sequence], Channel]:
+        """Queue a checked request's n choices (a sequence each, choice i seeded req.seed_of(i)), their deltas on
+        one channel as (choice, delta); raises scheduler.QueueFull when the queue cannot take them all (then none
+        stays queued)."""
+        seqs = [Sequence(prompt=req.prompt, max_tokens=req.max_tokens, params=req.params, stop_ids=req.stop_ids,
+                         seed=req.seed_of(i), min_tokens=req.min_tokens, top_logprobs=req.top_logprobs)
+                for i in range(req.n)]
+        chan = Channel(aio, {s.id: i for i, s in enumerate(seqs)})
+        queued = []
+        try:
+            for s in seqs:
+                self._channels[s.id] = chan
+                self.loop.submit(s)
+                queued.append(s)
+        except BaseException:
+            for s in seqs:
+                self._channels.pop(s.id, None)
+            for s in queued:
+                self.loop.abort(s.id, ABORT)
+            raise
+        for s in seqs:
+            self.metrics.admitted(len(s.prompt))
+        return seqs, chan
 
     def submit_sequence(self, seq: Sequence, aio) -> Channel:
         chan = self._channels[seq.id] = Channel(aio)
@@ -152,10 +172,11 @@ class Server:
             chan = self._channels.get(seq.id)
             if chan is None:
                 continue  # the handler is gone
+            item = delta if chan.choices is None else (chan.choices[seq.id], delta)
             if chan.aio is None:
-                chan.queue.put(delta)
+                chan.queue.put(item)
             else:
-                by_loop[chan.aio].append((chan.queue, delta))
+                by_loop[chan.aio].append((chan.queue, item))
         for aio, batch in by_loop.items():
             try:
                 aio.call_soon_threadsafe(_deliver, batch)
