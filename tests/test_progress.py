@@ -5,6 +5,7 @@ terminal: tqdm's rule)."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -67,3 +68,19 @@ def test_generate_takes_quiet_and_prints_no_bar_when_stderr_is_no_terminal(capsy
         assert main(["generate", "--model", "tiny-qwen3-moe", "--greedy", "--max-new-tokens", "3", *extra]) == 0
         out, err = capsys.readouterr()
         assert "tokens/s" in out and "weights" not in err and "decode" not in err, err
+
+
+def test_validate_counts_its_cells_on_a_bar(capsys, monkeypatch):
+    """`validate`'s bar advances a cell at a time (shown where stderr is a terminal: forced here); --quiet: none."""
+    from megadecode.cli import main
+    from megadecode.validate import command
+
+    argv = ["validate", "broken-rmsnorm-nc-load", "--quick", "--extra", "0", "--preset", "tiny-qwen3-moe"]
+    monkeypatch.setattr(command, "bar_off", lambda args: True if args.quiet else False)
+    main(argv)
+    out, err = capsys.readouterr()
+    total = re.search(r"total: (\d+) PASS, (\d+) FAIL, (\d+) SKIP", out)
+    counts = re.findall(r"validate broken-rmsnorm-nc-load: (\d+)cell", err)
+    assert total and counts and int(counts[-1]) == sum(map(int, total.groups())), (out, err)  # every cell
+    main(argv + ["--quiet"])
+    assert "validate broken-rmsnorm-nc-load" not in capsys.readouterr().err

@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from ..args import add_quiet, bar_off
+
 
 def add_parser(sub, help_: str) -> None:
     """The validate command's parser (`help_`: its line in `megadecode --help`, cli.HEAVY_COMMANDS)."""
@@ -39,6 +41,7 @@ def add_parser(sub, help_: str) -> None:
     p.add_argument("--preset", action="append", default=None,
                    help="run on this preset (repeatable; default: the tiny presets of the families in scope)")
     p.add_argument("--json", metavar="OUT", help="write the matrix rows as JSON to OUT (default: not written)")
+    add_quiet(p)
     p.add_argument("--report", metavar="DIR", help="write DIR/<variant>.html (evidence report) and DIR/<variant>.md "
                    "(default: not written)")
     p.add_argument("--executor", choices=("pyvm", "mega"), default=None,
@@ -95,9 +98,13 @@ def cmd_validate(args, argv) -> int:
     device = _device()
     extra = args.extra if args.extra is not None else (QUICK_EXTRA if quick else None)
     extra_max = QUICK_EXTRA_MAX_BATCH if quick and device == "cpu" else None
-    rows = run_matrix(v, presets=args.preset, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
-                      dtypes=("float32", "float16") if quick else DTYPES, seeds=seeds, device=device,
-                      extra=extra, case_seed=args.case_seed, extra_max_batch=extra_max)
+    from tqdm import tqdm
+
+    with tqdm(desc=f"validate {v.name}", unit="cell", file=sys.stderr, disable=bar_off(args)) as bar:
+        rows = run_matrix(v, presets=args.preset, batches=QUICK_BATCHES if quick else BATCH_SWEEP,
+                          dtypes=("float32", "float16") if quick else DTYPES, seeds=seeds, device=device,
+                          extra=extra, case_seed=args.case_seed, extra_max_batch=extra_max,
+                          progress=lambda row: bar.update(1))
     print(f"variant {v.name} on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'})")
     print(summary_table(rows))
     plan = case_plan(v, presets=args.preset, extra=extra, case_seed=args.case_seed, device=device,
