@@ -1,5 +1,5 @@
-"""The megakernel's synchronisation steps against alternatives, by launch time on the GPU. Each variant is a build
-of the kernel with one of cute_kernel.py's module-level synchronisation steps swapped for one compile (the way
+"""The megakernel's persistent loop and synchronisation steps against alternatives, by launch time on the GPU. Each
+variant is a build of the kernel with one of cute_kernel.py's module-level steps swapped for one compile (the way
 validate/mega_plants.py swaps in its planted mistakes; the shipped source holds no switch), each alternative a
 correct one under the PTX memory model, and each first checked against pyvm (validate.mega_gpu.diff_program on
 tiny-qwen3-moe at batch 1 and 3, delayed launches included). Then per preset and batch every variant's launch is
@@ -7,16 +7,18 @@ timed in interleaved rounds (one launch of each variant a round, CUDA events aro
 within the call falls on all of them alike; the medians are written to --out as JSON.
 
     python bench/mega_sync_ab.py --preset qwen3-30b-a3b,k3-mini --batch 1,8 --out $OUT/mega-sync-ab.json
+    git show 8da66e1:megadecode/backends/mega/cute_kernel.py > /tmp/loop.py
+    python bench/mega_sync_ab.py --loop-from /tmp/loop.py --variants loop,shipped ...
 
-Variants (what the issue-40 measurements ask of an instruction's fixed costs: ~1.0-1.5 us from a body's last mark to
-its end, the barrier and the signal, and the wait before every instruction):
-- `shipped`: the wait polls with `ld.acquire.gpu` (each poll invalidates the SM's L1, under the co-resident CTA's
-  loads too); the signal is `fence.acq_rel.gpu` then `atom.add.release.gpu`.
+Variants:
+- `shipped`: the wait polls with `ld.acquire.gpu` and the block barrier follows; the signal is the release add
+  after the body's block barrier; the next instruction's row is copied into shared memory while one runs.
 - `relaxed_poll`: one acquire load; while the counter is short, relaxed polls (no L1 invalidation), then one
   acquire load once it reached the target (the acquire reads a value at or past the target: it synchronises with
   the releases that produced it).
-- `release_only`: the signal's release add without the fence before it (the add's release semantics order the
-  block barrier's prior stores).
+- `fenced_signal`: a `fence.acq_rel.gpu` before the signal's release add (the signal up to 8da66e1).
+- `loop`: the persistent loop and synchronisation steps of another cute_kernel.py (`--loop-from`, e.g. an earlier
+  commit's, read with `git show`) around today's opcode bodies: a loop change measured against the loop it replaces.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
-VARIANTS = ("shipped", "relaxed_poll", "release_only")
+VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "loop")
+LOOP_FROM = None  # --loop-from: the cute_kernel.py whose loop the `loop` variant builds
 
 
 def _swaps(name: str) -> list[tuple[object, str, object]]:
@@ -78,11 +81,31 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return ok
 
     @cute.jit
-    def signal_release_only(ctr: cute.Tensor, sig: Int32):
+    def signal_fenced(ctr: cute.Tensor, sig: Int32):
+        cute.arch.fence_acq_rel_gpu()
         cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
+    if name == "loop":
+        return [(K, "mega_kernel", _loop_module().mega_kernel)]
     return {"shipped": [], "relaxed_poll": [(K, "wait_counter", wait_counter_relaxed_poll)],
-            "release_only": [(K, "signal", signal_release_only)]}[name]
+            "fenced_signal": [(K, "signal", signal_fenced)]}[name]
+
+
+def _loop_module():
+    """LOOP_FROM's source as a module beside cute_kernel.py (its relative imports resolve to today's bodies): its
+    mega_kernel, traced in place of today's, calls its own synchronisation steps and today's BODIES."""
+    import importlib.util
+    import sys
+
+    name = "megadecode.backends.mega._loop_from"
+    if name not in sys.modules:
+        if LOOP_FROM is None:
+            raise SystemExit("the `loop` variant needs --loop-from FILE (a cute_kernel.py, e.g. from git show)")
+        spec = importlib.util.spec_from_file_location(name, LOOP_FROM)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 @contextlib.contextmanager
@@ -137,15 +160,19 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="shipped,relaxed_poll,fenced_signal")
+    ap.add_argument("--loop-from", help="the cute_kernel.py whose persistent loop the `loop` variant builds")
     ap.add_argument("--out", default="mega-sync-ab.json")
     args = ap.parse_args(argv)
+    global LOOP_FROM
+    LOOP_FROM = args.loop_from
     names = args.variants.split(",")
     unknown = set(names) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}: {', '.join(VARIANTS)}")
     dev = torch.device("cuda")
-    out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), "compile_s": {},
+    out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"),
+           "loop_from": args.loop_from, "compile_s": {},
            "checks": [], "runs": []}
     kernels = {}
     for n in names:

@@ -96,6 +96,43 @@ def test_bulk_reads_of_global_memory_are_held_to_the_non_coherent_rule():
     assert f.params == ("ptab[]",) and "produced during the launch" in f.text
 
 
+def test_a_bulk_copy_into_shared_memory_is_held_to_the_non_coherent_rule():
+    """cp.async.bulk from global into shared memory ([dst], [src], the async proxy) is traced by its global source,
+    the second address: through wtab's entries it passes, through ptab's it is an error."""
+    copy = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r9], [%rd12], %r3, [%r8];"
+    for table, ok in (("%rd4", True), ("%rd5", False)):
+        rep = _audit(f"""
+            ld.global.b32 %r2, [%rd1];
+            mul.wide.s32 %rd10, %r2, 8;
+            add.s64 %rd11, {table}, %rd10;
+            ld.global.b64 %rd12, [%rd11];
+            mov.u32 %r9, 256;
+            mov.u32 %r8, 64;
+            mov.u32 %r3, 4096;
+            {copy}
+        """)
+        if ok:
+            assert rep.findings == [] and [p for _, p in rep.nc_loads] == [("wtab[]",)], rep.to_markdown()
+        else:
+            (f,) = _errors(rep, A.R_NC)
+            assert f.params == ("ptab[]",), rep.to_markdown()
+
+
+@pytest.mark.parametrize("cache", ["ca", "cg"])
+def test_a_cp_async_copy_is_a_coherent_load_held_to_the_wait(cache):
+    """A non-bulk cp.async (the generic proxy, through L1 or L2 as ld.global reads) is a coherent load of its global
+    source: of static data (prog, the megakernel's next row) anywhere, of produced data only after a wait and its
+    barrier (before it: produced-read-uncovered), and never listed as a non-coherent read."""
+    copy = f"cp.async.{cache}.shared.global [%r20], [%rd3], 16;"
+    static = f"cp.async.{cache}.shared.global [%r20], [%rd1], 16;"
+    rep = _audit(_persistent(head="mov.u32 %r20, 0;\n" + static, body=copy), cta_signals=True)
+    assert not rep.findings and not rep.nc_loads, rep.to_markdown()
+    assert rep.checked[A.R_UNCOV] == "2 coherent loads of produced data"
+    rep = _audit(_persistent(head="mov.u32 %r20, 0;\n" + copy, entry="ld.acquire.gpu.global.b32 %r2, [%rd2];"),
+                 cta_signals=True)
+    assert [(f.rule, f.params) for f in rep.findings] == [(A.R_UNCOV, ("f32",))], rep.to_markdown()
+
+
 def test_unattributed_nc_load_is_an_error_only_with_pointees():
     body = """
         ld.global.b64 %rd12, [%rd1];

@@ -15,6 +15,7 @@ from megadecode.backends.mega.isa import (
     PAIR1_MAX_B,
     PASS,
     ROW,
+    W_NEXT,
     Instr,
     Wait,
     bits_f32,
@@ -144,6 +145,9 @@ def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
         assert sig == sorted(sig)
     starts, order = prog.queue_table()
     assert starts[-1] == len(prog.instrs) and order.shape == (len(prog.instrs),)
+    rows = prog.rows()  # each row names the next of its CTA's queue (the kernel's copy-ahead chain), -1 at the end
+    for q in filter(None, prog.queues):
+        assert [int(rows[i, W_NEXT]) for i in q] == q[1:] + [-1]
     text = report(prog)
     assert "predicted step" in text and "L0.attn" in text
 

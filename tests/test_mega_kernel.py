@@ -170,13 +170,16 @@ def test_kernel_check_constants_are_the_kernels():
 
 
 def test_the_shared_int_words_of_the_kernel_do_not_overlap():
-    """smi's fixed words (cute/base.py): ROUTE's counts, starts and scans stay below the instruction row (kernel_check
-    refuses an E past that), and the row, FLAG_S, the timeline address and the wait flag take distinct words."""
+    """smi's fixed words (cute/base.py): ROUTE's counts, starts and scans stay below the instruction rows (kernel_check
+    refuses an E past that), and the two rows (current, next), the current index, FLAG_S, the timeline address and
+    the wait flag take distinct words; the rows are 16-byte aligned (cp.async copies the next one)."""
     from megadecode.backends.mega.cute import base
-    from megadecode.backends.mega.kernel_check import ROW_S
+    from megadecode.backends.mega.kernel_check import BODY_I
 
-    assert ROW_S == base.ROW_S
-    fixed = {"row": range(base.ROW_S, base.ROW_S + base.ROW), "flag": [base.FLAG_S],
-             "timeline": [base.TL_S, base.TL_S + 1], "wait ok": [base.SMEM_I - 1]}
+    assert BODY_I == base.BODY_I
+    fixed = {"row": range(base.ROW_S, base.ROW_S + base.ROW), "next row": range(base.NEXT_S, base.NEXT_S + base.ROW),
+             "index": [base.IDX_S], "flag": [base.FLAG_S], "timeline": [base.TL_S, base.TL_S + 1],
+             "wait ok": [base.SMEM_I - 1]}
     words = [w for ws in fixed.values() for w in ws]
-    assert len(words) == len(set(words)) and max(words) < base.SMEM_I and min(words) == base.ROW_S
+    assert len(words) == len(set(words)) and max(words) < base.SMEM_I and min(words) == base.BODY_I
+    assert base.ROW_S % 4 == 0 and base.NEXT_S % 4 == 0 and base.ROW % 4 == 0

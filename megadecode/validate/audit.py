@@ -188,8 +188,10 @@ def _parse_ptx(ptx: str):
                 dest_s, rest2 = "", rest
             else:
                 dest_s, _, rest2 = rest.partition(",")
-            am = re.search(r"\[([^\]]*)\]", rest2)
-            addr_regs = _REG.findall(am.group(1)) if am else []
+            brackets = re.findall(r"\[([^\]]*)\]", rest2)
+            if _copies_to_shared(parts) and len(brackets) > 1:
+                brackets = brackets[1:]  # a copy into shared memory ([dst], [src]): its global source is traced
+            addr_regs = _REG.findall(brackets[0]) if brackets else []
             pm = re.search(r"_param_(\d+)\]", rest2) if op.startswith("ld.param") else None
             operands = [o.strip() for o in rest2.split(",") if o.strip()]
             ins.append(_Ins(no, op, tuple(parts[1:]), _REG.findall(dest_s), _REG.findall(rest2),
@@ -243,15 +245,30 @@ def _provenance(ins: list[_Ins], tables: dict[int, int] | None = None
     return prov, const
 
 
-def _is_bulk_read(i: _Ins) -> bool:
-    """A copy-engine read of global memory (cp.async.bulk[.prefetch.L2].global...: the async proxy, which no acquire
-    of the generic proxy orders): held to the non-coherent loads' rule, static data only. Its first address is
-    the global source of the prefetch form (the form the megakernel issues)."""
-    return i.base == "cp" and "bulk" in i.mods and "global" in i.mods and "prefetch" in i.mods
+def _copies_to_shared(parts) -> bool:
+    """An asynchronous copy from global into shared memory (`cp.async[.bulk]...shared....global...`)."""
+    return parts[0] == "cp" and "async" in parts and "global" in parts and any(p.startswith("shared") for p in parts)
+
+
+def _is_copy_read(i: _Ins) -> bool:
+    """A copy-engine read of global memory (the async proxy, which no acquire of the generic proxy orders): held to
+    the non-coherent loads' rule, static data only. Both bulk forms: `cp.async.bulk.prefetch.L2.global [src]` and
+    `cp.async.bulk.shared::cluster.global... [dst], [src], ...`, whose traced address is the global source
+    (_parse_ptx)."""
+    if i.base != "cp" or "bulk" not in i.mods or "global" not in i.mods:
+        return False
+    return "prefetch" in i.mods or _copies_to_shared((i.base,) + tuple(i.mods))
+
+
+def _is_copy_load(i: _Ins) -> bool:
+    """A non-bulk `cp.async.{ca,cg}.shared.global [dst], [src], n`: a read of global memory by the generic proxy
+    (through L1 or L2 like a plain ld.global, into shared memory), so a coherent load for the rules: of produced
+    data, it must come after a wait (produced-read-uncovered). Its traced address is the global source."""
+    return i.base == "cp" and "bulk" not in i.mods and _copies_to_shared((i.base,) + tuple(i.mods))
 
 
 def _is_global(i: _Ins) -> bool:
-    return _is_bulk_read(i) or i.base in ("ld", "ldu", "st", "atom", "red") and not (
+    return _is_copy_read(i) or _is_copy_load(i) or i.base in ("ld", "ldu", "st", "atom", "red") and not (
         {"param", "shared", "local", "const", "tex"} & set(i.mods))
 
 
@@ -269,7 +286,7 @@ def _is_barrier(i: _Ins) -> bool:
 
 
 def _is_nc(i: _Ins) -> bool:
-    return i.base == "ldu" or (i.base == "ld" and "nc" in i.mods) or _is_bulk_read(i)
+    return i.base == "ldu" or (i.base == "ld" and "nc" in i.mods) or _is_copy_read(i)
 
 
 # ---- control-flow graph -------------------------------------------------------------------------------------
@@ -523,7 +540,7 @@ def _find_sites(ins: list[_Ins], mem, const, flags: set[str], data: set[str], re
         hit = tuple(p for p in ps if p in data)
         if writes and (any(p not in reports for p in hit) or not ps):
             s.stores[n] = tuple(p for p in hit if p not in reports)  # () an untraced address: maybe produced
-        elif i.base == "ld" and not _is_nc(i) and hit:
+        elif (i.base == "ld" and not _is_nc(i) or _is_copy_load(i)) and hit:
             s.loads[n] = hit
     return s
 

@@ -3,10 +3,12 @@
 Each CTA (NT threads) runs its queue in order. For every instruction: thread 0 spins on the counters it waits on
 (`wait_counter`: `ld.acquire.gpu`, bounded: on a timeout it records the instruction, counter and value in `err`,
 sets the abort flag that every spinner also polls, and the launch drains), then a block barrier; the opcode's
-body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `fence.acq_rel.gpu`, then
-`atom.add.release.gpu`). Activations produced inside the launch (the fp32 and int32 arenas) and the tensors it
-writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent `ld.global` after the
-acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
+body; a block barrier (`order_body_stores`); thread 0 signals (`signal`: `atom.add.release.gpu`). The wait's
+acquire and the block barrier after it make the producers' stores visible to every thread (CUTLASS's grid barrier
+waits the same way), and the next instruction's row is copied into shared memory while this one runs (its
+index is the row's last word, isa.W_NEXT). Activations produced inside the launch (the fp32 and int32 arenas)
+and the tensors it writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent
+`ld.global` after the acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
 non-coherent path, which the static audit proves per load site reads only wtab's tensors (backends/mega/spec.py,
 validate/audit.py). Opcode semantics: backends/mega/pyvm.py, which this kernel is diffed against.
 
@@ -29,11 +31,13 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
-from .cute.base import NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32  # noqa: E402,F401
+from .cute.base import (  # noqa: E402,F401
+    IDX_S, NEXT_S, NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32, row_copies_landed, row_copy16,
+)
 from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
 from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
 from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
-from .isa import OPCODES  # noqa: E402
+from .isa import OPCODES, W_NEXT  # noqa: E402
 
 
 @cute.jit
@@ -106,8 +110,10 @@ def order_body_stores():
 
 @cute.jit
 def signal(ctr: cute.Tensor, sig: Int32):
-    """Thread 0, after order_body_stores: a gpu-scope fence, then the release add that consumers acquire."""
-    cute.arch.fence_acq_rel_gpu()
+    """Thread 0, after order_body_stores: the release add that consumers acquire. The block barrier before it orders
+    every thread's stores before thread 0's release (the PTX model's release pattern; CUTLASS's grid barrier
+    arrives the same way), so no fence precedes it (a second gpu-scope membar: 0.4-1.7% of a step,
+    bench/mega_sync_ab.py)."""
     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
 
@@ -146,35 +152,54 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             tla = tl.iterator.toint()
         smi[TL_S] = Int32(tla & Int64(0xFFFFFFFF))
         smi[TL_S + 1] = Int32(tla >> Int64(32))
-    for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
-        idx = qorder[qi]
-        if tid >= 32 and tid < 32 + ROW:  # warp 1 fetches the row while thread 0 waits
-            smi[ROW_S + tid - 32] = prog[idx, tid - 32]
+    # The queue is a chain: each row names the next instruction of its CTA's queue (isa.W_NEXT). The first row is
+    # loaded here; while an instruction waits and runs, lanes 0..9 of warp 1 copy the next row (16 bytes each,
+    # cp.async: the instruction stream is static) into NEXT_S, and after the body they move it into ROW_S, so an
+    # instruction starts with its row, its waits and its opcode in shared memory instead of global round trips
+    # after the previous signal.
+    q0 = qstart[bid]
+    if tid >= 32 and tid < 32 + ROW and q0 < qstart[bid + 1]:
+        first = qorder[q0]
+        smi[ROW_S + tid - 32] = prog[first, tid - 32]
+        if tid == 32:
+            smi[IDX_S] = first
+    cute.arch.sync_threads()
+    ra = smi.iterator.toint()
+    for qi in cutlass.range(q0, qstart[bid + 1]):
+        idx = smi[IDX_S]
+        nxt = smi[ROW_S + W_NEXT]
+        if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:
+            row_copy16(ra + (NEXT_S + 4 * (tid - 32)) * 4, pb + Int64(nxt * ROW + 4 * (tid - 32)) * 4)
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()
-            ok = wait_counter(ctr, err, prog[idx, 4], prog[idx, 5], prog[idx, 6], epoch, max_spin, idx)
+            ok = wait_counter(ctr, err, smi[ROW_S + 4], smi[ROW_S + 5], smi[ROW_S + 6], epoch, max_spin, idx)
             if ok == 1:
-                ok = wait_counter(ctr, err, prog[idx, 7], prog[idx, 8], prog[idx, 9], epoch, max_spin, idx)
+                ok = wait_counter(ctr, err, smi[ROW_S + 7], smi[ROW_S + 8], smi[ROW_S + 9], epoch, max_spin, idx)
             smi[SMEM_I - 1] = ok
-            cute.arch.fence_acq_rel_gpu()
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 1)
         cute.arch.sync_threads()
         t_start = Int64(0)
         if tid == 0:
             t_start = cute.arch.globaltimer()
+        sig = smi[ROW_S + 2]  # read before the row is replaced (after the barrier below)
         if smi[SMEM_I - 1] == 1:
             if delay_ns > 0:  # each warp its own delay before any of its stores
                 nap(delay_ns, idx, epoch, (bid * NW + tid // 32) * 4 + 3)
-            op = prog[idx, 0]
+            op = smi[ROW_S]
             for k in cutlass.range_constexpr(len(BODIES)):
                 if op == OPCODES[BODIES[k][0]]:
                     BODIES[k][1](pb, idx, fb, ib, wtab, ptab, sm, smi, tid)
-            order_body_stores()
-            sig = prog[idx, 2]
-            if tid == 0 and sig >= 0:
-                signal(ctr, sig)
+        order_body_stores()
+        if tid == 0 and sig >= 0 and smi[SMEM_I - 1] == 1:
+            signal(ctr, sig)
+        if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:  # the next row: landed, then made the current one
+            row_copies_landed()
+            for j in cutlass.range_constexpr(4):
+                smi[ROW_S + 4 * (tid - 32) + j] = smi[NEXT_S + 4 * (tid - 32) + j]
+            if tid == 32:
+                smi[IDX_S] = nxt
         if tid == 0:
             if (timeline & 1) != 0:
                 tl[TLW * idx] = t_wait

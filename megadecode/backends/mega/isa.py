@@ -8,6 +8,8 @@ An instruction is a small dataclass that serializes to a fixed-width row of int3
     10..12 the static bytes the instruction streams, to prefetch before its wait: tensor (-1: none), offset and
            length in 16-byte units
     13..   arguments (ARGS ints; their meaning per opcode is in OPS)
+    39     the next instruction of the same CTA's queue (-1: the last; written by Program.rows from the schedule),
+           so that the kernel copies that row into shared memory while this one runs
 
 Dependencies are counters in global memory. An instruction waits until each of its counters reached its
 count for this launch, then runs, then (after its stores) adds 1 to its signal counter with release semantics.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 ROW = 40  # int32 per instruction
 PASS = 4  # tokens (or expert pairs) per pass of the kernel's dot-product loops (its TB)
 HEADER = 13
+W_NEXT = ROW - 1  # row word: the next instruction of the CTA's queue (-1: none)
 TLW = 8  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body marks
 ARGS = ROW - HEADER
 
@@ -103,7 +106,7 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
 OPCODES = {name: code for name, (code, _) in OPS.items()}
 OPNAMES = {code: name for name, (code, _) in OPS.items()}
 for _name, (_, _args) in OPS.items():
-    assert len(_args) <= ARGS, (_name, len(_args))
+    assert len(_args) < ARGS, (_name, len(_args))  # W_NEXT follows the arguments
 
 
 PAIR1_MAX_B = 8  # bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch

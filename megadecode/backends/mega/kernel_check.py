@@ -14,7 +14,7 @@ from .program import Program
 NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
 SMEM_F = 12288  # fp32 words of shared memory per CTA (cute/base.py)
 MLA_HB = 8  # the most heads an MLA_ATTN instruction may hold (cute/attention.py: its score sums per thread)
-ROW_S = 2048 - 64  # int32 shared words below the instruction's row (cute/base.py SMEM_I - 64)
+BODY_I = 2048 - 112  # int32 shared words a body may use, below the two instruction rows (cute/base.py)
 
 BF16, F32, U8 = torch.bfloat16, torch.float32, torch.uint8
 
@@ -100,10 +100,10 @@ def check_program(prog: Program) -> None:
             raise KernelLimit(f"{where}: {a['S']} attention splits (MERGE's split weights take 64 shared words)")
         if op == "KDA_STEP" and 6 * a["K"] + max(NT, a["K"]) + 4 > SMEM_F:
             raise KernelLimit(f"{where}: KDA head dim {a['K']} does not fit the step's shared memory")
-        if op == "ROUTE" and 2 * a["E"] + 3 * 8 > ROW_S:
+        if op == "ROUTE" and 2 * a["E"] + 3 * 8 > BODY_I:
             # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
             raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
-                              f"take 2 E + 24 of the {ROW_S} shared int words below the instruction row)")
+                              f"take 2 E + 24 of the {BODY_I} shared int words below the instruction rows)")
         if op == "MLA_ATTN" and a["HB"] > MLA_HB:
             raise KernelLimit(f"{where}: {a['HB']} heads in one MLA attention instruction (at most {MLA_HB})")
         if op in ("MATVEC", "GLU") and ins.flags & F_TC and (a["K"] % TC_K or a["B"] < 2):
@@ -112,11 +112,11 @@ def check_program(prog: Program) -> None:
         if op == "ROUTE" and 2 * a["B"] * a["A"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (ROUTE's picks and their ranks "
                               f"take 2 shared fp32 words each, of {SMEM_F})")
-        if op == "EXPERT_DOWN" and a["B"] * a["A"] > ROW_S:
+        if op == "EXPERT_DOWN" and a["B"] * a["A"] > BODY_I:
             # (its pair -> expert table, one shared int word per (token, slot) pair: MXFP4 always, bf16 when every
             # selected expert holds one pair)
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (EXPERT_DOWN's pair table takes "
-                              f"one of the {ROW_S} shared int words below the instruction row each)")
+                              f"one of the {BODY_I} shared int words below the instruction rows each)")
         if op == "ATTN_GQA" and (a["d"] > 128 or a["H"] // a["KH"] > 16):
             # (cute/attention.py gqa_chunk: a thread's 4 key pieces of 8 dims and 4 value dims of 32 groups cover
             # 128 dims; its 16 score sums, one per q head of the KV head)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .isa import ROW, Instr
+from .isa import ROW, W_NEXT, Instr
 
 
 @dataclass
@@ -58,8 +58,14 @@ class Program:
         raise KeyError(name)
 
     def rows(self) -> torch.Tensor:
-        """[N, ROW] int32: every instruction serialized."""
-        return torch.tensor([i.row() for i in self.instrs], dtype=torch.int32).reshape(-1, ROW)
+        """[N, ROW] int32: every instruction serialized, word W_NEXT the next instruction of its CTA's queue (-1
+        for the last of a queue, and for every instruction of a program not scheduled yet)."""
+        rows = torch.tensor([i.row() for i in self.instrs], dtype=torch.int32).reshape(-1, ROW)
+        rows[:, W_NEXT] = -1
+        for q in self.queues:
+            if len(q) > 1:
+                rows[q[:-1], W_NEXT] = torch.tensor(q[1:], dtype=torch.int32)
+        return rows
 
     def queue_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(starts [num_ctas + 1], order [N]) int32: CTA c runs instructions order[starts[c]:starts[c + 1]]."""

@@ -227,7 +227,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     qn, kn = wtab[arg(smi, ARG[A]["qn_w"])], wtab[arg(smi, ARG[A]["kn_w"])]
     b, h, s, S, H, KH, d = (arg(smi, ARG[A][n]) for n in ("b", "h", "s", "S", "H", "KH", "d"))
     part_off, Lmax = arg(smi, ARG[A]["part_off"]), arg(smi, ARG[A]["Lmax"])
-    scale, eps, att = argf(pb, idx, ARG[A]["scale_bits"]), argf(pb, idx, ARG[A]["eps_bits"]), argf(pb, idx, ARG[A]["att_bits"])
+    scale, eps, att = argf(smi, ARG[A]["scale_bits"]), argf(smi, ARG[A]["eps_bits"]), argf(smi, ARG[A]["att_bits"])
     inv = wtab[arg(smi, ARG[A]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A]["slot_off"]) + b))
@@ -307,7 +307,7 @@ def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pt
     cache = ptab[arg(smi, ARG[A_]["cache"])]
     kva_off, kva_stride, norm_w = arg(smi, ARG[A_]["kva_off"]), arg(smi, ARG[A_]["kva_stride"]), wtab[arg(smi, ARG[A_]["norm_w"])]
     C, R, b, Lmax = args(smi, A_, "C R b Lmax")
-    eps, att, inv = argf(pb, idx, ARG[A_]["eps_bits"]), argf(pb, idx, ARG[A_]["att_bits"]), wtab[arg(smi, ARG[A_]["rope_w"])]
+    eps, att, inv = argf(smi, ARG[A_]["eps_bits"]), argf(smi, ARG[A_]["att_bits"]), wtab[arg(smi, ARG[A_]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     row = kva_off + b * kva_stride
@@ -344,7 +344,7 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     wkv = wtab[arg(smi, ARG[A_]["wkv"])]
     qb_off, qb_stride, qlat_off, qpe_off = args(smi, A_, "qb_off qb_stride qlat_off qpe_off")
     b, h, H, P, R, C, V = args(smi, A_, "b h H P R C V")
-    att, inv = argf(pb, idx, ARG[A_]["att_bits"]), wtab[arg(smi, ARG[A_]["rope_w"])]
+    att, inv = argf(smi, ARG[A_]["att_bits"]), wtab[arg(smi, ARG[A_]["rope_w"])]
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     q = qb_off + b * qb_stride + h * (P + R)
     for p in cutlass.range(tid, P, NT):
@@ -377,7 +377,7 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     cache = ptab[arg(smi, ARG[A_]["cache"])]
     qlat_off, qpe_off, part_off = args(smi, A_, "qlat_off qpe_off part_off")
     b, h0, HB, s, S, H, C, R, Lmax = args(smi, A_, "b h0 HB s S H C R Lmax")
-    scale = argf(pb, idx, ARG[A_]["scale_bits"])
+    scale = argf(smi, ARG[A_]["scale_bits"])
     pos = ldi(ia(ib, arg(smi, ARG[A_]["pos_off"]) + b))
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     QL, QP, SC, ACC = 0, 4096, 4608, 5120

@@ -20,6 +20,9 @@ SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
 SMEM_I = 2048  # int32 words (8 KiB)
 SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
+NEXT_S = SMEM_I - 112  # the next instruction's row, copied (cp.async) while the current one runs
+BODY_I = NEXT_S  # the int words a body may use: [0, BODY_I)
+IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
 NEG_INF = float("-inf")
@@ -163,6 +166,19 @@ def hash32(seed: Uint32, b: Uint32, v: Uint32) -> Uint32:
 
 
 @cute.jit
+def row_copy16(dst: Int32, src: Int64):
+    """Start an asynchronous copy of 16 bytes of the instruction stream (static: cp.async reads only what the
+    audit proves static) from global src into shared dst (both 16-byte aligned), through L2 (.cg)."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
+
+
+@cute.jit
+def row_copies_landed():
+    """Wait until this thread's cp.async copies have landed (their bytes are then visible to this thread)."""
+    cute.arch.inline_ptx("cp.async.wait_all;")
+
+
+@cute.jit
 def arg(smi: cute.Tensor, j: Constexpr) -> Int32:
     """Word j of the current instruction (copied into shared memory while thread 0 waits)."""
     return smi[ROW_S + j]
@@ -179,9 +195,9 @@ def tensors(tab: cute.Tensor, smi: cute.Tensor, op: str, names: str) -> tuple:
 
 
 @cute.jit
-def argf(pb: Int64, idx: Int32, j: Constexpr) -> Float32:
-    """Argument word j of instruction idx, as the fp32 whose bits it holds."""
-    return ldf(Float32, pb + Int64(idx * ROW + j) * 4)
+def argf(smi: cute.Tensor, j: Constexpr) -> Float32:
+    """Word j of the current instruction, as the fp32 whose bits it holds."""
+    return from_bits(Uint32(smi[ROW_S + j]))
 
 
 @cute.jit

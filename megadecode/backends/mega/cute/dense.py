@@ -307,7 +307,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
     K, x_off, x_stride = arg(smi, ARG[op]["K"]), arg(smi, ARG[op]["x_off"]), arg(smi, ARG[op]["x_stride"])
     out_off, out_stride, out_col = arg(smi, ARG[op]["out_off"]), arg(smi, ARG[op]["out_stride"]), arg(smi, ARG[op]["out_col"])
     r0, r1, B, norm_w = arg(smi, ARG[op]["r0"]), arg(smi, ARG[op]["r1"]), arg(smi, ARG[op]["B"]), arg(smi, ARG[op]["norm_w"])
-    eps = argf(pb, idx, ARG[op]["eps_bits"])
+    eps = argf(smi, ARG[op]["eps_bits"])
     x2_off = arg(smi, ARG[op]["x2_off"])  # >= 0: the input is x + x2 (kimi_k3: the layer input + attention output)
     has_x2 = x2_off >= 0
     w0 = wtab[arg(smi, ARG[op]["wg" if glu else "w"])]
@@ -530,7 +530,7 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pt
     A_ = "SAMPLE"
     flags = arg(smi, 3)
     logits_off, V, b = args(smi, A_, "logits_off V b")
-    inv_t = argf(pb, idx, ARG[A_]["inv_temp_bits"])
+    inv_t = argf(smi, ARG[A_]["inv_temp_bits"])
     seed = ldi(ia(ib, arg(smi, ARG[A_]["seed_off"])))
     greedy = (flags & F_GREEDY) != 0
     base = logits_off + b * V

@@ -39,7 +39,7 @@ def op_attn_res(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     A_ = "ATTN_RES"
     src_off, nsrc, B, D = args(smi, A_, "src_off nsrc B D")
     qw, nw = tensors(wtab, smi, A_, "query_w norm_w")
-    eps = argf(pb, idx, ARG[A_]["eps_bits"])
+    eps = argf(smi, ARG[A_]["eps_bits"])
     out_off, b, c0, c1 = args(smi, A_, "out_off b c0 c1")
     LG = 0  # the sources' logits, then their softmax weights
     for s in cutlass.range(warp, nsrc, NW):
@@ -111,7 +111,7 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     a_log, dt_bias, onorm = tensors(wtab, smi, A_, "a_log dt_bias onorm_w")
     out_off, b, h, H = args(smi, A_, "out_off b h H")
     K, W = args(smi, A_, "K W")
-    eps = argf(pb, idx, ARG[A_]["eps_bits"])
+    eps = argf(smi, ARG[A_]["eps_bits"])
     slot = ldi(ia(ib, arg(smi, ARG[A_]["slot_off"]) + b))
     HK = H * K
     parts = cutlass.max(1, NT // K)  # threads per state column (each takes every parts-th row)

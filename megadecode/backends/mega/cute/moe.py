@@ -73,7 +73,7 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     flags = arg(smi, 3)
     logits_off, E, A, B = args(smi, A_, "logits_off E A B")
     bias_w, G, TG = args(smi, A_, "bias_w n_group topk_group")
-    scale = argf(pb, idx, ARG[A_]["scale_bits"])
+    scale = argf(smi, ARG[A_]["scale_bits"])
     ids_off, wts_off = args(smi, A_, "ids_off wts_off")
     sigmoid = (flags & F_SIGMOID) != 0
     nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
@@ -247,7 +247,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
                  ptok_off: Int32, pslot_off: Int32, pairof_off: Int32, idx: Int32):
     """ROUTE's tables from the picks in ids: the (token, slot) pairs grouped by expert, experts ascending, pairs in
     (token, slot) order; each expert's pair and pass prefix."""
-    CNT, START = 0, E  # int words 0 .. 2E (below the instruction row at ROW_S)
+    CNT, START = 0, E  # int words 0 .. 2E (below BODY_I, where the instruction rows start)
     RK = n  # float words n .. 2n: each pick's rank among the earlier picks of its expert (kernel_check: 2n fit)
     for j in cutlass.range(tid, n, NT):  # the picked ids, as exact small floats in the (now free) score space
         sm[j] = Float32(ldi(ia(ib, ids_off + j)))
