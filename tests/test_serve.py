@@ -139,7 +139,12 @@ def test_n_choices_each_draw_what_their_seed_draws_alone(srv):
     assert len({tuple(w) for w in want}) > 1
     kw = dict(prompt="Roll", max_tokens=6, temperature=0.9, seed=500, n=3, logprobs=0,
               extra_body={"return_token_ids": True, "ignore_eos": True})
+    srv.wait_idle()
+    before = [srv.metric("megadecode_prompt_tokens_total"), srv.metric("megadecode_requests_total", 'outcome="length"')]
     r = complete(srv, **kw)
+    srv.wait_idle()
+    after = [srv.metric("megadecode_prompt_tokens_total"), srv.metric("megadecode_requests_total", 'outcome="length"')]
+    assert [a - b for a, b in zip(after, before)] == [len(ids("Roll")), 3]  # the prompt once, each choice finished
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.token_ids for c in r.choices] == want
     assert all(len(c.logprobs.token_logprobs) == 6 for c in r.choices)

@@ -1,8 +1,10 @@
 """The server's Prometheus metrics (GET /metrics, text format), in a registry of their own per server.
 
-    megadecode_requests_total{outcome}            finished requests: stop, length, abort, error; rejected (429),
-                                                  invalid (400, or 404 for an unknown model)
-    megadecode_prompt_tokens_total                prompt tokens of admitted requests
+    megadecode_requests_total{outcome}            finished requests: stop, length, abort, error (each of a
+                                                  request's n choices counts as one); rejected (429), invalid
+                                                  (400, or 404 for an unknown model)
+    megadecode_prompt_tokens_total                prompt tokens of admitted requests (once a request: its
+                                                  choices share the prompt's prefill)
     megadecode_generation_tokens_total            tokens generated
     megadecode_running_requests                   sequences in the decode batch (slots held)
     megadecode_waiting_requests                   the queue's length

@@ -144,8 +144,7 @@ class Server:
             for s in queued:
                 self.loop.abort(s.id, ABORT)
             raise
-        for s in seqs:
-            self.metrics.admitted(len(s.prompt))
+        self.metrics.admitted(len(req.prompt))  # once: the choices share the prompt's prefill
         return seqs, chan
 
     def submit_sequence(self, seq: Sequence, aio) -> Channel:
