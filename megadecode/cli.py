@@ -300,13 +300,15 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
                        executor=args.executor, seed=args.seed, check_finite=args.check_finite,
                        max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
                        parallel=ranks.expert_parallel(ep, cfg), progress=byte_feed(bar))
-    engine.check_request(prompts, args.max_new_tokens)  # before the progress bar shows up
-    progress = tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr,
-                    disable=off)
+    engine.check_request(prompts, args.max_new_tokens)  # before the progress bars show up
+    bars = (tqdm(desc="compile and capture", unit="graph", file=sys.stderr, disable=off),
+            tqdm(total=sum(map(len, prompts)), desc="prefill", unit="token", file=sys.stderr, disable=off),
+            tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr, disable=off))
     try:
-        with progress:
+        with bars[0] as warm, bars[1] as pre, bars[2] as progress:
             return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress,
-                                   stop_at_eos=not args.ignore_eos, min_tokens=args.min_tokens)
+                                   warmup_progress=warm, prefill_progress=pre, stop_at_eos=not args.ignore_eos,
+                                   min_tokens=args.min_tokens)
     except NonFiniteError as e:
         hint = "" if args.model in PRESETS or args.check_finite else \
             " (--check-finite names a tensor that holds them)"

@@ -274,12 +274,14 @@ class Engine:
         return len(todo)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 *, seed: int = 0, stop_at_eos: bool = True, min_tokens: int = 0, progress=None
-                 ) -> GenerationResult:
+                 *, seed: int = 0, stop_at_eos: bool = True, min_tokens: int = 0, progress=None,
+                 warmup_progress=None, prefill_progress=None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt. Tokens stay on the device during the loop; the
         host reads them once at the end (sequences are cut after their first EOS). Every graph the decode steps
         replay is compiled and captured first (`warmup_s`), so `decode_s` times steady steps only. `min_tokens`:
-        no EOS is drawn among a sequence's first min_tokens tokens (vLLM's)."""
+        no EOS is drawn among a sequence's first min_tokens tokens (vLLM's). Progress (tqdm bars, or anything with
+        `update(n)`): `warmup_progress` a graph at a time (its `total` set first), `prefill_progress` the prompts'
+        tokens once the prefill is done, `progress` a decode step at a time."""
         check_seed(seed)
         self.check_request(prompts, max_new_tokens)
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
@@ -295,12 +297,15 @@ class Engine:
         in_step = self.executor.set_sampling(None if min_tokens else sampling, len(prompts))
         # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay
         lens = [len(p) for p in prompts]
-        warm_steps = self.warmup([len(prompts)], max(lens) + 1, max(lens) + max_new_tokens - 1) \
-            if max_new_tokens > 1 else 0
+        warm_steps = self.warmup([len(prompts)], max(lens) + 1, max(lens) + max_new_tokens - 1,
+                                 progress=warmup_progress) if max_new_tokens > 1 else 0
         sync()
         self.executor.first_nonfinite.fill_(-1)  # written by every step on the device, read once at the end
         t0 = time.perf_counter()
         logits = self.prefill(prompts, max_new_tokens)
+        if prefill_progress is not None:
+            sync()  # the bar says done when it is
+            prefill_progress.update(sum(lens))
         toks, lps = [], []
         counts = rows = None
         if sampling.penalized:  # the penalties read each sequence's token counts, kept on the device

@@ -84,3 +84,23 @@ def test_validate_counts_its_cells_on_a_bar(capsys, monkeypatch):
     assert total and counts and int(counts[-1]) == sum(map(int, total.groups())), (out, err)  # every cell
     main(argv + ["--quiet"])
     assert "validate broken-rmsnorm-nc-load" not in capsys.readouterr().err
+
+
+def test_generate_reports_its_stages_compile_prefill_and_decode():
+    """Engine.generate's three reports: the warm-up's graphs (total set first: none on the CPU, where nothing is
+    captured), the prompts' tokens once the prefill is done, and each decode step."""
+    class Bar:
+        def __init__(self):
+            self.n, self.total = 0, None
+
+        def update(self, k):
+            self.n += k
+
+        def refresh(self):
+            pass
+
+    eng = Engine.from_pretrained("tiny-qwen3-moe", max_batch=2, max_seq_len=32)
+    warm, pre, dec = Bar(), Bar(), Bar()
+    eng.generate([[256, 7, 9], [256, 5]], 4, progress=dec, warmup_progress=warm, prefill_progress=pre,
+                 stop_at_eos=False)
+    assert (warm.total, warm.n, pre.n, dec.n) == (0, 0, 5, 3)
