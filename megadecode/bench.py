@@ -238,8 +238,6 @@ def add_parser(sub, help_: str) -> None:
 
 
 def run(args, argv: list[str]) -> int:
-    from tqdm import tqdm
-
     from . import bench_moe
     from .backends import EXECUTORS
 
