@@ -163,6 +163,27 @@ def test_n_choices_each_draw_what_their_seed_draws_alone(srv):
     srv.wait_idle()
 
 
+def test_a_choice_that_hits_a_stop_string_ends_alone(srv):
+    """n = 2, a stop string in choice 0's text only: choice 0 ends before it (finish "stop", nothing after it even
+    when the engine had queued a later step), choice 1 runs to max_tokens, both streamed and not."""
+    params = SamplingParams(temperature=0.9)
+    texts = [TOK.decode(alone(ids("Roll"), 12, False, params, 700 + i).token_ids[0]) for i in range(2)]
+    stop = next(texts[0][k:k + 2] for k in range(2, len(texts[0]) - 2) if texts[0][k:k + 2] not in texts[1])
+    want = [texts[0][:texts[0].index(stop)], texts[1]]
+    kw = dict(prompt="Roll", max_tokens=12, temperature=0.9, seed=700, n=2, stop=[stop],
+              extra_body={"ignore_eos": True})
+    r = complete(srv, **kw)
+    assert [c.text for c in r.choices] == want and [c.finish_reason for c in r.choices] == ["stop", "length"]
+    got, reasons = ["", ""], [None, None]
+    for chunk in complete(srv, **kw, stream=True):
+        for c in chunk.choices:
+            assert reasons[c.index] is None  # nothing after a choice's last chunk
+            got[c.index] += c.text
+            reasons[c.index] = c.finish_reason
+    assert got == want and reasons == ["stop", "length"]
+    srv.wait_idle()
+
+
 @pytest.mark.parametrize("kw", [{"top_k": 5}, {"min_p": 0.2}, {"top_k": 8, "min_p": 0.05, "top_p": 0.9}])
 def test_seeded_top_k_and_min_p(srv, kw):
     """vLLM's top_k and min_p, on the device in the server's sampler: a seeded request gets what Engine.generate

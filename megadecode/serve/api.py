@@ -310,7 +310,8 @@ class Reply:
                 if item is GONE:
                     return Response(status_code=499)  # nobody reads it
                 i, d = item
-                text[i].append(self.outs[i].take(d)[0])
+                if self.outs[i].finish_reason is None:  # a step queued after its stop string: dropped
+                    text[i].append(self.outs[i].take(d)[0])
         finally:
             watcher.cancel()
         bad = self.failed()
@@ -333,6 +334,8 @@ class Reply:
             while not self.done:
                 i, d = await self.chan.queue.get()
                 o = self.outs[i]
+                if o.finish_reason is not None:  # a step queued after its stop string: dropped
+                    continue
                 text, ids, lps, tops = o.take(d)
                 if o.finish_reason == ERROR:
                     yield f"data: {_dump(self.failure(o).body())}\n\n"
