@@ -328,7 +328,8 @@ def test_sequences_of_one_prompt_share_its_prefill(engine, monkeypatch):
     loop, out = make_loop(engine, overlap=False)
     seen = []
     real = engine.prefill_into
-    monkeypatch.setattr(engine, "prefill_into", lambda prompts, slots: seen.append(len(prompts)) or real(prompts, slots))
+    monkeypatch.setattr(engine, "prefill_into",
+                        lambda prompts, slots: seen.append(len(prompts)) or real(prompts, slots))
     same = [Sequence(prompt=PROMPTS[1], max_tokens=6, params=SAMPLED, seed=40 + i) for i in range(3)]
     other = Sequence(prompt=PROMPTS[0], max_tokens=6)
     for s in same + [other]:

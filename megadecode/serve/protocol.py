@@ -3,13 +3,13 @@ OpenAI-style body naming the field), never an exception that reaches the engine.
 
 Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
 (0: greedy), top_p, logit_bias, presence_penalty, frequency_penalty, seed, stop, stream,
-stream_options.include_usage, n (up to MAX_CHOICES choices, sampled independently from one prefill of the prompt;
-with a seed, choice i draws as seed + i would alone); logprobs (the sampled token's, with up to MAX_TOP_LOGPROBS most likely tokens
-beside it: completions' integer logprobs, chat's logprobs true and top_logprobs);
+stream_options.include_usage, n (up to MAX_CHOICES choices, sampled independently from one prefill of the
+prompt; with a seed, choice i draws as seed + i would alone); logprobs (the sampled token's, with up to
+MAX_TOP_LOGPROBS most likely tokens beside it: completions' integer logprobs, chat's logprobs true and top_logprobs);
 vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and return_token_ids
 (each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is
-ignored: a field that asks for what the server does not do (NEUTRAL: best_of > 1, response_format other than text, ...)
-is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
+ignored: a field that asks for what the server does not do (NEUTRAL: best_of > 1, response_format other than text,
+...) is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
     return [operator.index(t) for t in v]
 
 
-TAKEN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-         "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
+TAKEN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+         "stream_options", "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
          "frequency_penalty", "repetition_penalty", "min_tokens"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
 TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens", "top_logprobs"}
