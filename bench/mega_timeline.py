@@ -26,11 +26,14 @@ from collections import Counter
 import torch
 
 from megadecode.cache import KVCache
-from megadecode.backends.mega.executor import default_ctas
+from megadecode.backends import expert_layout
+from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
 from megadecode.backends.mega.runtime import MegaRuntime
 from megadecode.backends.mega.schedule import schedule
+from megadecode.plan import build_plan
 from megadecode.presets import preset_config
+from megadecode.quant.mxfp4_frag import entry_shape
 from megadecode.weights import random_weights
 
 
@@ -80,7 +83,12 @@ def lowered(recording: dict):
 
     s = recording["summary"]
     cfg = preset_config(s["preset"])
-    w = {n: torch.empty(p.shape, device="meta", dtype=torch.uint8 if p.quant == "mxfp4" else
+    frag = s.get("experts") == expert_layout.FRAGMENT  # the routed experts' order in the recording
+
+    def shape(n, p):
+        return entry_shape(n, p.shape) if frag and p.quant == "mxfp4" and p.stacked else p.shape
+
+    w = {n: torch.empty(shape(n, p), device="meta", dtype=torch.uint8 if p.quant == "mxfp4" else
                         torch.float32 if p.fp32 else torch.bfloat16) for n, p in param_specs(cfg).items()}
     cache = KVCache(cfg, s["batch"], s["context"] + 8, "meta", torch.bfloat16)
     prog = schedule(lower(cfg, w, cache, s["batch"], s["ctas"]), s["ctas"])
@@ -351,13 +359,15 @@ def record(preset: str, batch: int, context: int, out: str) -> None:
     and out.png (the per-SM image); the summary printed."""
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
+    order = frag_order(cfg, "cuda")  # the routed experts in the order the mega executor holds them
+    w = expert_layout.take(w, build_plan(cfg), order)
     cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
     for parts in cache.layers.values():
         for t in parts:
             t.normal_()
     ctas = default_ctas(torch.device("cuda"))
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    _record_one(prog, preset, batch, context, ctas, out)
+    _record_one(prog, preset, batch, context, ctas, out, order)
     del prog, cache, w
     torch.cuda.empty_cache()
 
@@ -389,7 +399,7 @@ def launch_us(prog, batch: int, context: int, n: int = 20) -> float:
     return sorted(ts)[n // 2]
 
 
-def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str) -> None:
+def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str, order: str) -> None:
     rt = _runtime(prog, batch, context, timeline=True)
     rows = rt.timeline_rows()
     step_us = max(r["end"] for r in rows) / 1e3
@@ -397,7 +407,7 @@ def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str
     for r in rows:
         busy[r["op"]] += r["end"] - r["start"]
     summary = {"preset": preset, "batch": batch, "context": context, "ctas": ctas,
-               "instructions": len(rows), "step_us": step_us,
+               "instructions": len(rows), "step_us": step_us, "experts": order,
                "launch_us": launch_us(prog, batch, context),  # without the timeline, median of 20
                "work_us_by_op": {k: v / 1e3 for k, v in busy.most_common()},
                "wait_us_total": sum(r["start"] - r["wait"] for r in rows) / 1e3}

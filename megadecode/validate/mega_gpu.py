@@ -16,11 +16,14 @@ import torch
 
 from ..cache import KVCache
 from ..engine import Engine
+from ..backends import expert_layout
+from ..backends.mega.executor import frag_order
 from ..backends.mega.lower import lower
 from ..backends.mega.pyvm import PyVM
 from ..backends.mega.runtime import MegaRuntime
 from ..backends.mega.schedule import schedule
 from ..config import config_from_hf
+from ..plan import build_plan
 from ..presets import preset_config, preset_hf_config
 from ..sampling import SamplingParams
 from ..weights import random_weights
@@ -55,7 +58,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # tiny-qwen3-gqa: tiny-qwen3-moe with qwen3-30b-a3b's attention shape (head_dim 128, 16 q heads a KV head here,
 # 8 there), what GQA attention's thread layout (cute/attention.py gqa_chunk) is built for; tiny-qwen3-moe's
 # head_dim 16 and 2 q heads a KV head take its clamped pieces and partial head groups.
+# tiny-k3-frag: latent and intermediate widths of whole 256-wide records (and an intermediate of 3 records, not a
+# power of two), so its experts are held in fragment order and run on the tensor cores (F_FRAG, cute/moe.py) as
+# K3's do; 24 experts (not a power of two), top 4.
 CASES = {"tiny-k3-wide": ("tiny-k3", {"latent_size": 1056, "moe_intermediate_size": 2080}),
+         "tiny-k3-frag": ("tiny-k3", {"latent_size": 512, "moe_intermediate_size": 768, "num_experts": 24,
+                                      "n_group": 4, "topk_group": 2}),
          "tiny-qwen3-gqa": ("tiny-qwen3-moe", {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128}),
          # true dims, 2 layers: the batch-1 tiles as the real model stages them (several a CTA a phase, so each
          # ring slot is reused, k slices on the staged rows), the lm_head of 151936 rows unstaged
@@ -104,6 +112,8 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int 
     max_len = CONTEXTS[context]
     cfg = case_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, seed)
+    # the routed experts in the order the mega executor holds them (fragment order where K3's widths allow)
+    w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))
     cache = KVCache(cfg, batch, max_len, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(seed)
     for parts in cache.layers.values():

@@ -16,6 +16,7 @@ import torch
 from ...cache import KVCache
 from ...plan import DecodePlan
 from ...step import Step
+from .. import expert_layout
 from ..torch.executor import TorchExecutor
 from .pyvm_executor import stream_supports
 
@@ -49,12 +50,46 @@ class MegaExecutor(TorchExecutor):
             raise ValueError(f"the mega executor is built for sm_90 (H100/H200), this GPU is sm_{major}{minor}")
         self.num_ctas = num_ctas or int(os.environ.get("MEGADECODE_MEGA_CTAS", 0)) or default_ctas(self.device)
         self.timeline, self.delay_ns = timeline, delay_ns
+        # K3's routed experts in fragment order (frag_order): EXPERT_UP / EXPERT_DOWN on the tensor cores (F_FRAG)
+        self.frag_experts = expert_layout.order_of(self.weights, plan) == expert_layout.FRAGMENT
         self.runtimes: dict[tuple, object] = {}
         self.graphs: dict[tuple, tuple] = {}
         self._pool = None
         self.sampling = None
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.sampled: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def build_extra(cls, cfg, device, dtype: torch.dtype, shard) -> tuple[int, str] | None:
+        """The re-layout of a stack of K3's routed experts into fragment order, where this executor holds them so."""
+        if frag_order(cfg, device) != expert_layout.FRAGMENT:
+            return None
+        return expert_layout.conversion_bytes(cfg, shard), "while the mega executor re-lays out a stack of routed experts"
+
+    def _expert_order(self, plan: DecodePlan, weights: dict[str, torch.Tensor]) -> str:
+        if not expert_layout.expert_pairs(plan):
+            return expert_layout.CHECKPOINT
+        return frag_order(plan.config, next(iter(weights.values())).device)
+
+    def run_ops(self, step: Step, hook=None):
+        """Prefill (the torch reference's ops), with K3's routed experts by the fused executor's CuTe kernel where
+        they are held in fragment order (the reference reads the checkpoint's)."""
+        if not self.frag_experts:
+            return super().run_ops(step, hook)
+        from ...plan import LATENT_MOE
+        from ..fused.kernels.cute_experts import latent_op
+        from ..torch.ops import OP_IMPLS, StepContext
+
+        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl, self.parallel)
+        for op in self.plan.ops:
+            if op.kind == LATENT_MOE:
+                x, ids, wts = (ctx.buf[n] for n in op.inputs)
+                ctx.buf[op.outputs[0]] = latent_op(op, x, ids, wts, self.weights, self.cfg)
+            else:
+                OP_IMPLS[op.kind](ctx, op)
+            if hook is not None:
+                hook(op, ctx)
+        return ctx
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the launch (greedy, or plain temperature: no top_p, top_k, min_p); returns whether it does."""
@@ -144,3 +179,16 @@ def default_ctas(device) -> int:
         regs = registers_per_thread(K.compile_for().__ptx__)
     per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
     return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def frag_order(cfg, device) -> str:
+    """The order the mega executor holds K3's routed experts in: fragment order (quant/mxfp4_frag.py, read by the
+    tensor-core bodies under F_FRAG) on a GPU where the latent and intermediate widths are whole records (multiples
+    of 256, as K3's 3584 and 3072 are), else the checkpoint's (the CUDA-core bodies; the tiny presets)."""
+    from ...quant.mxfp4_frag import KREC
+
+    if cfg.family != "kimi_k3" or torch.device(device).type != "cuda":
+        return expert_layout.CHECKPOINT
+    if cfg.latent_size % KREC or cfg.moe_intermediate_size % KREC:
+        return expert_layout.CHECKPOINT
+    return expert_layout.FRAGMENT

@@ -49,6 +49,8 @@ F_STORE = 1024  # EXPERT_DOWN: write the weighted sum of the experts (K3's laten
 F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's NoPE MLA)
 F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`)
 F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
+F_FRAG = 16384  # EXPERT_UP / EXPERT_DOWN (with F_MXFP4): weights in fragment order (quant/mxfp4_frag.py), tensor cores
+FRAG_TILE = 16  # rows of a fragment-order record: F_FRAG's unit of work (EXPERT_UP tiles, EXPERT_DOWN row ranges)
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
 
 # opcodes, with their argument names (in row order)
@@ -124,20 +126,22 @@ def up_passes(flags: int) -> tuple[int, str]:
     return (1, "pstart_off") if flags & (F_MXFP4 | F_PAIR1) else (PASS, "qst_off")
 
 
-def up_chunks(qst: list[int], I: int, w: int, W: int) -> list[tuple[int, int, int, int]]:
+def up_chunks(qst: list[int], I: int, w: int, W: int, unit: int = 1) -> list[tuple[int, int, int, int]]:
     """EXPERT_UP's share of work item w of W: (u, q, r0, r1) = rows [r0, r1) of selected expert u against its
-    pairs' pass q, `qst` the pass prefix (`up_passes`). The N = qst[-1] * I units (rows of a pass) are split
-    evenly, so an item's weight rows and decode work are the same for every w to within one row, whatever the
-    pairs per expert (the kernel walks the same chunks, `backends/mega/cute/moe.py`)."""
-    N = qst[-1] * I
+    pairs' pass q, `qst` the pass prefix (`up_passes`). The N = qst[-1] * I / unit units (`unit` rows of a pass:
+    one, or F_FRAG's FRAG_TILE) are split evenly, so an item's weight rows and decode work are the same for every
+    w to within one unit, whatever the pairs per expert (the kernel walks the same chunks,
+    `backends/mega/cute/moe.py`)."""
+    per = I // unit
+    N = qst[-1] * per
     lo, hi = w * N // W, (w + 1) * N // W
     out = []
     for u in range(len(qst) - 1):
         for q in range(qst[u + 1] - qst[u]):
-            base = (qst[u] + q) * I
-            r0, r1 = max(lo - base, 0), min(hi - base, I)
+            base = (qst[u] + q) * per
+            r0, r1 = max(lo - base, 0), min(hi - base, per)
             if r0 < r1:
-                out.append((u, q, r0, r1))
+                out.append((u, q, r0 * unit, r1 * unit))
     return out
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .isa import F_MXFP4, F_TC, TC_K
+from ...quant.mxfp4_frag import KREC, RECORD
+from .isa import F_FRAG, F_MXFP4, F_TC, FRAG_TILE, TC_K
 from .program import Program
 
 NT = 256  # threads per CTA (cute/base.py; kept here so this check imports no CuTe)
@@ -117,6 +118,8 @@ def check_program(prog: Program) -> None:
             # selected expert holds one pair)
             raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (EXPERT_DOWN's pair table takes "
                               f"one of the {BODY_I} shared int words below the instruction rows each)")
+        if op in ("EXPERT_UP", "EXPERT_DOWN") and ins.flags & F_FRAG:
+            _check_frag(prog, ins, where)
         if op == "ATTN_GQA" and (a["d"] > 128 or a["H"] // a["KH"] > 16):
             # (cute/attention.py gqa_chunk: a thread's 4 key pieces of 8 dims and 4 value dims of 32 groups cover
             # 128 dims; its 16 score sums, one per q head of the KV head)
@@ -124,3 +127,21 @@ def check_program(prog: Program) -> None:
                               f"attention takes head_dim <= 128 and <= 16 q heads a KV head)")
         if op == "ATTN_RES" and a["nsrc"] > SMEM_F:
             raise KernelLimit(f"{where}: {a['nsrc']} AttnRes sources")
+
+
+def _check_frag(prog: Program, ins, where: str) -> None:
+    """F_FRAG (the tensor-core expert bodies, cute/moe.py): MXFP4 records of quant/mxfp4_frag.py's shape for the
+    instruction's dims, reductions whole records (256), EXPERT_UP's gate / up split on a tile boundary and
+    EXPERT_DOWN's rows whole tiles. EXPERT_UP's pair table shares EXPERT_DOWN's bound
+    (one shared int word a pair, checked on the layer's EXPERT_DOWN). F_FRAG without F_MXFP4 is refused by the dtype
+    check (records are uint8, bf16 experts are not)."""
+    a = ins.args
+    up = ins.op == "EXPERT_UP"
+    I, D = a["I"], a["D"]
+    R, K = (2 * I, D) if up else (D, I)
+    w = prog.tensors[a["gu" if up else "dn"]].tensor
+    if K % KREC or I % FRAG_TILE or tuple(w.shape[1:]) != (R // FRAG_TILE, K // KREC, RECORD):
+        raise KernelLimit(f"{where}: fragment-order experts need records [E, {R}/{FRAG_TILE}, {K}/{KREC}, {RECORD}] "
+                          f"(K a multiple of {KREC}, I of {FRAG_TILE}); got {tuple(w.shape)} for I = {I}, D = {D}")
+    if not up and (a["r0"] % FRAG_TILE or a["r1"] % FRAG_TILE):
+        raise KernelLimit(f"{where}: rows [{a['r0']}, {a['r1']}) are not whole {FRAG_TILE}-row tiles")

@@ -14,8 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ...quant.mxfp4_frag import is_frag_entry
 from .builder import Builder
+from .kernel_check import NT
 from .isa import (
+    FRAG_TILE,
+    F_FRAG,
     F_INTERLEAVED,
     F_MXFP4,
     F_NOPE,
@@ -28,6 +32,9 @@ from .isa import (
     PAIR1_MAX_B,
     f32_bits,
 )
+
+
+WARPS = NT // 32  # warps a CTA (cute/base.py's NW)
 
 
 @dataclass(frozen=True)
@@ -226,15 +233,25 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     b.buf("h", B * A * I)
     b.buf("y", B * A * D)
     sel = expected_experts(E, A, B)
+    gu_name = f"{m}.experts.gate_up_proj" + (".weight_packed" if quant else "")
+    # MXFP4 experts held in fragment order (the executor's choice, backends/expert_layout.py): the tensor-core
+    # bodies, whose shares are whole 16-row tiles (EXPERT_UP: a gate tile and its up tile; EXPERT_DOWN: row ranges)
+    frag = quant and is_frag_entry(b.weights[gu_name])
     # work items: equal shares of the rows of every selected expert's passes over its pairs (isa.up_chunks),
     # about one per CTA: as many as the expected selected rows allow, at least a few rows each
     W = max(1, min(b.ctas, math.ceil(sel) * I // 8))
-    gu_name = f"{m}.experts.gate_up_proj" + (".weight_packed" if quant else "")
+    if frag:  # units (pair, 16-row tile), B * A pairs: the fewest items of a whole number of units a warp each
+        units = B * A * (I // FRAG_TILE)
+        per_warp = math.ceil(units / (WARPS * b.ctas))
+        W = math.ceil(units / (WARPS * per_warp))
     dn_name = f"{m}.experts.down_proj" + (".weight_packed" if quant else "")
     wbytes = 0.53125 if quant else b.wbytes  # MXFP4: 4.25 bits per weight
     gu, gus = b.t(gu_name), b.t(f"{m}.experts.gate_up_proj.weight_scale") if quant else -1
     if not quant and B <= PAIR1_MAX_B:  # isa.up_passes: bf16 experts one pair a pass at small batches
         flags_up |= F_PAIR1
+    if frag:
+        flags_up |= F_FRAG
+        flags_down |= F_FRAG
     for w in range(W):
         b.add("EXPERT_UP", i, f"L{i}.up[{w}]", flags_up, bytes_=int(2 * I * D * wbytes * sel / W), gu=gu, I=I,
               D=D, x_off=b.f32[x][0], h_off=b.f32["h"][0], w=w, W=W, nuniq_off=b.i32["nuniq"][0],
@@ -242,6 +259,8 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
               qst_off=b.i32["qst"][0])
     b.close(f"L{i}.up")
     rows = b.rows_per_tile(D)
+    if frag:
+        rows = -(-rows // FRAG_TILE) * FRAG_TILE
     dn, dns = b.t(dn_name), b.t(f"{m}.experts.down_proj.weight_scale") if quant else -1
     for r0 in range(0, D, rows):
         r1 = min(D, r0 + rows)

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from ...quant.mxfp4 import MXFP4Tensor
+from ...quant.mxfp4_frag import KREC, MXFP4Frag, restore
 from ...reference.activations import situ_glu
 from ...reference.rope import apply_rope
 from .isa import (
+    FRAG_TILE,
+    F_FRAG,
     F_GREEDY,
     F_INTERLEAVED,
     F_MXFP4,
@@ -223,7 +226,12 @@ class VMOps:
         return n, uniq, pstart
 
     def _rows_of(self, ins, w: int, s: int, e: int, r0: int, r1: int) -> torch.Tensor:
-        """Rows [r0, r1) of expert e's weight (table entry w; MXFP4: packed w + scales s, decoded exactly)."""
+        """Rows [r0, r1) of expert e's weight (table entry w; MXFP4: packed w + scales s, decoded exactly; F_FRAG:
+        the records under w, restored to the checkpoint's order first)."""
+        if ins.flags & F_FRAG:
+            rec = self.T[w][e:e + 1]
+            f = MXFP4Frag(rec, torch.Size((1, rec.shape[1] * FRAG_TILE, rec.shape[2] * KREC)))
+            return restore(f).dequantize(torch.float32)[0, r0:r1]
         if ins.flags & F_MXFP4:
             return MXFP4Tensor(self.T[w][e, r0:r1], self.T[s][e, r0:r1]).dequantize(torch.float32)
         return self.T[w][e, r0:r1].float()
@@ -233,7 +241,8 @@ class VMOps:
         n, uniq, pstart = self._groups(a)
         P, pre_arg = up_passes(ins.flags)  # pairs per pass and the pass prefix (MXFP4: one pair a pass)
         pre = self.ri(a[pre_arg], n + 1).tolist()
-        for u, q, r0, r1 in up_chunks(pre, I, a["w"], a["W"]):
+        unit = FRAG_TILE if ins.flags & F_FRAG else 1  # F_FRAG: shares of whole 16-row tiles
+        for u, q, r0, r1 in up_chunks(pre, I, a["w"], a["W"], unit):
             p0 = pstart[u] + q * P
             pairs = range(p0, min(pstart[u + 1], p0 + P))
             toks = self.ri(a["ptok_off"] + p0, len(pairs)).tolist()

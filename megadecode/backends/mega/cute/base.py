@@ -10,6 +10,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported for the bodies)
     _g, from_bits, ldf, ldi, ldi64, ldu8, sigmoid, silu, situ, sti, stf, warp_argmax, warp_max, warp_sum,
 )
+from ....quant.mxfp4_frag import MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, WBYTES  # noqa: F401
 from ..isa import HEADER, OPS, PASS, ROW, TLW
 
 NT = 256  # threads per CTA
@@ -90,6 +91,63 @@ def mma_bf16(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uin
         "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
         write_only_types=[Float32, Float32, Float32, Float32],
         read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def mma_f16(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
+            c2: Float32, c3: Float32):
+    """mma_bf16 with fp16 operands (the fragment-order MXFP4 weights decode to fp16, frag_dec)."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, "
+        "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def f16x2_split(x0: Float32, x1: Float32):
+    """x0 and x1 (scaled so that fp16 holds them: frag_row_scale) as fp16 pairs hi + lo (words, x0 in the low
+    halves): hi rounded to nearest even, lo the remainder x - hi (exact in fp32) rounded alike, ~22 bits in all."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 h; .reg .b16 a, b; .reg .f32 f0, f1; cvt.rn.f16x2.f32 h, {$r1}, {$r0}; mov.b32 {a, b}, h; "
+        "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; sub.rn.f32 f0, {$r0}, f0; sub.rn.f32 f1, {$r1}, f1; "
+        "cvt.rn.f16x2.f32 {$w1}, f1, f0; mov.b32 {$w0}, h; }",
+        write_only_types=[Uint32, Uint32], read_only_args=[x0, x1])
+
+
+@cute.jit
+def frag_dec(w: Uint32, j: Constexpr) -> Uint32:
+    """Register j (0..3) of an MXFP4 record word as its A-fragment fp16 pair, e2m1 * 2**-14 exactly
+    (quant/mxfp4_frag.py: one shift and mask for registers 0 and 1, two of each for 2 and 3)."""
+    sm = 9 - MAG_AT[j]
+    ss = 15 - SIGN_AT[j]
+    out = Uint32(0)
+    if cutlass.const_expr(sm == ss):
+        out = (w << Uint32(sm) if cutlass.const_expr(sm > 0) else w) & Uint32(MAG_MASK | SIGN_MASK)
+    else:
+        out = ((w << Uint32(sm)) & Uint32(MAG_MASK)) | ((w << Uint32(ss)) & Uint32(SIGN_MASK))
+    return out
+
+
+@cute.jit
+def frag_scale(word: Uint32, m: Constexpr) -> Float32:
+    """2**(byte m of word - 127) as fp32 (the e8m0 byte shifted into the exponent field; byte 0 -> 0)."""
+    sh = 23 - 8 * m
+    b = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
+    return from_bits(b & Uint32(0x7F800000))
+
+
+@cute.jit
+def ld4w(addr: Int64):
+    """16 bytes of fragment-order records (static) as 4 words: a plain, coherent load that does not allocate in L1,
+    so a stream of weights read once does not evict the activations the bodies read again."""
+    return cute.arch.inline_ptx("ld.global.L1::no_allocate.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
+
+
+@cute.jit
+def f32_bits(x: Float32) -> Int32:
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[x])
 
 
 @cute.jit

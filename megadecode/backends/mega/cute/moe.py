@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE
+from ..isa import F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_TILE
 from .base import (
     ARG,
+    RECORD,
+    WBYTES,
     FLAG_S,
     NEG_INF,
     NT,
@@ -20,14 +22,21 @@ from .base import (
     args,
     dot8,
     e2m1x8,
+    f16x2_split,
+    f32_bits,
     fa,
+    frag_dec,
+    from_bits,
+    frag_scale,
     ia,
     ld4u32,
+    ld4w,
     ld8,
     ldf,
     ldi,
     ldu8,
     mark,
+    mma_f16,
     mx_scale,
     silu,
     situ,
@@ -377,6 +386,151 @@ def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, row
             acc[i] += mx_scale(ps[i], sc[i])
 
 
+# ---- fragment-order MXFP4 experts on the tensor cores (F_FRAG) -------------------------------------------------
+# A warp takes a unit: 16-row tiles (EXPERT_UP: a gate tile and its up tile; EXPERT_DOWN: one tile of the item's
+# rows) against one pair's activation row, over every record of the reduction (quant/mxfp4_frag.py). Per
+# record a lane loads its 4 A-fragment words of each tile and its rows' scales (ld4w), and for each of the 8 scale
+# blocks its 8 consecutive activations (fp32, produced in the launch: coherent loads), scaled by the row's power of
+# two and split into fp16 hi + lo (f16x2_split: ~22 bits of the fp32 value), which every tile multiplies (mma.sync
+# m16n8k16, 2 k-steps a block, 2 planes). Every lane of a group loads the same activations, so every column of B
+# is the pair's row and column 0 of C (lanes with c = 0) holds the sums. Why: the CUDA-core bodies decode ~4.5
+# integer operations a weight and are issue-bound at 1.1-1.4 TB/s on the H200, where the fused executor's
+# tensor-core experts (backends/fused/kernels/cute_experts.py, the same records) stream 3.2.
+
+
+@cute.jit
+def frag_row_scale(xrow: Int64, K: Int32, lane: Int32):
+    """(2**kk, 2**(14 - kk)) for the fp32 activation row at xrow (K values): x * 2**kk has the row's largest
+    magnitude in [2**14, 2**15), so fp16 holds every scaled value and the record decode's 2**-14 (frag_dec) and
+    the scale come off the sums as one factor. kk = 0 for an all-zero or non-finite row (its NaN / inf carry
+    through). The whole warp calls it."""
+    m = Float32(0.0)
+    for k in cutlass.range(lane * 8, K, 256, unroll=2):
+        v = ld8(Float32, xrow + Int64(k) * 4)
+        for j in cutlass.range_constexpr(8):
+            m = cute.arch.fmax(m, cute.arch.fmax(v[j], -v[j]))
+    m = warp_max(m)
+    ex = (f32_bits(m) >> 23) & 255
+    kk = Int32(0)
+    if ex > 0 and ex < 255:
+        kk = cutlass.min(Int32(141) - ex, Int32(127))
+    return from_bits(Uint32((kk + 127) << 23)), from_bits(Uint32((141 - kk) << 23))
+
+
+@cute.jit
+def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up_s: Float32, lane: Int32,
+               acc: cute.Tensor):
+    """acc[0..3] (the tile at ra) and, with ntl = 2, acc[4..7] (the tile at rb): this lane's sums C[g, 2c..2c+1],
+    C[g + 8, 2c..2c+1] of the tiles' nsc records (RECORD bytes apart) against the row at xrow times up_s
+    (frag_row_scale), the block scales applied; times the row's 2**(14 - kk) they are the dot products."""
+    c = lane % 4
+    g = lane // 4
+    for i in cutlass.range_constexpr(8):
+        acc[i] = Float32(0.0)
+    for sc in cutlass.range(nsc):
+        off = Int64(sc) * Int64(RECORD)
+        ws, ss = [], []
+        for t in cutlass.range_constexpr(ntl):
+            base = (ra if t == 0 else rb) + off
+            ws.append([ld4w(base + Int64(512 * q) + Int64(16) * Int64(lane)) for q in range(4)])
+            ss.append(ld4w(base + Int64(WBYTES) + Int64(16) * Int64(g)))
+        for q in cutlass.range_constexpr(4):
+            for b in cutlass.range_constexpr(2):
+                xv = ld8(Float32, xrow + Int64(256 * sc + 64 * q + 32 * b + 8 * c) * 4)
+                hi, lo = [], []
+                for i in cutlass.range_constexpr(4):
+                    h, l = f16x2_split(xv[2 * i] * up_s, xv[2 * i + 1] * up_s)
+                    hi.append(h)
+                    lo.append(l)
+                mb = 2 * q + b
+                for t in cutlass.range_constexpr(ntl):
+                    p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+                    for s2 in cutlass.range_constexpr(2):
+                        w = ws[t][q][2 * b + s2]
+                        a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
+                        p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
+                        p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
+                    s_lo = frag_scale(ss[t][mb // 4], mb % 4)
+                    s_hi = frag_scale(ss[t][2 + mb // 4], mb % 4)
+                    acc[4 * t] += p0 * s_lo
+                    acc[4 * t + 1] += p1 * s_lo
+                    acc[4 * t + 2] += p2 * s_hi
+                    acc[4 * t + 3] += p3 * s_hi
+
+
+@cute.jit
+def pair_experts(ib: Int64, smi: cute.Tensor, tid: Int32, nuniq: Int32, uniq_off: Int32, pstart_off: Int32):
+    """smi[p] = the expert of pair p (ROUTE's grouping, produced in this launch: coherent loads), then a block
+    barrier."""
+    for u in cutlass.range(tid, nuniq, NT):
+        e = ldi(ia(ib, uniq_off + u))
+        for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
+            smi[p] = e
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """EXPERT_UP under F_FRAG: units (pair, gate tile) of N = pairs x I / 16, this item's share [w N / W,
+    (w + 1) N / W) (isa.up_chunks with unit FRAG_TILE, which pyvm runs), a unit a warp at a time."""
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_UP"
+    use_situ = (arg(smi, 3) & F_SITU) != 0
+    gu = wtab[arg(smi, ARG[A_]["gu"])]
+    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
+    w, W = args(smi, A_, "w W")
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off, ptok_off = args(smi, A_, "uniq_off pstart_off ptok_off")
+    pair_experts(ib, smi, tid, nuniq, uniq_off, pstart_off)
+    npairs = ldi(ia(ib, pstart_off + nuniq))
+    nt = I // FRAG_TILE  # gate tiles an expert (its up tiles follow)
+    nsc = D // 256
+    N = npairs * nt
+    lo = Int32(Int64(w) * Int64(N) // Int64(W))
+    hi = Int32(Int64(w + 1) * Int64(N) // Int64(W))
+    acc = cute.make_rmem_tensor(8, Float32)
+    c, g = lane % 4, lane // 4
+    for unit in cutlass.range(lo + warp, hi, NW):
+        p, rt = unit // nt, unit % nt
+        xrow = fa(fb, x_off + ldi(ia(ib, ptok_off + p)) * D)
+        up_s, fs = frag_row_scale(xrow, D, lane)
+        ra = gu + (Int64(smi[p]) * Int64(2 * nt) + Int64(rt)) * Int64(nsc) * Int64(RECORD)
+        frag_tiles(ra, ra + Int64(nt) * Int64(nsc) * Int64(RECORD), 2, nsc, xrow, up_s, lane, acc)
+        if c == 0:
+            for i in cutlass.range_constexpr(2):
+                gv = acc[2 * i] * fs
+                uv = acc[4 + 2 * i] * fs
+                hv = silu(gv) * uv
+                if use_situ:
+                    hv = situ(gv, uv)
+                stf(Float32, fa(fb, h_off + p * I + rt * FRAG_TILE + g + 8 * i), hv)
+
+
+@cute.jit
+def expert_down_frag(fb: Int64, ib: Int64, dn: Int64, smi: cute.Tensor, tid: Int32, I: Int32, D: Int32,
+                     h_off: Int32, y_off: Int32, r0: Int32, r1: Int32, npairs: Int32):
+    """EXPERT_DOWN's products under F_FRAG: units (pair, 16-row tile of rows [r0, r1)), a unit a warp at a time;
+    smi[p] holds pair p's expert. y[p, r] for r in [r0, r1). One tile a unit, not two sharing the activation
+    conversion: 32-row items left half the CTAs without one (k3-mini: 112 items of 3584 rows on 264 CTAs) and the
+    phase at 1.1-1.3 TB/s on the H200."""
+    warp, lane = tid // 32, tid % 32
+    c, g = lane % 4, lane // 4
+    nt = (r1 - r0) // FRAG_TILE
+    ntd = D // FRAG_TILE  # row tiles an expert
+    nsc = I // 256
+    acc = cute.make_rmem_tensor(8, Float32)
+    for unit in cutlass.range(warp, npairs * nt, NW):
+        p = unit // nt
+        rt = r0 // FRAG_TILE + unit % nt
+        xrow = fa(fb, h_off + p * I)
+        up_s, fs = frag_row_scale(xrow, I, lane)
+        ra = dn + (Int64(smi[p]) * Int64(ntd) + Int64(rt)) * Int64(nsc) * Int64(RECORD)
+        frag_tiles(ra, ra, 1, nsc, xrow, up_s, lane, acc)
+        if c == 0:
+            for i in cutlass.range_constexpr(2):
+                stf(Float32, fa(fb, y_off + p * D + rt * FRAG_TILE + g + 8 * i), acc[2 * i] * fs)
+
+
 @cute.jit
 def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
@@ -384,7 +538,17 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor,
     MXFP4 (F_MXFP4): packed bytes [E, 2I, D/2] (`gu`) and e8m0 scales [E, 2I, D/32] (`gus`), decoded in registers.
     This item's share: units [w * N / W, (w + 1) * N / W) of N = qst[nuniq] * I, a unit being one row of one of an
     expert's passes over TB of its pairs (isa.up_chunks, which pyvm runs): every item streams and decodes the same
-    number of rows to within one, however the pairs fall on the experts."""
+    number of rows to within one, however the pairs fall on the experts. F_FRAG: MXFP4 records on the tensor
+    cores, whole 16-row tiles (expert_up_frag)."""
+    if (arg(smi, 3) & F_FRAG) != 0:
+        expert_up_frag(fb, ib, wtab, smi, tid)
+    else:
+        expert_up_rows(fb, ib, wtab, smi, tid)
+
+
+@cute.jit
+def expert_up_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """EXPERT_UP on the CUDA cores (bf16 experts, and MXFP4 in the checkpoint's order)."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     flags = arg(smi, 3)
@@ -569,7 +733,9 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
                 s = warp_sum(acc1[q])
                 if lane == 0 and r + q < r1:
                     stf(Float32, fa(fb, y_off + p * D + r + q), s)
-    if mx:
+    if mx and (flags & F_FRAG) != 0:
+        expert_down_frag(fb, ib, dn, smi, tid, I, D, h_off, y_off, r0, r1, npairs)
+    elif mx:
         # MXFP4: the units are (pair, group of RW_DN consecutive rows), over every pair of every selected expert at
         # once, dealt to the warps; each group's RW_DN rows are loaded together and its pair's h once for them. A
         # row serving several pairs is read again (L1 / L2). Not expert after expert, its rows over the 8 warps:

@@ -1,0 +1,116 @@
+"""K3's routed experts in fragment order in the megakernel's instruction stream (F_FRAG: EXPERT_UP / EXPERT_DOWN on
+the tensor cores, backends/mega/cute/moe.py), on the CPU: which order the mega executor holds them in, the lowering's
+tile-aligned shares, the kernel check's limits, and pyvm on a fragment-order program against the same program in
+the checkpoint's order (the kernel itself is diffed against pyvm on the GPU: tests/test_mega_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megadecode.backends import expert_layout
+from megadecode.backends.mega.executor import frag_order
+from megadecode.backends.mega.isa import F_FRAG, F_MXFP4, FRAG_TILE, up_chunks
+from megadecode.backends.mega.kernel_check import KernelLimit, check_program
+from megadecode.backends.mega.lower import lower
+from megadecode.backends.mega.pyvm import PyVM
+from megadecode.backends.mega.schedule import schedule
+from megadecode.cache import KVCache
+from megadecode.plan import build_plan
+from megadecode.presets import preset_config
+from megadecode.validate.mega_gpu import case_config
+from megadecode.weights import random_weights
+
+
+def test_mega_holds_k3_experts_in_fragment_order_on_a_gpu_where_the_widths_are_whole_records():
+    assert frag_order(preset_config("k3-mini"), "cuda") == expert_layout.FRAGMENT
+    assert frag_order(case_config("tiny-k3-frag"), "cuda") == expert_layout.FRAGMENT
+    assert frag_order(preset_config("k3-mini"), "cpu") == expert_layout.CHECKPOINT
+    assert frag_order(preset_config("tiny-k3"), "cuda") == expert_layout.CHECKPOINT  # widths of 32
+    assert frag_order(case_config("tiny-k3-wide"), "cuda") == expert_layout.CHECKPOINT  # 1056, 2080
+    assert frag_order(preset_config("tiny-qwen3-moe"), "cuda") == expert_layout.CHECKPOINT
+
+
+def test_up_chunks_in_tile_units_split_every_pass_tile_once_in_equal_shares():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        pre = [0]
+        for _ in range(n):
+            pre.append(pre[-1] + int(torch.randint(1, 4, (1,), generator=g)))
+        I = FRAG_TILE * int(torch.randint(1, 12, (1,), generator=g))
+        W = int(torch.randint(1, 200, (1,), generator=g))
+        seen = torch.zeros(pre[-1] * I, dtype=torch.int32)
+        sizes = []
+        for w in range(W):
+            size = 0
+            for u, q, r0, r1 in up_chunks(pre, I, w, W, FRAG_TILE):
+                assert r0 % FRAG_TILE == 0 and r1 % FRAG_TILE == 0 and 0 <= r0 < r1 <= I
+                seen[(pre[u] + q) * I + r0:(pre[u] + q) * I + r1] += 1
+                size += r1 - r0
+            sizes.append(size)
+        assert bool((seen == 1).all())
+        assert max(sizes) - min(sizes) <= FRAG_TILE
+
+
+def _programs(batch: int, dtype, ctas: int = 8):
+    """tiny-k3-frag lowered twice on the same weights: experts in the checkpoint's order, and in fragment order."""
+    cfg = case_config("tiny-k3-frag")
+    w = random_weights(cfg, "cpu", dtype, 3)
+    wf = expert_layout.take(dict(w), build_plan(cfg), expert_layout.FRAGMENT)
+    progs = [schedule(lower(cfg, ws, KVCache(cfg, max(batch, 4), 64, "cpu", dtype), batch, ctas), ctas)
+             for ws in (w, wf)]  # a cache each (a launch writes its cache and KDA states)
+    return cfg, *progs
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pyvm_runs_a_fragment_order_program_as_the_checkpoint_order_one(batch):
+    """The same step through pyvm from both programs: F_FRAG on every expert instruction of the fragment-order one,
+    none on the other, the same buffers (pyvm restores the records exactly; only the items' shares differ)."""
+    cfg, ck, fr = _programs(batch, torch.float32)
+    experts = [i for i in fr.instrs if i.op in ("EXPERT_UP", "EXPERT_DOWN")]
+    assert experts and all(i.flags & F_FRAG and i.flags & F_MXFP4 for i in experts)
+    assert not any(i.flags & F_FRAG for i in ck.instrs)
+    downs = [i for i in experts if i.op == "EXPERT_DOWN"]
+    assert all(i.args["r0"] % FRAG_TILE == 0 and i.args["r1"] % FRAG_TILE == 0 for i in downs)
+    g = torch.Generator().manual_seed(batch)
+    vms = []
+    for prog in (ck, fr):
+        vm = PyVM(prog)
+        for name, t in (("tokens", torch.randint(3, 200, (batch,), generator=torch.Generator().manual_seed(7))),
+                        ("positions", torch.arange(batch) % 5), ("slots", torch.arange(batch))):
+            off, n = prog.i32[name]
+            vm.i32[off:off + n] = t.to(torch.int32)
+        vm.launch("round_robin", seed=int(torch.randint(0, 100, (1,), generator=g)))
+        vms.append(vm)
+    for name in ("h", "y", "z", "logits"):
+        (o1, n1), (o2, n2) = ck.f32[name], fr.f32[name]
+        a, b = vms[0].f32[o1:o1 + n1], vms[1].f32[o2:o2 + n2]
+        assert torch.isfinite(b).all() and b.abs().max() > 0
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, name
+    ups = [i for i in experts if i.op == "EXPERT_UP" and i.layer == experts[-1].layer]
+    (off, _), n = fr.i32["pstart"], int(vms[1].i32[fr.i32["nuniq"][0]])
+    pstart = vms[1].i32[off:off + n + 1].tolist()
+    I = cfg.moe_intermediate_size
+    seen = torch.zeros(pstart[-1] * I, dtype=torch.int32)  # the last layer's items cover every (pair, tile) once
+    for ins in ups:
+        for u, q, r0, r1 in up_chunks(pstart, I, ins.args["w"], ins.args["W"], FRAG_TILE):
+            seen[(pstart[u] + q) * I + r0:(pstart[u] + q) * I + r1] += 1
+    assert bool((seen == 1).all())
+
+
+def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies_cannot_take():
+    _, _, fr = _programs(2, torch.bfloat16)
+    check_program(fr)
+    for op, change, match in (("EXPERT_DOWN", {"r0": 8}, r"rows \[8, \d+\) are not whole 16-row tiles"),
+                              ("EXPERT_UP", {"I": 760}, "fragment-order experts need records"),
+                              ("EXPERT_DOWN", {"I": 512}, "fragment-order experts need records"),
+                              ("EXPERT_UP", {"flags": F_FRAG}, "is torch.uint8; the megakernel reads it as torch.bfloat16")):
+        _, _, prog = _programs(2, torch.bfloat16)
+        ins = next(i for i in prog.instrs if i.op == op)
+        if "flags" in change:
+            ins.flags = change["flags"]
+        else:
+            ins.args.update(change)
+        with pytest.raises(KernelLimit, match=match):
+            check_program(prog)
