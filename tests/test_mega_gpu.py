@@ -21,7 +21,7 @@ PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3"]
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
 # + mega_gpu.CASES: MXFP4 rows of several chunks, qwen3-30b-a3b's GQA shape (head_dim 128, 16 q heads a KV head)
-@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3-wide", "tiny-qwen3-gqa"])
+@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3-wide", "tiny-k3-frag", "tiny-qwen3-gqa"])
 def test_launch_matches_pyvm_and_repeats_bitwise(preset, batch):
     r = diff_program(preset, batch, ctas=16, seed=batch, delay_runs=1)
     assert not diff_failures(r), diff_failures(r)  # every buffer within mega_gpu.BUFFER_TOL, repeats bitwise equal
@@ -56,7 +56,7 @@ def test_the_checks_catch_the_planted_silent_timeout_and_skipped_chunk_on_the_gp
     assert not diff_failures(diff_program("tiny-qwen3-moe", 3, ctas=16, seed=3, delay_runs=0, kernel=skip))
 
 
-@pytest.mark.parametrize("preset", PRESETS + ["tiny-qwen3-gqa"])
+@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3-frag", "tiny-qwen3-gqa"])
 def test_decode_matches_pyvm_and_is_close_to_torch(preset):
     """4 teacher-forced decode steps of 4 sequences: every row-step within 1e-3 of pyvm (the same math: fp32
     activations, bf16 caches); against the bf16 torch executor the median row-step within 3e-2, at most a quarter
