@@ -114,3 +114,25 @@ def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies
             ins.args.update(change)
         with pytest.raises(KernelLimit, match=match):
             check_program(prog)
+
+
+def test_the_reference_experts_read_fragment_order_as_the_checkpoints():
+    """The torch ops' LatentMoE (the mega executor's prefill, which holds K3's experts in fragment order) gives the
+    same sums from the records as from the checkpoint's order: the selected experts restored exactly."""
+    from megadecode.quant.mxfp4 import MXFP4Tensor
+    from megadecode.quant.mxfp4_frag import frag_from_entries
+    from megadecode.reference.latent_moe import latent_experts
+
+    cfg = case_config("tiny-k3-frag")
+    w = random_weights(cfg, "cpu", torch.float32, 5)
+    wf = expert_layout.take(dict(w), build_plan(cfg), expert_layout.FRAGMENT)
+    pre = "model.layers.1.mlp.experts."
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, cfg.latent_size, generator=g)
+    ids = torch.randint(0, cfg.num_experts, (5, 4), generator=g)
+    wts = torch.rand(5, 4, generator=g)
+    ck = [MXFP4Tensor(w[pre + n + ".weight_packed"], w[pre + n + ".weight_scale"]) for n in ("gate_up_proj", "down_proj")]
+    fr = [frag_from_entries(wf[pre + n + ".weight_packed"], wf[pre + n + ".weight_scale"])
+          for n in ("gate_up_proj", "down_proj")]
+    a, b = latent_experts(h, ids, wts, *ck, "situ"), latent_experts(h, ids, wts, *fr, "situ")
+    assert a.abs().max() > 0 and torch.equal(a, b)

@@ -71,26 +71,6 @@ class MegaExecutor(TorchExecutor):
             return expert_layout.CHECKPOINT
         return frag_order(plan.config, next(iter(weights.values())).device)
 
-    def run_ops(self, step: Step, hook=None):
-        """Prefill (the torch reference's ops), with K3's routed experts by the fused executor's CuTe kernel where
-        they are held in fragment order (the reference reads the checkpoint's)."""
-        if not self.frag_experts:
-            return super().run_ops(step, hook)
-        from ...plan import LATENT_MOE
-        from ..fused.kernels.cute_experts import latent_op
-        from ..torch.ops import OP_IMPLS, StepContext
-
-        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl, self.parallel)
-        for op in self.plan.ops:
-            if op.kind == LATENT_MOE:
-                x, ids, wts = (ctx.buf[n] for n in op.inputs)
-                ctx.buf[op.outputs[0]] = latent_op(op, x, ids, wts, self.weights, self.cfg)
-            else:
-                OP_IMPLS[op.kind](ctx, op)
-            if hook is not None:
-                hook(op, ctx)
-        return ctx
-
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the launch (greedy, or plain temperature: no top_p, top_k, min_p); returns whether it does."""
         ok = params is not None and not params.truncates
