@@ -7,8 +7,9 @@ policy (nano-vllm's ModelRunner).
   executor replays captured graphs, the batch is padded up to the next prepared size with rows in the scratch
   slot (the cache's last slot, never given to a request: token 0 at position 0, results dropped), so a batch
   whose size changes replays a graph captured at startup (`warmup`) and never captures mid-stream;
-- sampling: per sequence (its own params and generator: sampling.sample_rows), with the tokens, logprobs and a
-  finite flag per row brought to the host in one copy per step; the token counts penalties read are kept per slot
+- sampling: per sequence (its own params and generator: sampling.sample_rows; a structured output guide's mask
+  first, structured.py), with the tokens, logprobs and a finite flag per row brought to the host in one copy per
+  step; the token counts penalties read are kept per slot
   on the device (sampling.Counts), counted from each step's sampled tokens there;
 - a step is launched, then collected: the loop can launch the next decode step (fed on the device with this one's
   tokens) before it waits for this one's results, so the GPU does not wait for the host between steps;
@@ -195,6 +196,11 @@ class ModelRunner:
                 self.counts.start([s.slot for s in new], [s.prompt for s in new])
                 for s in new:
                     s.counted = True
+        finite = torch.isfinite(logits).all(-1)  # of the model's logits (a guide's mask puts -inf in them)
+        if any(s.guide is not None for s in seqs):  # structured output: the tokens each guide allows
+            from .structured import apply_guides
+
+            logits = apply_guides(logits, [s.guide for s in seqs])
         ban = [s.stop_ids if s.sampled < s.min_tokens else () for s in seqs]  # min_tokens: no stop id yet
         tokens, logprobs = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs], self.counts,
                                        [s.slot for s in seqs], ban)
@@ -203,7 +209,6 @@ class ModelRunner:
         if pen:
             idx = to_device(pen, torch.int64, self.device)
             self.counts.add(to_device([seqs[i].slot for i in pen], torch.int64, self.device), tokens[idx])
-        finite = torch.isfinite(logits).all(-1)
         out = torch.stack((tokens.double(), logprobs.double(), finite.double()))  # token ids < 2**53: exact
         k = max(s.top_logprobs for s in seqs)
         if k:

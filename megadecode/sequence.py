@@ -46,6 +46,7 @@ class Sequence:
     min_tokens: int = 0  # stop ids (EOS included) are not drawn before this many new tokens
     sampled: int = 0  # tokens the model runner has drawn for it, read or still in flight
     top_logprobs: int = 0  # the most likely tokens reported beside each generated one (sampling.MAX_TOP_LOGPROBS)
+    guide: object = None  # structured output (structured.Guide): the tokens allowed next, filled before each sampling
 
     def __post_init__(self):
         if not self.prompt:
@@ -66,11 +67,18 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def append(self, token: int, logprob: float) -> str | None:
-        """Record a generated token; returns why the sequence is done with it (STOP, LENGTH), or None."""
+        """Record a generated token; returns why the sequence is done with it (STOP, LENGTH; ERROR with `error`
+        set: a token its guide does not allow), or None. A guide that took its stop token ends the sequence."""
         self.output.append(token)
         self.logprobs.append(logprob)
         if token in self.stop_ids:
             return STOP
+        if self.guide is not None:
+            if not self.guide.accept(token):
+                self.error = f"generated token {token} is not allowed by the request's structured output guide"
+                return ERROR
+            if self.guide.done:
+                return STOP
         if len(self.output) >= self.max_tokens:
             return LENGTH
         return None

@@ -70,13 +70,14 @@ BAD = [
     ({**OK, "logit_bias": {"100000": 1}}, "logit_bias", "not a token id in the vocabulary"),
     ({**OK, "logit_bias": {"5": 101}}, "logit_bias", "in [-100, 100]"),
     ({**OK, "logit_bias": {"5": True}}, "logit_bias", "in [-100, 100]"),
-    ({**OK, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({**OK, "response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
     ({**OK, "best_of": 3}, "best_of", "not supported"),
     ({**OK, "top_logprobs": 2}, "top_logprobs", "not supported"),
     ({**OK, "min_tokens": -1}, "min_tokens", "must be in [0, "),
     ({**OK, "max_tokens": 3, "min_tokens": 4}, "min_tokens", "in [0, 3]"),
     ({**OK, "echo": 0}, "echo", "not supported"),  # 0 is not false
-    ({**OK, "guided_json": {"type": "object"}}, "guided_json", "unknown field"),
+    ({**OK, "guided_json": [1]}, "guided_json", "must be a JSON schema"),
+    ({**OK, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "unknown field"),
     ({**OK, "max_new_tokens": 5}, "max_new_tokens", "unknown field"),
     ({**OK, "messages": [{"role": "user", "content": "x"}]}, "messages", "unknown field"),  # a chat field
 ]
@@ -129,14 +130,14 @@ def test_neutral_values_of_fields_not_implemented_are_taken(srv):
     assert post(srv, chat, "/v1/chat/completions").status_code == 200
 
 
-@pytest.mark.parametrize("field, value", [("best_of", 2), ("response_format", {"type": "json_schema"}),
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("tools", [{"type": "function"}]),
                                           ("top_logprobs", 3)])
 def test_the_openai_client_gets_a_400_naming_what_is_refused(srv, field, value):
     import openai
 
     client = srv.client()
     with pytest.raises(openai.BadRequestError) as e:
-        if field == "response_format":
+        if field == "tools":
             client.chat.completions.create(model=QWEN, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            **{field: value})
         else:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from ..scheduler import QueueFull
 from ..sequence import ERROR, STOP
+from ..structured import GuideError
 from .protocol import APIError, parse_detokenize, parse_json, parse_request, parse_tokenize
 from .server import Server
 from .text import TextStream
@@ -154,8 +155,14 @@ async def _generate(server: Server, request: Request, *, chat: bool, limit: int)
                             vocab=server.vocab_size, max_seq_len=server.max_seq_len, eos_ids=server.eos_ids)
         if not server.loop.alive:
             raise APIError("the engine loop has stopped", status=503, type="server_error")
+        compiled = None
+        if req.guide is not None:  # compiled off the event loop (a large schema takes milliseconds)
+            try:
+                compiled = await asyncio.to_thread(server.compile_guide, req.guide)
+            except GuideError as e:
+                raise APIError(str(e), req.guide_key) from None
         try:
-            seq, chan = server.submit(req, asyncio.get_running_loop())  # seq: the request's n choices
+            seq, chan = server.submit(req, asyncio.get_running_loop(), compiled)  # seq: the request's n choices
         except QueueFull as e:
             server.metrics.refused("rejected")
             raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None

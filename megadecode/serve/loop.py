@@ -138,7 +138,9 @@ class EngineLoop:
             self._flush(out)
             self._prefill(admitted, out)
         decoding = list(self.scheduler.running)  # the admitted ones too, unless done at their first token
-        after = self._pending if self._pending is not None and self._pending.seqs == decoding else None
+        # a guided sequence's next mask needs this step's token on the host: no step launched ahead of it
+        after = self._pending if self._pending is not None and self._pending.seqs == decoding \
+            and not any(s.guide is not None for s in decoding) else None
         if after is None:
             self._flush(out)
         if decoding:
@@ -216,6 +218,9 @@ class EngineLoop:
                                          f"{seq.num_tokens - 1}) {NON_FINITE}"))
                 continue
             reason = seq.append(token, logprob)
+            if reason == ERROR:  # a token its guide refused
+                done.append((seq, ERROR, seq.error))
+                continue
             out.append((seq, Delta(token, logprob, reason, top=top)))
             if reason is not None:
                 done.append((seq, reason, None))

@@ -7,9 +7,10 @@ stream_options.include_usage, n (up to MAX_CHOICES choices, sampled independentl
 prompt; with a seed, choice i draws as seed + i would alone); logprobs (the sampled token's, with up to
 MAX_TOP_LOGPROBS most likely tokens beside it: completions' integer logprobs, chat's logprobs true and top_logprobs);
 vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and return_token_ids
-(each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing). Nothing is
-ignored: a field that asks for what the server does not do (NEUTRAL: best_of > 1, response_format other than text,
-...) is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
+(each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing); structured
+output (`parse_guide`: response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice
+and structured_outputs). Nothing is ignored: a field that asks for what the server does not do (NEUTRAL: best_of > 1,
+tools, ...) is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from ..engine import MAX_SEED
 from ..sampling import GREEDY_BELOW, MAX_TOP_LOGPROBS, SamplingParams
+from ..structured import GuideSpec
 from .chat import ROLES, ChatError, chat_prompt
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
@@ -58,6 +60,8 @@ class Request:
     min_tokens: int = 0
     top_logprobs: int = 0  # the most likely tokens reported beside each generated one (with logprobs)
     n: int = 1  # choices: sequences of the same prompt, sampled independently
+    guide: GuideSpec | None = None  # structured output: what the text must match (structured.py)
+    guide_key: str | None = None  # the field that asked for it (what a guide that does not compile names)
 
     def seed_of(self, choice: int) -> int | None:
         """Choice i's seed: seed + i (wrapping past MAX_SEED), so each choice draws what that seed draws alone."""
@@ -121,15 +125,16 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
 
 
 TAKEN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-         "stream_options", "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias", "presence_penalty",
-         "frequency_penalty", "repetition_penalty", "min_tokens"}
+         "stream_options", "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias",
+         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "response_format",
+         "guided_json", "guided_regex", "guided_choice", "structured_outputs"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
 TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
 # for nothing (what clients send by default), refused otherwise (top_logprobs: chat takes it; completions ask for
 # alternatives with an integer `logprobs`).
 NEUTRAL = {"best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,),
-           "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+           "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
            "include_stop_str_in_output": (False,), "use_beam_search": (False,),
            "skip_special_tokens": (True,), "bad_words": ([],)}
 
@@ -338,5 +343,70 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
         top = _int(doc, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         logprobs, top = top is not None, top or 0
     min_tokens = _int(doc, "min_tokens", 0, 0, max_tokens)  # vLLM's: no EOS or stop id before this many tokens
+    key, guide = parse_guide(doc) or (None, None)
     return Request(prompt, max_tokens, params, seed, tuple(stop), frozenset(stop_ids), stream, include_usage,
-                   logprobs, _bool(doc, "return_token_ids", False), min_tokens, top, n)
+                   logprobs, _bool(doc, "return_token_ids", False), min_tokens, top, n, guide, key)
+
+
+MAX_CHOICE = 256  # guided_choice: strings a request may list
+MAX_GUIDE_CHARS = 1 << 16  # a schema's JSON text or a regex
+
+
+def _schema(v, key: str) -> str:
+    """A JSON schema given as an object or as its JSON text -> its JSON text."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise APIError(f"{key} must be a JSON schema (an object, or its JSON text)", key) from None
+    if not isinstance(v, dict):
+        raise APIError(f"{key} must be a JSON schema (an object, or its JSON text)", key)
+    text = json.dumps(v)
+    if len(text) > MAX_GUIDE_CHARS:
+        raise APIError(f"{key} is {len(text)} characters of JSON; at most {MAX_GUIDE_CHARS}", key)
+    return text
+
+
+def _guide_of(kind: str, v, key: str) -> GuideSpec:
+    if kind == "json":
+        return GuideSpec("json_schema", _schema(v, key))
+    if kind == "regex":
+        if not isinstance(v, str) or not v or len(v) > MAX_GUIDE_CHARS:
+            raise APIError(f"{key} must be a non-empty regular expression of at most {MAX_GUIDE_CHARS} characters",
+                           key)
+        return GuideSpec("regex", v)
+    if not isinstance(v, list) or not 0 < len(v) <= MAX_CHOICE or not all(isinstance(c, str) and c for c in v):
+        raise APIError(f"{key} must be a list of 1 to {MAX_CHOICE} non-empty strings", key)
+    return GuideSpec("choice", json.dumps(v))
+
+
+def parse_guide(doc: dict) -> tuple[str, GuideSpec] | None:
+    """Structured output, at most one way a request: OpenAI's `response_format` (text: none; json_object; json_schema
+    with its `json_schema.schema`), vLLM's `guided_json` / `guided_regex` / `guided_choice`, or vLLM's newer
+    `structured_outputs` object holding one of json / regex / choice. (the field that asked, the guide), or None."""
+    found = []
+    rf = doc.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", GuideSpec("json_object")))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise APIError("response_format of type json_schema needs json_schema.schema", "response_format")
+            found.append(("response_format", GuideSpec("json_schema", _schema(js["schema"], "response_format"))))
+        elif kind != "text":
+            raise APIError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}", "response_format")
+    for kind in ("json", "regex", "choice"):
+        if doc.get(f"guided_{kind}") is not None:
+            found.append((f"guided_{kind}", _guide_of(kind, doc[f"guided_{kind}"], f"guided_{kind}")))
+    so = doc.get("structured_outputs")
+    if so is not None:
+        given = [k for k in ("json", "regex", "choice") if isinstance(so, dict) and so.get(k) is not None]
+        if not isinstance(so, dict) or len(given) != 1 or set(so) - {"json", "regex", "choice"}:
+            raise APIError("structured_outputs must hold exactly one of json, regex, choice", "structured_outputs")
+        found.append(("structured_outputs", _guide_of(given[0], so[given[0]], f"structured_outputs.{given[0]}")))
+    if len(found) > 1:
+        raise APIError(f"one structured output guide a request, got {', '.join(k for k, _ in found)}", found[1][0])
+    return found[0] if found else None

@@ -63,6 +63,7 @@ class Server:
         self.created = int(time.time())
         self.warmup_s = self.cold_start_s = None
         self.graphs = 0
+        self.grammars = None  # structured.Grammars, made at the first guided request
 
     @classmethod
     def build(cls, model: str, *, max_batch: int, executor: str = "torch", device: str = "cpu",
@@ -124,12 +125,25 @@ class Server:
             mirror.stop()
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None) -> tuple[list[Sequence], Channel]:
-        """Queue a checked request's n choices (a sequence each, choice i seeded req.seed_of(i)), their deltas on
-        one channel as (choice, delta); raises scheduler.QueueFull when the queue cannot take them all (then none
-        stays queued)."""
+    def compile_guide(self, spec):
+        """A request's structured output guide compiled for this server's tokenizer (structured.Grammars, made at
+        the first guided request); raises structured.GuideError."""
+        from ..structured import Grammars
+
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self.grammars.compile(spec)
+
+    def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None,
+               compiled=None) -> tuple[list[Sequence], Channel]:
+        """Queue a checked request's n choices (a sequence each, choice i seeded req.seed_of(i); `compiled`: its
+        guide, compile_guide's, a matcher each), their deltas on one channel as (choice, delta); raises
+        scheduler.QueueFull when the queue cannot take them all (then none stays queued)."""
+        if (compiled is None) != (req.guide is None):
+            raise ValueError("a guided request is submitted with its compiled guide (compile_guide), and only it")
         seqs = [Sequence(prompt=req.prompt, max_tokens=req.max_tokens, params=req.params, stop_ids=req.stop_ids,
-                         seed=req.seed_of(i), min_tokens=req.min_tokens, top_logprobs=req.top_logprobs)
+                         seed=req.seed_of(i), min_tokens=req.min_tokens, top_logprobs=req.top_logprobs,
+                         guide=None if compiled is None else self.grammars.guide(compiled))
                 for i in range(req.n)]
         chan = Channel(aio, {s.id: i for i, s in enumerate(seqs)})
         queued = []
