@@ -170,7 +170,8 @@ if [ "$MODE" = mega ]; then  # issues 13 and 14, item "Performance": mega beside
     exit 0
 fi
 if [ "$MODE" = kernel ]; then  # a megakernel change, in one call: every buffer against pyvm, then its speed and timeline
-    timeout "$(left)" python bench/mega_check.py --presets tiny-qwen3-moe,tiny-qwen3-gqa,tiny-deepseek-v3,tiny-k3,tiny-k3-wide --batches 1,3,16 \
+    timeout "$(left)" python bench/mega_check.py \
+        --presets tiny-qwen3-moe,tiny-qwen3-gqa,tiny-deepseek-v3,tiny-k3,tiny-k3-wide,tiny-k3-frag --batches 1,3,16 \
         --tokens 16 --out "$OUT/evidence/mega-check-h200.json" > "$OUT/evidence/mega-check.log" 2>&1
     rc=$?
     gzip -9 -n -f "$OUT/evidence/mega-check-h200.json"  # docs/evidence keeps it gzipped (the carried tree's room)
@@ -196,11 +197,12 @@ PY
     exit "$rc"
 fi
 if [ "$MODE" = try ]; then  # a kernel change measured before the whole suite is spent on it (~2 min with the start):
-    # mega_check on TRY_PRESETS (default tiny-k3 and tiny-k3-wide, MXFP4 rows of one and of several chunks)
+    # mega_check on TRY_PRESETS (default tiny-k3, tiny-k3-wide and tiny-k3-frag: MXFP4 rows of one and of several
+    # chunks, and fragment-order experts on the tensor cores)
     # at batch 3 and 16, and TRY_TIMELINE's (default k3-mini) timelines at batch 1 and 8 (the by-opcode table to set
     # beside the last kernel run's). Not
     # evidence for landing: that is `kernel`, then `tests`
-    timeout "$(left)" python bench/mega_check.py --presets "${TRY_PRESETS:-tiny-k3,tiny-k3-wide}" --batches 3,16 \
+    timeout "$(left)" python bench/mega_check.py --presets "${TRY_PRESETS:-tiny-k3,tiny-k3-wide,tiny-k3-frag}" --batches 3,16 \
         --tokens 0 --out "$OUT/evidence/mega-check-try.json" > "$OUT/evidence/mega-check-try.log" 2>&1
     rc=$?
     grep -E "^(diff|FAIL)" "$OUT/evidence/mega-check-try.log" | cut -c1-160

@@ -41,7 +41,7 @@ def evidence_json(res: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", default="tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3")
+    ap.add_argument("--presets", default="tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3,tiny-k3-frag")
     ap.add_argument("--batches", default="1,3,8")
     ap.add_argument("--ctas", type=int, default=0, help="0: every CTA the GPU holds")
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per sequence end to end (0: skip)")

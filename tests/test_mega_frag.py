@@ -136,3 +136,32 @@ def test_the_reference_experts_read_fragment_order_as_the_checkpoints():
           for n in ("gate_up_proj", "down_proj")]
     a, b = latent_experts(h, ids, wts, *ck, "situ"), latent_experts(h, ids, wts, *fr, "situ")
     assert a.abs().max() > 0 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_k3_at_true_dims_lowers_fragment_order_experts_within_the_kernels_limits(batch):
+    """K3's 896 experts in fragment order, on meta tensors (the shapes the mega executor holds): the expert
+    instructions carry F_FRAG, pass the kernel check, and EXPERT_UP's items are the fewest that give no warp more
+    units than the balanced share over every CTA's warps (B x A x I / 16 units; batches 1 and 8: the same whole
+    number a warp in every item)."""
+    from megadecode.quant.mxfp4_frag import entry_shape
+    from megadecode.weights import param_specs
+
+    cfg = preset_config("k3-layer")
+    w = {n: torch.empty(entry_shape(n, p.shape) if p.quant == "mxfp4" and p.stacked else p.shape, device="meta",
+                        dtype=torch.uint8 if p.quant == "mxfp4" else torch.float32 if p.fp32 else torch.bfloat16)
+         for n, p in param_specs(cfg).items()}
+    prog = lower(cfg, w, KVCache(cfg, batch, 64, "meta", torch.bfloat16), batch, 264)
+    check_program(prog)
+    ups = [i for i in prog.instrs if i.op == "EXPERT_UP"]
+    downs = [i for i in prog.instrs if i.op == "EXPERT_DOWN"]
+    assert ups and downs and all(i.flags & F_FRAG for i in ups + downs)
+    units = batch * cfg.top_k * cfg.moe_intermediate_size // FRAG_TILE
+    W = ups[0].args["W"]
+    per_warp = -(-units // (8 * 264))
+    assert len(ups) == W <= 264
+    assert -(-units // W) <= 8 * per_warp  # no warp above the balanced share
+    assert W == 1 or -(-units // (W - 1)) > 8 * per_warp  # and one item fewer would put one above it
+    if batch in (1, 8):
+        assert units % W == 0 and (units // W) % 8 == 0
+    assert sorted((i.args["r0"], i.args["r1"]) for i in downs)[-1][1] == cfg.latent_size
