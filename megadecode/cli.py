@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 from . import ranks
 from .args import add_quiet, bar_off, byte_feed, seed_arg
@@ -118,6 +119,13 @@ def _add_generate(sub) -> None:
                    help="no EOS among a sequence's first N new tokens (vLLM's min_tokens), at most --max-new-tokens")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep the tokens after an EOS: every sequence gets --max-new-tokens")
+    guide = p.add_mutually_exclusive_group()
+    guide.add_argument("--guided-json", metavar="SCHEMA",
+                       help="structured output: every sequence is JSON valid against this JSON schema (its JSON "
+                            "text, or a file holding it); needs xgrammar (pip install -e '.[serve]')")
+    guide.add_argument("--guided-regex", metavar="REGEX", help="structured output: every sequence matches REGEX")
+    guide.add_argument("--guided-choice", action="append", metavar="TEXT",
+                       help="structured output: every sequence is one of these strings (repeat for each)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights and cache live")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight and cache dtype")
     p.add_argument("--executor", choices=["auto", *EXECUTOR_NAMES], default="auto",
@@ -241,6 +249,7 @@ def cmd_generate(args, argv) -> int:
     sampling = _sampling(args)
     cfg = model_config(args.model)
     tok = load_tokenizer(None if args.model in PRESETS else args.model)
+    guide = _guide(args, cfg, tok)  # compiled before any weight is built: a bad schema fails at once
     if args.token_ids:
         prompts = args.token_ids
     else:
@@ -259,7 +268,7 @@ def cmd_generate(args, argv) -> int:
     if args.executor == "fused":
         require_triton("--executor fused")
     try:
-        res = _generate(args, cfg, ep, prompts, need, sampling, tqdm)
+        res = _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide)
     finally:  # after the engine is gone (_generate returned): its captured graphs would hold NCCL's teardown
         if ep is not None:
             ep.destroy()
@@ -289,7 +298,46 @@ def cmd_generate(args, argv) -> int:
     return 0
 
 
-def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
+def _guide(args, cfg, tok):
+    """generate's structured output flags as (Grammars, compiled grammar), or None; errors name the flag."""
+    from .engine import RequestError
+    from .structured import Grammars, GuideSpec
+
+    if args.guided_json is not None:
+        flag = "--guided-json"
+        try:
+            schema = json.loads(args.guided_json)
+        except ValueError:  # not JSON text: a file holding it
+            try:
+                text = Path(args.guided_json).read_text()
+            except OSError as e:
+                raise RequestError(f"--guided-json {args.guided_json!r}: neither JSON nor a readable file "
+                                   f"({e.strerror})") from None
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise RequestError(f"--guided-json: {args.guided_json} is not valid JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise RequestError("--guided-json: a JSON schema is an object")
+        spec = GuideSpec("json_schema", json.dumps(schema))
+    elif args.guided_regex is not None:
+        spec, flag = GuideSpec("regex", args.guided_regex), "--guided-regex"
+    elif args.guided_choice is not None:
+        if not all(args.guided_choice):
+            raise RequestError("--guided-choice: the strings must not be empty")
+        spec, flag = GuideSpec("choice", json.dumps(args.guided_choice)), "--guided-choice"
+    else:
+        return None
+    if args.ignore_eos:
+        raise RequestError(f"{flag} ends each sequence at its grammar's EOS: it cannot be used with --ignore-eos")
+    try:
+        grammars = Grammars(tok, cfg.vocab_size, tuple(cfg.eos_token_id))
+        return grammars, grammars.compile(spec)
+    except ValueError as e:
+        raise RequestError(f"{flag}: {e}") from None
+
+
+def _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide=None):
     """Load the engine and generate; the engine (and its CUDA graphs) is freed when this returns."""
     from .engine import Engine, NonFiniteError
 
@@ -306,9 +354,10 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm):
             tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr, disable=off))
     try:
         with bars[0] as warm, bars[1] as pre, bars[2] as progress:
+            guides = None if guide is None else [guide[0].guide(guide[1]) for _ in prompts]
             return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress,
                                    warmup_progress=warm, prefill_progress=pre, stop_at_eos=not args.ignore_eos,
-                                   min_tokens=args.min_tokens)
+                                   min_tokens=args.min_tokens, guides=guides)
     except NonFiniteError as e:
         hint = "" if args.model in PRESETS or args.check_finite else \
             " (--check-finite names a tensor that holds them)"

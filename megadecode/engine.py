@@ -275,15 +275,24 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  *, seed: int = 0, stop_at_eos: bool = True, min_tokens: int = 0, progress=None,
-                 warmup_progress=None, prefill_progress=None) -> GenerationResult:
+                 warmup_progress=None, prefill_progress=None, guides: list | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt. Tokens stay on the device during the loop; the
         host reads them once at the end (sequences are cut after their first EOS). Every graph the decode steps
         replay is compiled and captured first (`warmup_s`), so `decode_s` times steady steps only. `min_tokens`:
         no EOS is drawn among a sequence's first min_tokens tokens (vLLM's). Progress (tqdm bars, or anything with
         `update(n)`): `warmup_progress` a graph at a time (its `total` set first), `prefill_progress` the prompts'
-        tokens once the prefill is done, `progress` a decode step at a time."""
+        tokens once the prefill is done, `progress` a decode step at a time. `guides`: structured output, one
+        structured.Guide (or None) per prompt: before each sampling the tokens its grammar does not allow are masked,
+        each sampled token is given to it (a host round trip a step), and once it has taken its stop token (EOS)
+        the sequence is done (needs `stop_at_eos`)."""
         check_seed(seed)
         self.check_request(prompts, max_new_tokens)
+        if guides is not None:
+            if len(guides) != len(prompts):
+                raise RequestError(f"{len(guides)} guides for {len(prompts)} prompts (one each, None: unguided)")
+            if not stop_at_eos:
+                raise RequestError("a guided sequence ends at its grammar's stop token (EOS): it cannot ignore EOS")
+            guides = list(guides) if any(g is not None for g in guides) else None
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_new_tokens:
             raise RequestError(f"min_tokens must be an integer in [0, max_new_tokens = {max_new_tokens}], got "
                                f"{min_tokens!r}")
@@ -294,7 +303,7 @@ class Engine:
         # executors that sample inside the captured decode step (fused: backends/fused/kernels/lm_head.py) take greedy
         # and plain temperature sampling; the first token (prefill) and top-p, top-k, min-p, logit bias and the
         # penalties use sampling.sample, and so do all steps under min_tokens (the in-step samplers ban no token)
-        in_step = self.executor.set_sampling(None if min_tokens else sampling, len(prompts))
+        in_step = self.executor.set_sampling(None if min_tokens or guides else sampling, len(prompts))
         # compiles and captures happen here, not in the timed loop: every graph the decode steps will replay
         lens = [len(p) for p in prompts]
         warm_steps = self.warmup([len(prompts)], max(lens) + 1, max(lens) + max_new_tokens - 1,
@@ -313,7 +322,8 @@ class Engine:
             counts.start(range(len(prompts)), prompts)
             rows = torch.arange(len(prompts), device=self.device)
         if max_new_tokens:
-            tok, lp = sample(logits, sampling, gen, counts, eos_ban if min_tokens > 0 else None)
+            tok, lp = sample(_guided(logits, guides), sampling, gen, counts, eos_ban if min_tokens > 0 else None)
+            _take(guides, tok)
             toks.append(tok), lps.append(lp)
             if counts is not None:
                 counts.add(rows, tok)
@@ -325,7 +335,9 @@ class Engine:
                 self.decode(tok)
                 tok, lp = (t.clone() for t in self.executor.sampled)  # the graph's buffers are reused
             else:
-                tok, lp = sample(self.decode(tok), sampling, gen, counts, eos_ban if k + 1 < min_tokens else None)
+                tok, lp = sample(_guided(self.decode(tok), guides), sampling, gen, counts,
+                                 eos_ban if k + 1 < min_tokens else None)
+                _take(guides, tok)
                 if counts is not None:
                     counts.add(rows, tok)
             toks.append(tok), lps.append(lp)
@@ -360,3 +372,27 @@ class Engine:
         others = f" ({len(bad) - 1} more sequences too)" if len(bad) > 1 else ""
         raise NonFiniteError(f"sequence {i}: the logits for generated token {k} ({where}, position {pos}) hold NaN "
                              f"or inf{others}; the weights may hold NaN or inf")
+
+
+def _guided(logits: torch.Tensor, guides: list | None) -> torch.Tensor:
+    """`logits` with each live guide's disallowed tokens masked (structured.apply_guides); as they are without."""
+    if guides is None:
+        return logits
+    from .structured import apply_guides
+
+    return apply_guides(logits, guides)
+
+
+def _take(guides: list | None, tok: torch.Tensor) -> None:
+    """Give each live guide its row's sampled token; a guide that took its stop token is dropped (its row is cut
+    at that EOS at the end, whatever follows)."""
+    if guides is None:
+        return
+    for i, t in enumerate(tok.tolist()):
+        g = guides[i]
+        if g is None:
+            continue
+        if not g.accept(t):
+            raise RuntimeError(f"sequence {i}: sampled token {t} is not allowed by its guide (the mask was not applied)")
+        if g.done:
+            guides[i] = None
