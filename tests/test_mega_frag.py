@@ -116,26 +116,32 @@ def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies
             check_program(prog)
 
 
-def test_the_reference_experts_read_fragment_order_as_the_checkpoints():
-    """The torch ops' LatentMoE (the mega executor's prefill, which holds K3's experts in fragment order) gives the
-    same sums from the records as from the checkpoint's order: the selected experts restored exactly."""
-    from megadecode.quant.mxfp4 import MXFP4Tensor
-    from megadecode.quant.mxfp4_frag import frag_from_entries
-    from megadecode.reference.latent_moe import latent_experts
+def test_the_prefill_reads_fragment_order_experts_as_the_reference_reads_the_checkpoints():
+    """The mega executor's prefill (restored_latent_moe: the selected experts restored, ids renumbered) gives the
+    torch reference's LatentMoE output bitwise, on 5 tokens whose picks repeat experts."""
+    from megadecode.backends.mega.executor import restored_latent_moe
+    from megadecode.backends.torch.ops import OP_IMPLS, StepContext
+    from megadecode.plan import LATENT_MOE
+    from megadecode.step import Step
 
     cfg = case_config("tiny-k3-frag")
     w = random_weights(cfg, "cpu", torch.float32, 5)
     wf = expert_layout.take(dict(w), build_plan(cfg), expert_layout.FRAGMENT)
-    pre = "model.layers.1.mlp.experts."
+    op = next(o for o in build_plan(cfg).ops if o.kind == LATENT_MOE)
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(5, cfg.latent_size, generator=g)
-    ids = torch.randint(0, cfg.num_experts, (5, 4), generator=g)
-    wts = torch.rand(5, 4, generator=g)
-    ck = [MXFP4Tensor(w[pre + n + ".weight_packed"], w[pre + n + ".weight_scale"]) for n in ("gate_up_proj", "down_proj")]
-    fr = [frag_from_entries(wf[pre + n + ".weight_packed"], wf[pre + n + ".weight_scale"])
-          for n in ("gate_up_proj", "down_proj")]
-    a, b = latent_experts(h, ids, wts, *ck, "situ"), latent_experts(h, ids, wts, *fr, "situ")
-    assert a.abs().max() > 0 and torch.equal(a, b)
+    buf = {"normed": torch.randn(5, cfg.hidden_size, generator=g),
+           "topk_ids": torch.randint(0, cfg.num_experts, (5, cfg.top_k), generator=g),
+           "topk_weights": torch.rand(5, cfg.top_k, generator=g)}
+    step = Step(tokens=torch.zeros(5, dtype=torch.long), positions=torch.arange(5), slots=torch.zeros(5, dtype=torch.long),
+                logit_rows=torch.tensor([4]), kv_len=5, segments=[(0, 5, 0)])
+    outs = []
+    for weights, run in ((w, OP_IMPLS[LATENT_MOE]), (wf, restored_latent_moe)):
+        ctx = StepContext(cfg, weights, None, step)
+        ctx.buf.update({k: v.clone() for k, v in buf.items()})
+        run(ctx, op)
+        assert ctx.w is weights and torch.equal(ctx.buf["topk_ids"], buf["topk_ids"])  # given back as they were
+        outs.append(ctx.buf[op.outputs[0]])
+    assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])

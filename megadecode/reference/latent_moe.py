@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from ..quant.mxfp4 import MXFP4Tensor
-from ..quant.mxfp4_frag import MXFP4Frag, restore
 from .activations import GLUS
 from .norm import rms_norm
 from .routing import route
@@ -94,11 +93,7 @@ def check_weights(weights: dict, p: LatentMoEParams) -> None:
 
 
 def _expert(w, e: int) -> torch.Tensor:
-    """One routed expert's weight in fp32, decoding MXFP4 exactly (only the selected expert; in fragment order, as
-    the mega executor holds K3's experts, its records restored to the checkpoint's order first)."""
-    if isinstance(w, MXFP4Frag):
-        _, R, K = w.shape
-        return restore(MXFP4Frag(w.data[e:e + 1], torch.Size((1, R, K)))).dequantize(torch.float32)[0]
+    """One routed expert's weight in fp32, decoding MXFP4 exactly (only the selected expert)."""
     return w[e].dequantize(torch.float32) if isinstance(w, MXFP4Tensor) else w[e].float()
 
 

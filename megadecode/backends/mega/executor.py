@@ -71,6 +71,24 @@ class MegaExecutor(TorchExecutor):
             return expert_layout.CHECKPOINT
         return frag_order(plan.config, next(iter(weights.values())).device)
 
+    def run_ops(self, step: Step, hook=None):
+        """Prefill: the torch reference's ops; K3's LatentMoE over experts held in fragment order reads them
+        restored (`restored_latent_moe`)."""
+        if not self.frag_experts:
+            return super().run_ops(step, hook)
+        from ...plan import LATENT_MOE
+        from ..torch.ops import OP_IMPLS, StepContext
+
+        ctx = StepContext(self.cfg, self.weights, self.cache, step, self.experts_impl, self.parallel)
+        for op in self.plan.ops:
+            if op.kind == LATENT_MOE:
+                restored_latent_moe(ctx, op)
+            else:
+                OP_IMPLS[op.kind](ctx, op)
+            if hook is not None:
+                hook(op, ctx)
+        return ctx
+
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the launch (greedy, or plain temperature: no top_p, top_k, min_p); returns whether it does."""
         ok = params is not None and not params.truncates
@@ -172,3 +190,29 @@ def frag_order(cfg, device) -> str:
     if cfg.latent_size % KREC or cfg.moe_intermediate_size % KREC:
         return expert_layout.CHECKPOINT
     return expert_layout.FRAGMENT
+
+
+def restored_latent_moe(ctx, op) -> None:
+    """The torch reference's LATENT_MOE op (backends/torch/ops.py) over routed experts held in fragment order: the
+    experts the step selected are restored exactly to the checkpoint's order (quant/mxfp4_frag.restore) into a
+    stack of their own, the ids renumbered into it (ascending, as the reference walks the experts), and the op
+    runs on that: the same values in the same order as on checkpoint-order weights, without restoring the other
+    experts."""
+    from ...plan import LATENT_MOE
+    from ...quant.mxfp4_frag import MXFP4Frag, frag_from_entries, restore
+    from ..torch.ops import OP_IMPLS
+
+    ids_name = op.inputs[1]
+    ids = ctx.buf[ids_name]
+    sel, local = torch.unique(ids, return_inverse=True)
+    w = dict(ctx.w)
+    for p, s in (op.weights[1:3], op.weights[3:5]):  # gate_up, down: (packed, scale) entries
+        f = frag_from_entries(ctx.w[p], ctx.w[s])
+        part = restore(MXFP4Frag(f.data[sel].contiguous(), torch.Size((len(sel), *f.shape[1:]))))
+        w[p], w[s] = part.packed, part.scales
+    held = ctx.w
+    ctx.w, ctx.buf[ids_name] = w, local.view_as(ids)
+    try:
+        OP_IMPLS[LATENT_MOE](ctx, op)
+    finally:
+        ctx.w, ctx.buf[ids_name] = held, ids

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from ... import plan as P
 from ...quant.fp8 import FP8Tensor
 from ...quant.mxfp4 import MXFP4Tensor
-from ...quant.mxfp4_frag import frag_from_entries, is_frag_entry
 from ...reference.attention import gqa_attention, mla_attention
 from ...reference.attn_res import attn_res
 from ...reference.kda import kda_attention
@@ -198,12 +197,8 @@ def _latent_moe(ctx, op):
     down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (ctx.w[n] for n in op.weights)
     h = F.linear(x.float(), down_w.float())
     ep = ctx.parallel
-    ids = ids if ep is None else ep.local_ids(ids)
-    if is_frag_entry(gu_p):  # fragment order (the mega executor's prefill): the reference loop, records restored
-        z = latent_experts(h, ids, wts, frag_from_entries(gu_p, gu_s), frag_from_entries(dn_p, dn_s),
-                           ctx.cfg.expert_act)
-    else:
-        z = _latent_routed(ctx, h, ids, wts, MXFP4Tensor(gu_p, gu_s), MXFP4Tensor(dn_p, dn_s))
+    z = _latent_routed(ctx, h, ids if ep is None else ep.local_ids(ids), wts, MXFP4Tensor(gu_p, gu_s),
+                       MXFP4Tensor(dn_p, dn_s))
     if ep is not None:
         z = ep.combine(z)
     z = rms_norm(z, norm_w.float(), ctx.cfg.rms_norm_eps)
