@@ -119,6 +119,11 @@ def _add_generate(sub) -> None:
                    help="no EOS among a sequence's first N new tokens (vLLM's min_tokens), at most --max-new-tokens")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep the tokens after an EOS: every sequence gets --max-new-tokens")
+    p.add_argument("--speculative", choices=("ngram",),
+                   help="speculative decoding, greedy: drafts from prompt lookup (ngram) verified a step at a time; "
+                        "the output is greedy's (qwen3_moe and deepseek_v3)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="with --speculative: draft tokens a step, 1 to 7")
     guide = p.add_mutually_exclusive_group()
     guide.add_argument("--guided-json", metavar="SCHEMA",
                        help="structured output: every sequence is JSON valid against this JSON schema (its JSON "
@@ -248,6 +253,8 @@ def cmd_generate(args, argv) -> int:
                            f"{args.min_tokens}")
     sampling = _sampling(args)
     cfg = model_config(args.model)
+    if args.speculative:
+        _check_speculative(args, sampling, cfg)
     tok = load_tokenizer(None if args.model in PRESETS else args.model)
     guide = _guide(args, cfg, tok)  # compiled before any weight is built: a bad schema fails at once
     if args.token_ids:
@@ -275,11 +282,18 @@ def cmd_generate(args, argv) -> int:
     if not ranks.leader():
         return 0
     texts = [tok.decode(ids) for ids in res.token_ids]
+    spec = None
+    if args.speculative:
+        spec = {"drafter": args.speculative, "num_draft_tokens": args.num_draft_tokens, "steps": res.steps,
+                "drafted": res.drafted, "accepted": res.accepted, "acceptance": res.acceptance,
+                "tokens_per_step": res.tokens_per_step}
     if args.json:
         doc = {"model": name, "executor": args.executor, "device": args.device, "dtype": args.dtype,
                "ep": args.ep, "token_ids": res.token_ids, "logprobs": res.logprobs, "text": texts,
-               "warmup_s": res.warmup_s, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
+               "warmup_s": getattr(res, "warmup_s", 0.0), "prefill_s": res.prefill_s, "decode_s": res.decode_s,
                "decode_tokens_per_s": res.decode_tokens_per_s}
+        if spec is not None:
+            doc["speculative"] = spec
         try:
             text = json.dumps(doc, allow_nan=False)  # strict JSON: never a bare NaN or Infinity
         except ValueError:
@@ -288,6 +302,12 @@ def cmd_generate(args, argv) -> int:
         return 0
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         print(f"[{i}] {tok.decode(prompt)!r} -> {text!r}")
+    if spec is not None:
+        print(f"prefill {res.prefill_s * 1e3:.1f} ms, {res.steps} verify steps x {len(prompts)} sequences in "
+              f"{res.decode_s * 1e3:.1f} ms: {res.decode_tokens_per_s:.1f} tokens/s; {res.accepted} of "
+              f"{res.drafted} draft tokens accepted ({res.acceptance:.0%}), {res.tokens_per_step:.2f} tokens a "
+              f"sequence a step ({args.executor}, {args.device}, {args.dtype})")
+        return 0
     if res.warmup_steps:
         print(f"warm-up {res.warmup_s * 1e3:.1f} ms: compiled and captured {res.warmup_steps} decode graphs before "
               "the timed steps")
@@ -296,6 +316,27 @@ def cmd_generate(args, argv) -> int:
           f"in {res.decode_s * 1e3:.1f} ms: {res.decode_tokens_per_s:.1f} tokens/s "
           f"({args.executor}, {args.device}, {args.dtype}{where})")
     return 0
+
+
+def _check_speculative(args, sampling, cfg) -> None:
+    """--speculative's limits, named by flag: greedy only (sampling's rejection rule is not built), one process,
+    no structured output or min-tokens beside it."""
+    from .engine import RequestError
+    from .speculative import MAX_DRAFT, check_model
+
+    check_model(cfg)
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT:
+        raise RequestError(f"--num-draft-tokens must be in [1, {MAX_DRAFT}], got {args.num_draft_tokens}")
+    if not sampling.greedy:
+        raise RequestError("--speculative is greedy: add --greedy (or --temperature 0); sampled speculation is not "
+                           "built yet")
+    if sampling.penalized:
+        raise RequestError("--speculative does not take the penalties or a logit bias")
+    for flag, on in (("--min-tokens", args.min_tokens), ("--ep", args.ep > 1),
+                     ("--guided-json / --guided-regex / --guided-choice",
+                      args.guided_json or args.guided_regex or args.guided_choice)):
+        if on:
+            raise RequestError(f"--speculative cannot be used with {flag}")
 
 
 def _guide(args, cfg, tok):
@@ -354,6 +395,12 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide=None):
             tqdm(total=max(args.max_new_tokens - 1, 0), desc="decode", unit="step", file=sys.stderr, disable=off))
     try:
         with bars[0] as warm, bars[1] as pre, bars[2] as progress:
+            if args.speculative:
+                from .speculative import NgramDrafter, check_speculative, generate
+
+                check_speculative(engine)
+                return generate(engine, prompts, args.max_new_tokens, NgramDrafter(args.num_draft_tokens),
+                                stop_at_eos=not args.ignore_eos)
             guides = None if guide is None else [guide[0].guide(guide[1]) for _ in prompts]
             return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress,
                                    warmup_progress=warm, prefill_progress=pre, stop_at_eos=not args.ignore_eos,

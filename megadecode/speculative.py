@@ -1,0 +1,150 @@
+"""Speculative decoding, greedy: a drafter proposes up to k next tokens per sequence, one step of the target model
+verifies them all, and every draft token the target's own greedy choice agrees with is kept, plus the target's
+token after them (its correction, or a bonus token when every draft was right). The output is the target's greedy
+output; a step that accepts m drafts produces m + 1 tokens.
+
+The verify step feeds each sequence its last token and its drafts at their positions (a prefill step of segments
+that continue the sequences' caches: attention reads the cached positions and the step's own, causally) and takes
+the logits of every position; it runs the executor's prefill ops (eager: the reference's on `torch` and `mega`,
+the graph's on `graph` and `fused`), so today it shows the method, not its speed. Drafts the target rejects leave cache entries past the sequence's length, which the
+next step overwrites before any query can see them (attention is masked by position). Models with a recurrent
+state (KDA layers: kimi_linear, kimi_k3) are refused: the state would advance over rejected drafts.
+
+Drafter: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine, NonFiniteError, RequestError
+from .step import Step
+
+MAX_DRAFT = 7  # draft tokens a step at most (issue 43: k up to 7)
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest n-gram (n from max_n down to min_n) that ends the sequence and occurred earlier in
+    it; the draft is the (up to) k tokens that followed its latest earlier occurrence. None found: no draft."""
+
+    def __init__(self, k: int, max_n: int = 4, min_n: int = 1):
+        if not 1 <= k <= MAX_DRAFT:
+            raise RequestError(f"draft tokens must be in [1, {MAX_DRAFT}], got {k}")
+        if not 1 <= min_n <= max_n:
+            raise RequestError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.k, self.max_n, self.min_n = k, max_n, min_n
+
+    def draft(self, tokens: list[int]) -> list[int]:
+        L = len(tokens)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            tail = tokens[L - n:]
+            for start in range(L - n - 1, -1, -1):  # the latest earlier occurrence first
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + self.k]
+        return []
+
+
+@dataclass
+class SpeculativeResult:
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]  # each token's log-probability under the target (greedy: its most likely token)
+    steps: int  # verify steps (the prefill's first token not counted)
+    drafted: int  # draft tokens proposed, over all sequences and steps
+    accepted: int  # of them, kept
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each sequence's first (the prefill's) over the verify steps' time."""
+        made = sum(max(len(t) - 1, 0) for t in self.token_ids)
+        return made / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per sequence and verify step (1 without speculation)."""
+        made = sum(max(len(t) - 1, 0) for t in self.token_ids)
+        return made / self.steps / max(len(self.token_ids), 1) if self.steps else 0.0
+
+
+def check_model(cfg) -> None:
+    """RequestError for a model whose decode state cannot skip rejected drafts (KDA's recurrent state)."""
+    if any(cfg.is_kda(i) for i in range(cfg.num_layers)):
+        raise RequestError(f"speculative decoding does not take {cfg.family}: its KDA layers' recurrent state "
+                           "would advance over rejected drafts (qwen3_moe and deepseek_v3 are taken)")
+
+
+def check_speculative(engine: Engine) -> None:
+    check_model(engine.cfg)
+    if engine.parallel is not None:
+        raise RequestError("speculative decoding runs in one process (no expert parallelism)")
+
+
+@torch.inference_mode()
+def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, drafter: NgramDrafter, *,
+             stop_at_eos: bool = True) -> SpeculativeResult:
+    """Greedy generation of up to `max_new_tokens` per prompt with drafts verified a step at a time (cache slot i
+    = prompt i). The same tokens as greedy `Engine.generate` (up to the order of floating-point sums between the
+    verify step's attention and the decode step's). A sequence stops at its first EOS (kept) unless
+    `stop_at_eos` is False."""
+    check_speculative(engine)
+    engine.check_request(prompts, max_new_tokens)
+    eos = set(engine.cfg.eos_token_id) if stop_at_eos else set()
+    limit = engine.max_seq_len
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompts)
+    lp, tok = torch.log_softmax(logits.float(), -1).max(-1)
+    out = [[int(t)] for t in tok.tolist()] if max_new_tokens else [[] for _ in prompts]
+    lps = [[v] for v in lp.tolist()] if max_new_tokens else [[] for _ in prompts]
+    t1 = time.perf_counter()
+    live = [i for i in range(len(prompts)) if out[i] and out[i][-1] not in eos and max_new_tokens > 1]
+    steps = drafted = accepted = 0
+    while live:
+        feeds = []
+        for i in live:
+            seq = prompts[i] + out[i]
+            room = min(max_new_tokens - len(out[i]) - 1, limit - len(seq))  # tokens past the correction's
+            feeds.append([seq[-1]] + drafter.draft(seq)[:max(room, 0)])
+        lens = [len(f) for f in feeds]
+        starts = [sum(lens[:j]) for j in range(len(lens))]
+        first = [len(prompts[i]) + len(out[i]) - 1 for i in live]  # the position of each sequence's last token
+        dev = engine.device
+        step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=dev),
+                    positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(dev),
+                    slots=torch.cat([torch.full((n,), i) for i, n in zip(live, lens)]).to(dev),
+                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)),
+                    segments=[(s, s + n, i) for s, n, i in zip(starts, lens, live)])
+        logits = engine.executor.run_ops(step).buf["logits"]  # the executor's prefill ops, every row's logits
+        bad = ~torch.isfinite(logits).all(-1)
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            i = next(i for i, s, f in zip(live, starts, feeds) if s <= n < s + len(f))
+            raise NonFiniteError(f"sequence {i}: the logits at position {int(step.positions[n])} hold NaN or inf")
+        best, choice = torch.log_softmax(logits.float(), -1).max(-1)
+        best, choice = best.tolist(), choice.tolist()
+        steps += 1
+        still = []
+        for i, f, s in zip(live, feeds, starts):
+            target = choice[s:s + len(f)]  # target[j]: the target's token after feed j
+            m = 0
+            while m < len(f) - 1 and f[m + 1] == target[m]:
+                m += 1
+            drafted += len(f) - 1
+            accepted += m
+            for j in range(m + 1):  # the accepted drafts are the target's tokens: target[:m + 1]
+                out[i].append(target[j])
+                lps[i].append(best[s + j])
+                if target[j] in eos or len(out[i]) >= max_new_tokens:
+                    break
+            if out[i][-1] not in eos and len(out[i]) < max_new_tokens:
+                still.append(i)
+        live = still
+    t2 = time.perf_counter()
+    return SpeculativeResult(out, lps, steps, drafted, accepted, t1 - t0, t2 - t1)

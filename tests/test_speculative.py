@@ -1,0 +1,78 @@
+"""Speculative decoding (megadecode/speculative.py) on the CPU: the n-gram drafter, greedy output identical to
+plain greedy generation with drafts verified a step at a time (fp32, qwen3_moe and deepseek_v3), drafts accepted
+where the text repeats, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megadecode.engine import Engine, RequestError
+from megadecode.presets import preset_config
+from megadecode.sampling import SamplingParams
+from megadecode.speculative import NgramDrafter, generate
+from megadecode.weights import random_weights
+
+
+def test_the_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_tail():
+    d = NgramDrafter(3, max_n=3)
+    assert d.draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == [7, 5, 1]  # the latest of the two occurrences
+    assert d.draft([5, 6, 5]) == [6, 5]  # 1-gram, fewer than k left
+    assert d.draft([1, 2, 3]) == []
+    assert NgramDrafter(2, max_n=2).draft([4, 8, 4, 9, 4]) == [9, 4]
+    for bad in (0, 8):
+        with pytest.raises(RequestError, match="draft tokens"):
+            NgramDrafter(bad)
+
+
+def _engine(preset: str, batch: int, seed: int = 0) -> Engine:
+    cfg = preset_config(preset)
+    return Engine(cfg, random_weights(cfg, "cpu", torch.float32, seed), max_batch=batch, max_seq_len=256)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_greedy_speculative_output_is_greedy_output(preset):
+    """Three prompts, two of them repetitive (drafts found and accepted), one not; 96 new tokens each, EOS ignored
+    so every sequence runs to the end; k = 3 and 7."""
+    prompts = [[3, 4, 5, 6] * 6, [9, 8, 7] * 5 + [1], [11, 40, 2]]
+    ref = _engine(preset, 3).generate(prompts, 96, SamplingParams(greedy=True), stop_at_eos=False)
+    want = ref.token_ids
+    for k in (3, 7):
+        res = generate(_engine(preset, 3), prompts, 96, NgramDrafter(k), stop_at_eos=False)
+        assert res.token_ids == want
+        assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+        assert res.drafted > 0 and res.accepted > 0 and res.steps < 95
+        assert res.tokens_per_step > 1.0
+
+
+def test_speculative_generation_stops_at_eos_and_max_tokens_as_generate_does():
+    eng = _engine("tiny-qwen3-moe", 2, seed=1)
+    prompts = [[5, 6, 7] * 4, [1, 2]]
+    want = _engine("tiny-qwen3-moe", 2, seed=1).generate(prompts, 40, SamplingParams(greedy=True)).token_ids
+    assert generate(eng, prompts, 40, NgramDrafter(4)).token_ids == want
+    assert [len(t) for t in generate(_engine("tiny-qwen3-moe", 2), prompts, 5, NgramDrafter(7),
+                                     stop_at_eos=False).token_ids] == [5, 5]
+
+
+def test_models_with_a_recurrent_state_are_refused():
+    with pytest.raises(RequestError, match="KDA layers' recurrent state"):
+        generate(_engine("tiny-k3", 1), [[1, 2, 3]], 4, NgramDrafter(2))
+
+
+def test_generate_cli_speculative_is_greedy_and_reports_its_drafts(capsys):
+    from test_cli import fails, run_json
+
+    argv = ["generate", "--json", "--model", "tiny-deepseek-v3", "--token-ids", ",".join(["3,4,5"] * 6),
+            "--max-new-tokens", "40", "--greedy", "--ignore-eos"]
+    plain = run_json(capsys, argv)
+    spec = run_json(capsys, argv + ["--speculative", "ngram", "--num-draft-tokens", "5"])
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["speculative"]
+    assert s["drafted"] > 0 and s["steps"] < 39 and 0 <= s["acceptance"] <= 1 and s["num_draft_tokens"] == 5
+    assert "add --greedy" in fails(capsys, ["generate", "--speculative", "ngram"])
+    assert "--num-draft-tokens must be in [1, 7]" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy",
+                                                                     "--num-draft-tokens", "9"])
+    assert "does not take kimi_k3" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy", "--model",
+                                                     "tiny-k3"])
+    assert "cannot be used with --min-tokens" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy",
+                                                                "--min-tokens", "2"])
