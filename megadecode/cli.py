@@ -120,8 +120,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep the tokens after an EOS: every sequence gets --max-new-tokens")
     p.add_argument("--speculative", choices=("ngram",),
-                   help="speculative decoding, greedy: drafts from prompt lookup (ngram) verified a step at a time; "
-                        "the output is greedy's (qwen3_moe and deepseek_v3)")
+                   help="speculative decoding: drafts from prompt lookup (ngram) verified a step at a time, kept "
+                        "by the target's greedy choice or, sampling, by the rejection rule (qwen3_moe, deepseek_v3)")
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                    help="with --speculative: draft tokens a step, 1 to 7")
     guide = p.add_mutually_exclusive_group()
@@ -319,19 +319,16 @@ def cmd_generate(args, argv) -> int:
 
 
 def _check_speculative(args, sampling, cfg) -> None:
-    """--speculative's limits, named by flag: greedy only (sampling's rejection rule is not built), one process,
-    no structured output or min-tokens beside it."""
+    """--speculative's limits, named by flag: no penalties, one process, no structured output or min-tokens beside
+    it."""
     from .engine import RequestError
     from .speculative import MAX_DRAFT, check_model
 
     check_model(cfg)
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT:
         raise RequestError(f"--num-draft-tokens must be in [1, {MAX_DRAFT}], got {args.num_draft_tokens}")
-    if not sampling.greedy:
-        raise RequestError("--speculative is greedy: add --greedy (or --temperature 0); sampled speculation is not "
-                           "built yet")
     if sampling.penalized:
-        raise RequestError("--speculative does not take the penalties or a logit bias")
+        raise RequestError("--speculative does not take the penalties")
     for flag, on in (("--min-tokens", args.min_tokens), ("--ep", args.ep > 1),
                      ("--guided-json / --guided-regex / --guided-choice",
                       args.guided_json or args.guided_regex or args.guided_choice)):
@@ -399,8 +396,8 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide=None):
                 from .speculative import NgramDrafter, check_speculative, generate
 
                 check_speculative(engine)
-                return generate(engine, prompts, args.max_new_tokens, NgramDrafter(args.num_draft_tokens),
-                                stop_at_eos=not args.ignore_eos)
+                return generate(engine, prompts, args.max_new_tokens, NgramDrafter(args.num_draft_tokens), sampling,
+                                seed=args.seed, stop_at_eos=not args.ignore_eos)
             guides = None if guide is None else [guide[0].guide(guide[1]) for _ in prompts]
             return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress,
                                    warmup_progress=warm, prefill_progress=pre, stop_at_eos=not args.ignore_eos,

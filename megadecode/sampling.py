@@ -147,11 +147,24 @@ def _check(logits: torch.Tensor) -> torch.Tensor:
 
 def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None, noise: torch.Tensor,
             top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens [B] drawn from softmax(logits / temperature) (temperature [B, 1]), cut (module doc) to the tokens of
-    probability >= min_p [B, 1] x the top one's, then to those at least as probable as the top_k [B, 1]-th (int64,
-    V: every token), then to the nucleus of mass top_p [B, 1] of what is left (a row whose top_p is inf keeps every
-    token); None: no row is cut that way. The draw is the exponential race: argmax(p / noise), noise [B, V] ~
-    Exp(1), which draws from p without torch.multinomial's host sync (p need not sum to 1)."""
+    """Tokens [B] drawn from `_probs` (the same arguments) by the exponential race: argmax(p / noise), noise [B, V]
+    ~ Exp(1), which draws from p without torch.multinomial's host sync (p need not sum to 1)."""
+    return race(_probs(logits, temperature, top_p, top_k, min_p), noise)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Tokens [B] drawn from the rows of probs [B, V] (need not sum to 1) by the exponential race, noise [B, V] ~
+    Exp(1)."""
+    # A zero draw would make 0/0 = NaN, which argmax picks: excluded tokens must never win.
+    return (probs / noise).masked_fill(probs <= 0, -1.0).argmax(-1)
+
+
+def _probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
+           top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(logits / temperature) (temperature [B, 1]), cut (module doc) to the tokens of probability >= min_p
+    [B, 1] x the top one's, then to those at least as probable as the top_k [B, 1]-th (int64, V: every token), then
+    to the nucleus of mass top_p [B, 1] of what is left (a row whose top_p is inf keeps every token); None: no row
+    is cut that way. Rows are not renormalised after the cuts."""
     probs = torch.softmax(logits / temperature, dim=-1)
     if min_p is not None:
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
@@ -164,8 +177,24 @@ def _select(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
             before = p_sorted.cumsum(-1) - p_sorted  # mass strictly above each token
             p_sorted = p_sorted.masked_fill(before >= top_p, 0.0)  # the top token always stays
         probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
-    # A zero draw would make 0/0 = NaN, which argmax picks: excluded tokens must never win.
-    return (probs / noise).masked_fill(probs <= 0, -1.0).argmax(-1)
+    return probs
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws each row of logits [B, V] from under `params` (no penalty or bias: those
+    need token counts), renormalised: [B, V] fp32 summing to 1 (greedy: one-hot at the argmax)."""
+    logits = _check(logits)
+    if params.penalized or params.logit_bias:
+        raise ValueError("target_probs takes no penalties or logit bias")
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    B, V = logits.shape
+    dev = logits.device
+    p = _probs(logits, torch.full((B, 1), params.temperature, device=dev),
+               torch.full((B, 1), params.top_p, device=dev) if params.top_p < 1 else None,
+               torch.full((B, 1), min(params.top_k, V), device=dev) if params.top_k else None,
+               torch.full((B, 1), params.min_p, device=dev) if params.min_p else None)
+    return p / p.sum(-1, keepdim=True)
 
 
 def _banned(logits: torch.Tensor, ban: Sequence[Sequence[int]] | None) -> torch.Tensor:

@@ -1,7 +1,13 @@
-"""Speculative decoding, greedy: a drafter proposes up to k next tokens per sequence, one step of the target model
-verifies them all, and every draft token the target's own greedy choice agrees with is kept, plus the target's
-token after them (its correction, or a bonus token when every draft was right). The output is the target's greedy
-output; a step that accepts m drafts produces m + 1 tokens.
+"""Speculative decoding: a drafter proposes up to k next tokens per sequence, one step of the target model
+verifies them all, and the accepted drafts are kept with one more token of the target's (a correction, or a bonus
+token when every draft was accepted): a step that accepts m drafts produces m + 1 tokens.
+
+Greedy: a draft is accepted while it is the target's own argmax, so the output is the target's greedy output.
+Sampling (`accept_drafts`): the rejection rule of speculative sampling (Leviathan et al.; Chen et al.) for a
+drafter that proposes fixed tokens (probability 1 to its draft): draft d is accepted with probability p(d), p the
+target's distribution at that position (after temperature, min-p, top-k, top-p); the first rejected one is
+replaced by a draw from p with d removed, renormalised; when all are accepted the bonus token is drawn from p at
+the last position. Each emitted token is then distributed as the target's sampler would draw it.
 
 The verify step feeds each sequence its last token and its drafts at their positions (a prefill step of segments
 that continue the sequences' caches: attention reads the cached positions and the step's own, causally) and takes
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine, NonFiniteError, RequestError
+from .sampling import SamplingParams, race, sample, target_probs
 from .step import Step
 
 MAX_DRAFT = 7  # draft tokens a step at most (issue 43: k up to 7)
@@ -45,6 +52,23 @@ class NgramDrafter:
                 if tokens[start:start + n] == tail:
                     return tokens[start + n:start + n + self.k]
         return []
+
+
+def accept_drafts(probs: torch.Tensor, drafts: list[int], u: list[float], noise: torch.Tensor) -> list[int]:
+    """The tokens a sampled verify step emits for one sequence: probs [k + 1, V] the target's distributions after
+    each fed token (its last token, then the k drafts), u k uniforms in [0, 1), noise [V] ~ Exp(1) for the one
+    draw. The accepted drafts, then the correction (p at the first rejection, the draft removed) or the bonus
+    (p after the last draft)."""
+    k = len(drafts)
+    pd = probs[torch.arange(k, device=probs.device), torch.tensor(drafts, device=probs.device)].tolist() if k else []
+    m = 0
+    while m < k and u[m] < pd[m]:
+        m += 1
+    p = probs[m]
+    if m < k:
+        p = p.clone()
+        p[drafts[m]] = 0.0
+    return drafts[:m] + [int(race(p[None], noise[None])[0])]
 
 
 @dataclass
@@ -88,19 +112,24 @@ def check_speculative(engine: Engine) -> None:
 
 
 @torch.inference_mode()
-def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, drafter: NgramDrafter, *,
+def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, drafter: NgramDrafter,
+             sampling: SamplingParams = SamplingParams(greedy=True), *, seed: int = 0,
              stop_at_eos: bool = True) -> SpeculativeResult:
-    """Greedy generation of up to `max_new_tokens` per prompt with drafts verified a step at a time (cache slot i
-    = prompt i). The same tokens as greedy `Engine.generate` (up to the order of floating-point sums between the
-    verify step's attention and the decode step's). A sequence stops at its first EOS (kept) unless
-    `stop_at_eos` is False."""
+    """Up to `max_new_tokens` per prompt with drafts verified a step at a time (cache slot i = prompt i). Greedy:
+    the same tokens as greedy `Engine.generate` (up to the order of floating-point sums between the verify step's
+    attention and the decode step's); sampling (no penalties or logit bias): the target's distribution by the
+    rejection rule (`accept_drafts`), drawn from a generator seeded `seed`. A sequence stops at its first EOS (kept)
+    unless `stop_at_eos` is False. Logprobs: each token's under the model at temperature 1, as `Engine.generate`'s."""
     check_speculative(engine)
     engine.check_request(prompts, max_new_tokens)
+    if sampling.penalized or sampling.logit_bias:
+        raise RequestError("speculative decoding takes no penalties or logit bias")
     eos = set(engine.cfg.eos_token_id) if stop_at_eos else set()
     limit = engine.max_seq_len
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
     t0 = time.perf_counter()
     logits = engine.prefill(prompts)
-    lp, tok = torch.log_softmax(logits.float(), -1).max(-1)
+    tok, lp = sample(logits, sampling, gen)
     out = [[int(t)] for t in tok.tolist()] if max_new_tokens else [[] for _ in prompts]
     lps = [[v] for v in lp.tolist()] if max_new_tokens else [[] for _ in prompts]
     t1 = time.perf_counter()
@@ -127,21 +156,30 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
             n = int(bad.nonzero()[0, 0])
             i = next(i for i, s, f in zip(live, starts, feeds) if s <= n < s + len(f))
             raise NonFiniteError(f"sequence {i}: the logits at position {int(step.positions[n])} hold NaN or inf")
-        best, choice = torch.log_softmax(logits.float(), -1).max(-1)
-        best, choice = best.tolist(), choice.tolist()
+        logp = torch.log_softmax(logits.float(), -1)
+        choice = logp.argmax(-1).tolist()
+        probs = None if sampling.greedy else target_probs(logits, sampling)
         steps += 1
         still = []
         for i, f, s in zip(live, feeds, starts):
-            target = choice[s:s + len(f)]  # target[j]: the target's token after feed j
-            m = 0
-            while m < len(f) - 1 and f[m + 1] == target[m]:
-                m += 1
+            if probs is None:  # greedy: drafts accepted while they are the target's argmax
+                m = 0
+                while m < len(f) - 1 and f[m + 1] == choice[s + m]:
+                    m += 1
+                emit = choice[s:s + m + 1]  # the accepted drafts are the target's tokens
+            else:
+                u = torch.rand(len(f) - 1, generator=gen, device=engine.device).tolist()
+                noise = torch.empty(logits.shape[-1], device=engine.device).exponential_(1.0, generator=gen)
+                emit = accept_drafts(probs[s:s + len(f)], f[1:], u, noise)
+                m = len(emit) - 1
             drafted += len(f) - 1
             accepted += m
-            for j in range(m + 1):  # the accepted drafts are the target's tokens: target[:m + 1]
-                out[i].append(target[j])
-                lps[i].append(best[s + j])
-                if target[j] in eos or len(out[i]) >= max_new_tokens:
+            got = logp[torch.arange(s, s + len(emit), device=engine.device),
+                       torch.tensor(emit, device=engine.device)].tolist()
+            for t, v in zip(emit, got):
+                out[i].append(t)
+                lps[i].append(v)
+                if t in eos or len(out[i]) >= max_new_tokens:
                     break
             if out[i][-1] not in eos and len(out[i]) < max_new_tokens:
                 still.append(i)

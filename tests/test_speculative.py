@@ -69,10 +69,58 @@ def test_generate_cli_speculative_is_greedy_and_reports_its_drafts(capsys):
     assert spec["token_ids"] == plain["token_ids"]
     s = spec["speculative"]
     assert s["drafted"] > 0 and s["steps"] < 39 and 0 <= s["acceptance"] <= 1 and s["num_draft_tokens"] == 5
-    assert "add --greedy" in fails(capsys, ["generate", "--speculative", "ngram"])
+    assert "does not take the penalties" in fails(capsys, ["generate", "--speculative", "ngram",
+                                                           "--presence-penalty", "1"])
+    sampled = run_json(capsys, ["generate", "--json", "--speculative", "ngram", "--max-new-tokens", "12", "--seed", "4",
+                                "--ignore-eos"])
+    assert len(sampled["token_ids"][0]) == 12 and sampled["speculative"]["steps"] <= 11
     assert "--num-draft-tokens must be in [1, 7]" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy",
                                                                      "--num-draft-tokens", "9"])
     assert "does not take kimi_k3" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy", "--model",
                                                      "tiny-k3"])
     assert "cannot be used with --min-tokens" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy",
                                                                 "--min-tokens", "2"])
+
+
+def test_the_rejection_rule_emits_tokens_distributed_as_the_target_on_fixed_logits():
+    """k = 2 drafts over a vocabulary of 6, 40000 draws: the first emitted token is distributed as p0 (draft or
+    correction), and after an accepted first draft the second as p1; a draft the target gives probability 0 is
+    never kept, one it gives probability 1 always is."""
+    from megadecode.speculative import accept_drafts
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)
+    drafts = [2, 4]
+    n = 40000
+    first = torch.zeros(6)
+    second = torch.zeros(6)
+    kept = 0
+    for _ in range(n):
+        out = accept_drafts(probs, drafts, torch.rand(2, generator=g).tolist(),
+                            torch.empty(6).exponential_(1.0, generator=g))
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            kept += 1
+            second[out[1]] += 1
+    assert (first / n - probs[0]).abs().max() < 0.012, (first / n, probs[0])
+    assert (second / kept - probs[1]).abs().max() < 0.02, (second / kept, probs[1])
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.2, 0.3, 0.5]])
+    for _ in range(200):
+        u, e = torch.rand(2, generator=g).tolist(), torch.empty(3).exponential_(1.0, generator=g)
+        assert accept_drafts(p, [1, 1], u, e) in ([1, 0], [1, 2])  # kept at probability 1, replaced at 0
+        assert accept_drafts(p, [0, 2], u, e) == [1]  # probability 0: replaced by the only token left
+
+
+def test_sampled_speculation_cut_to_one_token_is_greedy():
+    """top_k = 1: the target's distribution is one-hot at its argmax, so sampled speculation must emit the greedy
+    tokens, whatever the draws."""
+    prompts = [[3, 4, 5, 6] * 6, [11, 40, 2]]
+    want = _engine("tiny-qwen3-moe", 2).generate(prompts, 48, SamplingParams(greedy=True), stop_at_eos=False)
+    res = generate(_engine("tiny-qwen3-moe", 2), prompts, 48, NgramDrafter(4),
+                   SamplingParams(temperature=0.8, top_k=1), seed=3, stop_at_eos=False)
+    assert res.token_ids == want.token_ids and res.accepted > 0
+    res = generate(_engine("tiny-qwen3-moe", 2), prompts, 48, NgramDrafter(4), SamplingParams(temperature=1.0),
+                   seed=3, stop_at_eos=False)
+    assert [len(t) for t in res.token_ids] == [48, 48] and res.drafted > 0
+    with pytest.raises(RequestError, match="no penalties or logit bias"):
+        generate(_engine("tiny-qwen3-moe", 2), prompts, 4, NgramDrafter(2), SamplingParams(presence_penalty=1.0))
