@@ -46,12 +46,17 @@ class NullMetrics:
     def step(self, kind: str, seconds: float, batch: int, padded: int) -> None: ...
     def state(self, waiting: int, running: int) -> None: ...
     def finished(self, seq: Sequence) -> None: ...
+    def speculated(self, drafted: int, accepted: int) -> None: ...
 
 
 class EngineLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler,
-                 emit: Callable[[list[tuple[Sequence, Delta]]], None], metrics=None, overlap: bool = True):
+                 emit: Callable[[list[tuple[Sequence, Delta]]], None], metrics=None, overlap: bool = True,
+                 drafter=None):
+        """`drafter` (speculative.NgramDrafter): decode steps verify its drafts (ModelRunner.verify) instead of
+        one token a sequence, eagerly and without a step launched ahead."""
         self.runner, self.scheduler, self.emit, self.overlap = runner, scheduler, emit, overlap
+        self.drafter = drafter
         self._pending = None  # a launched decode step (runner.Launched) not collected yet
         self._last_collect = 0.0
         self.metrics = metrics or NullMetrics()
@@ -143,7 +148,10 @@ class EngineLoop:
             and not any(s.guide is not None for s in decoding) else None
         if after is None:
             self._flush(out)
-        if decoding:
+        if decoding and self.drafter is not None:
+            self._flush(out)
+            self._verify(decoding, out)
+        elif decoding:
             launched = self._launch(decoding, after, out)
             if after is not None:
                 self._collect(after, out)
@@ -167,6 +175,21 @@ class EngineLoop:
             return None
         step.launched = time.perf_counter()
         return step
+
+    def _verify(self, seqs: list[Sequence], out: list) -> None:
+        t = time.perf_counter()
+        try:
+            results, drafted, accepted = self.runner.verify(seqs, self.drafter)
+        except Exception as e:  # noqa: BLE001 - the step's sequences fail, the server goes on
+            self.last_error = traceback.format_exc()
+            log.error("verify step failed:\n%s", self.last_error)
+            self._fail(seqs, f"the decode step failed: {type(e).__name__}: {e}", out)
+            return
+        self.metrics.step("decode", time.perf_counter() - t, len(seqs), len(seqs))
+        self.metrics.speculated(drafted, accepted)
+        for j in range(max(map(len, results))):  # a sequence's tokens in order; _record skips the finished
+            got = [(s, r[j]) for s, r in zip(seqs, results) if j < len(r)]
+            self._record([s for s, _ in got], [r for _, r in got], out)
 
     def _flush(self, out: list) -> None:
         """Collect the decode step in flight, if any."""

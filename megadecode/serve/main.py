@@ -45,6 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled between two decode steps, at least one prompt (default: "
                         "--max-seq-len)")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding: prompt-lookup drafts verified a step at a time (qwen3_moe, "
+                        "deepseek_v3; eager verify steps, one process)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="with --speculative: draft tokens a sequence a step, 1 to 7")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of a preset's random weights, in [0, 2**32 - 1]")
     p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf, naming them")
     p.add_argument("--ignore-unknown-tensors", action="store_true",
@@ -72,6 +77,10 @@ def check_args(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
         raise ValueError(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
+    if args.speculative and not 1 <= args.num_draft_tokens <= 7:
+        raise ValueError(f"--num-draft-tokens must be in [1, 7], got {args.num_draft_tokens}")
+    if args.speculative and args.ep > 1:
+        raise ValueError("--speculative runs in one process: it cannot be used with --ep")
     if args.batch_sizes is not None and not all(1 <= b <= args.max_batch for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes must be in [1, --max-batch = {args.max_batch}], got {args.batch_sizes}")
     missing = [d for d in DEPS if not _importable(d)]
@@ -115,14 +124,21 @@ def build_server(args, ep, progress=None):
     from ..backends.auto import resolve_executor
 
     leads = ep is not None and ep.rank == 0
-    resolve_executor(args, model_config(args.model), args.max_batch, ep is None or ep.rank == 0)
+    cfg = model_config(args.model)
+    resolve_executor(args, cfg, args.max_batch, ep is None or ep.rank == 0)
+    drafter = None
+    if args.speculative:
+        from ..speculative import NgramDrafter, check_model
+
+        check_model(cfg)  # before any weight is built
+        drafter = NgramDrafter(args.num_draft_tokens)
     return agree(ep, Server.build, args.model, max_batch=args.max_batch, executor=args.executor,
                  device=ranks.device(args, ep), dtype=args.dtype, max_seq_len=args.max_seq_len, seed=args.seed,
                  check_finite=args.check_finite, ignore_unknown=args.ignore_unknown_tensors,
                  model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                  batch_sizes=args.batch_sizes, max_prefill_tokens=args.max_prefill_tokens or args.max_seq_len,
-                 parallel=ranks.expert_parallel(ep, model_config(args.model)), mirror=Leader(ep) if leads else None,
-                 progress=progress)
+                 parallel=ranks.expert_parallel(ep, cfg), mirror=Leader(ep) if leads else None,
+                 progress=progress, drafter=drafter)
 
 
 def follow(server, ep) -> int:

@@ -14,6 +14,8 @@
                                                   counted: megadecode_decode_padding_rows_total)
     megadecode_time_to_first_token_seconds        request arrival to its first token (histogram)
     megadecode_cold_start_seconds                 process start to the first token of the startup request
+    megadecode_spec_draft_tokens_total            speculative decoding: draft tokens proposed, and of them
+    megadecode_spec_accepted_tokens_total         accepted (--speculative)
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.cold_start = Gauge("megadecode_cold_start_seconds", "process start to the first token of the startup "
                                 "request", registry=r)
+        self.spec_drafted = Counter("megadecode_spec_draft_tokens", "draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("megadecode_spec_accepted_tokens", "draft tokens accepted", registry=r)
         for outcome in ("stop", "length", "abort", "error", "rejected", "invalid"):
             self.requests.labels(outcome)  # present from the start, at 0
 
@@ -64,6 +68,12 @@ class Metrics:
 
     def finished(self, seq: Sequence) -> None:
         self.requests.labels(seq.finish_reason or "error").inc()
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """A verify step's drafts; the accepted ones are generated tokens beyond the step's one a sequence."""
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(accepted)
+        self.generation_tokens.inc(accepted)
 
     # ---- the HTTP layer's -----------------------------------------------------------------------------------------
     def admitted(self, prompt_tokens: int) -> None:

@@ -51,14 +51,21 @@ class Server:
 
     def __init__(self, engine: Engine, tokenizer, *, model_name: str, max_queue: int = 256,
                  batch_sizes: list[int] | None = None, pad: bool | None = None, max_prefill_tokens: int | None = None,
-                 mirror=None):
-        """`mirror`: expert parallelism's rank 0 publishes every step to the other ranks (serve/lockstep.py)."""
+                 mirror=None, drafter=None):
+        """`mirror`: expert parallelism's rank 0 publishes every step to the other ranks (serve/lockstep.py).
+        `drafter`: speculative decoding (speculative.NgramDrafter; one process, models without KDA layers)."""
+        if drafter is not None:
+            from ..speculative import check_speculative
+
+            check_speculative(engine)
+            if mirror is not None:
+                raise ValueError("speculative decoding runs in one process (no expert parallelism)")
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.runner = ModelRunner(engine, batch_sizes, pad, mirror)
         self.max_batch = self.runner.max_batch
         self.scheduler = Scheduler(self.max_batch, max_queue, max_prefill_tokens)
         self.metrics = Metrics(self.max_batch)
-        self.loop = EngineLoop(self.runner, self.scheduler, self._emit, self.metrics)
+        self.loop = EngineLoop(self.runner, self.scheduler, self._emit, self.metrics, drafter=drafter)
         self._channels: dict[int, Channel] = {}
         self.created = int(time.time())
         self.warmup_s = self.cold_start_s = None
