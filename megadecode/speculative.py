@@ -16,7 +16,8 @@ the graph's on `graph` and `fused`), so today it shows the method, not its speed
 next step overwrites before any query can see them (attention is masked by position). Models with a recurrent
 state (KDA layers: kimi_linear, kimi_k3) are refused: the state would advance over rejected drafts.
 
-Drafter: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats.
+Drafters: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats;
+`OracleDrafter`, recorded continuations (benchmarks: every draft accepted).
 """
 
 from __future__ import annotations
@@ -69,6 +70,24 @@ def accept_drafts(probs: torch.Tensor, drafts: list[int], u: list[float], noise:
         p = p.clone()
         p[drafts[m]] = 0.0
     return drafts[:m] + [int(race(p[None], noise[None])[0])]
+
+
+class OracleDrafter:
+    """Drafts from known continuations (a benchmark's upper bound of the verify path: each full sequence recorded
+    from an earlier greedy run, so every draft is accepted): the next k tokens of the recorded sequence the current
+    one is a prefix of; none when it is a prefix of none."""
+
+    def __init__(self, k: int, sequences: list[list[int]]):
+        if not 1 <= k <= MAX_DRAFT:
+            raise RequestError(f"draft tokens must be in [1, {MAX_DRAFT}], got {k}")
+        self.k, self.sequences = k, [list(s) for s in sequences]
+
+    def draft(self, tokens: list[int]) -> list[int]:
+        n = len(tokens)
+        for s in self.sequences:
+            if len(s) > n and s[:n] == tokens:
+                return s[n:n + self.k]
+        return []
 
 
 @dataclass

@@ -124,3 +124,31 @@ def test_sampled_speculation_cut_to_one_token_is_greedy():
     assert [len(t) for t in res.token_ids] == [48, 48] and res.drafted > 0
     with pytest.raises(RequestError, match="no penalties or logit bias"):
         generate(_engine("tiny-qwen3-moe", 2), prompts, 4, NgramDrafter(2), SamplingParams(presence_penalty=1.0))
+
+
+def test_an_oracle_drafter_of_the_greedy_continuation_has_every_draft_accepted():
+    from megadecode.speculative import OracleDrafter
+
+    prompts = [[11, 40, 2], [7, 7, 1, 9]]
+    ref = _engine("tiny-deepseek-v3", 2).generate(prompts, 30, SamplingParams(greedy=True), stop_at_eos=False)
+    full = [p + t for p, t in zip(prompts, ref.token_ids)]
+    assert OracleDrafter(3, full).draft(full[1][:6]) == full[1][6:9] and OracleDrafter(3, full).draft([1, 2]) == []
+    res = generate(_engine("tiny-deepseek-v3", 2), prompts, 30, OracleDrafter(5, full), stop_at_eos=False)
+    assert res.token_ids == ref.token_ids and res.acceptance == 1.0 and res.steps == 5  # 29 tokens, 6 a step
+
+
+def test_the_speculative_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/spec_bench.py on tiny-qwen3-moe: every draft of the oracle accepted, the output asserted equal."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import spec_bench
+
+    out = tmp_path / "spec.json"
+    assert spec_bench.main(["--preset", "tiny-qwen3-moe", "--executor", "torch", "--device", "cpu", "--dtype",
+                            "float32", "--k", "2,5", "--tokens", "20", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["k"] for r in doc["rows"]] == [2, 5] and all(r["acceptance"] == 1.0 for r in doc["rows"])
+    assert [r["steps"] for r in doc["rows"]] == [7, 4]  # 19 tokens after the prefill's: 3 and 6 a step

@@ -1,0 +1,81 @@
+"""Speculative decoding's verify path at batch 1 (issue 43's goals): greedy generation of `--tokens` tokens, then
+the same prompt with an oracle drafter (the recorded greedy continuation, so every draft is accepted: the verify
+path's upper bound) at each k of `--k`. Per k: the verify steps, their mean time against a one-token decode step's
+(the plain run's decode time over its steps), and tokens per second against the plain run's. The output must equal
+the plain run's (asserted). Writes `--out` JSON with the command.
+
+    python bench/spec_bench.py --preset qwen3-30b-a3b --executor fused --device cuda --dtype bfloat16 \\
+        --k 1,3,7 --tokens 128 --out $OUT/spec-qwen3-30b-a3b.json
+
+On the CPU (tests): `--preset tiny-qwen3-moe --device cpu --dtype float32`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], tokens: int, prompt_len: int = 16,
+        seed: int = 0) -> dict:
+    import torch
+
+    from megadecode.engine import Engine
+    from megadecode.sampling import SamplingParams
+    from megadecode.speculative import OracleDrafter, generate
+
+    eng = Engine.from_pretrained(preset, device=device, dtype=dtype, executor=executor, seed=seed, max_batch=1,
+                                 max_seq_len=prompt_len + tokens + max(ks) + 8)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, min(eng.cfg.vocab_size, 250), (prompt_len,), generator=g).tolist()
+    plain = eng.generate([prompt], tokens, SamplingParams(greedy=True), stop_at_eos=False)
+    step_s = plain.decode_s / max(plain.decode_steps, 1)
+    rows = []
+    for k in ks:
+        res = generate(eng, [prompt], tokens, OracleDrafter(k, [prompt + plain.token_ids[0]]), stop_at_eos=False)
+        if res.token_ids != plain.token_ids:
+            raise AssertionError(f"k={k}: the speculative output differs from greedy generation")
+        verify_s = res.decode_s / max(res.steps, 1)
+        rows.append({"k": k, "steps": res.steps, "acceptance": res.acceptance,
+                     "tokens_per_step": res.tokens_per_step, "verify_step_ms": verify_s * 1e3,
+                     "one_token_step_ms": step_s * 1e3, "verify_over_step": verify_s / step_s,
+                     "tokens_per_s": res.decode_tokens_per_s, "plain_tokens_per_s": plain.decode_tokens_per_s,
+                     "speedup": res.decode_tokens_per_s / plain.decode_tokens_per_s})
+    return {"preset": preset, "executor": executor, "device": device, "dtype": dtype, "tokens": tokens,
+            "prompt_len": prompt_len, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--executor", default="fused")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--k", default="1,3,7", help="draft tokens a step, comma-separated")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    res = run(args.preset, args.executor, args.device, args.dtype, [int(k) for k in args.k.split(",")], args.tokens)
+    res["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    res["git_sha"] = os.environ.get("MEGADECODE_GIT_SHA")
+    res["command"] = "python bench/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"{'k':>3} {'steps':>6} {'accept':>7} {'tok/step':>9} {'verify ms':>10} {'step ms':>8} {'ratio':>6} "
+          f"{'tok/s':>8} {'speedup':>8}")
+    for r in res["rows"]:
+        print(f"{r['k']:>3} {r['steps']:>6} {r['acceptance']:>7.2f} {r['tokens_per_step']:>9.2f} "
+              f"{r['verify_step_ms']:>10.3f} {r['one_token_step_ms']:>8.3f} {r['verify_over_step']:>6.2f} "
+              f"{r['tokens_per_s']:>8.1f} {r['speedup']:>8.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
