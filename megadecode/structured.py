@@ -1,5 +1,5 @@
-"""Structured output: a sequence's text held to a guide (a JSON schema, any JSON value, a regular expression, one of
-a list of strings). xgrammar compiles the guide into a grammar over the tokenizer's vocabulary (`Grammars`, one per
+"""Structured output: a sequence's text held to a guide (a JSON schema, any JSON object, a regular expression, one
+of a list of strings, an EBNF grammar). xgrammar compiles the guide into a grammar over the tokenizer's vocabulary (`Grammars`, one per
 server: its compiler caches what it compiled); each sequence gets its own matcher (`Guide`), which before every
 sampling fills the sequence's row of a bitmask of the tokens allowed next (the sampler applies it to the logits on
 the device, `apply_guides`) and then takes the sampled token. When the grammar is complete only the stop tokens
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class GuideError(ValueError):
@@ -27,8 +27,9 @@ class GuideError(ValueError):
 
 @dataclass(frozen=True)
 class GuideSpec:
-    """What a request asks its text to match. `value`: the schema (JSON text), the regex, or the choices (a JSON
-    list of strings); empty for json_object (any JSON object)."""
+    """What a request asks its text to match. `value`: the schema (JSON text), the regex, the choices (a JSON list
+    of strings), or an EBNF grammar (xgrammar's, GBNF-like, its start rule `root`); empty for json_object (any JSON
+    object)."""
 
     kind: str
     value: str = ""
@@ -85,6 +86,8 @@ class Grammars:
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.value)
+            if spec.kind == "grammar":
+                return self.compiler.compile_grammar(spec.value)
             choices = json.loads(spec.value)  # each a string literal of the grammar, JSON's escapes being EBNF's
             return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
         except RuntimeError as e:

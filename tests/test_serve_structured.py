@@ -103,6 +103,12 @@ def test_guides_on_the_byte_tokenizer_and_the_greedy_sampler(srv):
     out = srv.client().completions.create(model=QWEN, prompt="Hi", max_tokens=58, temperature=0.7, seed=2,
                                           extra_body={"guided_json": json.dumps(SCHEMA)})
     assert valid(json.loads(out.choices[0].text))
+    grammar = 'root ::= "sum(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?'
+    for seed in range(3):
+        out = srv.client().completions.create(model=QWEN, prompt="Hi", max_tokens=20, temperature=1.0, seed=seed,
+                                              extra_body={"guided_grammar": grammar})
+        c = out.choices[0]
+        assert c.finish_reason == "stop" and re.fullmatch(r"sum\([1-9][0-9]?(\+[1-9][0-9]?)?\)", c.text), c.text
 
 
 @pytest.mark.parametrize("extra, param, match", [
@@ -116,6 +122,8 @@ def test_guides_on_the_byte_tokenizer_and_the_greedy_sampler(srv):
     ({"guided_json": 5}, "guided_json", "must be a JSON schema"),
     ({"guided_json": "{not json"}, "guided_json", "must be a JSON schema"),
     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs", "exactly one of"),
+    ({"guided_grammar": "root ::= (("}, "guided_grammar", "cannot be compiled"),
+    ({"structured_outputs": {"grammar": 5}}, "structured_outputs.grammar", "non-empty EBNF grammar"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice",
      "one structured output guide a request"),
 ])

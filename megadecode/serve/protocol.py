@@ -127,7 +127,7 @@ def _token_ids(v, key: str, vocab: int) -> list[int]:
 TAKEN = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
          "stream_options", "logprobs", "stop_token_ids", "ignore_eos", "return_token_ids", "user", "logit_bias",
          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "response_format",
-         "guided_json", "guided_regex", "guided_choice", "structured_outputs"}
+         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
 TAKEN_COMPLETION = TAKEN | {"prompt"}
 TAKEN_CHAT = TAKEN | {"messages", "max_completion_tokens", "top_logprobs"}
 # Fields of OpenAI's API (and vLLM's extensions) the server does not implement: taken only at the value that asks
@@ -349,6 +349,7 @@ def parse_request(doc: dict, *, chat: bool, model: str, tokenizer, vocab: int, m
 
 
 MAX_CHOICE = 256  # guided_choice: strings a request may list
+GUIDED = ("json", "regex", "choice", "grammar")  # vLLM's guided_<kind> fields, and structured_outputs' keys
 MAX_GUIDE_CHARS = 1 << 16  # a schema's JSON text or a regex
 
 
@@ -370,11 +371,11 @@ def _schema(v, key: str) -> str:
 def _guide_of(kind: str, v, key: str) -> GuideSpec:
     if kind == "json":
         return GuideSpec("json_schema", _schema(v, key))
-    if kind == "regex":
+    if kind in ("regex", "grammar"):
+        what = "regular expression" if kind == "regex" else "EBNF grammar"
         if not isinstance(v, str) or not v or len(v) > MAX_GUIDE_CHARS:
-            raise APIError(f"{key} must be a non-empty regular expression of at most {MAX_GUIDE_CHARS} characters",
-                           key)
-        return GuideSpec("regex", v)
+            raise APIError(f"{key} must be a non-empty {what} of at most {MAX_GUIDE_CHARS} characters", key)
+        return GuideSpec(kind, v)
     if not isinstance(v, list) or not 0 < len(v) <= MAX_CHOICE or not all(isinstance(c, str) and c for c in v):
         raise APIError(f"{key} must be a list of 1 to {MAX_CHOICE} non-empty strings", key)
     return GuideSpec("choice", json.dumps(v))
@@ -382,8 +383,9 @@ def _guide_of(kind: str, v, key: str) -> GuideSpec:
 
 def parse_guide(doc: dict) -> tuple[str, GuideSpec] | None:
     """Structured output, at most one way a request: OpenAI's `response_format` (text: none; json_object; json_schema
-    with its `json_schema.schema`), vLLM's `guided_json` / `guided_regex` / `guided_choice`, or vLLM's newer
-    `structured_outputs` object holding one of json / regex / choice. (the field that asked, the guide), or None."""
+    with its `json_schema.schema`), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or
+    vLLM's newer `structured_outputs` object holding one of json / regex / choice / grammar. (the field that asked,
+    the guide), or None."""
     found = []
     rf = doc.get("response_format")
     if rf is not None:
@@ -398,14 +400,14 @@ def parse_guide(doc: dict) -> tuple[str, GuideSpec] | None:
         elif kind != "text":
             raise APIError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                            "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}", "response_format")
-    for kind in ("json", "regex", "choice"):
+    for kind in GUIDED:
         if doc.get(f"guided_{kind}") is not None:
             found.append((f"guided_{kind}", _guide_of(kind, doc[f"guided_{kind}"], f"guided_{kind}")))
     so = doc.get("structured_outputs")
     if so is not None:
-        given = [k for k in ("json", "regex", "choice") if isinstance(so, dict) and so.get(k) is not None]
-        if not isinstance(so, dict) or len(given) != 1 or set(so) - {"json", "regex", "choice"}:
-            raise APIError("structured_outputs must hold exactly one of json, regex, choice", "structured_outputs")
+        given = [k for k in GUIDED if isinstance(so, dict) and so.get(k) is not None]
+        if not isinstance(so, dict) or len(given) != 1 or set(so) - set(GUIDED):
+            raise APIError(f"structured_outputs must hold exactly one of {', '.join(GUIDED)}", "structured_outputs")
         found.append(("structured_outputs", _guide_of(given[0], so[given[0]], f"structured_outputs.{given[0]}")))
     if len(found) > 1:
         raise APIError(f"one structured output guide a request, got {', '.join(k for k, _ in found)}", found[1][0])
