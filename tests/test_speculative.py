@@ -25,9 +25,10 @@ def test_the_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence_
             NgramDrafter(bad)
 
 
-def _engine(preset: str, batch: int, seed: int = 0) -> Engine:
+def _engine(preset: str, batch: int, seed: int = 0, executor: str = "torch") -> Engine:
     cfg = preset_config(preset)
-    return Engine(cfg, random_weights(cfg, "cpu", torch.float32, seed), max_batch=batch, max_seq_len=256)
+    return Engine(cfg, random_weights(cfg, "cpu", torch.float32, seed), executor=executor, max_batch=batch,
+                  max_seq_len=256)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
@@ -152,3 +153,15 @@ def test_the_speculative_benchmark_runs_on_the_cpu(tmp_path):
     doc = json.loads(out.read_text())
     assert [r["k"] for r in doc["rows"]] == [2, 5] and all(r["acceptance"] == 1.0 for r in doc["rows"])
     assert [r["steps"] for r in doc["rows"]] == [7, 4]  # 19 tokens after the prefill's: 3 and 6 a step
+
+
+@pytest.mark.parametrize("executor, tokens", [("graph", 64), ("pyvm", 24)])
+def test_greedy_speculation_equals_greedy_generation_on_other_executors(executor, tokens):
+    """The verify step runs the executor's own prefill ops; its greedy tokens are the executor's greedy
+    generation's (graph: eager on the CPU; pyvm: the megakernel's golden model decodes, the reference prefills)."""
+    prompts = [[3, 4, 5, 6] * 5, [8, 1, 8, 1, 8]]
+    want = _engine("tiny-deepseek-v3", 2, executor=executor).generate(prompts, tokens, SamplingParams(greedy=True),
+                                                                     stop_at_eos=False).token_ids
+    res = generate(_engine("tiny-deepseek-v3", 2, executor=executor), prompts, tokens, NgramDrafter(3),
+                   stop_at_eos=False)
+    assert res.token_ids == want and res.drafted > 0
