@@ -393,6 +393,7 @@ def _take(guides: list | None, tok: torch.Tensor) -> None:
         if g is None:
             continue
         if not g.accept(t):
-            raise RuntimeError(f"sequence {i}: sampled token {t} is not allowed by its guide (the mask was not applied)")
+            raise RuntimeError(f"sequence {i}: sampled token {t} is not allowed by its guide (the mask was not "
+                               "applied)")
         if g.done:
             guides[i] = None

@@ -11,10 +11,11 @@ the last position. Each emitted token is then distributed as the target's sample
 
 The verify step feeds each sequence its last token and its drafts at their positions (a prefill step of segments
 that continue the sequences' caches: attention reads the cached positions and the step's own, causally) and takes
-the logits of every position; it runs the executor's prefill ops (eager: the reference's on `torch` and `mega`,
-the graph's on `graph` and `fused`), so today it shows the method, not its speed. Drafts the target rejects leave cache entries past the sequence's length, which the
-next step overwrites before any query can see them (attention is masked by position). Models with a recurrent
-state (KDA layers: kimi_linear, kimi_k3) are refused: the state would advance over rejected drafts.
+the logits of every position; it runs the executor's prefill ops (eager: the reference's on `torch` and `mega`, the
+graph's on `graph` and `fused`), so today it shows the method, not its speed. Drafts the target rejects leave cache
+entries past the sequence's length, which the next step overwrites before any query can see them (attention is
+masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) are refused: the state would
+advance over rejected drafts.
 
 Drafters: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats;
 `OracleDrafter`, recorded continuations (benchmarks: every draft accepted).

@@ -1,9 +1,9 @@
 """Structured output: a sequence's text held to a guide (a JSON schema, any JSON object, a regular expression, one
-of a list of strings, an EBNF grammar). xgrammar compiles the guide into a grammar over the tokenizer's vocabulary (`Grammars`, one per
-server: its compiler caches what it compiled); each sequence gets its own matcher (`Guide`), which before every
-sampling fills the sequence's row of a bitmask of the tokens allowed next (the sampler applies it to the logits on
-the device, `apply_guides`) and then takes the sampled token. When the grammar is complete only the stop tokens
-(the model's EOS) are allowed; a guide that has taken its last token ends the sequence (`Guide.done`).
+of a list of strings, an EBNF grammar). xgrammar compiles the guide into a grammar over the tokenizer's vocabulary
+(`Grammars`, one per server: its compiler caches what it compiled); each sequence gets its own matcher (`Guide`),
+which before every sampling fills the sequence's row of a bitmask of the tokens allowed next (the sampler applies it
+to the logits on the device, `apply_guides`) and then takes the sampled token. When the grammar is complete only the
+stop tokens (the model's EOS) are allowed; a guide that has taken its last token ends the sequence (`Guide.done`).
 
 xgrammar comes with the serve extra (`pip install -e ".[serve]"`); without it a guided request is refused naming
 the package, and nothing else changes.

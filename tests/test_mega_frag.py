@@ -105,7 +105,8 @@ def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies
     for op, change, match in (("EXPERT_DOWN", {"r0": 8}, r"rows \[8, \d+\) are not whole 16-row tiles"),
                               ("EXPERT_UP", {"I": 760}, "fragment-order experts need records"),
                               ("EXPERT_DOWN", {"I": 512}, "fragment-order experts need records"),
-                              ("EXPERT_UP", {"flags": F_FRAG}, "is torch.uint8; the megakernel reads it as torch.bfloat16")):
+                              ("EXPERT_UP", {"flags": F_FRAG},
+                               "is torch.uint8; the megakernel reads it as torch.bfloat16")):
         _, _, prog = _programs(2, torch.bfloat16)
         ins = next(i for i in prog.instrs if i.op == op)
         if "flags" in change:
@@ -132,8 +133,8 @@ def test_the_prefill_reads_fragment_order_experts_as_the_reference_reads_the_che
     buf = {"normed": torch.randn(5, cfg.hidden_size, generator=g),
            "topk_ids": torch.randint(0, cfg.num_experts, (5, cfg.top_k), generator=g),
            "topk_weights": torch.rand(5, cfg.top_k, generator=g)}
-    step = Step(tokens=torch.zeros(5, dtype=torch.long), positions=torch.arange(5), slots=torch.zeros(5, dtype=torch.long),
-                logit_rows=torch.tensor([4]), kv_len=5, segments=[(0, 5, 0)])
+    step = Step(tokens=torch.zeros(5, dtype=torch.long), positions=torch.arange(5),
+                slots=torch.zeros(5, dtype=torch.long), logit_rows=torch.tensor([4]), kv_len=5, segments=[(0, 5, 0)])
     outs = []
     for weights, run in ((w, OP_IMPLS[LATENT_MOE]), (wf, restored_latent_moe)):
         ctx = StepContext(cfg, weights, None, step)

@@ -1,16 +1,15 @@
 """The OpenAI request fields the server takes, checked one by one: anything wrong is an APIError (400 with an
-OpenAI-style body naming the field), never an exception that reaches the engine.
-
-Taken (completions and chat): model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature
-(0: greedy), top_p, logit_bias, presence_penalty, frequency_penalty, seed, stop, stream,
-stream_options.include_usage, n (up to MAX_CHOICES choices, sampled independently from one prefill of the
-prompt; with a seed, choice i draws as seed + i would alone); logprobs (the sampled token's, with up to
-MAX_TOP_LOGPROBS most likely tokens beside it: completions' integer logprobs, chat's logprobs true and top_logprobs);
-vLLM's extensions top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos and return_token_ids
-(each choice, or chunk, also carries its `token_ids`); `user` (an end-user id: it changes nothing); structured
-output (`parse_guide`: response_format json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice
-and structured_outputs). Nothing is ignored: a field that asks for what the server does not do (NEUTRAL: best_of > 1,
-tools, ...) is refused unless it holds its neutral value, and any other field is refused as unknown (a null counts as absent).
+OpenAI-style body naming the field), never an exception that reaches the engine. Taken (completions and chat):
+model, prompt / messages, max_tokens (chat: max_completion_tokens too), temperature (0: greedy), top_p, logit_bias,
+presence_penalty, frequency_penalty, seed, stop, stream, stream_options.include_usage, n (up to MAX_CHOICES choices,
+sampled independently from one prefill of the prompt; with a seed, choice i draws as seed + i would alone); logprobs
+(the sampled token's, with up to MAX_TOP_LOGPROBS most likely tokens beside it: completions' integer logprobs,
+chat's logprobs true and top_logprobs); vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, ignore_eos and return_token_ids (each choice, or chunk, also carries its `token_ids`); `user` (an
+end-user id: it changes nothing); structured output (`parse_guide`: response_format json_object / json_schema,
+vLLM's guided_json / regex / choice / grammar and structured_outputs). Nothing is ignored: a field that asks for
+what the server does not do (NEUTRAL: best_of > 1, tools, ...) is refused unless it holds its neutral value, and any
+other field is refused as unknown (a null counts as absent).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class MegaExecutor(TorchExecutor):
         """The re-layout of a stack of K3's routed experts into fragment order, where this executor holds them so."""
         if frag_order(cfg, device) != expert_layout.FRAGMENT:
             return None
-        return expert_layout.conversion_bytes(cfg, shard), "while the mega executor re-lays out a stack of routed experts"
+        return (expert_layout.conversion_bytes(cfg, shard),
+                "while the mega executor re-lays out a stack of routed experts")
 
     def _expert_order(self, plan: DecodePlan, weights: dict[str, torch.Tensor]) -> str:
         if not expert_layout.expert_pairs(plan):
