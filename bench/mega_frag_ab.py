@@ -2,7 +2,7 @@
 on the GPU, as bench/mega_sync_ab.py measures the loop: each variant is a build of the kernel with module-level
 functions swapped for one compile (the shipped source holds no switch), first diffed against pyvm
 (validate.mega_gpu.diff_program on tiny-k3-frag at batch 1 and 3, delayed launches included), then timed on
-k3-mini (experts in fragment order) in interleaved rounds. Medians to --out as JSON.
+k3-mini (experts in fragment order) in interleaved rounds (mega_sync_ab.timed). Medians to --out as JSON.
 
     python bench/mega_frag_ab.py --batch 1,8 --variants shipped,staged_up,hi_only --out $OUT/mega-frag-ab.json
 
@@ -19,24 +19,15 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
 
 import torch
 
-from megadecode.backends import expert_layout
-from megadecode.backends.mega.executor import default_ctas, frag_order
-from megadecode.backends.mega.lower import lower
 from megadecode.backends.mega.runtime import compile_launcher
-from megadecode.backends.mega.schedule import schedule
-from megadecode.cache import KVCache
-from megadecode.plan import build_plan
-from megadecode.presets import preset_config
 from megadecode.validate.mega_gpu import diff_failures, diff_program
-from megadecode.weights import random_weights
-from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
+from mega_sync_ab import swapped, timed  # bench/: the swaps' context and the interleaved timing
 
 VARIANTS = ("shipped", "staged_up", "hi_only")
 
@@ -222,21 +213,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     return [(K, "BODIES", bodies)]
 
 
-@contextlib.contextmanager
-def _swapped(name: str):
-    swaps = _swaps(name)
-    saved = [(m, a, getattr(m, a)) for m, a, _ in swaps]
-    try:
-        for m, a, new in swaps:
-            setattr(m, a, new)
-        yield
-    finally:
-        for m, a, old in reversed(saved):
-            setattr(m, a, old)
-
-
 def build(name: str, device):
-    with _swapped(name):
+    with swapped(_swaps(name)):
         return compile_launcher(device, cache=False)
 
 
@@ -244,37 +222,8 @@ def build_ptx(name: str) -> str:
     """The variant's PTX compiled without a GPU (the CPU test of each variant's trace)."""
     from megadecode.backends.mega import cute_kernel as K
 
-    with _swapped(name):
+    with swapped(_swaps(name)):
         return K.compile_ptx_cubin().__ptx__
-
-
-def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> dict:
-    cfg = preset_config(preset)
-    w = random_weights(cfg, "cuda", torch.bfloat16, 0)
-    w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))
-    cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
-    for parts in cache.layers.values():
-        for t in parts:
-            t.normal_()
-    ctas = default_ctas(torch.device("cuda"))
-    prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rts = {n: _runtime(prog, batch, context, kernel=k) for n, k in kernels.items()}
-    ts = {n: [] for n in rts}
-    for _ in range(rounds):
-        for n, rt in rts.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            rt.launch()
-            b.record()
-            b.synchronize()
-            ts[n].append(a.elapsed_time(b) * 1e3)
-    for rt in rts.values():
-        rt.check()
-    med = {n: sorted(v)[len(v) // 2] for n, v in ts.items()}
-    del rts, prog, cache, w
-    torch.cuda.empty_cache()
-    return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "rounds": rounds,
-            "median_us": med, "min_us": {n: min(v) for n, v in ts.items()}}
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,8 @@ validate/mega_plants.py swaps in its planted mistakes; the shipped source holds 
 correct one under the PTX memory model, and each first checked against pyvm (validate.mega_gpu.diff_program on
 tiny-qwen3-moe at batch 1 and 3, delayed launches included). Then per preset and batch every variant's launch is
 timed in interleaved rounds (one launch of each variant a round, CUDA events around each), so that the GPU's drift
-within the call falls on all of them alike; the medians are written to --out as JSON.
+within the call falls on all of them alike (K3's experts in the order the mega executor holds them); the medians are
+written to --out as JSON.
 
     python bench/mega_sync_ab.py --preset qwen3-30b-a3b,k3-mini --batch 1,8 --out $OUT/mega-sync-ab.json
     git show 8da66e1:megadecode/backends/mega/cute_kernel.py > /tmp/loop.py
@@ -31,11 +32,13 @@ import time
 
 import torch
 
-from megadecode.backends.mega.executor import default_ctas
+from megadecode.backends import expert_layout
+from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
 from megadecode.backends.mega.runtime import compile_launcher
 from megadecode.backends.mega.schedule import schedule
 from megadecode.cache import KVCache
+from megadecode.plan import build_plan
 from megadecode.presets import preset_config
 from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
@@ -109,8 +112,8 @@ def _loop_module():
 
 
 @contextlib.contextmanager
-def _swapped(name: str):
-    swaps = _swaps(name)
+def swapped(swaps: list[tuple[object, str, object]]):
+    """(module, attribute, replacement) set for the block, then restored (a build traces the replacements)."""
     saved = [(m, a, getattr(m, a)) for m, a, _ in swaps]
     try:
         for m, a, new in swaps:
@@ -122,13 +125,14 @@ def _swapped(name: str):
 
 
 def build(name: str, device):
-    with _swapped(name):
+    with swapped(_swaps(name)):
         return compile_launcher(device, cache=False)
 
 
 def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> dict:
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
+    w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))  # K3's experts as the mega executor holds them
     cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
     for parts in cache.layers.values():
         for t in parts:
