@@ -165,3 +165,13 @@ def test_greedy_speculation_equals_greedy_generation_on_other_executors(executor
     res = generate(_engine("tiny-deepseek-v3", 2, executor=executor), prompts, tokens, NgramDrafter(3),
                    stop_at_eos=False)
     assert res.token_ids == want and res.drafted > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_long_greedy_generations_with_and_without_speculation_are_the_same(preset):
+    """Issue 43's check near its length: 200 greedy tokens (the cache holds 256 positions) of a repetitive and a
+    plain prompt, k = 5."""
+    prompts = [[5, 9, 5, 9, 5, 9, 7] * 3, [200, 13, 77]]
+    want = _engine(preset, 2).generate(prompts, 200, SamplingParams(greedy=True), stop_at_eos=False).token_ids
+    res = generate(_engine(preset, 2), prompts, 200, NgramDrafter(5), stop_at_eos=False)
+    assert res.token_ids == want and res.accepted > 0
