@@ -174,30 +174,39 @@ def main(argv=None) -> int:
     unknown = set(names) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}: {', '.join(VARIANTS)}")
+    out = run_ab(names, build, "tiny-qwen3-moe", args.preset, args.batch, args.context, args.rounds, args.out,
+                 loop_from=args.loop_from)
+    ok = all(not c["failures"] for c in out["checks"])
+    print(f"wrote {args.out}; every variant {'passes' if ok else 'does NOT pass'} its check")
+    return 0 if ok else 1
+
+
+def run_ab(names: list[str], build, check_preset: str, presets: str, batches: str, context: int, rounds: int,
+           path: str, **extra) -> dict:
+    """Each variant built (`build(name, device)`), diffed against pyvm on `check_preset` at batch 1 and 3 (every
+    buffer, repeats and delayed launches), then every variant timed together per preset and batch (`timed`); the
+    results (`extra` beside them) written to `path` after each run and returned."""
     dev = torch.device("cuda")
-    out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"),
-           "loop_from": args.loop_from, "compile_s": {},
-           "checks": [], "runs": []}
+    out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), **extra,
+           "compile_s": {}, "checks": [], "runs": []}
     kernels = {}
     for n in names:
         t0 = time.perf_counter()
         kernels[n] = build(n, dev)
         out["compile_s"][n] = round(time.perf_counter() - t0, 1)
-        for b in (1, 3):  # correct first: every buffer against pyvm, repeats and delayed launches bitwise equal
-            r = diff_program("tiny-qwen3-moe", b, 16, seed=b, kernel=kernels[n])
-            out["checks"].append({"variant": n, "batch": b, "failures": diff_failures(r)})
-            print(f"check {n} b={b}: {diff_failures(r) or 'pass'}", flush=True)
-    for p in args.preset.split(","):
-        for b in map(int, args.batch.split(",")):
-            r = timed(p, b, args.context, kernels, args.rounds)
+        for b in (1, 3):
+            r = diff_program(check_preset, b, 16, seed=b, kernel=kernels[n])
+            worst = max((x.get("rel", 0.0) for x in r.get("buffers", [])), default=None)
+            out["checks"].append({"variant": n, "batch": b, "failures": diff_failures(r), "worst_rel": worst})
+            print(f"check {n} b={b}: {diff_failures(r) or 'pass'} (worst rel {worst})", flush=True)
+    for p in presets.split(","):
+        for b in map(int, batches.split(",")):
+            r = timed(p, b, context, kernels, rounds)
             out["runs"].append(r)
             print(f"{p} b={b}: " + "  ".join(f"{n} {v:.0f} us" for n, v in r["median_us"].items()), flush=True)
-            with open(args.out, "w") as f:
+            with open(path, "w") as f:
                 json.dump(out, f, indent=1)
-    ok = all(not c["failures"] for c in out["checks"])
-    print(f"wrote {args.out}; every variant {'passes' if ok else 'does NOT pass'} its check")
-    return 0 if ok else 1
-
+    return out
 
 if __name__ == "__main__":
     raise SystemExit(main())
