@@ -27,7 +27,6 @@ import torch
 from .engine import Engine
 from .sampling import Counts, to_device, sample_rows, top_logprobs
 from .sequence import Sequence
-from .step import Step
 
 
 @dataclass(eq=False)
@@ -190,8 +189,7 @@ class ModelRunner:
         rule) and one token of the model's, the others sample as in a decode step. Returns, per sequence, its new
         tokens as `collect` gives them, and the draft tokens proposed and accepted. Eager and synchronous: no graph
         replay, no step launched ahead."""
-        from .sampling import target_probs
-        from .speculative import accept_drafts
+        from .speculative import accept, verify_step
 
         self._generators(seqs)
         feeds = []
@@ -200,18 +198,11 @@ class ModelRunner:
             takes = (not s.params.penalized and not s.params.logit_bias and s.guide is None and not s.top_logprobs
                      and s.sampled >= s.min_tokens)
             feeds.append([s.last_token] + (drafter.draft(s.prompt + s.output)[:max(room, 0)] if takes else []))
-        lens = [len(f) for f in feeds]
-        starts = [sum(lens[:j]) for j in range(len(lens))]
-        first = [s.num_tokens - 1 for s in seqs]
         dev = self.device
-        step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=dev),
-                    positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(dev),
-                    slots=torch.cat([torch.full((n,), s.slot) for s, n in zip(seqs, lens)]).to(dev),
-                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)),
-                    segments=[(st, st + n, s.slot) for st, n, s in zip(starts, lens, seqs)])
+        step, starts = verify_step(feeds, [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], dev)
         logits = self._published(self.engine.executor.run_ops, step).buf["logits"]
         results: list = [None] * len(seqs)
-        plain = [i for i, n in enumerate(lens) if n == 1]
+        plain = [i for i, f in enumerate(feeds) if len(f) == 1]
         if plain:  # no drafts: the decode step's sampling (penalties, bias, guides, bans, top logprobs)
             rows = torch.tensor([starts[i] for i in plain], device=dev)
             for i, r in zip(plain, self.collect(self._sample(logits[rows], [seqs[i] for i in plain]))):
@@ -224,21 +215,10 @@ class ModelRunner:
             if not bool(torch.isfinite(rows).all()):
                 results[i] = [(0, 0.0, False, ())]
                 continue
-            logp = torch.log_softmax(rows, -1)
-            if s.params.greedy:
-                choice = logp.argmax(-1).tolist()
-                m = 0
-                while m < len(f) - 1 and f[m + 1] == choice[m]:
-                    m += 1
-                emit = choice[:m + 1]
-            else:
-                u = torch.rand(len(f) - 1, generator=s.generator, device=dev).tolist()
-                noise = torch.empty(rows.shape[-1], device=dev).exponential_(1.0, generator=s.generator)
-                emit = accept_drafts(target_probs(rows, s.params), f[1:], u, noise)
+            emit, lps = accept(rows, f, s.params, s.generator)
             drafted += len(f) - 1
             accepted += len(emit) - 1
             s.sampled += len(emit)
-            lps = logp[torch.arange(len(emit), device=dev), torch.tensor(emit, device=dev)].tolist()
             results[i] = [(t, lp, True, ()) for t, lp in zip(emit, lps)]
         return results, drafted, accepted
 

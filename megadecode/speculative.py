@@ -131,6 +131,39 @@ def check_speculative(engine: Engine) -> None:
         raise RequestError("speculative decoding runs in one process (no expert parallelism)")
 
 
+def verify_step(feeds: list[list[int]], first: list[int], slots: list[int], device) -> tuple[Step, list[int]]:
+    """The verify step of sequences feeding feeds[i] (their last token, then their drafts) at positions first[i]
+    onwards in cache slots slots[i], every row's logits wanted; and each feed's first row in it."""
+    lens = [len(f) for f in feeds]
+    starts = [sum(lens[:j]) for j in range(len(lens))]
+    step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=device),
+                positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(device),
+                slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(device),
+                logit_rows=torch.arange(sum(lens), device=device), kv_len=max(p + n for p, n in zip(first, lens)),
+                segments=[(st, st + n, s) for st, n, s in zip(starts, lens, slots)])
+    return step, starts
+
+
+def accept(logits: torch.Tensor, feed: list[int], params: SamplingParams, generator) -> tuple[list[int], list[float]]:
+    """The tokens a verify step emits for one sequence, from its rows of logits [len(feed), V] (the target's after
+    each fed token), and their log-probabilities at temperature 1. Greedy: the drafts while they are the target's
+    argmax, then its argmax; sampling (no penalties or bias): `accept_drafts`, its uniforms and noise drawn from
+    `generator`."""
+    logp = torch.log_softmax(logits.float(), -1)
+    if params.greedy:
+        choice = logp.argmax(-1).tolist()
+        m = 0
+        while m < len(feed) - 1 and feed[m + 1] == choice[m]:
+            m += 1
+        emit = choice[:m + 1]  # the accepted drafts are the target's tokens
+    else:
+        u = torch.rand(len(feed) - 1, generator=generator, device=logits.device).tolist()
+        noise = torch.empty(logits.shape[-1], device=logits.device).exponential_(1.0, generator=generator)
+        emit = accept_drafts(target_probs(logits, params), feed[1:], u, noise)
+    idx = torch.arange(len(emit), device=logits.device)
+    return emit, logp[idx, torch.tensor(emit, device=logits.device)].tolist()
+
+
 @torch.inference_mode()
 def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, drafter: NgramDrafter,
              sampling: SamplingParams = SamplingParams(greedy=True), *, seed: int = 0,
@@ -161,41 +194,19 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
             seq = prompts[i] + out[i]
             room = min(max_new_tokens - len(out[i]) - 1, limit - len(seq))  # tokens past the correction's
             feeds.append([seq[-1]] + drafter.draft(seq)[:max(room, 0)])
-        lens = [len(f) for f in feeds]
-        starts = [sum(lens[:j]) for j in range(len(lens))]
-        first = [len(prompts[i]) + len(out[i]) - 1 for i in live]  # the position of each sequence's last token
-        dev = engine.device
-        step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=dev),
-                    positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(dev),
-                    slots=torch.cat([torch.full((n,), i) for i, n in zip(live, lens)]).to(dev),
-                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)),
-                    segments=[(s, s + n, i) for s, n, i in zip(starts, lens, live)])
+        step, starts = verify_step(feeds, [len(prompts[i]) + len(out[i]) - 1 for i in live], live, engine.device)
         logits = engine.executor.run_ops(step).buf["logits"]  # the executor's prefill ops, every row's logits
         bad = ~torch.isfinite(logits).all(-1)
         if bool(bad.any()):
             n = int(bad.nonzero()[0, 0])
             i = next(i for i, s, f in zip(live, starts, feeds) if s <= n < s + len(f))
             raise NonFiniteError(f"sequence {i}: the logits at position {int(step.positions[n])} hold NaN or inf")
-        logp = torch.log_softmax(logits.float(), -1)
-        choice = logp.argmax(-1).tolist()
-        probs = None if sampling.greedy else target_probs(logits, sampling)
         steps += 1
         still = []
         for i, f, s in zip(live, feeds, starts):
-            if probs is None:  # greedy: drafts accepted while they are the target's argmax
-                m = 0
-                while m < len(f) - 1 and f[m + 1] == choice[s + m]:
-                    m += 1
-                emit = choice[s:s + m + 1]  # the accepted drafts are the target's tokens
-            else:
-                u = torch.rand(len(f) - 1, generator=gen, device=engine.device).tolist()
-                noise = torch.empty(logits.shape[-1], device=engine.device).exponential_(1.0, generator=gen)
-                emit = accept_drafts(probs[s:s + len(f)], f[1:], u, noise)
-                m = len(emit) - 1
+            emit, got = accept(logits[s:s + len(f)], f, sampling, gen)
             drafted += len(f) - 1
-            accepted += m
-            got = logp[torch.arange(s, s + len(emit), device=engine.device),
-                       torch.tensor(emit, device=engine.device)].tolist()
+            accepted += len(emit) - 1
             for t, v in zip(emit, got):
                 out[i].append(t)
                 lps[i].append(v)
