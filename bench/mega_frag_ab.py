@@ -12,18 +12,20 @@ Variants:
 - `staged_up`: EXPERT_UP converts its pair's activation row once per CTA into shared memory (fp16 hi and lo
   planes, the row's scale), and its warps read B fragments there (two 16-byte shared loads a block): the
   conversion leaves the per-tile loop. EXPERT_DOWN as shipped.
+- `scu2`: both bodies load two records of their tiles before using the first (the fused experts' `scu`), so a
+  warp has twice the bytes in flight; `down_scu3`: EXPERT_DOWN three records, EXPERT_UP as shipped;
+  `staged_scu2`: staged_up with two records a trip in both bodies.
 - `hi_only`: both bodies multiply the hi plane alone (one mma a k-step, no remainder): the bound of what the
   conversion and the second plane cost, at fp16's 11 bits of the activations (its pyvm diff shows the error).
 """
 
-from __future__ import annotations
 
 import argparse
 
 from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import run_ab, swapped  # bench/: the swaps' context, the checks and the interleaved timing
 
-VARIANTS = ("shipped", "staged_up", "hi_only")
+VARIANTS = ("shipped", "staged_up", "hi_only", "scu2", "staged_scu2", "down_scu3")
 
 
 def _swaps(name: str) -> list[tuple[object, str, object]]:
@@ -81,6 +83,9 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
     # staged_up: EXPERT_UP's pair row staged once per CTA as fp16 hi (words [0, D/2)) and lo ([D/2, D)) planes
 
+    scu_up, scu_down = {"scu2": (2, 2), "staged_scu2": (2, 2), "down_scu3": (1, 3)}.get(name, (1, 1))
+    staged = name in ("staged_up", "staged_scu2")
+
     @cute.jit
     def lds4(addr: Int32):
         return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
@@ -122,37 +127,72 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return from_bits(Uint32((141 - kk) << 23))
 
     @cute.jit
-    def tiles2_staged(ra: Int64, rb: Int64, nsc: Int32, sbase: Int32, D: Int32, lane: Int32, acc: cute.Tensor):
+    def records(ra: Int64, rb: Int64, ntl: Constexpr, scu: Constexpr, sc0: Int32, xrow: Int64, up_s: Float32,
+                sbase: Int32, D: Int32, from_smem: Constexpr, lane: Int32, acc: cute.Tensor):
+        """Records [sc0, sc0 + scu) of the unit's ntl tiles, every record's words loaded before the first is
+        used; B from the pair's fp32 row (converted per block) or, from_smem, from the staged planes."""
         c = lane % 4
         g = lane // 4
-        for i in cutlass.range_constexpr(8):
-            acc[i] = Float32(0.0)
-        for sc in cutlass.range(nsc):
-            off = Int64(sc) * Int64(RECORD)
-            ws, ss = [], []
-            for t in cutlass.range_constexpr(2):
+        ws, ss = [], []
+        for su in cutlass.range_constexpr(scu):
+            off = Int64(sc0 + su) * Int64(RECORD)
+            for t in cutlass.range_constexpr(ntl):
                 base = (ra if t == 0 else rb) + off
                 ws.append([ld4w(base + Int64(512 * q) + Int64(16) * Int64(lane)) for q in range(4)])
                 ss.append(ld4w(base + Int64(WBYTES) + Int64(16) * Int64(g)))
+        for su in cutlass.range_constexpr(scu):
+            sc = sc0 + su
             for q in cutlass.range_constexpr(4):
                 for b in cutlass.range_constexpr(2):
-                    w0 = 2 * (256 * sc + 64 * q + 32 * b + 8 * c)  # the block's 8 fp16 of this lane, bytes
-                    hi = lds4(sbase + w0)
-                    lo = lds4(sbase + 2 * D + w0)
+                    hi, lo = [], []
+                    if cutlass.const_expr(from_smem):
+                        w0 = 2 * (256 * sc + 64 * q + 32 * b + 8 * c)  # the block's 8 fp16 of this lane, bytes
+                        hv = lds4(sbase + w0)
+                        lv = lds4(sbase + 2 * D + w0)
+                        hi = [hv[0], hv[1], hv[2], hv[3]]
+                        lo = [lv[0], lv[1], lv[2], lv[3]]
+                    else:
+                        xv = ld8(Float32, xrow + Int64(256 * sc + 64 * q + 32 * b + 8 * c) * 4)
+                        for i in cutlass.range_constexpr(4):
+                            h, l_ = f16x2_split(xv[2 * i] * up_s, xv[2 * i + 1] * up_s)
+                            hi.append(h)
+                            lo.append(l_)
                     mb = 2 * q + b
-                    for t in cutlass.range_constexpr(2):
+                    for t in cutlass.range_constexpr(ntl):
                         p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
                         for s2 in cutlass.range_constexpr(2):
-                            w = ws[t][q][2 * b + s2]
+                            w = ws[su * ntl + t][q][2 * b + s2]
                             a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
                             p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
                             p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
-                        s_lo = frag_scale(ss[t][mb // 4], mb % 4)
-                        s_hi = frag_scale(ss[t][2 + mb // 4], mb % 4)
+                        sq = ss[su * ntl + t]
+                        s_lo = frag_scale(sq[mb // 4], mb % 4)
+                        s_hi = frag_scale(sq[2 + mb // 4], mb % 4)
                         acc[4 * t] += p0 * s_lo
                         acc[4 * t + 1] += p1 * s_lo
                         acc[4 * t + 2] += p2 * s_hi
                         acc[4 * t + 3] += p3 * s_hi
+
+    @cute.jit
+    def tiles_chunked(ra: Int64, rb: Int64, ntl: Constexpr, scu: Constexpr, nsc: Int32, xrow: Int64, up_s: Float32,
+                      sbase: Int32, D: Int32, from_smem: Constexpr, lane: Int32, acc: cute.Tensor):
+        """frag_tiles' sums, scu records a loop trip (the last nsc % scu one at a time)."""
+        for i in cutlass.range_constexpr(8):
+            acc[i] = Float32(0.0)
+        nfull = nsc // scu * scu
+        for sc0 in cutlass.range(0, nfull, scu):
+            records(ra, rb, ntl, scu, sc0, xrow, up_s, sbase, D, from_smem, lane, acc)
+        if cutlass.const_expr(scu > 1):
+            for sc in cutlass.range(nfull, nsc):
+                records(ra, rb, ntl, 1, sc, xrow, up_s, sbase, D, from_smem, lane, acc)
+
+    @cute.jit
+    def frag_tiles_scu(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up_s: Float32, lane: Int32,
+                       acc: cute.Tensor):
+        if cutlass.const_expr(ntl == 2):
+            tiles_chunked(ra, rb, 2, scu_up, nsc, xrow, up_s, Int32(0), Int32(0), False, lane, acc)
+        else:
+            tiles_chunked(ra, rb, 1, scu_down, nsc, xrow, up_s, Int32(0), Int32(0), False, lane, acc)
 
     @cute.jit
     def expert_up_staged(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor, tid: Int32):
@@ -184,7 +224,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
                 for unit in cutlass.range(u0 + warp, u1, NW):
                     rt = unit % nt
                     ra = gu + (Int64(smi[p]) * Int64(2 * nt) + Int64(rt)) * Int64(nsc) * Int64(RECORD)
-                    tiles2_staged(ra, ra + Int64(nt) * Int64(nsc) * Int64(RECORD), nsc, sbase, D, lane, acc)
+                    tiles_chunked(ra, ra + Int64(nt) * Int64(nsc) * Int64(RECORD), 2, scu_up, nsc, xrow, Float32(1.0),
+                                  sbase, D, True, lane, acc)
                     if c == 0:
                         for i in cutlass.range_constexpr(2):
                             gv = acc[2 * i] * fs
@@ -203,8 +244,21 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         else:
             M.expert_up_rows(fb, ib, wtab, smi, tid)
 
-    bodies = tuple((n, op_expert_up_staged if n == "EXPERT_UP" else f) for n, f in K.BODIES)
-    return [(K, "BODIES", bodies)]
+    swaps = []
+    if (scu_up, scu_down) != (1, 1):
+        # two CTAs an SM pinned (ptxas's own pick for these bodies is ~180 registers: one CTA an SM)
+        @cute.jit
+        def launch_2cta(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor,
+                        f32: cute.Tensor, i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor,
+                        max_spin: Int32, tl: cute.Tensor, timeline: Int32, delay_ns: Int32, num_ctas: Int32,
+                        stream: K.cuda_drv.CUstream):
+            K.mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline,
+                          delay_ns).launch(grid=(num_ctas, 1, 1), block=(NT, 1, 1), stream=stream, min_blocks_per_mp=2)
+
+        swaps += [(M, "frag_tiles", frag_tiles_scu), (K, "launch", launch_2cta)]
+    if staged:
+        swaps.append((K, "BODIES", tuple((n, op_expert_up_staged if n == "EXPERT_UP" else f) for n, f in K.BODIES)))
+    return swaps
 
 
 def build(name: str, device):
