@@ -104,6 +104,7 @@ def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies
     check_program(fr)
     for op, change, match in (("EXPERT_DOWN", {"r0": 8}, r"rows \[8, \d+\) are not whole 16-row tiles"),
                               ("EXPERT_UP", {"I": 760}, "fragment-order experts need records"),
+                              ("EXPERT_UP", {"D": 12288}, r"latent width 12288 \(EXPERT_UP stages"),
                               ("EXPERT_DOWN", {"I": 512}, "fragment-order experts need records"),
                               ("EXPERT_UP", {"flags": F_FRAG},
                                "is torch.uint8; the megakernel reads it as torch.bfloat16")):

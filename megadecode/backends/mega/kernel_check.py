@@ -131,8 +131,8 @@ def check_program(prog: Program) -> None:
 
 def _check_frag(prog: Program, ins, where: str) -> None:
     """F_FRAG (the tensor-core expert bodies, cute/moe.py): MXFP4 records of quant/mxfp4_frag.py's shape for the
-    instruction's dims, reductions whole records (256), EXPERT_UP's gate / up split on a tile boundary and
-    EXPERT_DOWN's rows whole tiles. EXPERT_UP's pair table shares EXPERT_DOWN's bound
+    instruction's dims, reductions whole records (256), EXPERT_UP's gate / up split on a tile boundary, its staged
+    row within shared memory and EXPERT_DOWN's rows whole tiles. EXPERT_UP's pair table shares EXPERT_DOWN's bound
     (one shared int word a pair, checked on the layer's EXPERT_DOWN). F_FRAG without F_MXFP4 is refused by the dtype
     check (records are uint8, bf16 experts are not)."""
     a = ins.args
@@ -140,6 +140,9 @@ def _check_frag(prog: Program, ins, where: str) -> None:
     I, D = a["I"], a["D"]
     R, K = (2 * I, D) if up else (D, I)
     w = prog.tensors[a["gu" if up else "dn"]].tensor
+    if up and D + 8 > SMEM_F:
+        raise KernelLimit(f"{where}: latent width {D} (EXPERT_UP stages a pair's row as two fp16 planes and 8 words "
+                          f"in {SMEM_F} shared fp32 words: D <= {SMEM_F - 8})")
     if K % KREC or I % FRAG_TILE or tuple(w.shape[1:]) != (R // FRAG_TILE, K // KREC, RECORD):
         raise KernelLimit(f"{where}: fragment-order experts need records [E, {R}/{FRAG_TILE}, {K}/{KREC}, {RECORD}] "
                           f"(K a multiple of {KREC}, I of {FRAG_TILE}); got {tuple(w.shape)} for I = {I}, D = {D}")

@@ -146,6 +146,19 @@ def ld4w(addr: Int64):
 
 
 @cute.jit
+def lds4(addr: Int32):
+    """16 bytes of shared memory at byte address addr as 4 words."""
+    return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
+
+
+@cute.jit
+def sts1(addr: Int32, v: Uint32):
+    """One word into shared memory at byte address addr."""
+    cute.arch.inline_ptx("st.shared.u32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
 def f32_bits(x: Float32) -> Int32:
     return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[x])
 

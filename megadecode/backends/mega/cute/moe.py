@@ -34,6 +34,7 @@ from .base import (
     ld8,
     ldf,
     ldi,
+    lds4,
     ldu8,
     mark,
     mma_f16,
@@ -42,6 +43,7 @@ from .base import (
     situ,
     stf,
     sti,
+    sts1,
     warp_argmax,
     warp_max,
     warp_sum,
@@ -418,11 +420,13 @@ def frag_row_scale(xrow: Int64, K: Int32, lane: Int32):
 
 
 @cute.jit
-def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up_s: Float32, lane: Int32,
-               acc: cute.Tensor):
+def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up_s: Float32, sbase: Int32,
+               K: Int32, staged: Constexpr, lane: Int32, acc: cute.Tensor):
     """acc[0..3] (the tile at ra) and, with ntl = 2, acc[4..7] (the tile at rb): this lane's sums C[g, 2c..2c+1],
-    C[g + 8, 2c..2c+1] of the tiles' nsc records (RECORD bytes apart) against the row at xrow times up_s
-    (frag_row_scale), the block scales applied; times the row's 2**(14 - kk) they are the dot products."""
+    C[g + 8, 2c..2c+1] of the tiles' nsc records (RECORD bytes apart) against the activation row, the block scales
+    applied; times the row's 2**(14 - kk) they are the dot products. B comes from the fp32 row at xrow, times up_s
+    (frag_row_scale) and split per block, or, staged, from the row's fp16 hi / lo planes in shared memory at byte
+    sbase (stage_row; K values a plane)."""
     c = lane % 4
     g = lane // 4
     for i in cutlass.range_constexpr(8):
@@ -436,12 +440,19 @@ def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up
             ss.append(ld4w(base + Int64(WBYTES) + Int64(16) * Int64(g)))
         for q in cutlass.range_constexpr(4):
             for b in cutlass.range_constexpr(2):
-                xv = ld8(Float32, xrow + Int64(256 * sc + 64 * q + 32 * b + 8 * c) * 4)
                 hi, lo = [], []
-                for i in cutlass.range_constexpr(4):
-                    h, l = f16x2_split(xv[2 * i] * up_s, xv[2 * i + 1] * up_s)
-                    hi.append(h)
-                    lo.append(l)
+                if cutlass.const_expr(staged):
+                    at = sbase + 2 * (256 * sc + 64 * q + 32 * b + 8 * c)  # this lane's 8 fp16 of the block
+                    hv = lds4(at)
+                    lv = lds4(at + 2 * K)
+                    hi = [hv[0], hv[1], hv[2], hv[3]]
+                    lo = [lv[0], lv[1], lv[2], lv[3]]
+                else:
+                    xv = ld8(Float32, xrow + Int64(256 * sc + 64 * q + 32 * b + 8 * c) * 4)
+                    for i in cutlass.range_constexpr(4):
+                        h, l_ = f16x2_split(xv[2 * i] * up_s, xv[2 * i + 1] * up_s)
+                        hi.append(h)
+                        lo.append(l_)
                 mb = 2 * q + b
                 for t in cutlass.range_constexpr(ntl):
                     p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
@@ -459,6 +470,44 @@ def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up
 
 
 @cute.jit
+def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
+    """The fp32 row at xrow (K values, produced in this launch: coherent loads, after the instruction's wait) into
+    shared memory at byte sbase as fp16 hi (bytes [0, 2K)) and lo ([2K, 4K)) planes of the row times 2**kk
+    (frag_row_scale's rule over the CTA); the 8 words after the planes hold the warps' maxima. Returns
+    2**(14 - kk). The whole CTA calls it; it starts and ends with a block barrier (the planes' earlier readers are
+    done; the new planes are written)."""
+    red = sbase + 4 * K
+    cute.arch.sync_threads()
+    m = Float32(0.0)
+    for k in cutlass.range(tid * 8, K, NT * 8):
+        v = ld8(Float32, xrow + Int64(k) * 4)
+        for j in cutlass.range_constexpr(8):
+            m = cute.arch.fmax(m, cute.arch.fmax(v[j], -v[j]))
+    m = warp_max(m)
+    if tid % 32 == 0:
+        sts1(red + (tid // 32) * 4, Uint32(f32_bits(m)))
+    cute.arch.sync_threads()
+    mm = Float32(0.0)
+    for w in cutlass.range_constexpr(NW // 4):
+        q = lds4(red + 16 * w)
+        for j in cutlass.range_constexpr(4):
+            mm = cute.arch.fmax(mm, from_bits(q[j]))
+    ex = (f32_bits(mm) >> 23) & 255
+    kk = Int32(0)
+    if ex > 0 and ex < 255:
+        kk = cutlass.min(Int32(141) - ex, Int32(127))
+    up_s = from_bits(Uint32((kk + 127) << 23))
+    for i in cutlass.range(tid, K // 8, NT):
+        v = ld8(Float32, xrow + Int64(8 * i) * 4)
+        for j in cutlass.range_constexpr(4):
+            h, l_ = f16x2_split(v[2 * j] * up_s, v[2 * j + 1] * up_s)
+            sts1(sbase + 16 * i + 4 * j, h)
+            sts1(sbase + 2 * K + 16 * i + 4 * j, l_)
+    cute.arch.sync_threads()
+    return from_bits(Uint32((141 - kk) << 23))
+
+
+@cute.jit
 def pair_experts(ib: Int64, smi: cute.Tensor, tid: Int32, nuniq: Int32, uniq_off: Int32, pstart_off: Int32):
     """smi[p] = the expert of pair p (ROUTE's grouping, produced in this launch: coherent loads), then a block
     barrier."""
@@ -470,9 +519,12 @@ def pair_experts(ib: Int64, smi: cute.Tensor, tid: Int32, nuniq: Int32, uniq_off
 
 
 @cute.jit
-def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor, tid: Int32):
     """EXPERT_UP under F_FRAG: units (pair, gate tile) of N = pairs x I / 16, this item's share [w N / W,
-    (w + 1) N / W) (isa.up_chunks with unit FRAG_TILE, which pyvm runs), a unit a warp at a time."""
+    (w + 1) N / W) (isa.up_chunks with unit FRAG_TILE, which pyvm runs). Pair by pair (an item's units touch one
+    or two), the CTA stages the pair's x once in shared memory as fp16 hi / lo planes (stage_row), then its warps
+    take the pair's units a unit a warp, reading B there: the conversion is done once a CTA, not once a warp and
+    unit (on the H200 -3% / -7% of k3-mini's batch 1 / 8 launch, bench/mega_frag_ab.py)."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     use_situ = (arg(smi, 3) & F_SITU) != 0
@@ -488,22 +540,27 @@ def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, ti
     N = npairs * nt
     lo = Int32(Int64(w) * Int64(N) // Int64(W))
     hi = Int32(Int64(w + 1) * Int64(N) // Int64(W))
+    sbase = Int32(sm.iterator.toint())  # the planes: 4 D bytes, then 8 words (kernel_check: D + 8 <= SMEM_F)
     acc = cute.make_rmem_tensor(8, Float32)
     c, g = lane % 4, lane // 4
-    for unit in cutlass.range(lo + warp, hi, NW):
-        p, rt = unit // nt, unit % nt
-        xrow = fa(fb, x_off + ldi(ia(ib, ptok_off + p)) * D)
-        up_s, fs = frag_row_scale(xrow, D, lane)
-        ra = gu + (Int64(smi[p]) * Int64(2 * nt) + Int64(rt)) * Int64(nsc) * Int64(RECORD)
-        frag_tiles(ra, ra + Int64(nt) * Int64(nsc) * Int64(RECORD), 2, nsc, xrow, up_s, lane, acc)
-        if c == 0:
-            for i in cutlass.range_constexpr(2):
-                gv = acc[2 * i] * fs
-                uv = acc[4 + 2 * i] * fs
-                hv = silu(gv) * uv
-                if use_situ:
-                    hv = situ(gv, uv)
-                stf(Float32, fa(fb, h_off + p * I + rt * FRAG_TILE + g + 8 * i), hv)
+    if lo < hi:
+        for p in cutlass.range(lo // nt, (hi - 1) // nt + 1):
+            xrow = fa(fb, x_off + ldi(ia(ib, ptok_off + p)) * D)
+            fs = stage_row(xrow, D, sbase, tid)
+            ra = gu + Int64(smi[p]) * Int64(2 * nt) * Int64(nsc) * Int64(RECORD)
+            for unit in cutlass.range(cutlass.max(lo, p * nt) + warp, cutlass.min(hi, (p + 1) * nt), NW):
+                rt = unit % nt
+                rg = ra + Int64(rt) * Int64(nsc) * Int64(RECORD)
+                frag_tiles(rg, rg + Int64(nt) * Int64(nsc) * Int64(RECORD), 2, nsc, xrow, Float32(1.0), sbase, D,
+                           True, lane, acc)
+                if c == 0:
+                    for i in cutlass.range_constexpr(2):
+                        gv = acc[2 * i] * fs
+                        uv = acc[4 + 2 * i] * fs
+                        hv = silu(gv) * uv
+                        if use_situ:
+                            hv = situ(gv, uv)
+                        stf(Float32, fa(fb, h_off + p * I + rt * FRAG_TILE + g + 8 * i), hv)
 
 
 @cute.jit
@@ -525,7 +582,7 @@ def expert_down_frag(fb: Int64, ib: Int64, dn: Int64, smi: cute.Tensor, tid: Int
         xrow = fa(fb, h_off + p * I)
         up_s, fs = frag_row_scale(xrow, I, lane)
         ra = dn + (Int64(smi[p]) * Int64(ntd) + Int64(rt)) * Int64(nsc) * Int64(RECORD)
-        frag_tiles(ra, ra, 1, nsc, xrow, up_s, lane, acc)
+        frag_tiles(ra, ra, 1, nsc, xrow, up_s, Int32(0), I, False, lane, acc)
         if c == 0:
             for i in cutlass.range_constexpr(2):
                 stf(Float32, fa(fb, y_off + p * D + rt * FRAG_TILE + g + 8 * i), acc[2 * i] * fs)
@@ -541,7 +598,7 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor,
     number of rows to within one, however the pairs fall on the experts. F_FRAG: MXFP4 records on the tensor
     cores, whole 16-row tiles (expert_up_frag)."""
     if (arg(smi, 3) & F_FRAG) != 0:
-        expert_up_frag(fb, ib, wtab, smi, tid)
+        expert_up_frag(fb, ib, wtab, sm, smi, tid)
     else:
         expert_up_rows(fb, ib, wtab, smi, tid)
 
