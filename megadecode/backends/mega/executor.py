@@ -193,27 +193,40 @@ def frag_order(cfg, device) -> str:
     return expert_layout.FRAGMENT
 
 
-def restored_latent_moe(ctx, op) -> None:
-    """The torch reference's LATENT_MOE op (backends/torch/ops.py) over routed experts held in fragment order: the
-    experts the step selected are restored exactly to the checkpoint's order (quant/mxfp4_frag.restore) into a
-    stack of their own, the ids renumbered into it (ascending, as the reference walks the experts), and the op
-    runs on that: the same values in the same order as on checkpoint-order weights, without restoring the other
-    experts."""
-    from ...plan import LATENT_MOE
-    from ...quant.mxfp4_frag import MXFP4Frag, frag_from_entries, restore
-    from ..torch.ops import OP_IMPLS
+class _Restored:
+    """Routed experts held in fragment order, read one expert at a time as the reference reads a stack of
+    experts: `stack[e]` is expert e restored exactly to the checkpoint's order (quant/mxfp4_frag.restore) and
+    decoded to fp32, as MXFP4Tensor's rows decode. Only the expert being multiplied is ever restored: a prefill of
+    many tokens selects most of K3's 896 experts, whose restored copy at once (~31 GB a layer with the selection)
+    ran the H200 out of memory at batch 8."""
 
-    ids_name = op.inputs[1]
-    ids = ctx.buf[ids_name]
-    sel, local = torch.unique(ids, return_inverse=True)
-    w = dict(ctx.w)
-    for p, s in (op.weights[1:3], op.weights[3:5]):  # gate_up, down: (packed, scale) entries
-        f = frag_from_entries(ctx.w[p], ctx.w[s])
-        part = restore(MXFP4Frag(f.data[sel].contiguous(), torch.Size((len(sel), *f.shape[1:]))))
-        w[p], w[s] = part.packed, part.scales
-    held = ctx.w
-    ctx.w, ctx.buf[ids_name] = w, local.view_as(ids)
-    try:
-        OP_IMPLS[LATENT_MOE](ctx, op)
-    finally:
-        ctx.w, ctx.buf[ids_name] = held, ids
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor):
+        from ...quant.mxfp4_frag import frag_from_entries
+
+        self.frag = frag_from_entries(packed, scales)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        from ...quant.mxfp4 import MXFP4Tensor
+        from ...quant.mxfp4_frag import MXFP4Frag, restore
+
+        f = self.frag
+        part = restore(MXFP4Frag(f.data[e:e + 1].contiguous(), torch.Size((1, *f.shape[1:]))))
+        return MXFP4Tensor(part.packed, part.scales)[0].dequantize(torch.float32)
+
+
+def restored_latent_moe(ctx, op) -> None:
+    """The torch reference's LATENT_MOE op (backends/torch/ops.py: latent down, reference/latent_moe.py's loop
+    over the selected experts, the norm of the weighted sum, latent up) over routed experts held in fragment
+    order, each selected expert restored when the loop reaches it (`_Restored`): the same values in the same
+    order as on checkpoint-order weights. The mega executor holds no expert parallelism (no combine)."""
+    import torch.nn.functional as F
+
+    from ...reference.latent_moe import latent_experts
+    from ...reference.norm import rms_norm
+
+    x, ids, wts = (ctx.buf[n] for n in op.inputs)
+    down_w, gu_p, gu_s, dn_p, dn_s, norm_w, up_w = (ctx.w[n] for n in op.weights)
+    h = F.linear(x.float(), down_w.float())
+    z = latent_experts(h, ids, wts, _Restored(gu_p, gu_s), _Restored(dn_p, dn_s), ctx.cfg.expert_act)
+    z = rms_norm(z, norm_w.float(), ctx.cfg.rms_norm_eps)
+    ctx.buf[op.outputs[0]] = F.linear(z, up_w.float()).to(x.dtype)
