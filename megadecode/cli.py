@@ -119,9 +119,14 @@ def _add_generate(sub) -> None:
                    help="no EOS among a sequence's first N new tokens (vLLM's min_tokens), at most --max-new-tokens")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep the tokens after an EOS: every sequence gets --max-new-tokens")
-    p.add_argument("--speculative", choices=("ngram",),
-                   help="speculative decoding: drafts from prompt lookup (ngram) verified a step at a time, kept "
-                        "by the target's greedy choice or, sampling, by the rejection rule (qwen3_moe, deepseek_v3)")
+    p.add_argument("--speculative", choices=("ngram", "draft"),
+                   help="speculative decoding: drafts from prompt lookup (ngram) or a draft model (draft, with "
+                        "--draft-model) verified a step at a time, kept by the target's greedy choice or, sampling, "
+                        "by the rejection rule (qwen3_moe, deepseek_v3)")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="with --speculative draft: a smaller model of the same vocabulary (a preset, an HF "
+                        "checkpoint directory or a hub name), run on --device with the graph executor on CUDA, "
+                        "the torch one on the CPU")
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                    help="with --speculative: draft tokens a step, 1 to 7")
     guide = p.add_mutually_exclusive_group()
@@ -243,6 +248,8 @@ def cmd_generate(args, argv) -> int:
     from .tokenizer import load_tokenizer
 
     name, args.model = args.model, resolve_model(args.model)  # ORG/NAME: its snapshot in the local hub cache
+    if args.draft_model is not None:
+        args.draft_model = resolve_model(args.draft_model)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
@@ -253,7 +260,7 @@ def cmd_generate(args, argv) -> int:
                            f"{args.min_tokens}")
     sampling = _sampling(args)
     cfg = model_config(args.model)
-    if args.speculative:
+    if args.speculative or args.draft_model is not None:
         _check_speculative(args, sampling, cfg)
     tok = load_tokenizer(None if args.model in PRESETS else args.model)
     guide = _guide(args, cfg, tok)  # compiled before any weight is built: a bad schema fails at once
@@ -284,7 +291,8 @@ def cmd_generate(args, argv) -> int:
     texts = [tok.decode(ids) for ids in res.token_ids]
     spec = None
     if args.speculative:
-        spec = {"drafter": args.speculative, "num_draft_tokens": args.num_draft_tokens, "steps": res.steps,
+        spec = {"drafter": args.speculative, "draft_model": args.draft_model,
+                "num_draft_tokens": args.num_draft_tokens, "steps": res.steps,
                 "drafted": res.drafted, "accepted": res.accepted, "acceptance": res.acceptance,
                 "tokens_per_step": res.tokens_per_step}
     if args.json:
@@ -321,10 +329,16 @@ def cmd_generate(args, argv) -> int:
 def _check_speculative(args, sampling, cfg) -> None:
     """--speculative's limits, named by flag: no penalties, one process, no structured output or min-tokens beside
     it."""
-    from .engine import RequestError
+    from .engine import RequestError, model_config
     from .speculative import MAX_DRAFT, check_model
 
     check_model(cfg)
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise RequestError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
+    if args.draft_model is not None:
+        from .speculative import check_draft_model
+
+        check_draft_model(model_config(args.draft_model), cfg.vocab_size)
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT:
         raise RequestError(f"--num-draft-tokens must be in [1, {MAX_DRAFT}], got {args.num_draft_tokens}")
     if sampling.penalized:
@@ -393,11 +407,14 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide=None):
     try:
         with bars[0] as warm, bars[1] as pre, bars[2] as progress:
             if args.speculative:
-                from .speculative import NgramDrafter, check_speculative, generate
+                from .speculative import NgramDrafter, check_speculative, draft_model_drafter, generate
 
                 check_speculative(engine)
-                return generate(engine, prompts, args.max_new_tokens, NgramDrafter(args.num_draft_tokens), sampling,
-                                seed=args.seed, stop_at_eos=not args.ignore_eos)
+                drafter = NgramDrafter(args.num_draft_tokens) if args.speculative == "ngram" else \
+                    draft_model_drafter(args.draft_model, args.num_draft_tokens, cfg.vocab_size, device=engine.device,
+                                        dtype=args.dtype, seed=args.seed, max_batch=len(prompts), max_seq_len=need)
+                return generate(engine, prompts, args.max_new_tokens, drafter, sampling, seed=args.seed,
+                                stop_at_eos=not args.ignore_eos)
             guides = None if guide is None else [guide[0].guide(guide[1]) for _ in prompts]
             return engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=progress,
                                    warmup_progress=warm, prefill_progress=pre, stop_at_eos=not args.ignore_eos,

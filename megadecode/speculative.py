@@ -18,13 +18,16 @@ masked by position). Models with a recurrent state (KDA layers: kimi_linear, kim
 advance over rejected drafts.
 
 Drafters: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats;
+`DraftModelDrafter`, a smaller model of the same vocabulary (`--draft-model`): its greedy continuation;
 `OracleDrafter`, recorded continuations (benchmarks: every draft accepted).
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,6 +36,11 @@ from .sampling import SamplingParams, race, sample, target_probs
 from .step import Step
 
 MAX_DRAFT = 7  # draft tokens a step at most (issue 43: k up to 7)
+
+
+class Drafter(Protocol):
+    def draft(self, tokens: list[int]) -> list[int]:
+        """Up to k proposed next tokens of the sequence `tokens` (prompt and output so far); [] for none."""
 
 
 class NgramDrafter:
@@ -91,6 +99,92 @@ class OracleDrafter:
         return []
 
 
+class DraftModelDrafter:
+    """Drafts by a second, smaller model of the target's vocabulary (speculative decoding's classic drafter): the
+    draft engine's greedy continuation of the sequence, k tokens. The draft engine keeps one cache slot per
+    sequence it drafts for, found by the longest common prefix of the tokens the slot's cache holds with the
+    sequence (the least recently used slot when none shares one): a draft feeds only the tokens past that prefix
+    (the previous step's accepted drafts and the target's token) in one step that continues the slot's cache, then
+    k - 1 one-token steps. Entries past the prefix are left in the cache; the step that feeds those positions
+    overwrites them before any query can see them (attention is masked by position). Steps run the draft
+    executor's prefill ops (`run_ops`), eager."""
+
+    def __init__(self, engine: Engine, k: int, vocab_size: int):
+        if not 1 <= k <= MAX_DRAFT:
+            raise RequestError(f"draft tokens must be in [1, {MAX_DRAFT}], got {k}")
+        check_draft_model(engine.cfg, vocab_size)
+        if engine.parallel is not None:
+            raise RequestError("the draft model runs in one process (no expert parallelism)")
+        self.engine, self.k = engine, k
+        n = engine.cache.num_slots
+        self.held: list[list[int]] = [[] for _ in range(n)]  # the tokens whose entries each slot's cache holds
+        self.last_use = [0] * n
+        self.clock = 0
+
+    def _slot(self, tokens: list[int]) -> tuple[int, int]:
+        """(slot, prefix length) for the sequence: the slot sharing its longest prefix, else the least recently
+        used one (prefix 0)."""
+        best, best_n = None, 0
+        for s, h in enumerate(self.held):
+            n = 0
+            for a, b in zip(h, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = s, n
+        if best is None:
+            best = min(range(len(self.held)), key=self.last_use.__getitem__)
+        return best, best_n
+
+    def _step(self, feed: list[int], first: int, slot: int) -> torch.Tensor:
+        """Feed `feed` at positions first.. of `slot`'s cache; the next-token logits after its last token."""
+        dev = self.engine.device
+        n = len(feed)
+        step = Step(tokens=torch.tensor(feed, device=dev), positions=torch.arange(first, first + n, device=dev),
+                    slots=torch.full((n,), slot, device=dev), logit_rows=torch.tensor([n - 1], device=dev),
+                    kv_len=first + n, segments=[(0, n, slot)])
+        return self.engine.executor.run_ops(step).buf["logits"][-1]
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int]) -> list[int]:
+        k = min(self.k, self.engine.max_seq_len - len(tokens))
+        if k <= 0:
+            return []
+        tokens = [operator.index(t) for t in tokens]
+        slot, common = self._slot(tokens)
+        common = min(common, len(tokens) - 1)  # at least the last token is fed: its logits are the first draft's
+        self.clock += 1
+        self.last_use[slot] = self.clock
+        self.held[slot] = tokens[:common]  # kept if a step below raises
+        logits = self._step(tokens[common:], common, slot)
+        held, out = list(tokens), []
+        for i in range(k):
+            if not bool(torch.isfinite(logits).all()):
+                break  # a draft from NaN logits would be noise: propose what there is
+            t = int(logits.argmax())
+            out.append(t)
+            if i + 1 < k:
+                logits = self._step([t], len(held), slot)
+                held.append(t)
+        self.held[slot] = held
+        return out
+
+
+def draft_model_drafter(model: str, k: int, vocab_size: int, *, device, dtype: str, seed: int, max_batch: int,
+                        max_seq_len: int | None) -> DraftModelDrafter:
+    """`--draft-model`'s drafter for a target of `vocab_size` tokens: the model (a preset with seed `seed`'s random
+    weights, or a checkpoint) built on the target's device, checked first, with the graph executor on CUDA (its
+    eager prefill ops) and the torch one on the CPU; `max_batch` sequences (cache slots) of `max_seq_len`."""
+    from .engine import model_config
+
+    check_draft_model(model_config(model), vocab_size)
+    executor = "graph" if torch.device(device).type == "cuda" else "torch"
+    draft = Engine.from_pretrained(model, device=device, dtype=dtype, seed=seed, executor=executor,
+                                   max_batch=max_batch, max_seq_len=max_seq_len)
+    return DraftModelDrafter(draft, k, vocab_size)
+
+
 @dataclass
 class SpeculativeResult:
     token_ids: list[list[int]]
@@ -123,6 +217,17 @@ def check_model(cfg) -> None:
     if any(cfg.is_kda(i) for i in range(cfg.num_layers)):
         raise RequestError(f"speculative decoding does not take {cfg.family}: its KDA layers' recurrent state "
                            "would advance over rejected drafts (qwen3_moe and deepseek_v3 are taken)")
+
+
+def check_draft_model(cfg, vocab_size: int) -> None:
+    """RequestError for a draft model that cannot draft for a target of `vocab_size` tokens: another vocabulary,
+    or a recurrent state (KDA) that a rejected draft would advance."""
+    if cfg.vocab_size != vocab_size:
+        raise RequestError(f"the draft model's vocabulary has {cfg.vocab_size} tokens, the target's {vocab_size}: "
+                           "a draft model must share the target's tokenizer")
+    if any(cfg.is_kda(i) for i in range(cfg.num_layers)):
+        raise RequestError(f"a {cfg.family} draft model is not taken: its KDA layers' recurrent state would advance "
+                           "over drafts (qwen3_moe and deepseek_v3 draft models are)")
 
 
 def check_speculative(engine: Engine) -> None:
@@ -165,7 +270,7 @@ def accept(logits: torch.Tensor, feed: list[int], params: SamplingParams, genera
 
 
 @torch.inference_mode()
-def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, drafter: NgramDrafter,
+def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, drafter: Drafter,
              sampling: SamplingParams = SamplingParams(greedy=True), *, seed: int = 0,
              stop_at_eos: bool = True) -> SpeculativeResult:
     """Up to `max_new_tokens` per prompt with drafts verified a step at a time (cache slot i = prompt i). Greedy:

@@ -60,3 +60,32 @@ def test_sequences_that_take_no_drafts_are_served_as_before(spec):
 def test_models_with_kda_layers_are_refused_speculation():
     with pytest.raises(ValueError, match="KDA layers' recurrent state"):
         Server.build("tiny-k3", max_batch=2, max_seq_len=MAX_SEQ, drafter=NgramDrafter(2))
+
+
+def test_a_draft_model_drafts_for_the_server(capsys):
+    """`serve --speculative draft --draft-model M`: greedy completions are still the engine's own; the draft model
+    (here the target itself: every draft accepted) proposes for two sequences batched together."""
+    from megadecode.speculative import draft_model_drafter
+    from test_cli import fails
+
+    drafter = draft_model_drafter(QWEN, 3, 259, device="cpu", dtype="float32", seed=0, max_batch=2,
+                                  max_seq_len=MAX_SEQ)
+    r = Running(Server.build(QWEN, max_batch=2, max_seq_len=MAX_SEQ, drafter=drafter))
+    try:
+        client = r.client()
+
+        def one(p):
+            return client.completions.create(model=QWEN, prompt=p, max_tokens=20, temperature=0,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+
+        prompts = ["Hello there", "12345"]
+        with cf.ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(one, prompts))
+        for p, out in zip(prompts, outs):
+            assert out.choices[0].token_ids == alone(ids(p), 20, eos=False).token_ids[0], p
+        drafted = r.metric("megadecode_spec_draft_tokens_total")
+        assert drafted > 0 and r.metric("megadecode_spec_accepted_tokens_total") >= 0.9 * drafted
+    finally:
+        r.close()
+    assert "--speculative draft needs --draft-model" in fails(capsys, ["serve", "--speculative", "draft"])
+    assert "--draft-model needs --speculative draft" in fails(capsys, ["serve", "--draft-model", QWEN])

@@ -53,7 +53,7 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler,
                  emit: Callable[[list[tuple[Sequence, Delta]]], None], metrics=None, overlap: bool = True,
                  drafter=None):
-        """`drafter` (speculative.NgramDrafter): decode steps verify its drafts (ModelRunner.verify) instead of
+        """`drafter` (speculative.NgramDrafter or DraftModelDrafter): decode steps verify its drafts (ModelRunner.verify) instead of
         one token a sequence, eagerly and without a step launched ahead."""
         self.runner, self.scheduler, self.emit, self.overlap = runner, scheduler, emit, overlap
         self.drafter = drafter

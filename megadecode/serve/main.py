@@ -45,9 +45,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled between two decode steps, at least one prompt (default: "
                         "--max-seq-len)")
-    p.add_argument("--speculative", choices=("ngram",), default=None,
-                   help="speculative decoding: prompt-lookup drafts verified a step at a time (qwen3_moe, "
-                        "deepseek_v3; eager verify steps, one process)")
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: prompt-lookup (ngram) or draft-model (draft, with --draft-model) "
+                        "drafts verified a step at a time (qwen3_moe, deepseek_v3; eager verify steps, one process)")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="with --speculative draft: a smaller model of the same vocabulary (a preset, an HF "
+                        "checkpoint directory or a hub name), on the server's device (graph executor on CUDA, torch "
+                        "on the CPU)")
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                    help="with --speculative: draft tokens a sequence a step, 1 to 7")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of a preset's random weights, in [0, 2**32 - 1]")
@@ -79,6 +83,8 @@ def check_args(args) -> None:
         raise ValueError(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
     if args.speculative and not 1 <= args.num_draft_tokens <= 7:
         raise ValueError(f"--num-draft-tokens must be in [1, 7], got {args.num_draft_tokens}")
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise ValueError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
     if args.speculative and args.ep > 1:
         raise ValueError("--speculative runs in one process: it cannot be used with --ep")
     if args.batch_sizes is not None and not all(1 <= b <= args.max_batch for b in args.batch_sizes):
@@ -128,10 +134,17 @@ def build_server(args, ep, progress=None):
     resolve_executor(args, cfg, args.max_batch, ep is None or ep.rank == 0)
     drafter = None
     if args.speculative:
-        from ..speculative import NgramDrafter, check_model
+        from ..speculative import NgramDrafter, check_model, draft_model_drafter
 
         check_model(cfg)  # before any weight is built
-        drafter = NgramDrafter(args.num_draft_tokens)
+        if args.speculative == "ngram":
+            drafter = NgramDrafter(args.num_draft_tokens)
+        else:
+            from ..hub import resolve_model
+
+            drafter = draft_model_drafter(resolve_model(args.draft_model), args.num_draft_tokens, cfg.vocab_size,
+                                          device=ranks.device(args, ep), dtype=args.dtype, seed=args.seed,
+                                          max_batch=args.max_batch, max_seq_len=args.max_seq_len)
     return agree(ep, Server.build, args.model, max_batch=args.max_batch, executor=args.executor,
                  device=ranks.device(args, ep), dtype=args.dtype, max_seq_len=args.max_seq_len, seed=args.seed,
                  check_finite=args.check_finite, ignore_unknown=args.ignore_unknown_tensors,
