@@ -5,6 +5,7 @@ arithmetic refuses what does not fit. The audit's catches of planted mistakes: t
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -161,12 +162,25 @@ def test_kernel_keeps_fp32_subnormals():
     assert not re.search(r"\bcvt(\.\w+)*\.ftz(\.\w+)*\.f32\.f16", ptx)
 
 
-def test_kernel_check_constants_are_the_kernels():
-    from megadecode.backends.mega.cute import attention, base
-    from megadecode.backends.mega.kernel_check import MLA_HB, NT, SMEM_F
+def test_each_opcode_is_one_module_whose_tables_name_its_row_and_whose_body_the_kernel_dispatches():
+    """ops/: every opcode of the ISA table (but NOP) has a module; what it declares of its arguments (dtypes, MXFP4
+    forms, produced tensors, lengths, aligned offsets) names arguments of its row; the kernel's dispatch takes each
+    opcode's body, the function its module names, once; pyvm runs its `run`."""
+    from megadecode.backends.mega import ops
+    from megadecode.backends.mega.isa import OPS
 
-    assert (NT, SMEM_F) == (base.NT, base.SMEM_F)
-    assert MLA_HB == attention.MLA_HB
+    assert set(ops.BY_NAME) == set(OPS) - {"NOP"}
+    for m in ops.MODULES:
+        row = set(OPS[m.NAME][1])
+        declared = set(m.DTYPES) | set(getattr(m, "MXFP4", ())) | set(getattr(m, "PRODUCED", ())) | \
+            set(getattr(m, "LENGTHS", {})) | set(getattr(m, "ALIGNED", ()))
+        assert declared <= row, (m.NAME, declared - row)
+        assert set(getattr(m, "PRODUCED", ())) <= set(m.DTYPES), m.NAME
+        assert callable(m.run) and m.__name__.endswith("." + m.NAME.lower())
+    assert sorted(K.DISPATCH) == sorted(ops.BY_NAME)
+    for name, body in K.BODIES:
+        mod, fn = ops.BY_NAME[name].BODY
+        assert body is getattr(importlib.import_module(f"megadecode.backends.mega.cute.{mod}"), fn), name
 
 
 def test_the_shared_int_words_of_the_kernel_do_not_overlap():

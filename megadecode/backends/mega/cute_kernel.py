@@ -21,6 +21,7 @@ memory) is checked on the host before a launch (`backends/mega/kernel_check.py`)
 from __future__ import annotations
 
 import functools
+import importlib
 import tempfile
 
 import cuda.bindings.driver as cuda_drv  # noqa: E402
@@ -30,33 +31,18 @@ from cutlass import Float32, Int32, Int64, Uint32  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
-from .cute.attention import op_attn_gqa, op_mla_attn, op_mla_kv, op_mla_q  # noqa: E402
 from .cute.base import (  # noqa: E402,F401
     IDX_S, NEXT_S, NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32, row_copies_landed, row_copy16,
 )
-from .cute.dense import op_embed, op_merge, op_rows, op_sample  # noqa: E402
-from .cute.k3 import op_attn_res, op_kda_step  # noqa: E402
-from .cute.moe import op_expert_down, op_expert_up, op_route  # noqa: E402
+from . import ops  # noqa: E402
 from .isa import OPCODES, W_NEXT  # noqa: E402
 
 
-@cute.jit
-def op_matvec(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
-              smi: cute.Tensor, tid: Int32):
-    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, False)
-
-
-@cute.jit
-def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
-           smi: cute.Tensor, tid: Int32):
-    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, True)
-
-
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
-BODIES = (("MATVEC", op_matvec), ("GLU", op_glu), ("EMBED", op_embed), ("ATTN_GQA", op_attn_gqa),
-          ("MERGE", op_merge), ("ROUTE", op_route), ("EXPERT_UP", op_expert_up), ("EXPERT_DOWN", op_expert_down),
-          ("SAMPLE", op_sample), ("MLA_KV", op_mla_kv), ("MLA_Q", op_mla_q), ("MLA_ATTN", op_mla_attn),
-          ("ATTN_RES", op_attn_res), ("KDA_STEP", op_kda_step))
+DISPATCH = ("MATVEC", "GLU", "EMBED", "ATTN_GQA", "MERGE", "ROUTE", "EXPERT_UP", "EXPERT_DOWN", "SAMPLE", "MLA_KV",
+            "MLA_Q", "MLA_ATTN", "ATTN_RES", "KDA_STEP")  # the order the loop tests the opcode in
+BODIES = tuple((n, getattr(importlib.import_module(f".cute.{ops.BY_NAME[n].BODY[0]}", __package__),
+                           ops.BY_NAME[n].BODY[1])) for n in DISPATCH)
 
 
 # ---- the persistent loop ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...quant.mxfp4_frag import is_frag_entry
 from .builder import Builder
-from .kernel_check import NT
+from .limits import NT
 from .isa import (
     FRAG_TILE,
     F_FRAG,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .isa import Instr
 from .program import Program
 from .pyvm_ops import VMOps
@@ -131,7 +132,8 @@ class PyVM(VMOps):
             raise WaitViolation(f"{ins.name} ran before its waits were satisfied")
         self._cur = idx
         self.trace.append(idx)
-        getattr(self, f"op_{ins.op.lower()}")(ins, ins.args)
+        if ins.op != "NOP":
+            ops.BY_NAME[ins.op].run(self, ins, ins.args)  # the opcode's module (ops/)
         if ins.signal >= 0:
             self.counters[ins.signal] = _wrap(self.counters[ins.signal] + 1)
 

@@ -7,6 +7,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 from ..isa import F_INTERLEAVED, F_NOPE
+from ..limits import MLA_HB
 from .base import (
     ARG,
     _g,
@@ -365,7 +366,6 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
         stf(Float32, fa(fb, qpe_off + (b * H + h) * R + jb), x1)
 
 
-MLA_HB = 8  # the most heads an MLA_ATTN instruction holds (layers.py: HB = min(H, 8); kernel_check)
 assert NT % CH == 0 and (NT // CH) & (NT // CH - 1) == 0 and NT // CH <= 32  # MLA scores: lanes per position
 
 

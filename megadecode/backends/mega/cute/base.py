@@ -12,17 +12,15 @@ from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported fo
 )
 from ....quant.mxfp4_frag import MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, WBYTES  # noqa: F401
 from ..isa import HEADER, OPS, PASS, ROW, TLW
+from ..limits import BODY_I, NT, SMEM_F, SMEM_I
 
-NT = 256  # threads per CTA
 NW = NT // 32
 TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
-SMEM_F = 12288  # fp32 words of shared memory per CTA (48 KiB)
-SMEM_I = 2048  # int32 words (8 KiB)
 SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
-NEXT_S = SMEM_I - 112  # the next instruction's row, copied (cp.async) while the current one runs
-BODY_I = NEXT_S  # the int words a body may use: [0, BODY_I)
+NEXT_S = BODY_I  # the next instruction's row, copied (cp.async) while the current one runs; a body's int words
+# are [0, BODY_I) (limits.py)
 IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)

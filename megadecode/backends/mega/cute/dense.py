@@ -571,3 +571,15 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pt
         tok = smi[0]
         sti(ia(ib, arg(smi, ARG[A_]["tok_out_off"]) + b), tok)
         stf(Float32, fa(fb, arg(smi, ARG[A_]["lp_out_off"]) + b), ldf(Float32, fa(fb, base + tok)) - gmax - cute.math.log(s))
+
+
+@cute.jit
+def op_matvec(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+              smi: cute.Tensor, tid: Int32):
+    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, False)
+
+
+@cute.jit
+def op_glu(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+           smi: cute.Tensor, tid: Int32):
+    op_rows(pb, idx, fb, ib, wtab, ptab, sm, smi, tid, True)
