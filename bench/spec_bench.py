@@ -1,8 +1,9 @@
 """Speculative decoding's verify path at batch 1 (issue 43's goals): greedy generation of `--tokens` tokens, then
 the same prompt with an oracle drafter (the recorded greedy continuation, so every draft is accepted: the verify
 path's upper bound) at each k of `--k`. Per k: the verify steps, their mean time against a one-token decode step's
-(the plain run's decode time over its steps), and tokens per second against the plain run's. The output must equal
-the plain run's (asserted). Writes `--out` JSON with the command.
+(the plain run's decode time over its steps), and tokens per second against the plain run's. With `--draft-model M`,
+the same again with M's drafts (speculative.DraftModelDrafter: acceptance and speed with a real drafter, its steps
+counted in the time). The output must equal the plain run's (asserted). Writes `--out` JSON with the command.
 
     python bench/spec_bench.py --preset qwen3-30b-a3b --executor fused --device cuda --dtype bfloat16 \\
         --k 1,3,7 --tokens 128 --out $OUT/spec-qwen3-30b-a3b.json
@@ -22,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], tokens: int, prompt_len: int = 16,
-        seed: int = 0) -> dict:
+        seed: int = 0, draft_model: str | None = None) -> dict:
     import torch
 
     from megadecode.engine import Engine
     from megadecode.sampling import SamplingParams
-    from megadecode.speculative import OracleDrafter, generate
+    from megadecode.speculative import DraftModelDrafter, OracleDrafter, draft_model_drafter, generate
 
     eng = Engine.from_pretrained(preset, device=device, dtype=dtype, executor=executor, seed=seed, max_batch=1,
                                  max_seq_len=prompt_len + tokens + max(ks) + 8)
@@ -36,18 +37,23 @@ def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], toke
     plain = eng.generate([prompt], tokens, SamplingParams(greedy=True), stop_at_eos=False)
     step_s = plain.decode_s / max(plain.decode_steps, 1)
     rows = []
-    for k in ks:
-        res = generate(eng, [prompt], tokens, OracleDrafter(k, [prompt + plain.token_ids[0]]), stop_at_eos=False)
+    drafters = [("oracle", lambda k: OracleDrafter(k, [prompt + plain.token_ids[0]]))]
+    if draft_model is not None:
+        draft = draft_model_drafter(draft_model, max(ks), eng.cfg.vocab_size, device=device, dtype=dtype, seed=seed,
+                                    max_batch=1, max_seq_len=eng.max_seq_len).engine
+        drafters.append(("draft", lambda k: DraftModelDrafter(draft, k, eng.cfg.vocab_size)))
+    for (kind, make), k in ((d, k) for d in drafters for k in ks):
+        res = generate(eng, [prompt], tokens, make(k), stop_at_eos=False)
         if res.token_ids != plain.token_ids:
-            raise AssertionError(f"k={k}: the speculative output differs from greedy generation")
+            raise AssertionError(f"{kind} k={k}: the speculative output differs from greedy generation")
         verify_s = res.decode_s / max(res.steps, 1)
-        rows.append({"k": k, "steps": res.steps, "acceptance": res.acceptance,
+        rows.append({"drafter": kind, "k": k, "steps": res.steps, "acceptance": res.acceptance,
                      "tokens_per_step": res.tokens_per_step, "verify_step_ms": verify_s * 1e3,
                      "one_token_step_ms": step_s * 1e3, "verify_over_step": verify_s / step_s,
                      "tokens_per_s": res.decode_tokens_per_s, "plain_tokens_per_s": plain.decode_tokens_per_s,
                      "speedup": res.decode_tokens_per_s / plain.decode_tokens_per_s})
     return {"preset": preset, "executor": executor, "device": device, "dtype": dtype, "tokens": tokens,
-            "prompt_len": prompt_len, "rows": rows}
+            "prompt_len": prompt_len, "draft_model": draft_model, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,18 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", default="1,3,7", help="draft tokens a step, comma-separated")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--draft-model", default=None, help="also time this draft model's drafts (same vocabulary)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
 
-    res = run(args.preset, args.executor, args.device, args.dtype, [int(k) for k in args.k.split(",")], args.tokens)
+    res = run(args.preset, args.executor, args.device, args.dtype, [int(k) for k in args.k.split(",")], args.tokens,
+              draft_model=args.draft_model)
     res["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     res["git_sha"] = os.environ.get("MEGADECODE_GIT_SHA")
     res["command"] = "python bench/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"{'k':>3} {'steps':>6} {'accept':>7} {'tok/step':>9} {'verify ms':>10} {'step ms':>8} {'ratio':>6} "
+    print(f"{'drafter':>7} {'k':>3} {'steps':>6} {'accept':>7} {'tok/step':>9} {'verify ms':>10} {'step ms':>8} {'ratio':>6} "
           f"{'tok/s':>8} {'speedup':>8}")
     for r in res["rows"]:
-        print(f"{r['k']:>3} {r['steps']:>6} {r['acceptance']:>7.2f} {r['tokens_per_step']:>9.2f} "
+        print(f"{r['drafter']:>7} {r['k']:>3} {r['steps']:>6} {r['acceptance']:>7.2f} {r['tokens_per_step']:>9.2f} "
               f"{r['verify_step_ms']:>10.3f} {r['one_token_step_ms']:>8.3f} {r['verify_over_step']:>6.2f} "
               f"{r['tokens_per_s']:>8.1f} {r['speedup']:>8.2f}")
     if args.out:

@@ -139,7 +139,8 @@ def test_an_oracle_drafter_of_the_greedy_continuation_has_every_draft_accepted()
 
 
 def test_the_speculative_benchmark_runs_on_the_cpu(tmp_path):
-    """bench/spec_bench.py on tiny-qwen3-moe: every draft of the oracle accepted, the output asserted equal."""
+    """bench/spec_bench.py on tiny-qwen3-moe: every draft of the oracle accepted, the output asserted equal; with
+    --draft-model the draft model's rows follow (here the target itself: its drafts accepted too)."""
     import json
     import sys
     from pathlib import Path
@@ -149,10 +150,12 @@ def test_the_speculative_benchmark_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "spec.json"
     assert spec_bench.main(["--preset", "tiny-qwen3-moe", "--executor", "torch", "--device", "cpu", "--dtype",
-                            "float32", "--k", "2,5", "--tokens", "20", "--out", str(out)]) == 0
+                            "float32", "--k", "2,5", "--tokens", "20", "--draft-model", "tiny-qwen3-moe",
+                            "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert [r["k"] for r in doc["rows"]] == [2, 5] and all(r["acceptance"] == 1.0 for r in doc["rows"])
-    assert [r["steps"] for r in doc["rows"]] == [7, 4]  # 19 tokens after the prefill's: 3 and 6 a step
+    assert [(r["drafter"], r["k"]) for r in doc["rows"]] == [("oracle", 2), ("oracle", 5), ("draft", 2), ("draft", 5)]
+    assert all(r["acceptance"] >= 0.95 for r in doc["rows"]) and doc["draft_model"] == "tiny-qwen3-moe"
+    assert [r["steps"] for r in doc["rows"][:2]] == [7, 4]  # 19 tokens after the prefill's: 3 and 6 a step
 
 
 @pytest.mark.parametrize("executor, tokens", [("graph", 64), ("pyvm", 24)])
