@@ -171,15 +171,14 @@ def test_each_opcode_is_one_module_whose_tables_name_its_row_and_whose_body_the_
 
     assert set(ops.BY_NAME) == set(OPS) - {"NOP"}
     for m in ops.MODULES:
-        row = set(OPS[m.NAME][1])
-        declared = set(m.DTYPES) | set(getattr(m, "MXFP4", ())) | set(getattr(m, "PRODUCED", ())) | \
-            set(getattr(m, "LENGTHS", {})) | set(getattr(m, "ALIGNED", ()))
-        assert declared <= row, (m.NAME, declared - row)
-        assert set(getattr(m, "PRODUCED", ())) <= set(m.DTYPES), m.NAME
-        assert callable(m.run) and m.__name__.endswith("." + m.NAME.lower())
+        op, row = m.OP, set(OPS[m.OP.name][1])
+        declared = set(op.dtypes) | set(op.mxfp4) | set(op.produced) | set(op.lengths) | set(op.aligned)
+        assert declared <= row, (op.name, declared - row)
+        assert set(op.produced) <= set(op.dtypes), op.name
+        assert callable(m.run) and m.__name__.endswith("." + op.name.lower())
     assert sorted(K.DISPATCH) == sorted(ops.BY_NAME)
     for name, body in K.BODIES:
-        mod, fn = ops.BY_NAME[name].BODY
+        mod, fn = ops.BY_NAME[name].OP.body
         assert body is getattr(importlib.import_module(f"megadecode.backends.mega.cute.{mod}"), fn), name
 
 

@@ -17,18 +17,18 @@ __all__ = ["BODY_I", "MLA_HB", "NT", "SMEM_F", "KernelLimit", "check_program"]  
 
 U8 = torch.uint8
 
-# What each opcode's module (ops/) declares, as the tables the check walks. (opcode, argument) -> the dtype the
+# What each opcode's module (ops/) declares (its OP), as the tables the check walks. (opcode, argument) -> the dtype the
 # kernel reads it as; the arguments that are uint8 packed experts under F_MXFP4 instead; the tensors the launch
 # writes, whose address the kernel reads from the produced table (`ptab`): every other tensor argument, and the
 # static bytes an instruction declares (header words 10..12), come from the static table (`wtab`), whose loads may
 # take the non-coherent path (backends/mega/spec.py), and a tensor in the wrong table would be read as address 0
-DTYPES: dict[tuple[str, str], torch.dtype] = {(m.NAME, a): t for m in ops.MODULES for a, t in m.DTYPES.items()}
-MXFP4_ARGS = {(m.NAME, a) for m in ops.MODULES for a in getattr(m, "MXFP4", ())}
-PRODUCED_ARGS = {(m.NAME, a) for m in ops.MODULES for a in getattr(m, "PRODUCED", ())}
+DTYPES: dict[tuple[str, str], torch.dtype] = {(m.OP.name, a): t for m in ops.MODULES for a, t in m.OP.dtypes.items()}
+MXFP4_ARGS = {(m.OP.name, a) for m in ops.MODULES for a in m.OP.mxfp4}
+PRODUCED_ARGS = {(m.OP.name, a) for m in ops.MODULES for a in m.OP.produced}
 # (opcode, argument) -> the multiple the kernel's 8-wide loops need (MXFP4 rows: a whole 32-weight block)
-LENGTHS = {(m.NAME, a): n for m in ops.MODULES for a, n in getattr(m, "LENGTHS", {}).items()}
+LENGTHS = {(m.OP.name, a): n for m in ops.MODULES for a, n in m.OP.lengths.items()}
 # fp32 activation offsets and strides the vector loops load 8 at a time from (16-byte alignment: multiples of 4)
-ALIGNED = {m.NAME: m.ALIGNED for m in ops.MODULES if hasattr(m, "ALIGNED")}
+ALIGNED = {m.OP.name: m.OP.aligned for m in ops.MODULES}
 
 
 def _tensor_args(op: str) -> list[str]:

@@ -1,12 +1,11 @@
-"""The megakernel's opcodes, one module each. A module names its opcode (`NAME`; the row layout is `isa.OPS[NAME]`,
-the one ISA table) and holds what the rest of the package needs of it:
-- `DTYPES`: the dtype the CuTe kernel reads each tensor argument as; `MXFP4`: the arguments that are uint8 packed
-  experts under F_MXFP4 instead; `PRODUCED`: the tensors the launch writes (read from the produced address table;
-  every other tensor is static);
-- `LENGTHS`: the multiple each length argument must be (the kernel's 8-wide loops; 32 under F_MXFP4); `ALIGNED`:
-  the fp32 offsets and strides its vector loops load from (multiples of 4: 16-byte loads);
-- `check(prog, ins, where)`: what else the body assumes (shared memory, tile shapes), raising limits.KernelLimit;
-- `BODY`: its CuTe body, (module of cute/, function);
+"""The megakernel's opcodes, one module each, holding what the rest of the package needs of it:
+- `OP` (opcode.Opcode): its name (the row layout is `isa.OPS[name]`, the one ISA table); its CuTe body, (module of
+  cute/, function); the dtype the kernel reads each tensor argument as, the ones that are uint8 packed experts under
+  F_MXFP4 instead, the tensors the launch writes (read from the produced address table; every other tensor is
+  static); the multiple each length argument must be (the kernel's 8-wide loops; 32 under F_MXFP4) and the fp32
+  offsets and strides its vector loops load from (multiples of 4: 16-byte loads);
+- `check(prog, ins, where)`, where it has one: what else the body assumes (shared memory, tile shapes), raising
+  limits.KernelLimit;
 - `run(vm, ins, a)`: its semantics in pyvm, the golden model (plain torch).
 kernel_check.py, pyvm.py and cute_kernel.py read these; adding an opcode is a row in isa.OPS, a module here, its body
 in cute/ and its lowering."""
@@ -18,7 +17,7 @@ from . import (attn_gqa, attn_res, embed, expert_down, expert_up, glu, kda_step,
 
 MODULES = (embed, matvec, glu, attn_gqa, merge, route, expert_up, expert_down, sample, mla_kv, mla_q, mla_attn,
            attn_res, kda_step)
-BY_NAME = {m.NAME: m for m in MODULES}
+BY_NAME = {m.OP.name: m for m in MODULES}
 
 
 def no_check(prog, ins, where: str) -> None:

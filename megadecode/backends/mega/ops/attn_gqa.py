@@ -9,18 +9,12 @@ import torch
 from ..isa import bits_f32
 from ..limits import KernelLimit
 from ..pyvm_ops import rope, rms
+from .opcode import Opcode
 
-NAME = "ATTN_GQA"
-BODY = ("attention", "op_attn_gqa")  # its CuTe body: cute/attention.py
-DTYPES = {  # what the kernel reads each as
-    "kc": torch.bfloat16,
-    "vc": torch.bfloat16,
-    "qn_w": torch.bfloat16,
-    "kn_w": torch.bfloat16,
-    "rope_w": torch.float32,
-}
-PRODUCED = ("kc", "vc")
-LENGTHS = {"d": 8}
+OP = Opcode("ATTN_GQA", ("attention", "op_attn_gqa"),
+            dtypes={"kc": torch.bfloat16, "vc": torch.bfloat16, "qn_w": torch.bfloat16, "kn_w": torch.bfloat16,
+                    "rope_w": torch.float32},
+            produced=("kc", "vc"), lengths={"d": 8})
 
 
 def check(prog, ins, where: str) -> None:

@@ -8,12 +8,10 @@ import torch
 from ..isa import bits_f32
 from ..limits import SMEM_F, KernelLimit
 from ..pyvm_ops import rms
+from .opcode import Opcode
 
-NAME = "ATTN_RES"
-BODY = ("k3", "op_attn_res")  # its CuTe body: cute/k3.py
-DTYPES = {"query_w": torch.bfloat16, "norm_w": torch.bfloat16}  # what the kernel reads each as
-LENGTHS = {"D": 8}
-ALIGNED = ("src_off", "D")
+OP = Opcode("ATTN_RES", ("k3", "op_attn_res"), dtypes={"query_w": torch.bfloat16, "norm_w": torch.bfloat16},
+            lengths={"D": 8}, aligned=("src_off", "D"))
 
 
 def check(prog, ins, where: str) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
+from .opcode import Opcode
 
-NAME = "EMBED"
-BODY = ("dense", "op_embed")  # its CuTe body: cute/dense.py
-DTYPES = {"w": torch.bfloat16}  # what the kernel reads each as
+OP = Opcode("EMBED", ("dense", "op_embed"), dtypes={"w": torch.bfloat16})
 
 
 def run(vm, ins, a) -> None:

@@ -8,13 +8,10 @@ import torch
 from ..isa import F_FRAG, F_SHARED, F_STORE
 from ..limits import BODY_I, KernelLimit
 from .expert_up import check_frag
+from .opcode import Opcode
 
-NAME = "EXPERT_DOWN"
-BODY = ("moe", "op_expert_down")  # its CuTe body: cute/moe.py
-DTYPES = {"dn": torch.bfloat16}  # what the kernel reads each as
-MXFP4 = ("dn", "dns")  # uint8 under F_MXFP4
-LENGTHS = {"I": 8}
-ALIGNED = ("h_off", "I")
+OP = Opcode("EXPERT_DOWN", ("moe", "op_expert_down"), dtypes={"dn": torch.bfloat16}, mxfp4=("dn", "dns"),
+            lengths={"I": 8}, aligned=("h_off", "I"))
 
 
 def check(prog, ins, where: str) -> None:

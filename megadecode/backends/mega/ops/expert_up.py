@@ -11,13 +11,10 @@ from ....quant.mxfp4_frag import KREC, RECORD
 from ....reference.activations import situ_glu
 from ..isa import FRAG_TILE, F_FRAG, F_SITU, up_chunks, up_passes
 from ..limits import SMEM_F, KernelLimit
+from .opcode import Opcode
 
-NAME = "EXPERT_UP"
-BODY = ("moe", "op_expert_up")  # its CuTe body: cute/moe.py
-DTYPES = {"gu": torch.bfloat16}  # what the kernel reads each as
-MXFP4 = ("gu", "gus")  # uint8 under F_MXFP4
-LENGTHS = {"D": 8}
-ALIGNED = ("x_off", "D")
+OP = Opcode("EXPERT_UP", ("moe", "op_expert_up"), dtypes={"gu": torch.bfloat16}, mxfp4=("gu", "gus"), lengths={"D": 8},
+            aligned=("x_off", "D"))
 
 
 def check(prog, ins, where: str) -> None:

@@ -6,12 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from . import matvec
+from .opcode import Opcode
 
-NAME = "GLU"
-BODY = ("dense", "op_glu")  # its CuTe body: cute/dense.py
-DTYPES = {"wg": torch.bfloat16, "wu": torch.bfloat16, "norm_w": torch.bfloat16}  # what the kernel reads each as
-LENGTHS = {"K": 8}
-ALIGNED = ("x_off", "x_stride", "x2_off")
+OP = Opcode("GLU", ("dense", "op_glu"), dtypes={"wg": torch.bfloat16, "wu": torch.bfloat16, "norm_w": torch.bfloat16},
+            lengths={"K": 8}, aligned=("x_off", "x_stride", "x2_off"))
 
 
 check = matvec.check  # the same rows loop (cute/dense.py)

@@ -8,18 +8,12 @@ import torch.nn.functional as F
 
 from ..isa import bits_f32
 from ..limits import NT, SMEM_F, KernelLimit
+from .opcode import Opcode
 
-NAME = "KDA_STEP"
-BODY = ("k3", "op_kda_step")  # its CuTe body: cute/k3.py
-DTYPES = {  # what the kernel reads each as
-    "conv_w": torch.bfloat16,
-    "conv_state": torch.bfloat16,
-    "rec_state": torch.float32,
-    "a_log": torch.bfloat16,
-    "dt_bias": torch.bfloat16,
-    "onorm_w": torch.bfloat16,
-}
-PRODUCED = ("conv_state", "rec_state")
+OP = Opcode("KDA_STEP", ("k3", "op_kda_step"),
+            dtypes={"conv_w": torch.bfloat16, "conv_state": torch.bfloat16, "rec_state": torch.float32,
+                    "a_log": torch.bfloat16, "dt_bias": torch.bfloat16, "onorm_w": torch.bfloat16},
+            produced=("conv_state", "rec_state"))
 
 
 def check(prog, ins, where: str) -> None:

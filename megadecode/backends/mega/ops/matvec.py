@@ -7,12 +7,10 @@ import torch
 
 from ..isa import F_RESID, F_TC, F_WRITE_NORMED, TC_K
 from ..limits import KernelLimit
+from .opcode import Opcode
 
-NAME = "MATVEC"
-BODY = ("dense", "op_matvec")  # its CuTe body: cute/dense.py
-DTYPES = {"w": torch.bfloat16, "norm_w": torch.bfloat16}  # what the kernel reads each as
-LENGTHS = {"K": 8}
-ALIGNED = ("x_off", "x_stride", "x2_off")
+OP = Opcode("MATVEC", ("dense", "op_matvec"), dtypes={"w": torch.bfloat16, "norm_w": torch.bfloat16}, lengths={"K": 8},
+            aligned=("x_off", "x_stride", "x2_off"))
 
 
 def check(prog, ins, where: str) -> None:

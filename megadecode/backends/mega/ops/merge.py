@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..limits import SMEM_F, KernelLimit
+from .opcode import Opcode
 
-NAME = "MERGE"
-BODY = ("dense", "op_merge")  # its CuTe body: cute/dense.py
-DTYPES = {"wuv": torch.bfloat16}  # what the kernel reads each as
+OP = Opcode("MERGE", ("dense", "op_merge"), dtypes={"wuv": torch.bfloat16})
 
 
 def check(prog, ins, where: str) -> None:

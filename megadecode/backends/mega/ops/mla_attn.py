@@ -6,12 +6,10 @@ import torch
 
 from ..isa import bits_f32
 from ..limits import MLA_HB, KernelLimit
+from .opcode import Opcode
 
-NAME = "MLA_ATTN"
-BODY = ("attention", "op_mla_attn")  # its CuTe body: cute/attention.py
-DTYPES = {"cache": torch.bfloat16}  # what the kernel reads each as
-PRODUCED = ("cache",)
-LENGTHS = {"C": 8, "R": 8}
+OP = Opcode("MLA_ATTN", ("attention", "op_mla_attn"), dtypes={"cache": torch.bfloat16}, produced=("cache",),
+            lengths={"C": 8, "R": 8})
 
 
 def check(prog, ins, where: str) -> None:

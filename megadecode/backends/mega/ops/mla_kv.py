@@ -6,12 +6,11 @@ import torch
 
 from ..isa import F_INTERLEAVED, F_NOPE, bits_f32
 from ..pyvm_ops import rope, rms
+from .opcode import Opcode
 
-NAME = "MLA_KV"
-BODY = ("attention", "op_mla_kv")  # its CuTe body: cute/attention.py
-DTYPES = {"cache": torch.bfloat16, "norm_w": torch.bfloat16, "rope_w": torch.float32}  # what the kernel reads each as
-PRODUCED = ("cache",)
-LENGTHS = {"C": 8, "R": 8}
+OP = Opcode("MLA_KV", ("attention", "op_mla_kv"),
+            dtypes={"cache": torch.bfloat16, "norm_w": torch.bfloat16, "rope_w": torch.float32}, produced=("cache",),
+            lengths={"C": 8, "R": 8})
 
 
 def run(vm, ins, a) -> None:

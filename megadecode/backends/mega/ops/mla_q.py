@@ -6,10 +6,9 @@ import torch
 
 from ..isa import F_INTERLEAVED, F_NOPE, bits_f32
 from ..pyvm_ops import rope
+from .opcode import Opcode
 
-NAME = "MLA_Q"
-BODY = ("attention", "op_mla_q")  # its CuTe body: cute/attention.py
-DTYPES = {"wkv": torch.bfloat16, "rope_w": torch.float32}  # what the kernel reads each as
+OP = Opcode("MLA_Q", ("attention", "op_mla_q"), dtypes={"wkv": torch.bfloat16, "rope_w": torch.float32})
 
 
 def run(vm, ins, a) -> None:

@@ -7,10 +7,9 @@ import torch
 
 from ..isa import F_RENORM, F_SIGMOID, PASS, bits_f32
 from ..limits import BODY_I, SMEM_F, KernelLimit
+from .opcode import Opcode
 
-NAME = "ROUTE"
-BODY = ("moe", "op_route")  # its CuTe body: cute/moe.py
-DTYPES = {"bias_w": torch.float32}  # what the kernel reads each as
+OP = Opcode("ROUTE", ("moe", "op_route"), dtypes={"bias_w": torch.float32})
 
 
 def check(prog, ins, where: str) -> None:

@@ -6,10 +6,9 @@ import torch
 
 from ..isa import F_GREEDY, bits_f32
 from ..pyvm_ops import gumbel
+from .opcode import Opcode
 
-NAME = "SAMPLE"
-BODY = ("dense", "op_sample")  # its CuTe body: cute/dense.py
-DTYPES = {}  # what the kernel reads each as
+OP = Opcode("SAMPLE", ("dense", "op_sample"))
 
 
 def run(vm, ins, a) -> None:
