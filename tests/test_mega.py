@@ -149,7 +149,11 @@ def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
     for q in filter(None, prog.queues):
         assert [int(rows[i, W_NEXT]) for i in q] == q[1:] + [-1]
     text = report(prog)
-    assert "predicted step" in text and "L0.attn" in text
+    assert "predicted step" in text and "L0.attn" in text and "predicted HBM occupancy" in text
+    from megadecode.backends.mega.schedule import occupancy
+    from megadecode.hardware import HBM_READ_BPS
+
+    assert occupancy(HBM_READ_BPS * 1e-6 * 10, 20.0) == pytest.approx(0.5) and occupancy(1e6, 0.0) == 0.0
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

@@ -62,9 +62,15 @@ def schedule(prog: Program, num_ctas: int, cost: CostModel = CostModel()) -> Pro
     return prog
 
 
+def occupancy(nbytes: float, window_us: float) -> float:
+    """The share of the HBM's read rate that moving `nbytes` in `window_us` takes (0 for an empty window)."""
+    return nbytes / (window_us * 1e-6 * HBM_READ_BPS) if window_us > 0 else 0.0
+
+
 def report(prog: Program, top: int = 12) -> str:
-    """A readable account of a schedule: per phase its instructions, bytes and predicted window; per CTA the
-    spread of busy time; the predicted step time against the bandwidth floor of its bytes."""
+    """A readable account of a schedule: per phase its instructions, bytes, predicted window and the HBM occupancy
+    that window implies (its bytes over the window at the HBM's read rate: where a phase is latency, not bytes);
+    per CTA the spread of busy time and of bytes streamed; the predicted step against the floor of its bytes."""
     if not prog.queues:
         return "not scheduled"
     cost = CostModel()
@@ -77,15 +83,21 @@ def report(prog: Program, top: int = 12) -> str:
     by_phase: dict[int, list[int]] = {}
     for idx, ins in enumerate(prog.instrs):
         by_phase.setdefault(ins.signal, []).append(idx)
-    lines.append(f"{'phase':<16} {'instrs':>6} {'MB':>8} {'start us':>9} {'end us':>9}")
+    lines.append(f"{'phase':<16} {'instrs':>6} {'MB':>8} {'start us':>9} {'end us':>9} {'HBM':>5}")
     for c, idxs in sorted(by_phase.items()):
         name = prog.phases[c - 1] if 0 < c <= len(prog.phases) else str(c)
-        mb = sum(prog.instrs[i].bytes for i in idxs) / 1e6
-        lines.append(f"{name:<16} {len(idxs):>6} {mb:>8.2f} {min(start[i] for i in idxs):>9.1f} "
-                     f"{max(prog.predicted_us[i] for i in idxs):>9.1f}")
+        nb = sum(prog.instrs[i].bytes for i in idxs)
+        t0, t1 = min(start[i] for i in idxs), max(prog.predicted_us[i] for i in idxs)
+        lines.append(f"{name:<16} {len(idxs):>6} {nb / 1e6:>8.2f} {t0:>9.1f} {t1:>9.1f} "
+                     f"{occupancy(nb, t1 - t0):>5.0%}")
         if len(lines) > top + 3 and c < len(prog.phases) - top:
             continue
     busy = [sum(cost.us(prog.instrs[i], prog.num_ctas) for i in q) for q in prog.queues]
     lines.append(f"per-CTA busy us: min {min(busy):.1f} mean {sum(busy) / len(busy):.1f} max {max(busy):.1f}; "
                  f"queue lengths {min(map(len, prog.queues))}..{max(map(len, prog.queues))}")
+    streamed = [sum(prog.instrs[i].bytes for i in q) / 1e6 for q in prog.queues]
+    step = max(prog.predicted_us)
+    lines.append(f"per-CTA MB streamed: min {min(streamed):.2f} mean {sum(streamed) / len(streamed):.2f} max "
+                 f"{max(streamed):.2f}; the step's predicted HBM occupancy "
+                 f"{occupancy(sum(i.bytes for i in prog.instrs), step):.0%}")
     return "\n".join(lines)
