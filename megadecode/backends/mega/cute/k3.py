@@ -1,6 +1,6 @@
 """Kimi K3's own opcodes: ATTN_RES (a layer's input as a softmax mix of the AttnRes blocks' sums) and KDA_STEP
-(one decode step of Kimi Delta Attention for one (sequence, head)). Semantics: pyvm_ops.VMOps.op_attn_res and
-op_kda_step. Everything these bodies read was produced earlier in the launch (the arenas, the KDA caches) or is a
+(one decode step of Kimi Delta Attention for one (sequence, head)). Semantics: `run` in ops/attn_res.py and
+ops/kda_step.py. Everything these bodies read was produced earlier in the launch (the arenas, the KDA caches) or is a
 static weight; all of it through plain coherent loads."""
 
 from __future__ import annotations
