@@ -35,7 +35,7 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
     from megadecode.backends.mega.cute import moe as M
     from megadecode.backends.mega.cute.base import (NT, RECORD, WBYTES, f16x2_split, f32_bits, fa, frag_dec,
-                                                    frag_scale, from_bits, ld4w, ld8, mma_f16, stf)
+                                                    frag_scale, from_bits, ld4w, ld8, mma, stf)
     from megadecode.backends.mega.isa import FRAG_TILE
 
     if name == "shipped":
@@ -86,8 +86,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
                         for s2 in cutlass.range_constexpr(2):
                             w = ws[su * ntl + t][q][2 * b + s2]
                             a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
-                            p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
-                            p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
+                            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
+                            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
                         sq = ss[su * ntl + t]
                         s_lo = frag_scale(sq[mb // 4], mb % 4) * fsb
                         s_hi = frag_scale(sq[2 + mb // 4], mb % 4) * fsb

@@ -79,24 +79,14 @@ def bf16x2_split(x0: Float32, x1: Float32):
 
 
 @cute.jit
-def mma_bf16(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
-             c2: Float32, c3: Float32):
-    """One warp-wide mma.sync m16n8k16 (bf16 operands, fp32 sums): this lane's 4 sums of C + A B, where lane
+def mma(t: Constexpr, a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32,
+        c1: Float32, c2: Float32, c3: Float32):
+    """One warp-wide mma.sync m16n8k16 with operands of type t ("bf16": the dense rows; "f16": the fragment-order
+    MXFP4 weights, which decode to fp16, frag_dec) and fp32 sums: this lane's 4 sums of C + A B, where lane
     (g = lane / 4, t = lane % 4) holds A[g, 2t..2t+1] (a0), A[g + 8, 2t..] (a1), A[g, 2t + 8..] (a2),
     A[g + 8, 2t + 8..] (a3), B[2t..2t+1, g] (b0), B[2t + 8.., g] (b1), and C / D[g, 2t..2t+1], [g + 8, 2t..2t+1]."""
     return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, "
-        "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
-        write_only_types=[Float32, Float32, Float32, Float32],
-        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
-
-
-@cute.jit
-def mma_f16(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
-            c2: Float32, c3: Float32):
-    """mma_bf16 with fp16 operands (the fragment-order MXFP4 weights decode to fp16, frag_dec)."""
-    return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, "
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{ {{$w0}}, {{$w1}}, {{$w2}}, {{$w3}} }}, "
         "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
         write_only_types=[Float32, Float32, Float32, Float32],
         read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])

@@ -28,7 +28,7 @@ from .base import (
     ldf,
     ldi,
     mark,
-    mma_bf16,
+    mma,
     sigmoid,
     silu,
     sm8,
@@ -185,13 +185,13 @@ def tc_step(acc: cute.Tensor, ra: Int64, rb: Int64, ua: Int64, ub: Int64, kb: In
             lo.append(pl & msk)
         for h in cutlass.range_constexpr(2):  # the step's two k halves: words 2h, 2h + 1 of each row's load
             for p in (hi, lo):  # each half twice: against hi, then lo
-                c = mma_bf16(wa[u][2 * h], wb[u][2 * h], wa[u][2 * h + 1], wb[u][2 * h + 1], p[2 * h], p[2 * h + 1],
-                             acc[0], acc[1], acc[2], acc[3])
+                c = mma("bf16", wa[u][2 * h], wb[u][2 * h], wa[u][2 * h + 1], wb[u][2 * h + 1], p[2 * h], p[2 * h + 1],
+                        acc[0], acc[1], acc[2], acc[3])
                 for i in cutlass.range_constexpr(4):
                     acc[i] = c[i]
                 if cutlass.const_expr(glu):
-                    c = mma_bf16(wua[u][2 * h], wub[u][2 * h], wua[u][2 * h + 1], wub[u][2 * h + 1], p[2 * h],
-                                 p[2 * h + 1], acc[4], acc[5], acc[6], acc[7])
+                    c = mma("bf16", wua[u][2 * h], wub[u][2 * h], wua[u][2 * h + 1], wub[u][2 * h + 1], p[2 * h],
+                            p[2 * h + 1], acc[4], acc[5], acc[6], acc[7])
                     for i in cutlass.range_constexpr(4):
                         acc[4 + i] = c[i]
 

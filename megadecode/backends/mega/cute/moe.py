@@ -37,7 +37,7 @@ from .base import (
     lds4,
     ldu8,
     mark,
-    mma_f16,
+    mma,
     mx_scale,
     silu,
     situ,
@@ -459,8 +459,8 @@ def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up
                     for s2 in cutlass.range_constexpr(2):
                         w = ws[t][q][2 * b + s2]
                         a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
-                        p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
-                        p0, p1, p2, p3 = mma_f16(a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
+                        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
+                        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
                     s_lo = frag_scale(ss[t][mb // 4], mb % 4)
                     s_hi = frag_scale(ss[t][2 + mb // 4], mb % 4)
                     acc[4 * t] += p0 * s_lo
