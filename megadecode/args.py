@@ -11,6 +11,27 @@ def add_quiet(p) -> None:
                    help="no progress bars (they are off anyway when stderr is not a terminal)")
 
 
+def add_speculative(p) -> None:
+    """generate's and serve's speculative decoding flags."""
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: drafts from prompt lookup (ngram) or a draft model (draft, with "
+                        "--draft-model) verified a step at a time, kept by the target's greedy choice or, sampling, "
+                        "by the rejection rule (qwen3_moe, deepseek_v3; eager verify steps, one process)")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="with --speculative draft: a smaller model of the same vocabulary (a preset, an HF "
+                        "checkpoint directory or a hub name), on the target's device (the graph executor on CUDA, "
+                        "the torch one on the CPU)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                   help="with --speculative: draft tokens a sequence a step, 1 to 7")
+
+
+def speculative_flags_error(args) -> str | None:
+    """What is wrong with the speculative flags' combination, in one line (None: nothing)."""
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        return "--speculative draft needs --draft-model, and --draft-model needs --speculative draft"
+    return None
+
+
 def bar_off(args, *also: bool) -> bool | None:
     """A progress bar's `disable` for tqdm: True with --quiet or any of `also` (--json, a rank that does not
     report); else None, tqdm's own rule: off when stderr is not a terminal."""

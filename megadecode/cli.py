@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from . import ranks
-from .args import add_quiet, bar_off, byte_feed, seed_arg
+from .args import add_quiet, add_speculative, bar_off, byte_feed, seed_arg, speculative_flags_error
 from .config.registry import EXECUTOR_NAMES
 from .presets import PRESETS
 from .serve import main as serve_command
@@ -119,16 +119,7 @@ def _add_generate(sub) -> None:
                    help="no EOS among a sequence's first N new tokens (vLLM's min_tokens), at most --max-new-tokens")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep the tokens after an EOS: every sequence gets --max-new-tokens")
-    p.add_argument("--speculative", choices=("ngram", "draft"),
-                   help="speculative decoding: drafts from prompt lookup (ngram) or a draft model (draft, with "
-                        "--draft-model) verified a step at a time, kept by the target's greedy choice or, sampling, "
-                        "by the rejection rule (qwen3_moe, deepseek_v3)")
-    p.add_argument("--draft-model", metavar="MODEL",
-                   help="with --speculative draft: a smaller model of the same vocabulary (a preset, an HF "
-                        "checkpoint directory or a hub name), run on --device with the graph executor on CUDA, "
-                        "the torch one on the CPU")
-    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
-                   help="with --speculative: draft tokens a step, 1 to 7")
+    add_speculative(p)
     guide = p.add_mutually_exclusive_group()
     guide.add_argument("--guided-json", metavar="SCHEMA",
                        help="structured output: every sequence is JSON valid against this JSON schema (its JSON "
@@ -333,8 +324,9 @@ def _check_speculative(args, sampling, cfg) -> None:
     from .speculative import MAX_DRAFT, check_model
 
     check_model(cfg)
-    if (args.speculative == "draft") != (args.draft_model is not None):
-        raise RequestError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
+    why = speculative_flags_error(args)
+    if why is not None:
+        raise RequestError(why)
     if args.draft_model is not None:
         from .speculative import check_draft_model
 

@@ -8,7 +8,7 @@ import sys
 
 from .. import ranks
 from ..config.registry import EXECUTOR_NAMES
-from ..args import add_quiet, bar_off, byte_feed, int_list, seed_arg
+from ..args import add_quiet, add_speculative, bar_off, byte_feed, int_list, seed_arg, speculative_flags_error
 from ..presets import PRESETS
 
 DEPS = ("fastapi", "uvicorn", "prometheus_client")
@@ -45,15 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled between two decode steps, at least one prompt (default: "
                         "--max-seq-len)")
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding: prompt-lookup (ngram) or draft-model (draft, with --draft-model) "
-                        "drafts verified a step at a time (qwen3_moe, deepseek_v3; eager verify steps, one process)")
-    p.add_argument("--draft-model", metavar="MODEL",
-                   help="with --speculative draft: a smaller model of the same vocabulary (a preset, an HF "
-                        "checkpoint directory or a hub name), on the server's device (graph executor on CUDA, torch "
-                        "on the CPU)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
-                   help="with --speculative: draft tokens a sequence a step, 1 to 7")
+    add_speculative(p)
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of a preset's random weights, in [0, 2**32 - 1]")
     p.add_argument("--check-finite", action="store_true", help="reject checkpoint tensors with NaN/inf, naming them")
     p.add_argument("--ignore-unknown-tensors", action="store_true",
@@ -83,8 +75,9 @@ def check_args(args) -> None:
         raise ValueError(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
     if args.speculative and not 1 <= args.num_draft_tokens <= 7:
         raise ValueError(f"--num-draft-tokens must be in [1, 7], got {args.num_draft_tokens}")
-    if (args.speculative == "draft") != (args.draft_model is not None):
-        raise ValueError("--speculative draft needs --draft-model, and --draft-model needs --speculative draft")
+    why = speculative_flags_error(args)
+    if why is not None:
+        raise ValueError(why)
     if args.speculative and args.ep > 1:
         raise ValueError("--speculative runs in one process: it cannot be used with --ep")
     if args.batch_sizes is not None and not all(1 <= b <= args.max_batch for b in args.batch_sizes):
