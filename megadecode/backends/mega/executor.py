@@ -197,8 +197,8 @@ class _Restored:
     """Routed experts held in fragment order, read one expert at a time as the reference reads a stack of
     experts: `stack[e]` is expert e restored exactly to the checkpoint's order (quant/mxfp4_frag.restore) and
     decoded to fp32, as MXFP4Tensor's rows decode. Only the expert being multiplied is ever restored: a prefill of
-    many tokens selects most of K3's 896 experts, whose restored copy at once (~31 GB a layer with the selection)
-    ran the H200 out of memory at batch 8."""
+    many tokens selects most of K3's 896 experts, and restoring the selection at once ran the H200 out of memory
+    in `megadecode bench --preset k3-mini --executor mega --batch 8` (an allocation of 16.57 GiB refused)."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor):
         from ...quant.mxfp4_frag import frag_from_entries
