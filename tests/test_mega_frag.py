@@ -118,10 +118,16 @@ def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies
             check_program(prog)
 
 
-def test_the_prefill_reads_fragment_order_experts_as_the_reference_reads_the_checkpoints():
-    """The mega executor's prefill (restored_latent_moe: the selected experts restored, ids renumbered) gives the
-    torch reference's LatentMoE output bitwise, on 5 tokens whose picks repeat experts."""
+def test_the_prefill_reads_fragment_order_experts_as_the_reference_reads_the_checkpoints(monkeypatch):
+    """The mega executor's prefill (restored_latent_moe: each selected expert restored when the reference's loop
+    reaches it) gives the torch reference's LatentMoE output bitwise, on 5 tokens whose picks repeat experts, and
+    never restores more than one expert at a time (the whole selection at once ran the H200 out of memory)."""
     from megadecode.backends.mega.executor import restored_latent_moe
+    from megadecode.quant import mxfp4_frag
+
+    restored = []
+    real = mxfp4_frag.restore
+    monkeypatch.setattr(mxfp4_frag, "restore", lambda f: (restored.append(f.data.shape[0]), real(f))[1])
     from megadecode.backends.torch.ops import OP_IMPLS, StepContext
     from megadecode.plan import LATENT_MOE
     from megadecode.step import Step
@@ -144,6 +150,7 @@ def test_the_prefill_reads_fragment_order_experts_as_the_reference_reads_the_che
         assert ctx.w is weights and torch.equal(ctx.buf["topk_ids"], buf["topk_ids"])  # given back as they were
         outs.append(ctx.buf[op.outputs[0]])
     assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
+    assert restored and set(restored) == {1}  # gate_up and down of each selected expert, one expert a call
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
