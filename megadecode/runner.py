@@ -192,12 +192,13 @@ class ModelRunner:
         from .speculative import accept, verify_step
 
         self._generators(seqs)
+        takes = [i for i, s in enumerate(seqs) if not s.params.penalized and not s.params.logit_bias
+                 and s.guide is None and not s.top_logprobs and s.sampled >= s.min_tokens]
+        drafts = dict(zip(takes, drafter.draft_many([seqs[i].prompt + seqs[i].output for i in takes])))
         feeds = []
-        for s in seqs:
+        for i, s in enumerate(seqs):
             room = min(s.max_tokens - len(s.output) - 1, self.engine.max_seq_len - s.num_tokens)
-            takes = (not s.params.penalized and not s.params.logit_bias and s.guide is None and not s.top_logprobs
-                     and s.sampled >= s.min_tokens)
-            feeds.append([s.last_token] + (drafter.draft(s.prompt + s.output)[:max(room, 0)] if takes else []))
+            feeds.append([s.last_token] + drafts.get(i, [])[:max(room, 0)])
         dev = self.device
         step, starts = verify_step(feeds, [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], dev)
         logits = self._published(self.engine.executor.run_ops, step).buf["logits"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -38,12 +37,18 @@ from .step import Step
 MAX_DRAFT = 7  # draft tokens a step at most (issue 43: k up to 7)
 
 
-class Drafter(Protocol):
+class Drafter:
+    """What proposes drafts. `draft`: up to k proposed next tokens of the sequence `tokens` (prompt and output so
+    far), [] for none; `draft_many`: each of a step's sequences' (one at a time, unless a drafter batches them)."""
+
     def draft(self, tokens: list[int]) -> list[int]:
-        """Up to k proposed next tokens of the sequence `tokens` (prompt and output so far); [] for none."""
+        raise NotImplementedError
+
+    def draft_many(self, seqs: list[list[int]]) -> list[list[int]]:
+        return [self.draft(s) for s in seqs]
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: the longest n-gram (n from max_n down to min_n) that ends the sequence and occurred earlier in
     it; the draft is the (up to) k tokens that followed its latest earlier occurrence. None found: no draft."""
 
@@ -91,7 +96,7 @@ def accept_drafts(probs: torch.Tensor, drafts: list[int], u: list[float], noise:
     return drafts[:m] + [int(race(p[None], noise[None])[0])]
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts from known continuations (a benchmark's upper bound of the verify path: each full sequence recorded
     from an earlier greedy run, so every draft is accepted): the next k tokens of the recorded sequence the current
     one is a prefix of; none when it is a prefix of none."""
@@ -109,15 +114,15 @@ class OracleDrafter:
         return []
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts by a second, smaller model of the target's vocabulary (speculative decoding's classic drafter): the
-    draft engine's greedy continuation of the sequence, k tokens. The draft engine keeps one cache slot per
+    draft engine's greedy continuation of each sequence, k tokens. The draft engine keeps one cache slot per
     sequence it drafts for, found by the longest common prefix of the tokens the slot's cache holds with the
-    sequence (the least recently used slot when none shares one): a draft feeds only the tokens past that prefix
-    (the previous step's accepted drafts and the target's token) in one step that continues the slot's cache, then
-    k - 1 one-token steps. Entries past the prefix are left in the cache; the step that feeds those positions
-    overwrites them before any query can see them (attention is masked by position). Steps run the draft
-    executor's prefill ops (`run_ops`), eager."""
+    sequence (the least recently used free slot when none shares one). A step's sequences are drafted together
+    (`draft_many`): one step feeds each the tokens past its slot's prefix (the previous step's accepted drafts and
+    the target's token), continuing the slot's cache, then k - 1 steps feed each its last draft. Entries past the
+    prefix are left in the cache; the step that feeds those positions overwrites them before any query can see
+    them (attention is masked by position). Steps run the draft executor's prefill ops (`run_ops`), eager."""
 
     def __init__(self, engine: Engine, k: int, vocab_size: int):
         if not 1 <= k <= MAX_DRAFT:
@@ -131,11 +136,13 @@ class DraftModelDrafter:
         self.last_use = [0] * n
         self.clock = 0
 
-    def _slot(self, tokens: list[int]) -> tuple[int, int]:
-        """(slot, prefix length) for the sequence: the slot sharing its longest prefix, else the least recently
-        used one (prefix 0)."""
+    def _slot(self, tokens: list[int], taken: set[int]) -> tuple[int, int]:
+        """(slot, prefix length) for the sequence among the slots not `taken`: the one sharing its longest prefix,
+        else the least recently used one (prefix 0)."""
         best, best_n = None, 0
         for s, h in enumerate(self.held):
+            if s in taken:
+                continue
             n = 0
             for a, b in zip(h, tokens):
                 if a != b:
@@ -144,41 +151,73 @@ class DraftModelDrafter:
             if n > best_n:
                 best, best_n = s, n
         if best is None:
-            best = min(range(len(self.held)), key=self.last_use.__getitem__)
+            best = min((s for s in range(len(self.held)) if s not in taken), key=self.last_use.__getitem__)
         return best, best_n
 
-    def _step(self, feed: list[int], first: int, slot: int) -> torch.Tensor:
-        """Feed `feed` at positions first.. of `slot`'s cache; the next-token logits after its last token."""
+    def _step(self, pieces: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """One step feeding each (tokens, first position, slot) piece at its positions of its slot's cache; the
+        next-token logits after each piece's last token [len(pieces), V]."""
         dev = self.engine.device
-        n = len(feed)
-        step = Step(tokens=torch.tensor(feed, device=dev), positions=torch.arange(first, first + n, device=dev),
-                    slots=torch.full((n,), slot, device=dev), logit_rows=torch.tensor([n - 1], device=dev),
-                    kv_len=first + n, segments=[(0, n, slot)])
-        return self.engine.executor.run_ops(step).buf["logits"][-1]
+        lens = [len(f) for f, _, _ in pieces]
+        starts = [sum(lens[:j]) for j in range(len(lens))]
+        step = Step(tokens=torch.tensor([t for f, _, _ in pieces for t in f], device=dev),
+                    positions=torch.cat([torch.arange(p, p + len(f)) for f, p, _ in pieces]).to(dev),
+                    slots=torch.cat([torch.full((len(f),), s) for f, _, s in pieces]).to(dev),
+                    logit_rows=torch.tensor([st + n - 1 for st, n in zip(starts, lens)], device=dev),
+                    kv_len=max(p + len(f) for f, p, _ in pieces),
+                    segments=[(st, st + len(f), s) for st, (f, _, s) in zip(starts, pieces)])
+        return self.engine.executor.run_ops(step).buf["logits"]
+
+    def draft(self, tokens: list[int]) -> list[int]:
+        return self.draft_many([tokens])[0]
 
     @torch.inference_mode()
-    def draft(self, tokens: list[int]) -> list[int]:
-        k = min(self.k, self.engine.max_seq_len - len(tokens))
-        if k <= 0:
-            return []
-        tokens = [operator.index(t) for t in tokens]
-        slot, common = self._slot(tokens)
-        common = min(common, len(tokens) - 1)  # at least the last token is fed: its logits are the first draft's
-        self.clock += 1
-        self.last_use[slot] = self.clock
-        self.held[slot] = tokens[:common]  # kept if a step below raises
-        logits = self._step(tokens[common:], common, slot)
-        held, out = list(tokens), []
-        for i in range(k):
-            if not bool(torch.isfinite(logits).all()):
-                break  # a draft from NaN logits would be noise: propose what there is
-            t = int(logits.argmax())
-            out.append(t)
-            if i + 1 < k:
-                logits = self._step([t], len(held), slot)
-                held.append(t)
-        self.held[slot] = held
+    def draft_many(self, seqs: list[list[int]]) -> list[list[int]]:
+        """Each sequence's drafts, the sequences' steps run together (at most as many sequences a group as the
+        draft engine has cache slots)."""
+        out: list[list[int]] = [[] for _ in seqs]
+        live = [i for i, q in enumerate(seqs) if min(self.k, self.engine.max_seq_len - len(q)) > 0]
+        n = len(self.held)
+        for g in range(0, len(live), n):
+            self._draft_group(seqs, live[g:g + n], out)
         return out
+
+    def _draft_group(self, seqs: list[list[int]], idx: list[int], out: list[list[int]]) -> None:
+        taken: set[int] = set()
+        held, slots, ks, pieces = {}, {}, {}, []
+        for i in idx:
+            tokens = [operator.index(t) for t in seqs[i]]
+            slot, common = self._slot(tokens, taken)
+            common = min(common, len(tokens) - 1)  # at least the last token is fed: its logits are the first draft's
+            taken.add(slot)
+            self.clock += 1
+            self.last_use[slot] = self.clock
+            self.held[slot] = tokens[:common]  # kept if a step below raises
+            held[i], slots[i], ks[i] = tokens, slot, min(self.k, self.engine.max_seq_len - len(tokens))
+            pieces.append((tokens[common:], common, slot))
+        logits = self._step(pieces)
+        rows = dict(zip(idx, range(len(idx))))
+        for r in range(max(ks.values())):
+            fed = []
+            for i in list(rows):
+                lg = logits[rows[i]]
+                if not bool(torch.isfinite(lg).all()):  # a draft from NaN logits would be noise: propose what there is
+                    del rows[i]
+                    continue
+                t = int(lg.argmax())
+                out[i].append(t)
+                if r + 1 < ks[i]:
+                    fed.append(i)
+                else:
+                    del rows[i]
+            if not fed:
+                break
+            logits = self._step([([out[i][-1]], len(held[i]), slots[i]) for i in fed])
+            for j, i in enumerate(fed):
+                held[i].append(out[i][-1])
+                rows[i] = j
+        for i in idx:
+            self.held[slots[i]] = held[i]
 
 
 def draft_model_drafter(model: str, k: int, vocab_size: int, *, device, dtype: str, seed: int, max_batch: int,
@@ -304,11 +343,11 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
     live = [i for i in range(len(prompts)) if out[i] and out[i][-1] not in eos and max_new_tokens > 1]
     steps = drafted = accepted = 0
     while live:
+        seqs = [prompts[i] + out[i] for i in live]
         feeds = []
-        for i in live:
-            seq = prompts[i] + out[i]
+        for i, seq, d in zip(live, seqs, drafter.draft_many(seqs)):
             room = min(max_new_tokens - len(out[i]) - 1, limit - len(seq))  # tokens past the correction's
-            feeds.append([seq[-1]] + drafter.draft(seq)[:max(room, 0)])
+            feeds.append([seq[-1]] + d[:max(room, 0)])
         step, starts = verify_step(feeds, [len(prompts[i]) + len(out[i]) - 1 for i in live], live, engine.device)
         logits = engine.executor.run_ops(step).buf["logits"]  # the executor's prefill ops, every row's logits
         bad = ~torch.isfinite(logits).all(-1)

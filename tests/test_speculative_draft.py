@@ -37,7 +37,7 @@ def test_drafts_are_the_draft_models_greedy_continuation_however_slots_are_reuse
     oracle = _engine("tiny-deepseek-v3", 1, seed=3)
     fed = []
     step = drafter._step
-    drafter._step = lambda feed, first, slot: (fed.append((len(feed), first, slot)), step(feed, first, slot))[1]
+    drafter._step = lambda pieces: (fed.extend((len(f), p, s) for f, p, s in pieces), step(pieces))[1]
     seqs = {"a": [5, 6, 7, 8, 9], "b": [40, 41], "c": [100, 3, 3, 3, 3, 3, 3]}
     slot_of = {}
 
@@ -61,6 +61,24 @@ def test_drafts_are_the_draft_models_greedy_continuation_however_slots_are_reuse
     draft("b", 1)
     draft("a", len(seqs["a"]))  # fed whole again, into c's slot (used before b's)
     assert slot_of["a"] == slot_of["c"]
+
+
+def test_a_steps_sequences_are_drafted_together():
+    """draft_many: three sequences (one near the end of the draft's context, so it takes fewer drafts) on three
+    slots in k steps of the draft model, each step feeding every sequence still drafting; on two slots, two groups
+    (the first two sequences' 4 steps, then the third's 2).
+    Each sequence's drafts are the draft model's fresh greedy continuation either way."""
+    oracle = _engine("tiny-deepseek-v3", 1, seed=4)
+    seqs = [[5, 6, 7, 8, 9], [40, 41], list(range(1, 191))]  # max_seq_len 192: the last takes 2 drafts
+    want = [_greedy(oracle, q, 4 if len(q) < 100 else 2) for q in seqs]
+    for slots, sizes_want in ((3, [3, 3, 2, 2]), (2, [2, 2, 2, 2, 1, 1])):
+        drafter = DraftModelDrafter(_engine("tiny-deepseek-v3", slots, seed=4), 4, V)
+        sizes = []
+        step = drafter._step
+        drafter._step = lambda pieces: (sizes.append(len(pieces)), step(pieces))[1]
+        assert drafter.draft_many(seqs) == want
+        assert sizes == sizes_want  # (three slots: the third sequence's 2 drafts take the first two steps)
+        assert drafter.draft_many([q + [1] for q in seqs[:2]]) == [_greedy(oracle, q + [1], 4) for q in seqs[:2]]
 
 
 def test_a_draft_model_equal_to_the_target_has_every_draft_accepted():
