@@ -34,8 +34,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     from cutlass import Constexpr, Float32, Int32, Int64, Uint32
 
     from megadecode.backends.mega.cute import moe as M
-    from megadecode.backends.mega.cute.base import (NT, RECORD, WBYTES, f16x2_split, f32_bits, fa, frag_dec,
-                                                    frag_scale, from_bits, ld4w, ld8, mma, stf)
+    from megadecode.backends.mega.cute.base import (NT, RECORD, WBYTES, f16x2_split, f32_bits, fa, from_bits, ld4w,
+                                                    ld8, stf)
     from megadecode.backends.mega.isa import FRAG_TILE
 
     if name == "shipped":
@@ -80,21 +80,9 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
                         h, l_ = f16x2_split(xv[2 * i] * xs, xv[2 * i + 1] * xs)
                         hi.append(h)
                         lo.append(l_)
-                    mb = 2 * q + b
                     for t in cutlass.range_constexpr(ntl):
-                        p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
-                        for s2 in cutlass.range_constexpr(2):
-                            w = ws[su * ntl + t][q][2 * b + s2]
-                            a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
-                            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
-                            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
-                        sq = ss[su * ntl + t]
-                        s_lo = frag_scale(sq[mb // 4], mb % 4) * fsb
-                        s_hi = frag_scale(sq[2 + mb // 4], mb % 4) * fsb
-                        acc[4 * t] += p0 * s_lo
-                        acc[4 * t + 1] += p1 * s_lo
-                        acc[4 * t + 2] += p2 * s_hi
-                        acc[4 * t + 3] += p3 * s_hi
+                        M.frag_block(acc, t, ws[su * ntl + t][q][2 * b:2 * b + 2], ss[su * ntl + t], 2 * q + b, hi,
+                                     lo, fsb if block_scale else None)
 
     scu, block_scale = {"down_scu2": (2, False), "down_block_scale": (1, True),
                         "down_block_scale_scu2": (2, True)}[name]
