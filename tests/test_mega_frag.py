@@ -10,7 +10,7 @@ import torch
 
 from megadecode.backends import expert_layout
 from megadecode.backends.mega.executor import frag_order
-from megadecode.backends.mega.isa import F_FRAG, F_MXFP4, FRAG_TILE, up_chunks
+from megadecode.backends.mega.isa import F_FRAG, F_MXFP4, F_SHARED, F_STORE, FRAG_DOWN, FRAG_TILE, up_chunks
 from megadecode.backends.mega.kernel_check import KernelLimit, check_program
 from megadecode.backends.mega.lower import lower
 from megadecode.backends.mega.pyvm import PyVM
@@ -72,7 +72,7 @@ def test_pyvm_runs_a_fragment_order_program_as_the_checkpoint_order_one(batch):
     assert experts and all(i.flags & F_FRAG and i.flags & F_MXFP4 for i in experts)
     assert not any(i.flags & F_FRAG for i in ck.instrs)
     downs = [i for i in experts if i.op == "EXPERT_DOWN"]
-    assert all(i.args["r0"] % FRAG_TILE == 0 and i.args["r1"] % FRAG_TILE == 0 for i in downs)
+    assert not any(i.op == "COMBINE" for i in ck.instrs)  # the checkpoint order's EXPERT_DOWN sums itself
     g = torch.Generator().manual_seed(batch)
     vms = []
     for prog in (ck, fr):
@@ -97,14 +97,31 @@ def test_pyvm_runs_a_fragment_order_program_as_the_checkpoint_order_one(batch):
         for u, q, r0, r1 in up_chunks(pstart, I, ins.args["w"], ins.args["W"], FRAG_TILE):
             seen[(pstart[u] + q) * I + r0:(pstart[u] + q) * I + r1] += 1
     assert bool((seen == 1).all())
+    # EXPERT_DOWN's pair-major items cover every (pair, 32-row unit) once, and the COMBINE phase after them every
+    # latent row once, waiting on the whole EXPERT_DOWN phase
+    D = cfg.latent_size
+    last = [i for i in downs if i.layer == experts[-1].layer]
+    seen = torch.zeros(pstart[-1] * D, dtype=torch.int32)
+    for ins in last:
+        assert ins.flags & (F_STORE | F_SHARED) == 0
+        for u, q, r0, r1 in up_chunks(pstart, D, ins.args["w"], ins.args["W"], FRAG_DOWN):
+            assert r0 % FRAG_DOWN == 0 and r1 % FRAG_DOWN == 0
+            seen[(pstart[u] + q) * D + r0:(pstart[u] + q) * D + r1] += 1
+    assert bool((seen == 1).all())
+    combines = [i for i in fr.instrs if i.op == "COMBINE" and i.layer == experts[-1].layer]
+    rows = torch.zeros(D, dtype=torch.int32)
+    for ins in combines:
+        assert ins.flags & F_STORE and ins.waits[0].counter == last[0].signal and ins.waits[0].need == len(last)
+        rows[ins.args["r0"]:ins.args["r1"]] += 1
+    assert bool((rows == 1).all())
 
 
 def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies_cannot_take():
     _, _, fr = _programs(2, torch.bfloat16)
     check_program(fr)
-    for op, change, match in (("EXPERT_DOWN", {"r0": 8}, r"rows \[8, \d+\) are not whole 16-row tiles"),
+    for op, change, match in (("EXPERT_DOWN", {"D": 512 - FRAG_TILE}, "output width 496 is not a whole number of 32-row"),
                               ("EXPERT_UP", {"I": 760}, "fragment-order experts need records"),
-                              ("EXPERT_UP", {"D": 12288}, r"latent width 12288 \(EXPERT_UP stages"),
+                              ("EXPERT_UP", {"D": 12288}, r"reduction width 12288 \(EXPERT_UP stages"),
                               ("EXPERT_DOWN", {"I": 512}, "fragment-order experts need records"),
                               ("EXPERT_UP", {"flags": F_FRAG},
                                "is torch.uint8; the megakernel reads it as torch.bfloat16")):
@@ -114,6 +131,9 @@ def test_kernel_check_passes_fragment_order_programs_and_refuses_what_the_bodies
             ins.flags = change["flags"]
         else:
             ins.args.update(change)
+        if op == "EXPERT_DOWN" and "D" in change:  # records for the narrower output, so that only its width is off
+            t = prog.tensors[ins.args["dn"]]
+            t.tensor = t.tensor[:, :change["D"] // FRAG_TILE]
         with pytest.raises(KernelLimit, match=match):
             check_program(prog)
 
@@ -179,4 +199,6 @@ def test_k3_at_true_dims_lowers_fragment_order_experts_within_the_kernels_limits
     assert W == 1 or -(-units // (W - 1)) > 8 * per_warp  # and one item fewer would put one above it
     if batch in (1, 8):
         assert units % W == 0 and (units // W) % 8 == 0
-    assert sorted((i.args["r0"], i.args["r1"]) for i in downs)[-1][1] == cfg.latent_size
+    dunits = batch * cfg.top_k * cfg.latent_size // FRAG_DOWN  # EXPERT_DOWN's pair-major items, sized alike
+    Wd = downs[0].args["W"]
+    assert len(downs) == Wd <= 264 and -(-dunits // Wd) <= 8 * -(-dunits // (8 * 264))

@@ -105,6 +105,21 @@ class Builder:
         instruction has a fixed cost, the wait, two block barriers and the signal)."""
         return max(1, math.ceil(total_rows / max(1, int(per * self.ctas))))
 
+    def phase_rows(self, parts: list[tuple[int, int]]) -> list[int]:
+        """Rows per tile of ops that share a phase, each given as (rows, weight bytes a row): instructions of about
+        equal bytes, as many as the CTAs in all, each op's count in proportion to its bytes (at least one). Each op
+        sized alone (rows_per_tile) makes one instruction a CTA an op: K3's router phase (the shared experts' GLU,
+        latent_down and the router) then ran 499 instructions on 264 CTAs, the GLU's 131 each 6x the bytes of a
+        latent_down tile and the phase as long as they (the H200's k3-mini timelines at cacde6b: 86 / 136 us a
+        layer at batch 1 / 8 for 240 MB)."""
+        total = sum(n * rb for n, rb in parts)
+        counts = [max(1, min(n, int(self.ctas * n * rb / total))) for n, rb in parts]
+        for j in sorted(range(len(parts)), key=lambda j: -parts[j][0] * parts[j][1]):
+            if sum(counts) >= self.ctas:
+                break
+            counts[j] = min(parts[j][0], counts[j] + self.ctas - sum(counts))
+        return [-(-n // c) for (n, _), c in zip(parts, counts)]
+
     def matvec(self, layer: int, name: str, w: str, x: str, out: str, out_col: int = 0, *, norm: str | None = None,
                resid: bool = False, write_normed: str | None = None, rows: int | None = None,
                x2: str | None = None, add0: str | None = None, add1: str | None = None):
@@ -136,10 +151,11 @@ class Builder:
     def off(self, name: str | None) -> int:
         return self.f32[name][0] if name else -1
 
-    def glu(self, layer: int, name: str, wg: str, wu: str, x: str, out: str, norm: str | None, x2: str | None = None):
+    def glu(self, layer: int, name: str, wg: str, wu: str, x: str, out: str, norm: str | None, x2: str | None = None,
+            rows: int | None = None):
         Wg = self.weights[wg]
         N, K = Wg.shape
-        rows = max(self.rows_per_tile(2 * N), min(N, MIN_ROWS // 2))
+        rows = max(rows or self.rows_per_tile(2 * N), min(N, MIN_ROWS // 2))
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
         oo, os_ = self.f32[out][0], self.f32[out][1] // self.B
         for r0 in range(0, N, rows):

@@ -39,8 +39,8 @@ from .isa import OPCODES, W_NEXT  # noqa: E402
 
 
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
-DISPATCH = ("MATVEC", "GLU", "EMBED", "ATTN_GQA", "MERGE", "ROUTE", "EXPERT_UP", "EXPERT_DOWN", "SAMPLE", "MLA_KV",
-            "MLA_Q", "MLA_ATTN", "ATTN_RES", "KDA_STEP")  # the order the loop tests the opcode in
+DISPATCH = ("MATVEC", "GLU", "EMBED", "ATTN_GQA", "MERGE", "ROUTE", "EXPERT_UP", "EXPERT_DOWN", "COMBINE", "SAMPLE",
+            "MLA_KV", "MLA_Q", "MLA_ATTN", "ATTN_RES", "KDA_STEP")  # the order the loop tests the opcode in
 BODIES = tuple((n, getattr(importlib.import_module(f".cute.{ops.BY_NAME[n].OP.body[0]}", __package__),
                            ops.BY_NAME[n].OP.body[1])) for n in DISPATCH)
 

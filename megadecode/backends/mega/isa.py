@@ -41,16 +41,17 @@ F_WRITE_NORMED = 4  # MATVEC: the tile with r0 == 0 also writes the normed input
 F_SIGMOID = 8  # ROUTE: sigmoid scores with selection bias (DeepSeek noaux_tc); else softmax
 F_RENORM = 16  # ROUTE: renormalise the picked weights
 F_INTERLEAVED = 32  # rope pairs (2i, 2i+1) (DeepSeek); else (i, i + d/2) (Qwen)
-F_SHARED = 64  # EXPERT_DOWN: add the shared experts' output (`shared_off`)
+F_SHARED = 64  # EXPERT_DOWN / COMBINE: add the shared experts' output (`shared_off`)
 F_GREEDY = 128  # SAMPLE: argmax; else temperature sampling by a Gumbel race
 F_MXFP4 = 256  # EXPERT_UP / EXPERT_DOWN: MXFP4 experts (packed e2m1 tensor + e8m0 scale tensor)
 F_SITU = 512  # EXPERT_UP: SiTU-GLU (Kimi K3's routed experts); else SwiGLU
-F_STORE = 1024  # EXPERT_DOWN: write the weighted sum of the experts (K3's latent z); else add it to `out`
+F_STORE = 1024  # EXPERT_DOWN / COMBINE: write the weighted sum of the experts (K3's latent z); else add it to `out`
 F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's NoPE MLA)
 F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`)
 F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
 F_FRAG = 16384  # EXPERT_UP / EXPERT_DOWN (with F_MXFP4): weights in fragment order (quant/mxfp4_frag.py), tensor cores
-FRAG_TILE = 16  # rows of a fragment-order record: F_FRAG's unit of work (EXPERT_UP tiles, EXPERT_DOWN row ranges)
+FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
+FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
 
 # opcodes, with their argument names (in row order)
@@ -83,9 +84,11 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
                       "ptok_off", "gus", "qst_off")),
     # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
-    # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r])
+    # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]). F_FRAG: y alone, for the units
+    # [w * N / W, (w + 1) * N / W) of N = pairs x D / FRAG_DOWN, pair-major (`up_chunks` over the pair prefix with
+    # unit FRAG_DOWN); the weighted sum is the next phase's COMBINE
     "EXPERT_DOWN": (8, ("dn", "I", "D", "h_off", "y_off", "out_off", "r0", "r1", "B", "A", "nuniq_off",
-                        "uniq_off", "pstart_off", "wts_off", "pairof_off", "shared_off", "dns")),
+                        "uniq_off", "pstart_off", "wts_off", "pairof_off", "shared_off", "dns", "w", "W")),
     # next token of sequence b from logits [B, V] (greedy, or temperature with the step's seed)
     "SAMPLE": (9, ("logits_off", "V", "b", "tok_out_off", "lp_out_off", "seed_off", "inv_temp_bits")),
     # MLA: the token's latent (RMSNorm) and rope key (rotated) into the cache
@@ -104,6 +107,9 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # slot's fp32 state (read and written once), gated RMSNorm -> out[b, h*K:(h+1)*K]
     "KDA_STEP": (14, ("qkv_off", "f_off", "gate_off", "beta_off", "conv_w", "conv_state", "rec_state", "a_log",
                       "dt_bias", "onorm_w", "out_off", "b", "h", "H", "K", "W", "slot_off", "eps_bits")),
+    # hidden[t, r] (+)= sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]) for rows [r0, r1), t < B: the
+    # weighted sum of the experts' outputs that EXPERT_DOWN fuses, as its own phase after F_FRAG's pair-major items
+    "COMBINE": (15, ("y_off", "out_off", "D", "r0", "r1", "B", "A", "wts_off", "pairof_off", "shared_off")),
 }
 OPCODES = {name: code for name, (code, _) in OPS.items()}
 OPNAMES = {code: name for name, (code, _) in OPS.items()}

@@ -6,7 +6,8 @@ reads and writes in the residual stream is a LayerIO (plain residual families, o
     kda_layer         projections, low-rank gates, KDA_STEP per (sequence, head), o_proj
     dense_layer       GLU (post-attention norm fused), down with the residual add
     moe_layer         router (+ shared GLU), ROUTE (+ shared down), EXPERT_UP, EXPERT_DOWN (combine fused)
-    latent_moe_layer  kimi_k3's LatentMoE: latent down, MXFP4 SiTU experts in the latent width, latent up
+    latent_moe_layer  kimi_k3's LatentMoE: latent down, MXFP4 SiTU experts in the latent width (fragment order:
+                      EXPERT_DOWN pair-major, then COMBINE), latent up
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ...quant.mxfp4_frag import is_frag_entry
 from .builder import Builder
 from .limits import NT
 from .isa import (
+    FRAG_DOWN,
     FRAG_TILE,
     F_FRAG,
     F_INTERLEAVED,
@@ -227,7 +229,8 @@ def _route(b: Builder, i: int, m: str, shared: bool) -> None:
 def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int, flags_down: int,
              shared_off: int, quant: bool) -> None:
     """EXPERT_UP (work-balanced items of (selected expert, row tile)) and EXPERT_DOWN (row tiles over every
-    selected expert, the weighted combine fused) of the routed experts, D their input / output width."""
+    selected expert, the weighted combine fused) of the routed experts, D their input / output width. Experts in
+    fragment order: EXPERT_DOWN's items are pair-major like EXPERT_UP's, and COMBINE is the phase after them."""
     cfg, B = b.cfg, b.B
     E, A, I = cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
     b.buf("h", B * A * I)
@@ -235,7 +238,7 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     sel = expected_experts(E, A, B)
     gu_name = f"{m}.experts.gate_up_proj" + (".weight_packed" if quant else "")
     # MXFP4 experts held in fragment order (the executor's choice, backends/expert_layout.py): the tensor-core
-    # bodies, whose shares are whole 16-row tiles (EXPERT_UP: a gate tile and its up tile; EXPERT_DOWN: row ranges)
+    # bodies, whose shares are whole units (EXPERT_UP: a gate tile and its up tile; EXPERT_DOWN: FRAG_DOWN rows)
     frag = quant and is_frag_entry(b.weights[gu_name])
     # work items: equal shares of the rows of every selected expert's passes over its pairs (isa.up_chunks),
     # about one per CTA: as many as the expected selected rows allow, at least a few rows each
@@ -258,16 +261,32 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
               uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], gus=gus,
               qst_off=b.i32["qst"][0])
     b.close(f"L{i}.up")
+    dn, dns = b.t(dn_name), b.t(f"{m}.experts.down_proj.weight_scale") if quant else -1
+    common = dict(dn=dn, I=I, D=D, h_off=b.f32["h"][0], y_off=b.f32["y"][0], out_off=b.f32[out][0], B=B, A=A,
+                  nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0],
+                  wts_off=b.f32["wts"][0], pairof_off=b.i32["pairof"][0], shared_off=shared_off, dns=dns)
     rows = b.rows_per_tile(D)
     if frag:
-        rows = -(-rows // FRAG_TILE) * FRAG_TILE
-    dn, dns = b.t(dn_name), b.t(f"{m}.experts.down_proj.weight_scale") if quant else -1
+        # pair-major items of (pair, FRAG_DOWN rows) units, sized as EXPERT_UP's; each CTA stages its pairs' h rows
+        # (cute/moe.py expert_down_frag), and the weighted sum is a phase of its own (COMBINE) after them
+        units = B * A * (D // FRAG_DOWN)
+        per_warp = math.ceil(units / (WARPS * b.ctas))
+        Wd = math.ceil(units / (WARPS * per_warp))
+        for w in range(Wd):
+            b.add("EXPERT_DOWN", i, f"L{i}.down[{w}]", flags_down & ~(F_STORE | F_SHARED),
+                  bytes_=int(sel * D * I * wbytes / Wd), r0=0, r1=D, w=w, W=Wd, **common)
+        b.close(f"L{i}.down")
+        for r0 in range(0, D, rows):
+            r1 = min(D, r0 + rows)
+            b.add("COMBINE", i, f"L{i}.combine[{r0}:{r1}]", flags_down & (F_STORE | F_SHARED),
+                  **{k: common[k] for k in ("y_off", "out_off", "D", "B", "A", "wts_off", "pairof_off",
+                                            "shared_off")}, r0=r0, r1=r1)
+        b.close(f"L{i}.combine")
+        return
     for r0 in range(0, D, rows):
         r1 = min(D, r0 + rows)
         b.add("EXPERT_DOWN", i, f"L{i}.down[{r0}:{r1}]", flags_down, bytes_=int(sel * (r1 - r0) * I * wbytes),
-              dn=dn, I=I, D=D, h_off=b.f32["h"][0], y_off=b.f32["y"][0], out_off=b.f32[out][0], r0=r0, r1=r1, B=B,
-              A=A, nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0],
-              wts_off=b.f32["wts"][0], pairof_off=b.i32["pairof"][0], shared_off=shared_off, dns=dns)
+              r0=r0, r1=r1, w=0, W=1, **common)
     b.close(f"L{i}.down")
 
 
@@ -277,13 +296,17 @@ def moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
     post = f"{p}.post_attention_layernorm.weight"
     b.buf("router_logits", B * cfg.num_experts)
     b.buf("normed", B * D)
-    b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed",
-             rows=max(1, b.rows_per_tile(cfg.num_experts, per=0.5)), x2=io.mlp_x2)
     shared = cfg.n_shared_experts > 0
+    rr = max(1, b.rows_per_tile(cfg.num_experts, per=0.5))
+    if shared:  # the router and the shared experts' GLU share the phase: tiles of about equal bytes
+        rr, rs = b.phase_rows([(cfg.num_experts, D * b.wbytes),
+                               (cfg.shared_intermediate_size, 2 * D * b.wbytes)])
+    b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed", rows=rr,
+             x2=io.mlp_x2)
     if shared:
         b.buf("shared_h", B * cfg.shared_intermediate_size)
         b.glu(i, "shared_up", f"{m}.shared_experts.gate_proj.weight", f"{m}.shared_experts.up_proj.weight",
-              io.x, "shared_h", norm=post, x2=io.mlp_x2)
+              io.x, "shared_h", norm=post, x2=io.mlp_x2, rows=rs)
     b.close(f"L{i}.router")
     _route(b, i, m, shared)
     _experts(b, i, m, D, "normed", io.out, 0, F_SHARED if shared else 0,
@@ -301,12 +324,15 @@ def latent_moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
     b.buf("normed", B * D)
     b.buf("hlat", B * R)
     b.buf("z", B * R)
-    b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed",
-             rows=max(1, b.rows_per_tile(cfg.num_experts, per=0.5)), x2=io.mlp_x2)
+    # the router, the shared experts' GLU and latent_down share the phase: tiles of about equal bytes
+    rr, rs, rl = b.phase_rows([(cfg.num_experts, D * b.wbytes), (cfg.shared_intermediate_size, 2 * D * b.wbytes),
+                               (R, D * b.wbytes)])
+    b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed", rows=rr,
+             x2=io.mlp_x2)
     b.buf("shared_h", B * cfg.shared_intermediate_size)
     b.glu(i, "shared_up", f"{m}.shared_experts.gate_proj.weight", f"{m}.shared_experts.up_proj.weight", io.x,
-          "shared_h", norm=post, x2=io.mlp_x2)
-    b.matvec(i, "latent_down", f"{m}.latent_down.weight", io.x, "hlat", norm=post, x2=io.mlp_x2)
+          "shared_h", norm=post, x2=io.mlp_x2, rows=rs)
+    b.matvec(i, "latent_down", f"{m}.latent_down.weight", io.x, "hlat", norm=post, x2=io.mlp_x2, rows=rl)
     b.close(f"L{i}.router")
     _route(b, i, m, shared=True)
     act = F_SITU if cfg.expert_act == "situ" else 0

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_TILE
+from ..isa import F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN, FRAG_TILE
 from .base import (
     ARG,
     RECORD,
@@ -572,28 +572,47 @@ def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi
 
 
 @cute.jit
-def expert_down_frag(fb: Int64, ib: Int64, dn: Int64, smi: cute.Tensor, tid: Int32, I: Int32, D: Int32,
-                     h_off: Int32, y_off: Int32, r0: Int32, r1: Int32, npairs: Int32):
-    """EXPERT_DOWN's products under F_FRAG: units (pair, 16-row tile of rows [r0, r1)), a unit a warp at a time;
-    smi[p] holds pair p's expert. y[p, r] for r in [r0, r1). One tile a unit, not two sharing the activation
-    conversion: 32-row items left half the CTAs without one (k3-mini: 112 items of 3584 rows on 264 CTAs) and the
-    phase at 1.1-1.3 TB/s on the H200."""
+def expert_down_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """EXPERT_DOWN under F_FRAG: units (pair, FRAG_DOWN rows: two adjacent 16-row tiles) of N = pairs x D / 32,
+    this item's share [w N / W, (w + 1) N / W) pair-major (isa.up_chunks with unit FRAG_DOWN over the pair prefix,
+    which pyvm runs); y[p, rows] alone, the weighted sum being the next phase's COMBINE. As EXPERT_UP: the CTA stages
+    each pair's h row once in shared memory as fp16 hi / lo planes (stage_row) and its warps take the pair's units,
+    a unit a warp, both tiles against the one B. Row tiles of every pair an item, the form before this one, had
+    each warp scale and convert its pair's row for every 16-row tile it took, at 1.5 TB/s on the H200 (k3-mini
+    batch 8, where EXPERT_UP's staged items stream at 3.4)."""
     warp, lane = tid // 32, tid % 32
-    c, g = lane % 4, lane // 4
-    nt = (r1 - r0) // FRAG_TILE
+    A_ = "EXPERT_DOWN"
+    dn = wtab[arg(smi, ARG[A_]["dn"])]
+    I, D, h_off, y_off = args(smi, A_, "I D h_off y_off")
+    w, W = args(smi, A_, "w W")
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off = args(smi, A_, "uniq_off pstart_off")
+    pair_experts(ib, smi, tid, nuniq, uniq_off, pstart_off)
+    npairs = ldi(ia(ib, pstart_off + nuniq))
     ntd = D // FRAG_TILE  # row tiles an expert
+    nu = D // FRAG_DOWN  # units a pair
     nsc = I // 256
+    N = npairs * nu
+    lo = Int32(Int64(w) * Int64(N) // Int64(W))
+    hi = Int32(Int64(w + 1) * Int64(N) // Int64(W))
+    sbase = Int32(sm.iterator.toint())  # the planes: 4 I bytes, then 8 words (kernel_check: I + 8 <= SMEM_F)
     acc = cute.make_rmem_tensor(8, Float32)
-    for unit in cutlass.range(warp, npairs * nt, NW):
-        p = unit // nt
-        rt = r0 // FRAG_TILE + unit % nt
-        xrow = fa(fb, h_off + p * I)
-        up_s, fs = frag_row_scale(xrow, I, lane)
-        ra = dn + (Int64(smi[p]) * Int64(ntd) + Int64(rt)) * Int64(nsc) * Int64(RECORD)
-        frag_tiles(ra, ra, 1, nsc, xrow, up_s, Int32(0), I, False, lane, acc)
-        if c == 0:
-            for i in cutlass.range_constexpr(2):
-                stf(Float32, fa(fb, y_off + p * D + rt * FRAG_TILE + g + 8 * i), acc[2 * i] * fs)
+    c, g = lane % 4, lane // 4
+    tile = Int64(nsc) * Int64(RECORD)
+    if lo < hi:
+        for p in cutlass.range(lo // nu, (hi - 1) // nu + 1):
+            xrow = fa(fb, h_off + p * I)
+            fs = stage_row(xrow, I, sbase, tid)
+            ra = dn + Int64(smi[p]) * Int64(ntd) * tile
+            for unit in cutlass.range(cutlass.max(lo, p * nu) + warp, cutlass.min(hi, (p + 1) * nu), NW):
+                rt = 2 * (unit % nu)  # the unit's first row tile
+                rg = ra + Int64(rt) * tile
+                frag_tiles(rg, rg + tile, 2, nsc, xrow, Float32(1.0), sbase, I, True, lane, acc)
+                if c == 0:
+                    for t in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(2):
+                            stf(Float32, fa(fb, y_off + p * D + (rt + t) * FRAG_TILE + g + 8 * i),
+                                acc[4 * t + 2 * i] * fs)
 
 
 @cute.jit
@@ -746,7 +765,17 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
                    tid: Int32):
     """Down rows [r0, r1) of every selected expert against its pairs' h, then each token's weighted sum of its
     experts' rows (plus the shared experts' output with F_SHARED) added to `out`, or stored with F_STORE. Weights
-    bf16 [E, D, I] or MXFP4 (packed [E, D, I/2] `dn`, scales [E, D, I/32] `dns`)."""
+    bf16 [E, D, I] or MXFP4 (packed [E, D, I/2] `dn`, scales [E, D, I/32] `dns`). F_FRAG: MXFP4 records on the
+    tensor cores, pair-major, y alone (expert_down_frag; the sum is COMBINE's)."""
+    if (arg(smi, 3) & F_FRAG) != 0:
+        expert_down_frag(fb, ib, wtab, sm, smi, tid)
+    else:
+        expert_down_rows(fb, ib, wtab, smi, tid)
+
+
+@cute.jit
+def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """EXPERT_DOWN on the CUDA cores (bf16 experts, and MXFP4 in the checkpoint's order), the combine fused."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_DOWN"
     flags = arg(smi, 3)
@@ -798,9 +827,7 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
                 s = warp_sum(acc1[q])
                 if lane == 0 and r + q < r1:
                     stf(Float32, fa(fb, y_off + p * D + r + q), s)
-    if mx and (flags & F_FRAG) != 0:
-        expert_down_frag(fb, ib, dn, smi, tid, I, D, h_off, y_off, r0, r1, npairs)
-    elif mx:
+    if mx:
         # MXFP4: the units are (pair, group of RW_DN consecutive rows), over every pair of every selected expert at
         # once, dealt to the warps; each group's RW_DN rows are loaded together and its pair's h once for them. A
         # row serving several pairs is read again (L1 / L2). Not expert after expert, its rows over the 8 warps:
@@ -837,6 +864,16 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
                     if lane == 0 and p0 + j < pe:
                         stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
     cute.arch.sync_threads()
+    combine_rows(fb, ib, flags, tid, y_off, out_off, D, r0, r1, B, A, wts_off, pairof_off, shared_off)
+
+
+@cute.jit
+def combine_rows(fb: Int64, ib: Int64, flags: Int32, tid: Int32, y_off: Int32, out_off: Int32, D: Int32, r0: Int32,
+                 r1: Int32, B: Int32, A: Int32, wts_off: Int32, pairof_off: Int32, shared_off: Int32):
+    """out[t, r] (+)= sum_a wts[t, a] * y[pairof[t, a], r] (+ shared[t, r]) for rows [r0, r1), t < B, a thread an
+    element, slots in order (pyvm's ops/combine.combine). y, the weights and the pair table were produced in this
+    launch: coherent loads, after the instruction's wait (COMBINE) or the block barrier after the products
+    (EXPERT_DOWN's own)."""
     rows = r1 - r0
     store = (flags & F_STORE) != 0
     for e in cutlass.range(tid, B * rows, NT):
@@ -851,3 +888,14 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
         if (flags & F_SHARED) != 0:
             v += ldf(Float32, fa(fb, shared_off + t * D + r))
         stf(Float32, o, v)
+
+
+@cute.jit
+def op_combine(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
+               smi: cute.Tensor, tid: Int32):
+    """COMBINE: each token's weighted sum of its experts' rows [r0, r1) (plus the shared experts' output with
+    F_SHARED) added to `out`, or stored with F_STORE (combine_rows)."""
+    A_ = "COMBINE"
+    y_off, out_off, D, r0, r1 = args(smi, A_, "y_off out_off D r0 r1")
+    B, A, wts_off, pairof_off, shared_off = args(smi, A_, "B A wts_off pairof_off shared_off")
+    combine_rows(fb, ib, arg(smi, 3), tid, y_off, out_off, D, r0, r1, B, A, wts_off, pairof_off, shared_off)

@@ -12,11 +12,11 @@ in cute/ and its lowering."""
 
 from __future__ import annotations
 
-from . import (attn_gqa, attn_res, embed, expert_down, expert_up, glu, kda_step, matvec, merge, mla_attn, mla_kv, mla_q,
-               route, sample)
+from . import (attn_gqa, attn_res, combine, embed, expert_down, expert_up, glu, kda_step, matvec, merge, mla_attn,
+               mla_kv, mla_q, route, sample)
 
 MODULES = (embed, matvec, glu, attn_gqa, merge, route, expert_up, expert_down, sample, mla_kv, mla_q, mla_attn,
-           attn_res, kda_step)
+           attn_res, kda_step, combine)
 BY_NAME = {m.OP.name: m for m in MODULES}
 
 

@@ -1,12 +1,14 @@
 """EXPERT_DOWN: for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then hidden[t, r] += sum_a
-wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r])"""
+wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]). F_FRAG: y alone, pair-major units of FRAG_DOWN rows (the weighted
+sum is the next phase's COMBINE)"""
 
 from __future__ import annotations
 
 import torch
 
-from ..isa import F_FRAG, F_SHARED, F_STORE
+from ..isa import FRAG_DOWN, F_FRAG, up_chunks
 from ..limits import BODY_I, KernelLimit
+from .combine import combine
 from .expert_up import check_frag
 from .opcode import Opcode
 
@@ -27,19 +29,17 @@ def check(prog, ins, where: str) -> None:
 
 def run(vm, ins, a) -> None:
     """EXPERT_DOWN in pyvm."""
-    I, D, r0, r1, B, A = (a[k] for k in ("I", "D", "r0", "r1", "B", "A"))
+    I, D = a["I"], a["D"]
     n, uniq, pstart = vm.groups(a)
+    if ins.flags & F_FRAG:  # pair-major units (pair, FRAG_DOWN rows), one pair a pass
+        for u, q, r0, r1 in up_chunks(pstart, D, a["w"], a["W"], FRAG_DOWN):
+            p = pstart[u] + q
+            Wd = vm.rows_of(ins, a["dn"], a["dns"], uniq[u], r0, r1)
+            vm.wf(a["y_off"] + p * D + r0, Wd @ vm.rf(a["h_off"] + p * I, I))
+        return
+    r0, r1 = a["r0"], a["r1"]
     for u in range(n):
         Wd = vm.rows_of(ins, a["dn"], a["dns"], uniq[u], r0, r1)  # [rows, I]
         for p in range(pstart[u], pstart[u + 1]):
             vm.wf(a["y_off"] + p * D + r0, Wd @ vm.rf(a["h_off"] + p * I, I))
-    pairof = vm.ri(a["pairof_off"], B * A).tolist()
-    wts = vm.rf(a["wts_off"], B * A)
-    for t in range(B):
-        out = torch.zeros(r1 - r0, device=wts.device) if ins.flags & F_STORE else \
-            vm.rf(a["out_off"] + t * D + r0, r1 - r0).clone()
-        for k in range(A):
-            out = out + wts[t * A + k] * vm.rf(a["y_off"] + pairof[t * A + k] * D + r0, r1 - r0)
-        if ins.flags & F_SHARED:
-            out = out + vm.rf(a["shared_off"] + t * D + r0, r1 - r0)
-        vm.wf(a["out_off"] + t * D + r0, out)
+    combine(vm, ins.flags, a)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ....quant.mxfp4_frag import KREC, RECORD
 from ....reference.activations import situ_glu
-from ..isa import FRAG_TILE, F_FRAG, F_SITU, up_chunks, up_passes
+from ..isa import FRAG_DOWN, FRAG_TILE, F_FRAG, F_SITU, up_chunks, up_passes
 from ..limits import SMEM_F, KernelLimit
 from .opcode import Opcode
 
@@ -24,23 +24,24 @@ def check(prog, ins, where: str) -> None:
 
 def check_frag(prog, ins, where: str) -> None:
     """F_FRAG (the tensor-core expert bodies, cute/moe.py): MXFP4 records of quant/mxfp4_frag.py's shape for the
-    instruction's dims, reductions whole records (256), EXPERT_UP's gate / up split on a tile boundary, its staged
-    row within shared memory and EXPERT_DOWN's rows whole tiles. EXPERT_UP's pair table shares EXPERT_DOWN's bound
-    (one shared int word a pair, checked on the layer's EXPERT_DOWN). F_FRAG without F_MXFP4 is refused by the dtype
-    check (records are uint8, bf16 experts are not)."""
+    instruction's dims, reductions whole records (256), EXPERT_UP's gate / up split on a tile boundary and
+    EXPERT_DOWN's rows whole units of FRAG_DOWN, and the staged row (each item stages its pairs' rows of the
+    reduction width K, as two fp16 planes and 8 words) within shared memory. EXPERT_UP's pair table shares
+    EXPERT_DOWN's bound (one shared int word a pair, checked on the layer's EXPERT_DOWN). F_FRAG without F_MXFP4 is
+    refused by the dtype check (records are uint8, bf16 experts are not)."""
     a = ins.args
     up = ins.op == "EXPERT_UP"
     I, D = a["I"], a["D"]
     R, K = (2 * I, D) if up else (D, I)
     w = prog.tensors[a["gu" if up else "dn"]].tensor
-    if up and D + 8 > SMEM_F:
-        raise KernelLimit(f"{where}: latent width {D} (EXPERT_UP stages a pair's row as two fp16 planes and 8 words "
-                          f"in {SMEM_F} shared fp32 words: D <= {SMEM_F - 8})")
+    if K + 8 > SMEM_F:
+        raise KernelLimit(f"{where}: reduction width {K} ({ins.op} stages a pair's row as two fp16 planes and 8 words "
+                          f"in {SMEM_F} shared fp32 words: at most {SMEM_F - 8})")
     if K % KREC or I % FRAG_TILE or tuple(w.shape[1:]) != (R // FRAG_TILE, K // KREC, RECORD):
         raise KernelLimit(f"{where}: fragment-order experts need records [E, {R}/{FRAG_TILE}, {K}/{KREC}, {RECORD}] "
                           f"(K a multiple of {KREC}, I of {FRAG_TILE}); got {tuple(w.shape)} for I = {I}, D = {D}")
-    if not up and (a["r0"] % FRAG_TILE or a["r1"] % FRAG_TILE):
-        raise KernelLimit(f"{where}: rows [{a['r0']}, {a['r1']}) are not whole {FRAG_TILE}-row tiles")
+    if not up and D % FRAG_DOWN:
+        raise KernelLimit(f"{where}: output width {D} is not a whole number of {FRAG_DOWN}-row units")
 
 
 def run(vm, ins, a) -> None:
