@@ -110,8 +110,8 @@ class Builder:
         equal bytes, as many as the CTAs in all, each op's count in proportion to its bytes (at least one). Each op
         sized alone (rows_per_tile) makes one instruction a CTA an op: K3's router phase (the shared experts' GLU,
         latent_down and the router) then ran 499 instructions on 264 CTAs, the GLU's 131 each 6x the bytes of a
-        latent_down tile and the phase as long as they (the H200's k3-mini timelines at cacde6b: 86 / 136 us a
-        layer at batch 1 / 8 for 240 MB)."""
+        latent_down tile and the phase as long as they (k3-mini on the H200: 86 / 136 us a layer at batch 1 / 8 for
+        240 MB; 66 / 118 us tiled jointly, docs/megakernel.md)."""
         total = sum(n * rb for n, rb in parts)
         counts = [max(1, min(n, int(self.ctas * n * rb / total))) for n, rb in parts]
         for j in sorted(range(len(parts)), key=lambda j: -parts[j][0] * parts[j][1]):
