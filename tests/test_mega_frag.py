@@ -202,3 +202,27 @@ def test_k3_at_true_dims_lowers_fragment_order_experts_within_the_kernels_limits
     dunits = batch * cfg.top_k * cfg.latent_size // FRAG_DOWN  # EXPERT_DOWN's pair-major items, sized alike
     Wd = downs[0].args["W"]
     assert len(downs) == Wd <= 264 and -(-dunits // Wd) <= 8 * -(-dunits // (8 * 264))
+
+
+def test_phase_rows_tiles_a_shared_phase_into_at_most_one_instruction_a_cta_in_proportion_to_bytes():
+    """Builder.phase_rows: every op at least one tile, all rows covered, no more instructions than CTAs (or ops),
+    and each op's count near its byte share where the CTAs allow (at most its share plus one an op, at least half
+    of it: a tile's rows rounded up lose a few instructions); random parts and CTA counts."""
+    from types import SimpleNamespace
+
+    from megadecode.backends.mega.builder import Builder
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        ctas = int(torch.randint(1, 300, (1,), generator=g))
+        parts = [(int(torch.randint(1, 20000, (1,), generator=g)), int(torch.randint(1, 30000, (1,), generator=g)))
+                 for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
+        rows = Builder.phase_rows(SimpleNamespace(ctas=ctas), parts)
+        counts = [-(-n // r) for (n, _), r in zip(parts, rows)]
+        assert all(1 <= r <= n for (n, _), r in zip(parts, rows))
+        assert sum(counts) <= max(ctas, len(parts))
+        total = sum(n * rb for n, rb in parts)
+        if ctas >= 4 * len(parts):
+            for (n, rb), c in zip(parts, counts):
+                share = ctas * n * rb / total
+                assert c <= max(1, share + len(parts)) and c >= min(n, share) / 2 - 1, (ctas, parts, counts)

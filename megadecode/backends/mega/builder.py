@@ -114,7 +114,11 @@ class Builder:
         240 MB; 66 / 118 us tiled jointly, docs/megakernel.md)."""
         total = sum(n * rb for n, rb in parts)
         counts = [max(1, min(n, int(self.ctas * n * rb / total))) for n, rb in parts]
-        for j in sorted(range(len(parts)), key=lambda j: -parts[j][0] * parts[j][1]):
+        by_bytes = sorted(range(len(parts)), key=lambda j: -parts[j][0] * parts[j][1])
+        for j in by_bytes:  # an op given one instruction for want of bytes leaves the largest ones fewer
+            while sum(counts) > self.ctas and counts[j] > 1:
+                counts[j] -= 1
+        for j in by_bytes:  # CTAs left by the rounding down go to the largest ops
             if sum(counts) >= self.ctas:
                 break
             counts[j] = min(parts[j][0], counts[j] + self.ctas - sum(counts))
