@@ -94,7 +94,7 @@ def mma(t: Constexpr, a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32
 
 @cute.jit
 def f16x2_split(x0: Float32, x1: Float32):
-    """x0 and x1 (scaled so that fp16 holds them: frag_row_scale) as fp16 pairs hi + lo (words, x0 in the low
+    """x0 and x1 (scaled so that fp16 holds them: moe.stage_row) as fp16 pairs hi + lo (words, x0 in the low
     halves): hi rounded to nearest even, lo the remainder x - hi (exact in fp32) rounded alike, ~22 bits in all."""
     return cute.arch.inline_ptx(
         "{ .reg .b32 h; .reg .b16 a, b; .reg .f32 f0, f1; cvt.rn.f16x2.f32 h, {$r1}, {$r0}; mov.b32 {a, b}, h; "

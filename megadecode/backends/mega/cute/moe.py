@@ -389,44 +389,24 @@ def down_mx_rows1(dn: Int64, dns: Int64, dbase: Int64, rb: Int32, r1: Int32, row
 
 
 # ---- fragment-order MXFP4 experts on the tensor cores (F_FRAG) -------------------------------------------------
-# A warp takes a unit: 16-row tiles (EXPERT_UP: a gate tile and its up tile; EXPERT_DOWN: one tile of the item's
-# rows) against one pair's activation row, over every record of the reduction (quant/mxfp4_frag.py). Per
-# record a lane loads its 4 A-fragment words of each tile and its rows' scales (ld4w), and for each of the 8 scale
-# blocks its 8 consecutive activations (fp32, produced in the launch: coherent loads), scaled by the row's power of
-# two and split into fp16 hi + lo (f16x2_split: ~22 bits of the fp32 value), which every tile multiplies (mma.sync
-# m16n8k16, 2 k-steps a block, 2 planes). Every lane of a group loads the same activations, so every column of B
-# is the pair's row and column 0 of C (lanes with c = 0) holds the sums. Why: the CUDA-core bodies decode ~4.5
-# integer operations a weight and are issue-bound at 1.1-1.4 TB/s on the H200, where the fused executor's
-# tensor-core experts (backends/fused/kernels/cute_experts.py, the same records) stream 3.2.
+# A CTA stages a pair's activation row once in shared memory (stage_row: scaled by a power of two, split into fp16
+# hi + lo planes, ~22 bits of the fp32 value); a warp takes a unit, two 16-row tiles (EXPERT_UP: a gate tile and its
+# up tile; EXPERT_DOWN: two adjacent row tiles) against that row, over every record of the reduction
+# (quant/mxfp4_frag.py). Per record a lane loads its 4 A-fragment words of each tile and its rows' scales (ld4w),
+# and for each of the 8 scale blocks its 8 consecutive activations of each plane from shared memory, which both
+# tiles multiply (mma.sync m16n8k16, 2 k-steps a block, 2 planes). Every lane of a group loads the same activations,
+# so every column of B is the pair's row and column 0 of C (lanes with c = 0) holds the sums. Why: the CUDA-core
+# bodies decode ~4.5 integer operations a weight and are issue-bound at 1.1-1.4 TB/s on the H200, where the fused
+# executor's tensor-core experts (backends/fused/kernels/cute_experts.py, the same records) stream 3.2.
 
 
 @cute.jit
-def frag_row_scale(xrow: Int64, K: Int32, lane: Int32):
-    """(2**kk, 2**(14 - kk)) for the fp32 activation row at xrow (K values): x * 2**kk has the row's largest
-    magnitude in [2**14, 2**15), so fp16 holds every scaled value and the record decode's 2**-14 (frag_dec) and
-    the scale come off the sums as one factor. kk = 0 for an all-zero or non-finite row (its NaN / inf carry
-    through). The whole warp calls it."""
-    m = Float32(0.0)
-    for k in cutlass.range(lane * 8, K, 256, unroll=2):
-        v = ld8(Float32, xrow + Int64(k) * 4)
-        for j in cutlass.range_constexpr(8):
-            m = cute.arch.fmax(m, cute.arch.fmax(v[j], -v[j]))
-    m = warp_max(m)
-    ex = (f32_bits(m) >> 23) & 255
-    kk = Int32(0)
-    if ex > 0 and ex < 255:
-        kk = cutlass.min(Int32(141) - ex, Int32(127))
-    return from_bits(Uint32((kk + 127) << 23)), from_bits(Uint32((141 - kk) << 23))
-
-
-@cute.jit
-def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up_s: Float32, sbase: Int32,
-               K: Int32, staged: Constexpr, lane: Int32, acc: cute.Tensor):
+def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, sbase: Int32, K: Int32, lane: Int32,
+               acc: cute.Tensor):
     """acc[0..3] (the tile at ra) and, with ntl = 2, acc[4..7] (the tile at rb): this lane's sums C[g, 2c..2c+1],
-    C[g + 8, 2c..2c+1] of the tiles' nsc records (RECORD bytes apart) against the activation row, the block scales
-    applied; times the row's 2**(14 - kk) they are the dot products. B comes from the fp32 row at xrow, times up_s
-    (frag_row_scale) and split per block, or, staged, from the row's fp16 hi / lo planes in shared memory at byte
-    sbase (stage_row; K values a plane)."""
+    C[g + 8, 2c..2c+1] of the tiles' nsc records (RECORD bytes apart) against the activation row staged in shared
+    memory at byte sbase as fp16 hi / lo planes (stage_row; K values a plane), the block scales applied; times the
+    row's 2**(14 - kk) (stage_row's return) they are the dot products."""
     c = lane % 4
     g = lane // 4
     for i in cutlass.range_constexpr(8):
@@ -440,27 +420,19 @@ def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, xrow: Int64, up
             ss.append(ld4w(base + Int64(WBYTES) + Int64(16) * Int64(g)))
         for q in cutlass.range_constexpr(4):
             for b in cutlass.range_constexpr(2):
-                hi, lo = [], []
-                if cutlass.const_expr(staged):
-                    at = sbase + 2 * (256 * sc + 64 * q + 32 * b + 8 * c)  # this lane's 8 fp16 of the block
-                    hv = lds4(at)
-                    lv = lds4(at + 2 * K)
-                    hi = [hv[0], hv[1], hv[2], hv[3]]
-                    lo = [lv[0], lv[1], lv[2], lv[3]]
-                else:
-                    xv = ld8(Float32, xrow + Int64(256 * sc + 64 * q + 32 * b + 8 * c) * 4)
-                    for i in cutlass.range_constexpr(4):
-                        h, l_ = f16x2_split(xv[2 * i] * up_s, xv[2 * i + 1] * up_s)
-                        hi.append(h)
-                        lo.append(l_)
+                at = sbase + 2 * (256 * sc + 64 * q + 32 * b + 8 * c)  # this lane's 8 fp16 of the block
+                hv = lds4(at)
+                lv = lds4(at + 2 * K)
+                hi = [hv[0], hv[1], hv[2], hv[3]]
+                lo = [lv[0], lv[1], lv[2], lv[3]]
                 for t in cutlass.range_constexpr(ntl):
                     frag_block(acc, t, ws[t][q][2 * b:2 * b + 2], ss[t], 2 * q + b, hi, lo)
 
 
-def frag_block(acc: cute.Tensor, t: int, words: list, scales: list, mb: int, hi: list, lo: list, fs=None) -> None:
+def frag_block(acc: cute.Tensor, t: int, words: list, scales: list, mb: int, hi: list, lo: list) -> None:
     """Traced inline (a plain function, called while a body is traced): tile t's sums of one 32-weight block, its
     two k-steps' record words `words` against the B planes hi and lo (mma.sync m16n8k16, fp16), times the block's
-    weight scales (block mb of the record's scale words `scales`) and fs where given, added to acc[4t..4t+3]."""
+    weight scales (block mb of the record's scale words `scales`), added to acc[4t..4t+3]."""
     p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
     for s2 in range(2):
         w = words[s2]
@@ -469,8 +441,6 @@ def frag_block(acc: cute.Tensor, t: int, words: list, scales: list, mb: int, hi:
         p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
     s_lo = frag_scale(scales[mb // 4], mb % 4)
     s_hi = frag_scale(scales[2 + mb // 4], mb % 4)
-    if fs is not None:
-        s_lo, s_hi = s_lo * fs, s_hi * fs
     acc[4 * t] += p0 * s_lo
     acc[4 * t + 1] += p1 * s_lo
     acc[4 * t + 2] += p2 * s_hi
@@ -480,10 +450,12 @@ def frag_block(acc: cute.Tensor, t: int, words: list, scales: list, mb: int, hi:
 @cute.jit
 def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
     """The fp32 row at xrow (K values, produced in this launch: coherent loads, after the instruction's wait) into
-    shared memory at byte sbase as fp16 hi (bytes [0, 2K)) and lo ([2K, 4K)) planes of the row times 2**kk
-    (frag_row_scale's rule over the CTA); the 8 words after the planes hold the warps' maxima. Returns
-    2**(14 - kk). The whole CTA calls it; it starts and ends with a block barrier (the planes' earlier readers are
-    done; the new planes are written)."""
+    shared memory at byte sbase as fp16 hi (bytes [0, 2K)) and lo ([2K, 4K)) planes of the row times 2**kk, kk
+    putting the row's largest magnitude in [2**14, 2**15) (so fp16 holds every scaled value, and the record decode's
+    2**-14 (frag_dec) and the scale come off the sums as one factor; kk = 0 for an all-zero or non-finite row, whose
+    NaN / inf carry through); the 8 words after the planes hold the warps' maxima. Returns 2**(14 - kk). The
+    whole CTA calls it; it starts and ends with a block barrier (the planes' earlier readers are done; the new
+    planes are written)."""
     red = sbase + 4 * K
     cute.arch.sync_threads()
     m = Float32(0.0)
@@ -559,8 +531,7 @@ def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi
             for unit in cutlass.range(cutlass.max(lo, p * nt) + warp, cutlass.min(hi, (p + 1) * nt), NW):
                 rt = unit % nt
                 rg = ra + Int64(rt) * Int64(nsc) * Int64(RECORD)
-                frag_tiles(rg, rg + Int64(nt) * Int64(nsc) * Int64(RECORD), 2, nsc, xrow, Float32(1.0), sbase, D,
-                           True, lane, acc)
+                frag_tiles(rg, rg + Int64(nt) * Int64(nsc) * Int64(RECORD), 2, nsc, sbase, D, lane, acc)
                 if c == 0:
                     for i in cutlass.range_constexpr(2):
                         gv = acc[2 * i] * fs
@@ -607,7 +578,7 @@ def expert_down_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, s
             for unit in cutlass.range(cutlass.max(lo, p * nu) + warp, cutlass.min(hi, (p + 1) * nu), NW):
                 rt = 2 * (unit % nu)  # the unit's first row tile
                 rg = ra + Int64(rt) * tile
-                frag_tiles(rg, rg + tile, 2, nsc, xrow, Float32(1.0), sbase, I, True, lane, acc)
+                frag_tiles(rg, rg + tile, 2, nsc, sbase, I, lane, acc)
                 if c == 0:
                     for t in cutlass.range_constexpr(2):
                         for i in cutlass.range_constexpr(2):
