@@ -1,0 +1,122 @@
+"""The megakernel's lowering choices against alternatives, by launch time on the GPU, with one build of the kernel:
+each variant is the lowering (backends/mega/layers.py) with module-level choices swapped while its programs are
+built (the shipped source holds no switch), each first diffed against pyvm (validate.mega_gpu.diff_program on
+tiny-qwen3-moe and tiny-deepseek-v3 at batch 1 and 3, delayed launches included), then every variant's program timed
+in interleaved rounds per preset and batch (one launch of each a round, CUDA events around each), so that the GPU's
+drift within the call falls on all of them alike. Medians to --out as JSON, with each variant's instruction count.
+
+    python bench/mega_lower_ab.py --preset qwen3-30b-a3b --batch 1,2,4,8 --out $OUT/mega-lower-ab.json
+
+Variants:
+- `shipped`: the lowering as it is.
+- `down_rows`: bf16 EXPERT_DOWN as row tiles of every pair at every batch, the weighted sum fused (no COMBINE
+  phase): the lowering before bf16 EXPERT_DOWN was made pair-major (isa.DOWN_PAIR_MAX_B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from megadecode.backends import expert_layout
+from megadecode.backends.mega import layers
+from megadecode.backends.mega.executor import default_ctas, frag_order
+from megadecode.backends.mega.lower import lower
+from megadecode.backends.mega.runtime import compile_launcher
+from megadecode.backends.mega.schedule import schedule
+from megadecode.cache import KVCache
+from megadecode.plan import build_plan
+from megadecode.presets import preset_config
+from megadecode.validate.mega_gpu import diff_failures, diff_program
+from megadecode.weights import random_weights
+from mega_sync_ab import swapped  # bench/: the swaps' context
+from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
+
+VARIANTS = ("shipped", "down_rows")
+CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+
+
+def _swaps(name: str) -> list[tuple[object, str, object]]:
+    return {"shipped": [], "down_rows": [(layers, "DOWN_PAIR_MAX_B", 0)]}[name]
+
+
+def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], kernel, rounds: int) -> dict:
+    """Every variant's program of `cfg` at `batch` (weights `w`), launched in interleaved rounds: median and min us."""
+    cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
+    for parts in cache.layers.values():
+        for t in parts:
+            t.normal_()
+    ctas = default_ctas(torch.device("cuda"))
+    rts, ninstr = {}, {}
+    for n in names:
+        with swapped(_swaps(n)):
+            prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
+        ninstr[n] = len(prog.instrs)
+        rts[n] = _runtime(prog, batch, context, kernel=kernel)
+    ts = {n: [] for n in rts}
+    for _ in range(rounds):
+        for n, rt in rts.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            rt.launch()
+            b.record()
+            b.synchronize()
+            ts[n].append(a.elapsed_time(b) * 1e3)
+    for rt in rts.values():
+        rt.check()
+    med = {n: sorted(v)[len(v) // 2] for n, v in ts.items()}
+    del rts, cache
+    torch.cuda.empty_cache()
+    return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "rounds": rounds,
+            "instructions": ninstr, "median_us": med, "min_us": {n: min(v) for n, v in ts.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--batch", default="1,2,4,8")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default="mega-lower-ab.json")
+    args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(VARIANTS)}")
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    kernel = compile_launcher(dev, cache=False)
+    out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"),
+           "compile_s": round(time.perf_counter() - t0, 1), "checks": [], "runs": []}
+    for n in names:
+        for p in CHECK_PRESETS:
+            for b in (1, 3):
+                with swapped(_swaps(n)):
+                    r = diff_program(p, b, 16, seed=b, kernel=kernel)
+                worst = max((x.get("rel", 0.0) for x in r.get("buffers", [])), default=None)
+                out["checks"].append({"variant": n, "preset": p, "batch": b, "failures": diff_failures(r),
+                                      "worst_rel": worst})
+                print(f"check {n} {p} b={b}: {diff_failures(r) or 'pass'} (worst rel {worst})", flush=True)
+    for p in args.preset.split(","):
+        cfg = preset_config(p)
+        w = random_weights(cfg, "cuda", torch.bfloat16, 0)
+        w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))  # as the mega executor holds them
+        for b in map(int, args.batch.split(",")):
+            r = timed(p, cfg, w, b, args.context, names, kernel, args.rounds)
+            out["runs"].append(r)
+            print(f"{p} b={b}: " + "  ".join(f"{n} {v:.0f} us ({r['instructions'][n]} instr)"
+                                              for n, v in r["median_us"].items()), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    ok = all(not c["failures"] for c in out["checks"])
+    print(f"wrote {args.out}; every variant {'passes' if ok else 'does NOT pass'} its check")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
