@@ -7,10 +7,11 @@ drift within the call falls on all of them alike. Medians to --out as JSON, with
 
     python bench/mega_lower_ab.py --preset qwen3-30b-a3b --batch 1,2,4,8 --out $OUT/mega-lower-ab.json
 
-Variants:
-- `shipped`: the lowering as it is.
-- `down_rows`: bf16 EXPERT_DOWN as row tiles of every pair at every batch, the weighted sum fused (no COMBINE
-  phase): the lowering before bf16 EXPERT_DOWN was made pair-major (isa.DOWN_PAIR_MAX_B).
+A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` is the lowering as it is. Measured so
+far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
+pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
+batch 1-8 on qwen3-30b-a3b (bench/results/mega-lower-ab-nvidia-h200.json); its lowering and body are in git
+(`git show 94741e0`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import time
 import torch
 
 from megadecode.backends import expert_layout
-from megadecode.backends.mega import layers
 from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
 from megadecode.backends.mega.runtime import compile_launcher
@@ -36,12 +36,15 @@ from megadecode.weights import random_weights
 from mega_sync_ab import swapped  # bench/: the swaps' context
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "down_rows")
+VARIANTS = ("shipped",)
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
 def _swaps(name: str) -> list[tuple[object, str, object]]:
-    return {"shipped": [], "down_rows": [(layers, "DOWN_PAIR_MAX_B", 0)]}[name]
+    """The variant's swaps of layers.py's module-level choices (none for `shipped`)."""
+    if name == "shipped":
+        return []
+    raise ValueError(f"unknown variant {name!r}")
 
 
 def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], kernel, rounds: int) -> dict:

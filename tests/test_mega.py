@@ -10,7 +10,6 @@ import torch
 from megadecode.cache import KVCache
 from megadecode.engine import Engine
 from megadecode.backends.mega.isa import (
-    DOWN_PAIR,
     F_MXFP4,
     F_PAIR1,
     PAIR1_MAX_B,
@@ -20,7 +19,6 @@ from megadecode.backends.mega.isa import (
     Instr,
     Wait,
     bits_f32,
-    down_unit,
     f32_bits,
     up_chunks,
     up_passes,
@@ -115,8 +113,7 @@ def test_pyvm_experts_take_one_pair_a_pass_and_match_torch(preset, batch, flag, 
     """K3's MXFP4 experts, and bf16 experts up to PAIR1_MAX_B tokens (F_PAIR1): EXPERT_UP's passes hold one
     (expert, token) pair each (isa.up_passes: the pass prefix is ROUTE's pair prefix), so an expert picked by
     several tokens is walked once per pair, and the step still matches torch. The batch leaves some expert with
-    several pairs; bf16 EXPERT_DOWN is pair-major with COMBINE after it (DOWN_PAIR_MAX_B, PAIR1_MAX_B today); one
-    token more than PAIR1_MAX_B, bf16 experts take PASS pairs a pass and EXPERT_DOWN row tiles again."""
+    several pairs; one token more than PAIR1_MAX_B, bf16 experts take PASS pairs a pass again."""
     cfg, machine = _pyvm_step_matches_torch(preset, batch, tol)
     ups = [ins for ins in machine.prog.instrs if ins.op == "EXPERT_UP"]
     assert ups and all(ins.flags & flag and up_passes(ins.flags) == (1, "pstart_off") for ins in ups)
@@ -131,28 +128,10 @@ def test_pyvm_experts_take_one_pair_a_pass_and_match_torch(preset, batch, flag, 
             seen[(pstart[u] + q) * I + r0:(pstart[u] + q) * I + r1] += 1
     assert bool((seen == 1).all())
     assert up_passes(0) == (PASS, "qst_off")
-    if flag == F_PAIR1:
-        # bf16 EXPERT_DOWN is pair-major too: its items cover every (pair, DOWN_PAIR rows) unit once, write y alone,
-        # and the layer's COMBINE instructions after them cover every output row once
-        D = cfg.hidden_size
-        downs = [ins for ins in machine.prog.instrs if ins.op == "EXPERT_DOWN" and ins.layer == ups[-1].layer]
-        assert downs and all(ins.flags & F_PAIR1 and down_unit(ins.flags) == DOWN_PAIR for ins in downs)
-        seen = torch.zeros(pstart[-1] * D, dtype=torch.int32)
-        for ins in downs:
-            for u, q, r0, r1 in up_chunks(pstart, D, ins.args["w"], ins.args["W"], DOWN_PAIR):
-                assert r0 % DOWN_PAIR == 0 and r1 % DOWN_PAIR == 0
-                seen[(pstart[u] + q) * D + r0:(pstart[u] + q) * D + r1] += 1
-        assert bool((seen == 1).all())
-        rows = torch.zeros(D, dtype=torch.int32)
-        for ins in machine.prog.instrs:
-            if ins.op == "COMBINE" and ins.layer == ups[-1].layer:
-                rows[ins.args["r0"]:ins.args["r1"]] += 1
-        assert bool((rows == 1).all())
-        # past PAIR1_MAX_B the bf16 passes hold up to PASS pairs and EXPERT_DOWN takes row tiles, the sum fused
+    if flag == F_PAIR1:  # past PAIR1_MAX_B the bf16 passes hold up to PASS pairs
         w = random_weights(cfg, "cpu", torch.float32, 2)
         big = Engine(cfg, w, executor="pyvm", max_batch=batch + 1, max_seq_len=64).executor.vm(batch + 1)
-        assert not any(ins.flags & F_PAIR1 for ins in big.prog.instrs if ins.op in ("EXPERT_UP", "EXPERT_DOWN"))
-        assert not any(ins.op == "COMBINE" for ins in big.prog.instrs)
+        assert not any(ins.flags & F_PAIR1 for ins in big.prog.instrs if ins.op == "EXPERT_UP")
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -400,28 +379,6 @@ def test_kernel_check_refuses_wrong_dtypes_lengths_and_alignment():
         ins.args.update({k: ins.args[k] + 2 if v is None else v for k, v in change.items()})  # None: misalign by 2
         with pytest.raises(KernelLimit, match=match):
             check_program(prog)
-
-
-def test_kernel_check_refuses_pair_major_bf16_down_items_the_body_cannot_take():
-    """bf16 EXPERT_DOWN under F_PAIR1 takes units of DOWN_PAIR rows of all D rows of a pair: an odd width, a row
-    range short of [0, D) or MXFP4 experts are refused before a launch, not summed wrong."""
-    from megadecode.backends.mega.kernel_check import KernelLimit, check_program
-
-    cfg, w, cache, prog = _bf16_program("tiny-qwen3-moe", 2)
-    check_program(prog)
-    for change, match in (({"r1": None}, r"whole 2-row units of all \d+ rows \(rows \[0, \d+\)\)"),
-                          ({"D": 63}, "whole 2-row units of all 63 rows")):
-        prog = lower(cfg, w, cache, 2, 8)
-        ins = next(i for i in prog.instrs if i.op == "EXPERT_DOWN")
-        assert ins.flags & F_PAIR1
-        ins.args.update({k: ins.args[k] - 2 if v is None else v for k, v in change.items()})
-        with pytest.raises(KernelLimit, match=match):
-            check_program(prog)
-    *_, prog = _bf16_program("tiny-k3", 2)  # MXFP4 experts (the checkpoint's order): their bodies are not pair-major
-    ins = next(i for i in prog.instrs if i.op == "EXPERT_DOWN")
-    ins.flags |= F_PAIR1
-    with pytest.raises(KernelLimit, match="F_PAIR1 .* with MXFP4 experts"):
-        check_program(prog)
 
 
 def test_k3_lowers_at_true_dims_and_batch_64_within_the_kernels_limits():

@@ -47,13 +47,11 @@ F_MXFP4 = 256  # EXPERT_UP / EXPERT_DOWN: MXFP4 experts (packed e2m1 tensor + e8
 F_SITU = 512  # EXPERT_UP: SiTU-GLU (Kimi K3's routed experts); else SwiGLU
 F_STORE = 1024  # EXPERT_DOWN / COMBINE: write the weighted sum of the experts (K3's latent z); else add it to `out`
 F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's NoPE MLA)
-F_PAIR1 = 4096  # bf16 EXPERT_UP: one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`); bf16
-# EXPERT_DOWN: pair-major units of DOWN_PAIR rows of one pair, y alone (the weighted sum is the next phase's COMBINE)
+F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`)
 F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
 F_FRAG = 16384  # EXPERT_UP / EXPERT_DOWN (with F_MXFP4): weights in fragment order (quant/mxfp4_frag.py), tensor cores
 FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
 FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair
-DOWN_PAIR = 2  # bf16 EXPERT_DOWN's unit of work under F_PAIR1: two adjacent rows of one pair (row_sums' pair)
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
 
 # opcodes, with their argument names (in row order)
@@ -86,9 +84,9 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
                       "ptok_off", "gus", "qst_off")),
     # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
-    # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]). F_FRAG (F_PAIR1): y alone, for the
-    # units [w * N / W, (w + 1) * N / W) of N = pairs x D / FRAG_DOWN (DOWN_PAIR), pair-major (`up_chunks` over the
-    # pair prefix with that unit); the weighted sum is the next phase's COMBINE
+    # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]). F_FRAG: y alone, for the units
+    # [w * N / W, (w + 1) * N / W) of N = pairs x D / FRAG_DOWN, pair-major (`up_chunks` over the pair prefix with
+    # unit FRAG_DOWN); the weighted sum is the next phase's COMBINE
     "EXPERT_DOWN": (8, ("dn", "I", "D", "h_off", "y_off", "out_off", "r0", "r1", "B", "A", "nuniq_off",
                         "uniq_off", "pstart_off", "wts_off", "pairof_off", "shared_off", "dns", "w", "W")),
     # next token of sequence b from logits [B, V] (greedy, or temperature with the step's seed)
@@ -110,8 +108,7 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     "KDA_STEP": (14, ("qkv_off", "f_off", "gate_off", "beta_off", "conv_w", "conv_state", "rec_state", "a_log",
                       "dt_bias", "onorm_w", "out_off", "b", "h", "H", "K", "W", "slot_off", "eps_bits")),
     # hidden[t, r] (+)= sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]) for rows [r0, r1), t < B: the
-    # weighted sum of the experts' outputs that EXPERT_DOWN fuses, as its own phase after pair-major items (F_FRAG,
-    # F_PAIR1)
+    # weighted sum of the experts' outputs that EXPERT_DOWN fuses, as its own phase after F_FRAG's pair-major items
     "COMBINE": (15, ("y_off", "out_off", "D", "r0", "r1", "B", "A", "wts_off", "pairof_off", "shared_off")),
 }
 OPCODES = {name: code for name, (code, _) in OPS.items()}
@@ -121,7 +118,6 @@ for _name, (_, _args) in OPS.items():
 
 
 PAIR1_MAX_B = 8  # bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch
-DOWN_PAIR_MAX_B = PAIR1_MAX_B  # bf16 EXPERT_DOWN is pair-major (F_PAIR1), COMBINE after it, up to this batch
 
 
 def up_passes(flags: int) -> tuple[int, str]:
@@ -153,12 +149,6 @@ def up_chunks(qst: list[int], I: int, w: int, W: int, unit: int = 1) -> list[tup
             if r0 < r1:
                 out.append((u, q, r0 * unit, r1 * unit))
     return out
-
-
-def down_unit(flags: int) -> int:
-    """EXPERT_DOWN's unit of work: pair-major items take units of FRAG_DOWN rows of one pair (F_FRAG) or DOWN_PAIR
-    (bf16 under F_PAIR1) and leave the weighted sum to COMBINE; 0 for row tiles of every pair, the combine fused."""
-    return FRAG_DOWN if flags & F_FRAG else DOWN_PAIR if flags & F_PAIR1 else 0
 
 
 def f32_bits(x: float) -> int:

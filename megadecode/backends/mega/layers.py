@@ -5,8 +5,7 @@ reads and writes in the residual stream is a LayerIO (plain residual families, o
     mla_layer         q_a / kv_a (+ K3's output gate), q_b + MLA_KV, MLA_Q, MLA_ATTN splits, MERGE (W_UV), o_proj
     kda_layer         projections, low-rank gates, KDA_STEP per (sequence, head), o_proj
     dense_layer       GLU (post-attention norm fused), down with the residual add
-    moe_layer         router (+ shared GLU), ROUTE (+ shared down), EXPERT_UP, EXPERT_DOWN (combine fused; bf16
-                      up to isa.DOWN_PAIR_MAX_B tokens pair-major, then COMBINE)
+    moe_layer         router (+ shared GLU), ROUTE (+ shared down), EXPERT_UP, EXPERT_DOWN (combine fused)
     latent_moe_layer  kimi_k3's LatentMoE: latent down, MXFP4 SiTU experts in the latent width (fragment order:
                       EXPERT_DOWN pair-major, then COMBINE), latent up
 """
@@ -20,6 +19,7 @@ from ...quant.mxfp4_frag import is_frag_entry
 from .builder import Builder
 from .limits import NT
 from .isa import (
+    FRAG_DOWN,
     FRAG_TILE,
     F_FRAG,
     F_INTERLEAVED,
@@ -31,9 +31,7 @@ from .isa import (
     F_SIGMOID,
     F_SITU,
     F_STORE,
-    DOWN_PAIR_MAX_B,
     PAIR1_MAX_B,
-    down_unit,
     f32_bits,
 )
 
@@ -232,8 +230,7 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
              shared_off: int, quant: bool) -> None:
     """EXPERT_UP (work-balanced items of (selected expert, row tile)) and EXPERT_DOWN (row tiles over every
     selected expert, the weighted combine fused) of the routed experts, D their input / output width. Experts in
-    fragment order, and bf16 experts up to DOWN_PAIR_MAX_B tokens: EXPERT_DOWN's items are pair-major like EXPERT_UP's,
-    and COMBINE is the phase after them."""
+    fragment order: EXPERT_DOWN's items are pair-major like EXPERT_UP's, and COMBINE is the phase after them."""
     cfg, B = b.cfg, b.B
     E, A, I = cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size
     b.buf("h", B * A * I)
@@ -253,10 +250,8 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     dn_name = f"{m}.experts.down_proj" + (".weight_packed" if quant else "")
     wbytes = 0.53125 if quant else b.wbytes  # MXFP4: 4.25 bits per weight
     gu, gus = b.t(gu_name), b.t(f"{m}.experts.gate_up_proj.weight_scale") if quant else -1
-    if not quant and B <= PAIR1_MAX_B:  # bf16 experts at small batches: EXPERT_UP one pair a pass (isa.up_passes)
+    if not quant and B <= PAIR1_MAX_B:  # isa.up_passes: bf16 experts one pair a pass at small batches
         flags_up |= F_PAIR1
-    if not quant and B <= DOWN_PAIR_MAX_B:  # and EXPERT_DOWN pair-major (isa.down_unit)
-        flags_down |= F_PAIR1
     if frag:
         flags_up |= F_FRAG
         flags_down |= F_FRAG
@@ -271,12 +266,10 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
                   nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0],
                   wts_off=b.f32["wts"][0], pairof_off=b.i32["pairof"][0], shared_off=shared_off, dns=dns)
     rows = b.rows_per_tile(D)
-    unit = down_unit(flags_down)
-    if unit:
-        # pair-major items of (pair, `unit` rows) units, sized as EXPERT_UP's under F_FRAG, so that a CTA reads few
-        # pairs' h rows (F_FRAG stages each once, cute/moe.py expert_down_frag), not every pair's for some rows of
-        # each; the weighted sum is a phase of its own (COMBINE) after them
-        units = B * A * (D // unit)
+    if frag:
+        # pair-major items of (pair, FRAG_DOWN rows) units, sized as EXPERT_UP's; each CTA stages its pairs' h rows
+        # (cute/moe.py expert_down_frag), and the weighted sum is a phase of its own (COMBINE) after them
+        units = B * A * (D // FRAG_DOWN)
         per_warp = math.ceil(units / (WARPS * b.ctas))
         Wd = math.ceil(units / (WARPS * per_warp))
         for w in range(Wd):

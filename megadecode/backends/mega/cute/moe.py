@@ -746,13 +746,11 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
 
 @cute.jit
 def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
-    """EXPERT_DOWN on the CUDA cores (bf16 experts, and MXFP4 in the checkpoint's order), the combine fused; bf16
-    under F_PAIR1 pair-major, y alone (the weighted sum is COMBINE's)."""
+    """EXPERT_DOWN on the CUDA cores (bf16 experts, and MXFP4 in the checkpoint's order), the combine fused."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_DOWN"
     flags = arg(smi, 3)
     mx = (flags & F_MXFP4) != 0
-    pm = (flags & F_PAIR1) != 0
     dn = wtab[arg(smi, ARG[A_]["dn"])]
     dns = dn
     if mx:
@@ -776,7 +774,7 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
     # that the bf16 loop below (expert after expert, each row read once for up to TB of its pairs). Measured on the
     # H200 (qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the loop, 89 flat;
     # batch 64 (4.1) 442 with the loop, 486 flat
-    flat = mx or pm or npairs <= 2 * nuniq
+    flat = mx or npairs <= 2 * nuniq
     if flat:
         for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
             e = ldi(ia(ib, uniq_off + u))
@@ -785,17 +783,9 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
         cute.arch.sync_threads()
     if flat and not mx:
         # bf16: units (pair, 2 adjacent rows), MATVEC's batch-1 loop (row_sums, WU1 chunks of both rows in flight per
-        # lane) against the pair's h; the same chunks in the same k order per lane as the loop below, so the same sums.
-        # Every unit of the rows [r0, r1), or, pair-major (F_PAIR1, rows [0, D)), this item's share [w N / W,
-        # (w + 1) N / W) of the N units in pair order (isa.up_chunks with unit DOWN_PAIR, which pyvm runs): a CTA
-        # then reads the h rows of the one or two pairs its share spans, not the h rows of every pair
+        # lane) against the pair's h; the same chunks in the same k order per lane as the loop below, so the same sums
         gp2 = (r1 - r0 + 1) // 2
-        ulo, uhi = Int32(0), npairs * gp2
-        if pm:
-            w, W = args(smi, A_, "w W")
-            ulo = Int32(Int64(w) * Int64(uhi) // Int64(W))
-            uhi = Int32(Int64(w + 1) * Int64(uhi) // Int64(W))
-        for g in cutlass.range(ulo + warp, uhi, NW):
+        for g in cutlass.range(warp, npairs * gp2, NW):
             p = g // gp2
             r = r0 + (g % gp2) * 2
             acc1[0] = Float32(0.0)
@@ -844,9 +834,8 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
                     s = warp_sum(acc[j])
                     if lane == 0 and p0 + j < pe:
                         stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
-    if not pm:  # pair-major items leave the weighted sum to COMBINE
-        cute.arch.sync_threads()
-        combine_rows(fb, ib, flags, tid, y_off, out_off, D, r0, r1, B, A, wts_off, pairof_off, shared_off)
+    cute.arch.sync_threads()
+    combine_rows(fb, ib, flags, tid, y_off, out_off, D, r0, r1, B, A, wts_off, pairof_off, shared_off)
 
 
 @cute.jit
