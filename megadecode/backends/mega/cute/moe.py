@@ -50,6 +50,12 @@ from .base import (
 )
 from .dense import WU1, row_sums
 
+@cute.jit
+def sig_score(lg: Float32) -> Float32:
+    """ROUTE's sigmoid score of a logit (one expression for the scores pass and the picked weights: the same bits)."""
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg))
+
+
 SC_E = 4  # ROUTE's sigmoid scores: experts a thread takes per pass (E = 896 over 256 threads: one pass)
 
 
@@ -87,10 +93,19 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     scale = argf(smi, ARG[A_]["scale_bits"])
     ids_off, wts_off = args(smi, A_, "ids_off wts_off")
     sigmoid = (flags & F_SIGMOID) != 0
-    nwu = cutlass.min(NW, SMEM_F // (2 * E + 32))  # warps with room for their token's scores
+    # a warp's token region: softmax, the probabilities (SCW) and the choice values (CHW, -inf once picked or
+    # masked) apart; sigmoid, the choice values (score + bias) alone, a pick's score recomputed from its logit (the
+    # same expression on the same value: the same bits). Why: with both, a region of 2 E + 32 words left room for 6
+    # tokens a round at K3's 896 experts, so batch 8 took two rounds of scores and picks (k3-mini: ROUTE 47 us a
+    # layer at batch 8, 29 at batch 1, on the H200)
     region = 2 * E + 32
-    SCW = warp * region  # the warp's token's weights (probabilities or sigmoid scores)
-    CHW = SCW + E  # the choice values (-inf once picked or masked)
+    if sigmoid:
+        region = E + 32
+    nwu = cutlass.min(NW, SMEM_F // region)  # warps with room for their token's scores
+    SCW = warp * region  # the warp's token's probabilities (softmax)
+    CHW = SCW + E  # the choice values
+    if sigmoid:
+        CHW = SCW
     PK = CHW + E  # the picked weights
     for t0 in cutlass.range(0, B, nwu):  # rounds of up to nwu tokens: a score region and a warp each
         nr = cutlass.min(nwu, B - t0)
@@ -113,12 +128,10 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
                     for h in cutlass.range_constexpr(2):
                         for u in cutlass.range_constexpr(SC_E):
                             if e0 + NT * u < E and r0 + h < nr:
-                                sv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg[h][u]))
-                                sm[rr[h] * region + es[u]] = sv
-                                ch = sv
+                                ch = sig_score(lg[h][u])
                                 if bias_w >= 0:
-                                    ch = sv + bv[u]
-                                sm[rr[h] * region + E + es[u]] = ch
+                                    ch = ch + bv[u]
+                                sm[rr[h] * region + es[u]] = ch  # the token's CHW
             cute.arch.sync_threads()
         if warp < nr:
             t = t0 + warp
@@ -185,7 +198,10 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
                 bv, bi = warp_argmax(bv, bi)
                 if lane == 0:
                     sti(ia(ib, ids_off + t * A + a), bi)
-                    sm[PK + a] = sm[SCW + bi]
+                    if sigmoid:  # no pick left (bi = E): the last expert's score, as a weight never used
+                        sm[PK + a] = sig_score(ldf(Float32, fa(fb, lrow + cutlass.min(bi, E - 1))))
+                    else:
+                        sm[PK + a] = sm[SCW + bi]
                     sm[CHW + bi] = Float32(NEG_INF)
                 cute.arch.sync_warp()
             if tid == 0:
