@@ -198,11 +198,17 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
                 bv, bi = warp_argmax(bv, bi)
                 if lane == 0:
                     sti(ia(ib, ids_off + t * A + a), bi)
-                    if sigmoid:  # no pick left (bi = E): the last expert's score, as a weight never used
-                        sm[PK + a] = sig_score(ldf(Float32, fa(fb, lrow + cutlass.min(bi, E - 1))))
+                    pe = cutlass.min(bi, E - 1)  # no pick left (bi = E): the last expert's weight, never used
+                    if sigmoid:
+                        sm[PK + a] = Float32(pe)  # the pick's id, its score computed after the picks
                     else:
-                        sm[PK + a] = sm[SCW + bi]
-                    sm[CHW + bi] = Float32(NEG_INF)
+                        sm[PK + a] = sm[SCW + pe]
+                    if bi < E:
+                        sm[CHW + bi] = Float32(NEG_INF)
+                cute.arch.sync_warp()
+            if sigmoid:  # the picks' scores from their logits, a lane each: one round trip for all A, not one a pick
+                for a in cutlass.range(lane, A, 32):
+                    sm[PK + a] = sig_score(ldf(Float32, fa(fb, lrow + Int32(sm[PK + a]))))
                 cute.arch.sync_warp()
             if tid == 0:
                 mark(smi, idx, 1)  # its A picks done
