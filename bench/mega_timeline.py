@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 
 import torch
@@ -37,9 +38,10 @@ from megadecode.quant.mxfp4_frag import entry_shape
 from megadecode.weights import random_weights
 
 
-def render(rows: list[dict], path: str, title: str) -> None:
+def render(rows: list[dict], path: str, title: str, occ: list[float] | None = None, bin_us: float = 1.0) -> None:
     """One row per SM: each instruction a bar from its work start to its end coloured by opcode, the wait before it
-    grey. One broken_barh call per SM and kind (a step has 15-20k instructions; a bar each took minutes)."""
+    grey. One broken_barh call per SM and kind (a step has 15-20k instructions; a bar each took minutes). With
+    `occ` (`occupancy`, bins of bin_us), a panel below: the HBM occupancy over the step against the rate (1.0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,7 +53,18 @@ def render(rows: list[dict], path: str, title: str) -> None:
     by_sm: dict[int, list[dict]] = {}
     for r in rows:
         by_sm.setdefault(r["sm"], []).append(r)
-    fig, ax = plt.subplots(figsize=(16, max(4, len(sms) * 0.06)))
+    h = max(4, len(sms) * 0.06)
+    if occ is None:
+        fig, ax = plt.subplots(figsize=(16, h))
+    else:
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(16, h + 2.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [h, 2.5]})
+        xs = [(k + 0.5) * bin_us for k in range(len(occ))]
+        ax2.fill_between(xs, occ, step="mid", color="tab:blue", linewidth=0)
+        ax2.axhline(1.0, color="k", linewidth=0.8)
+        ax2.set_ylim(0, max(1.1, max(occ, default=0) * 1.05))
+        ax2.set_ylabel("HBM occupancy")
+        ax2.set_xlabel("us since the first wait (occupancy: each instruction's bytes over its work span)")
     for y, sm in enumerate(sms):
         rs = by_sm[sm]
         ax.broken_barh([(r["wait"] / 1e3, (r["start"] - r["wait"]) / 1e3) for r in rs], (y - 0.4, 0.8),
@@ -60,7 +73,8 @@ def render(rows: list[dict], path: str, title: str) -> None:
                        facecolors=[colours[r["op"]] for r in rs], linewidth=0)
     ax.set_xlim(0, max(r["end"] for r in rows) / 1e3)
     ax.set_ylim(-1, len(sms))
-    ax.set_xlabel("us since the first wait")
+    if occ is None:
+        ax.set_xlabel("us since the first wait")
     ax.set_ylabel("SM")
     ax.set_title(title)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[o]) for o in ops] +
@@ -74,6 +88,35 @@ def render(rows: list[dict], path: str, title: str) -> None:
 
 
 HBM = 4.57e12  # bytes/s, the H200's measured copy rate (shared/GPU.md)
+BANDS = (0.25, 0.5, 0.75)  # occupancy bands the report gives the step's time in
+
+
+def occupancy(rows: list[dict], nbytes: list[int], bin_us: float = 1.0) -> list[float]:
+    """The step's HBM occupancy over time: each instruction's bytes (the cost model's, `nbytes[i]` for rows[i])
+    spread evenly over its work span (start to end), summed over the CTAs in bins of `bin_us` from time 0, as a
+    share of HBM's rate. An estimate of when bytes moved (the kernel does not time its loads), whose bins below
+    the rate are the bubbles of the step: phases waiting on latency, not on bytes."""
+    step = max(r["end"] for r in rows)
+    w = bin_us * 1e3  # ns a bin
+    acc = [0.0] * max(1, math.ceil(step / w))
+    for r, b in zip(rows, nbytes):
+        t0, t1 = r["start"], r["end"]
+        if b <= 0 or t1 <= t0:
+            continue
+        rate = b / (t1 - t0)  # bytes a ns
+        k = int(t0 // w)
+        while k * w < t1 and k < len(acc):
+            lo, hi = max(t0, k * w), min(t1, (k + 1) * w)
+            acc[k] += rate * (hi - lo)
+            k += 1
+    return [a / (w * 1e-9) / HBM for a in acc]
+
+
+def occupancy_bands(occ: list[float]) -> list[float]:
+    """The share of the bins below each of BANDS' occupancies (the last share: at or above the highest)."""
+    n = max(1, len(occ))
+    below = [sum(o < b for o in occ) / n for b in BANDS]
+    return below + [1.0 - below[-1]]
 
 
 def lowered(recording: dict):
@@ -260,6 +303,17 @@ def report(path: str) -> None:
     wait = [r["start"] - r["wait"] for r in rec["rows"]]
     work = [r["end"] - r["start"] for r in rec["rows"]]
     print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed")
+    occ = occupancy(rec["rows"], row_bytes(rec))
+    bands = occupancy_bands(occ)
+    print(f"HBM occupancy over the step (1 us bins, each instruction's bytes over its work span): mean "
+          f"{sum(occ) / len(occ):.0%}; the step's time below " + ", ".join(
+              f"{b:.0%}: {x:.0%}" for b, x in zip(BANDS, bands)) + f"; at or above {BANDS[-1]:.0%}: {bands[-1]:.0%}")
+
+
+def row_bytes(recording: dict) -> list[int]:
+    """The cost model's HBM bytes of each recorded instruction (the program lowered again: `lowered`)."""
+    prog = lowered(recording)
+    return [prog.instrs[r["instr"]].bytes for r in recording["rows"]]
 
 
 # what each opcode's marks stamp (cute/moe.py op_route, cute/dense.py op_rows at batch 1, cute/attention.py
@@ -344,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
                 rec = json.load(f)
             s = rec["summary"]
             render(rec["rows"], args.png, f"{s['preset']} batch {s['batch']}: one megakernel step, "
-                                          f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""))
+                                          f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""),
+                   occupancy(rec["rows"], row_bytes(rec)))
         return
     runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
     outs = [args.out.format(preset=p, batch=b) for p, b in runs]
@@ -419,7 +474,8 @@ def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str
                                        "uniq": rt.view("uniq")[:nu].tolist()}
     with open(out + ".json", "w") as f:
         json.dump({"summary": summary, "rows": rows}, f)
-    render(rows, out + ".png", f"{preset} batch {batch}: one megakernel step, {step_us:.0f} us")
+    render(rows, out + ".png", f"{preset} batch {batch}: one megakernel step, {step_us:.0f} us",
+           occupancy(rows, [prog.instrs[r["instr"]].bytes for r in rows]))
     print(json.dumps(summary, indent=1))
     del rt
 

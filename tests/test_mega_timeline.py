@@ -329,3 +329,36 @@ def test_compare_sets_a_layers_phases_side_by_side(tmp_path, capsys):
     other = {**after, "summary": {**after["summary"], "batch": 8}}
     with pytest.raises(ValueError, match="one preset at one batch"):
         mega_timeline.compare(before, other)
+
+
+def test_occupancy_spreads_each_instructions_bytes_over_its_span():
+    """Two instructions on two CTAs: A moves 1.2 us of HBM's bytes over [0, 2) us, B 0.5 us of them over [1, 3.5) us;
+    in 1 us bins the occupancy is A's rate (0.6 of HBM's 4.57 TB/s) in bin 0, A's plus B's (0.2) in bin 1, B's after,
+    and half a bin of B in the last: the bins hold every byte, and the bands split the step's bins by occupancy."""
+    rows = [{"start": 0, "end": 2000}, {"start": 1000, "end": 3500}]
+    hbm_us = mega_timeline.HBM * 1e-6  # bytes a us at the rate
+    nbytes = [round(1.2 * hbm_us), round(0.5 * hbm_us)]
+    occ = mega_timeline.occupancy(rows, nbytes)
+    assert occ == pytest.approx([0.6, 0.8, 0.2, 0.1], rel=1e-6)
+    assert sum(occ) * hbm_us == pytest.approx(sum(nbytes), rel=1e-6)
+    assert mega_timeline.occupancy_bands(occ) == [0.5, 0.5, 0.75, 0.25]  # below 25%, 50%, 75%; at or above 75%
+    # an instruction without bytes or time adds nothing; a wider bin averages
+    assert mega_timeline.occupancy(rows + [{"start": 10, "end": 10}], nbytes + [5]) == occ
+    assert mega_timeline.occupancy(rows, nbytes, bin_us=2.0) == pytest.approx([(occ[0] + occ[1]) / 2,
+                                                                               (occ[2] + occ[3]) / 2])
+
+
+def test_the_report_gives_the_steps_hbm_occupancy(capsys, tmp_path):
+    """--from prints the step's mean occupancy and its bands, from the recording's rows and the cost model's bytes;
+    --png draws the occupancy panel under the SMs."""
+    prog, rec = _recording()
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(rec))
+    mega_timeline.report(str(path))
+    out = capsys.readouterr().out
+    occ = mega_timeline.occupancy(rec["rows"], [ins.bytes for ins in prog.instrs])
+    assert f"HBM occupancy over the step (1 us bins, each instruction's bytes over its work span): mean " \
+           f"{sum(occ) / len(occ):.0%}" in out
+    pytest.importorskip("matplotlib")
+    mega_timeline.main(["--from", str(path), "--png", str(tmp_path / "rec.png")])
+    assert (tmp_path / "rec.png").stat().st_size > 1000
