@@ -187,6 +187,17 @@ def layer_kinds(ph: list[dict]) -> list[dict]:
     return out
 
 
+def layer_floors(ph: list[dict]) -> list[float]:
+    """Per layer (phases L<i>.*, i >= 0, in layer_walls' order): its phases' bytes at the HBM's rate, us (what the
+    layer would take if only its bytes held it)."""
+    nb: dict[str, int] = {}
+    for d in ph:
+        layer = d["phase"].partition(".")[0]
+        if layer[:1] == "L" and layer[1:].isdigit():
+            nb[layer] = nb.get(layer, 0) + d["bytes"]
+    return [b / HBM * 1e6 for b in nb.values()]
+
+
 def layer_walls(ph: list[dict]) -> list[float]:
     """Per layer (phases L<i>.*, i >= 0): the time from its first phase's start to its last phase's end, us."""
     span: dict[str, list[float]] = {}
@@ -282,9 +293,10 @@ def report(path: str) -> None:
         for d in lk:
             print(f"{'':<41}{d['kind']:<14} {d['op']:<11} {d['layers']:>6} {d['span_us']:>8.1f} {d['mean_us']:>8.1f} "
                   f"{d['gap_us']:>7.1f}")
-        walls = layer_walls(ph)
+        walls, floors = layer_walls(ph), layer_floors(ph)
         print(f"{'':<41}a layer from its first start to its last end: {sum(walls) / len(walls):.1f} us "
-              f"(mean of {len(walls)}; {sum(walls):.0f} us of the step)")
+              f"(mean of {len(walls)}; {sum(walls):.0f} us of the step); its bytes at the HBM's rate: "
+              f"{sum(floors) / len(floors):.1f} us")
     by_op: dict[str, list] = {}
     for d in ph:
         by_op.setdefault(d["op"], []).append(d)

@@ -282,6 +282,11 @@ def test_a_layers_phases_are_averaged_over_the_layers():
     for layer, wall in zip(layers, walls):
         durs = [1000 + i for i, ins in enumerate(prog.instrs) if ins.name.startswith(f"L{layer}.")]
         assert wall == pytest.approx(sum(durs) / 1e3)
+    # layer_floors: each layer's bytes at the HBM's rate, in the same order
+    floors = mega_timeline.layer_floors(ph)
+    for layer, floor in zip(layers, floors):
+        nb = sum(ins.bytes for ins in prog.instrs if ins.name.startswith(f"L{layer}."))
+        assert nb > 0 and floor == pytest.approx(nb / mega_timeline.HBM * 1e6)
     # a gap: every phase of layer 1 starts 5 us late
     late = {r["instr"] for r in rec["rows"] if r["name"].startswith("L1.")}
     first = min(r["start"] for r in rec["rows"] if r["instr"] in late)
