@@ -33,7 +33,7 @@ from megadecode.plan import build_plan
 from megadecode.presets import preset_config
 from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
-from mega_sync_ab import swapped  # bench/: the swaps' context
+from mega_sync_ab import interleaved, swapped  # bench/: the interleaved launches, the swaps' context
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
 VARIANTS = ("shipped",)
@@ -60,22 +60,11 @@ def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], kerne
             prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
         ninstr[n] = len(prog.instrs)
         rts[n] = _runtime(prog, batch, context, kernel=kernel)
-    ts = {n: [] for n in rts}
-    for _ in range(rounds):
-        for n, rt in rts.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            rt.launch()
-            b.record()
-            b.synchronize()
-            ts[n].append(a.elapsed_time(b) * 1e3)
-    for rt in rts.values():
-        rt.check()
-    med = {n: sorted(v)[len(v) // 2] for n, v in ts.items()}
+    med, mins = interleaved(rts, rounds)
     del rts, cache
     torch.cuda.empty_cache()
     return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "rounds": rounds,
-            "instructions": ninstr, "median_us": med, "min_us": {n: min(v) for n, v in ts.items()}}
+            "instructions": ninstr, "median_us": med, "min_us": mins}
 
 
 def main(argv=None) -> int:

@@ -140,6 +140,16 @@ def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> 
     ctas = default_ctas(torch.device("cuda"))
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
     rts = {n: _runtime(prog, batch, context, kernel=k) for n, k in kernels.items()}
+    med, mins = interleaved(rts, rounds)
+    del rts, prog, cache, w
+    torch.cuda.empty_cache()
+    return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "rounds": rounds,
+            "median_us": med, "min_us": mins}
+
+
+def interleaved(rts: dict, rounds: int) -> tuple[dict, dict]:
+    """One launch of each runtime a round, CUDA events around each, for `rounds` rounds (the GPU's drift within
+    the call falls on all of them alike); then each runtime's error check. Median and min us per name."""
     ts = {n: [] for n in rts}
     for _ in range(rounds):
         for n, rt in rts.items():
@@ -151,11 +161,7 @@ def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> 
             ts[n].append(a.elapsed_time(b) * 1e3)
     for rt in rts.values():
         rt.check()
-    med = {n: sorted(v)[len(v) // 2] for n, v in ts.items()}
-    del rts, prog, cache, w
-    torch.cuda.empty_cache()
-    return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "rounds": rounds,
-            "median_us": med, "min_us": {n: min(v) for n, v in ts.items()}}
+    return {n: sorted(v)[len(v) // 2] for n, v in ts.items()}, {n: min(v) for n, v in ts.items()}
 
 
 def main(argv=None) -> int:
