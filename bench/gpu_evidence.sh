@@ -6,6 +6,7 @@
 # (`git rev-parse --short HEAD` here): on the device the copy's git HEAD is not the tree's (seen: 23663a9 for b318d5e).
 #
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh tests [pytest options]  # default: the whole suite
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh suite            # both halves at once, one call
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh cute             # the CuTe DSL MXFP4 experts
@@ -106,6 +107,23 @@ if [ "$MODE" = tests ]; then
         head -40 "$OUT/evidence/pytest-not-run.txt"
     fi
     exit "$rc"
+fi
+
+if [ "$MODE" = suite ]; then  # the whole suite in one call: `tests -m gpu` and `tests -m "not gpu"` at once, each
+    # writing its own archive ($OUT/gpu/evidence.tar.gz, $OUT/cpu/evidence.tar.gz). At d10245c (BUDGET 565) -m gpu
+    # took 475 s beside -m "not gpu" in 6 workers (307 s); with 8 workers beside it at 972cb7e, -m gpu was cut at 545
+    # s after ~110 of ~118 tests. Give the call's timeout ~30 s above BUDGET
+    (MEGADECODE_TEST_WORKERS=${MEGADECODE_TEST_WORKERS:-6} BUDGET=$(( $(left) - 90 )) OUT="$FINAL/cpu" \
+        bash "$0" tests -m "not gpu" > "$OUT/evidence/suite-cpu.log" 2>&1) &
+    P=$!
+    BUDGET=$(( $(left) - 5 )) OUT="$FINAL/gpu" bash "$0" tests -m gpu > "$OUT/evidence/suite-gpu.log" 2>&1
+    g=$?
+    wait $P
+    c=$?
+    tail -6 "$OUT/evidence/suite-gpu.log"; tail -6 "$OUT/evidence/suite-cpu.log"
+    echo "tests -m gpu exit $g, tests -m \"not gpu\" exit $c"
+    [ "$g" = 0 ] && [ "$c" = 0 ]
+    exit $?
 fi
 
 if [ "$MODE" = reports ]; then
