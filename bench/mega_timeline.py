@@ -10,9 +10,9 @@ the wait before it in grey. Random weights, cache filled with random values, eve
 averaged over the layers, the marks of the bodies. `--compare BEFORE.json AFTER.json` (no GPU): a layer's phases of
 two recordings side by side. `--fit FILE.json ...`
 (no GPU): the scheduler's cost model against the recorded instruction times, per opcode, with a fitted
-fixed cost and rate. The program is lowered again on meta tensors (same
-preset, batch and CTAs; checked instruction by instruction against the recording) for each instruction's HBM
-bytes by the cost model; per phase: instructions, bytes, the span from its first start to its last end, the rate
+fixed cost and rate. Each instruction's HBM bytes by the cost model are the recording's own (its rows carry
+them), or for older recordings the program's lowered again on meta tensors (same preset, batch and CTAs; checked
+instruction by instruction against the recording); per phase: instructions, bytes, the span from its first start to its last end, the rate
 that is over the span (and as a share of the H200's measured 4.57 TB/s), the mean and longest instruction, and
 the time the longest instruction kept the phase open past the mean one (imbalance).
 """
@@ -145,11 +145,10 @@ def lowered(recording: dict):
 
 def phases(recording: dict) -> list[dict]:
     """Per phase (instruction names up to '['), in the order the phases started."""
-    prog = lowered(recording)
+    nbytes = row_bytes(recording)
     by: dict[str, list] = {}
-    for r in recording["rows"]:
-        ins = prog.instrs[r["instr"]]
-        by.setdefault(r["name"].split("[")[0], []).append((r, ins.bytes))
+    for r, b in zip(recording["rows"], nbytes):
+        by.setdefault(r["name"].split("[")[0], []).append((r, b))
     out = []
     for name, got in by.items():
         rs = [r for r, _ in got]
@@ -323,7 +322,10 @@ def report(path: str) -> None:
 
 
 def row_bytes(recording: dict) -> list[int]:
-    """The cost model's HBM bytes of each recorded instruction (the program lowered again: `lowered`)."""
+    """The cost model's HBM bytes of each recorded instruction: the recording's own (rows recorded since they
+    carry them), else the program lowered again (`lowered`), which a later change to the lowering refuses."""
+    if all("bytes" in r for r in recording["rows"]):
+        return [r["bytes"] for r in recording["rows"]]
     prog = lowered(recording)
     return [prog.instrs[r["instr"]].bytes for r in recording["rows"]]
 
@@ -469,6 +471,8 @@ def launch_us(prog, batch: int, context: int, n: int = 20) -> float:
 def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str, order: str) -> None:
     rt = _runtime(prog, batch, context, timeline=True)
     rows = rt.timeline_rows()
+    for r in rows:  # the cost model's bytes, so that --from reads the recording after the lowering changes
+        r["bytes"] = prog.instrs[r["instr"]].bytes
     step_us = max(r["end"] for r in rows) / 1e3
     busy = Counter()
     for r in rows:
@@ -487,7 +491,7 @@ def _record_one(prog, preset: str, batch: int, context: int, ctas: int, out: str
     with open(out + ".json", "w") as f:
         json.dump({"summary": summary, "rows": rows}, f)
     render(rows, out + ".png", f"{preset} batch {batch}: one megakernel step, {step_us:.0f} us",
-           occupancy(rows, [prog.instrs[r["instr"]].bytes for r in rows]))
+           occupancy(rows, [r["bytes"] for r in rows]))
     print(json.dumps(summary, indent=1))
     del rt
 

@@ -367,3 +367,18 @@ def test_the_report_gives_the_steps_hbm_occupancy(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     mega_timeline.main(["--from", str(path), "--png", str(tmp_path / "rec.png")])
     assert (tmp_path / "rec.png").stat().st_size > 1000
+
+
+def test_a_recording_carrying_its_bytes_is_read_without_lowering_again(monkeypatch):
+    """Rows that carry their cost-model bytes (recordings made since) are read as they are: a later lowering change
+    cannot refuse them, and phases and occupancy use the recorded bytes; rows without them lower again."""
+    prog, rec = _recording()
+    for r in rec["rows"]:
+        r["bytes"] = prog.instrs[r["instr"]].bytes + 7  # bytes the lowering would not give
+    monkeypatch.setattr(mega_timeline, "lowered", lambda recording: pytest.fail("lowered again"))
+    ph = mega_timeline.phases(rec)
+    assert sum(d["bytes"] for d in ph) == sum(i.bytes + 7 for i in prog.instrs)
+    assert mega_timeline.row_bytes(rec) == [i.bytes + 7 for i in prog.instrs]
+    monkeypatch.undo()
+    del rec["rows"][0]["bytes"]
+    assert mega_timeline.row_bytes(rec) == [i.bytes for i in prog.instrs]
