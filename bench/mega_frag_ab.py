@@ -16,10 +16,8 @@ which those variants no longer fit.
 """
 
 
-import argparse
-
 from megadecode.backends.mega.runtime import compile_launcher
-from mega_sync_ab import run_ab, swapped  # bench/: the swaps' context, the checks and the interleaved timing
+from mega_sync_ab import ab_parser, ab_variants, run_ab, swapped  # bench/: options, swaps, checks, timing
 
 VARIANTS = ("shipped",)
 
@@ -45,18 +43,9 @@ def build_ptx(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="k3-mini")
-    ap.add_argument("--batch", default="1,8")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default="mega-frag-ab.json")
+    ap = ab_parser("k3-mini", "1,8", 15, ",".join(VARIANTS), "mega-frag-ab.json")
     args = ap.parse_args(argv)
-    names = args.variants.split(",")
-    unknown = set(names) - set(VARIANTS)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(VARIANTS)}")
+    names = ab_variants(ap, args, VARIANTS)
     run_ab(names, build, "tiny-k3-frag", args.preset, args.batch, args.context, args.rounds, args.out)
     print(f"wrote {args.out}")
     return 0

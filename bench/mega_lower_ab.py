@@ -16,7 +16,6 @@ batch 1-8 on qwen3-30b-a3b (bench/results/mega-lower-ab-nvidia-h200.json); its l
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -33,7 +32,7 @@ from megadecode.plan import build_plan
 from megadecode.presets import preset_config
 from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
-from mega_sync_ab import interleaved, swapped  # bench/: the interleaved launches, the swaps' context
+from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: the interleaved launches, the swaps' context
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
 VARIANTS = ("shipped",)
@@ -68,18 +67,9 @@ def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], kerne
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--batch", default="1,2,4,8")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default="mega-lower-ab.json")
+    ap = ab_parser("qwen3-30b-a3b", "1,2,4,8", 15, ",".join(VARIANTS), "mega-lower-ab.json")
     args = ap.parse_args(argv)
-    names = args.variants.split(",")
-    unknown = set(names) - set(VARIANTS)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(VARIANTS)}")
+    names = ab_variants(ap, args, VARIANTS)
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     kernel = compile_launcher(dev, cache=False)

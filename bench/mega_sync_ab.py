@@ -164,22 +164,34 @@ def interleaved(rts: dict, rounds: int) -> tuple[dict, dict]:
     return {n: sorted(v)[len(v) // 2] for n, v in ts.items()}, {n: min(v) for n, v in ts.items()}
 
 
-def main(argv=None) -> int:
+def ab_parser(preset: str, batch: str, rounds: int, variants: str, out: str) -> argparse.ArgumentParser:
+    """The A/B benches' common options (this one's, mega_frag_ab's and mega_lower_ab's), with their defaults."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="qwen3-30b-a3b,k3-mini")
-    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--preset", default=preset)
+    ap.add_argument("--batch", default=batch)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--variants", default="shipped,relaxed_poll,fenced_signal")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--variants", default=variants)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def ab_variants(ap: argparse.ArgumentParser, args, known: tuple[str, ...]) -> list[str]:
+    """--variants as a list, every name one of `known` (else the parser's one-line error)."""
+    names = args.variants.split(",")
+    unknown = set(names) - set(known)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(known)}")
+    return names
+
+
+def main(argv=None) -> int:
+    ap = ab_parser("qwen3-30b-a3b,k3-mini", "1,8", 30, "shipped,relaxed_poll,fenced_signal", "mega-sync-ab.json")
     ap.add_argument("--loop-from", help="the cute_kernel.py whose persistent loop the `loop` variant builds")
-    ap.add_argument("--out", default="mega-sync-ab.json")
     args = ap.parse_args(argv)
     global LOOP_FROM
     LOOP_FROM = args.loop_from
-    names = args.variants.split(",")
-    unknown = set(names) - set(VARIANTS)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(VARIANTS)}")
+    names = ab_variants(ap, args, VARIANTS)
     out = run_ab(names, build, "tiny-qwen3-moe", args.preset, args.batch, args.context, args.rounds, args.out,
                  loop_from=args.loop_from)
     ok = all(not c["failures"] for c in out["checks"])
