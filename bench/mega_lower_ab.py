@@ -32,7 +32,7 @@ from megadecode.plan import build_plan
 from megadecode.presets import preset_config
 from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
-from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: the interleaved launches, the swaps' context
+from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
 VARIANTS = ("shipped",)
