@@ -50,6 +50,7 @@ from .base import (
 )
 from .dense import WU1, row_sums
 
+
 @cute.jit
 def sig_score(lg: Float32) -> Float32:
     """ROUTE's sigmoid score of a logit (one expression for the scores pass and the picked weights: the same bits)."""
@@ -198,7 +199,7 @@ def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
                 bv, bi = warp_argmax(bv, bi)
                 if lane == 0:
                     sti(ia(ib, ids_off + t * A + a), bi)
-                    pe = cutlass.min(bi, E - 1)  # no pick left (bi = E): the last expert's weight, never used
+                    pe = cutlass.min(bi, E - 1)  # no pick left (bi = E: the rest -inf or NaN): an index in bounds
                     if sigmoid:
                         sm[PK + a] = Float32(pe)  # the pick's id, its score computed after the picks
                     else:
