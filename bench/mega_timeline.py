@@ -12,9 +12,9 @@ two recordings side by side. `--fit FILE.json ...`
 (no GPU): the scheduler's cost model against the recorded instruction times, per opcode, with a fitted
 fixed cost and rate. Each instruction's HBM bytes by the cost model are the recording's own (its rows carry
 them), or for older recordings the program's lowered again on meta tensors (same preset, batch and CTAs; checked
-instruction by instruction against the recording); per phase: instructions, bytes, the span from its first start to its last end, the rate
-that is over the span (and as a share of the H200's measured 4.57 TB/s), the mean and longest instruction, and
-the time the longest instruction kept the phase open past the mean one (imbalance).
+instruction by instruction against the recording); per phase: instructions, bytes, the span from its first start
+to its last end, the rate that is over the span (and as a share of the H200's measured 4.57 TB/s), the mean and
+longest instruction, and the time the longest instruction kept the phase open past the mean one (imbalance).
 """
 
 from __future__ import annotations
@@ -143,9 +143,11 @@ def lowered(recording: dict):
     return prog
 
 
-def phases(recording: dict) -> list[dict]:
-    """Per phase (instruction names up to '['), in the order the phases started."""
-    nbytes = row_bytes(recording)
+def phases(recording: dict, nbytes: list[int] | None = None) -> list[dict]:
+    """Per phase (instruction names up to '['), in the order the phases started; `nbytes`: row_bytes' (computed
+    here when not given)."""
+    if nbytes is None:
+        nbytes = row_bytes(recording)
     by: dict[str, list] = {}
     for r, b in zip(recording["rows"], nbytes):
         by.setdefault(r["name"].split("[")[0], []).append((r, b))
@@ -274,10 +276,12 @@ def fit(recordings: list[dict]) -> dict[str, dict]:
     return out
 
 
-def report(path: str) -> None:
+def report(path: str) -> tuple[dict, list[int]]:
+    """The recording's tables printed; returns it and its rows' bytes (row_bytes, computed once)."""
     with open(path) as f:
         rec = json.load(f)
-    ph = phases(rec)
+    nbytes = row_bytes(rec)
+    ph = phases(rec, nbytes)
     s = rec["summary"]
     print(f"{s['preset']} batch {s['batch']} context {s['context']}, {s['ctas']} CTAs, step {s['step_us']:.0f} us"
           + (f" (without the timeline: {s['launch_us']:.0f} us)" if s.get("launch_us") else ""))
@@ -314,11 +318,12 @@ def report(path: str) -> None:
     wait = [r["start"] - r["wait"] for r in rec["rows"]]
     work = [r["end"] - r["start"] for r in rec["rows"]]
     print(f"\nall instructions: wait {sum(wait) / 1e3:.0f} us summed, work {sum(work) / 1e3:.0f} us summed")
-    occ = occupancy(rec["rows"], row_bytes(rec))
+    occ = occupancy(rec["rows"], nbytes)
     bands = occupancy_bands(occ)
     print(f"HBM occupancy over the step (1 us bins, each instruction's bytes over its work span): mean "
           f"{sum(occ) / len(occ):.0%}; the step's time below " + ", ".join(
               f"{b:.0%}: {x:.0%}" for b, x in zip(BANDS, bands)) + f"; at or above {BANDS[-1]:.0%}: {bands[-1]:.0%}")
+    return rec, nbytes
 
 
 def row_bytes(recording: dict) -> list[int]:
@@ -406,14 +411,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"{d['fixed_us']:>13.1f} {rate} {d['median_rel_err']:>10.0%}")
         return
     if args.recording:
-        report(args.recording)
+        rec, nbytes = report(args.recording)
         if args.png:
-            with open(args.recording) as f:
-                rec = json.load(f)
             s = rec["summary"]
             render(rec["rows"], args.png, f"{s['preset']} batch {s['batch']}: one megakernel step, "
                                           f"{s['step_us']:.0f} us" + (f" ({s['git_sha']})" if s.get("git_sha") else ""),
-                   occupancy(rec["rows"], row_bytes(rec)))
+                   occupancy(rec["rows"], nbytes))
         return
     runs = [(p, int(b)) for p in args.preset.split(",") for b in args.batch.split(",")]
     outs = [args.out.format(preset=p, batch=b) for p, b in runs]
