@@ -60,12 +60,13 @@ def export(out: str, where: str) -> dict:
 
 def load(out: str, where: str) -> None:
     """In this (fresh) process: load the export, then diff the loaded launcher against pyvm on CASES."""
-    res = json.load(open(out))
+    with open(out) as f:
+        res = json.load(f)
     t0 = time.perf_counter()
-    import cutlass.cute as cute
-
     from megadecode.backends.mega import runtime
-    runtime.kernel_module()
+    runtime.kernel_module()  # first: it sets the DSL's architecture before cutlass is imported
+
+    import cutlass.cute as cute
     res["load_import_s"] = round(time.perf_counter() - t0, 2)
     t = time.perf_counter()
     try:
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
         return 1
     t = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--out", args.out, "--load", where], timeout=300, check=False)
-    res = json.load(open(args.out))
+    with open(args.out) as f:
+        res = json.load(f)
     res["load_process_wall_s"] = round(time.perf_counter() - t, 2)
     _save(res, args.out)
     print(json.dumps(res, indent=1))
