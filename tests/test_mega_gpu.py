@@ -73,3 +73,35 @@ def test_validate_command_passes_mega_against_pyvm(capsys):
 
     assert main(["validate", "--executor", "mega", "--preset", "tiny-k3", "--steps", "16"]) == 0
     assert "e2e tiny-k3 bfloat16 vs pyvm: PASS" in capsys.readouterr().out
+
+
+_CACHED_RUN = """
+import json, sys, torch
+from megadecode.backends.mega.runtime import compiled_launcher
+from megadecode.validate.mega_gpu import diff_failures, diff_program
+launcher = compiled_launcher(torch.device("cuda"))
+r = diff_program("tiny-qwen3-moe", 3, ctas=16, seed=5, delay_runs=1, kernel=launcher)
+print(json.dumps({"source": launcher.source, "registers": launcher.registers, "failures": diff_failures(r)}))
+"""
+
+
+def test_the_kernel_cached_on_disk_loads_in_a_fresh_process_and_matches_pyvm(tmp_path):
+    """The disk cache across processes (backends/mega/kernel_cache.py), as two users' processes meet it: the first
+    compiles and stores, the second loads the exported object (no compile said) with the same register count;
+    both launchers match pyvm on every buffer, repeats and delayed launches included."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MEGADECODE_KERNEL_CACHE": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for p in runs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    first, second = (json.loads(p.stdout.strip().splitlines()[-1]) for p in runs)
+    assert first["source"] == "compiled" and "compiling the megakernel" in runs[0].stderr
+    assert second["source"] == "cache" and "compiling" not in runs[1].stderr
+    assert first["registers"] == second["registers"] is not None
+    assert not first["failures"] and not second["failures"], (first, second)
+    assert len(list(tmp_path.iterdir())) == 1  # one entry, no temporary directory left

@@ -19,6 +19,7 @@
     kernel_check.py what the kernel assumes of a program (dtypes, loop lengths, alignment: ops/' tables, then each
                   opcode's check), checked before a launch; limits.py the CTA's threads and shared memory, for both
     runtime.py    its device buffers, one compile per process, co-residency, the error buffer
+    kernel_cache.py the compiled kernel on disk (exported once, loaded by later processes)
     spec.py       the kernel's declaration for the static audit (parameter roles, address tables)
     executor.py   the `mega` executor; pyvm_executor.py the `pyvm` executor (prefill: the torch reference)
 """

@@ -169,13 +169,9 @@ class MegaExecutor(TorchExecutor):
 def default_ctas(device) -> int:
     """Every CTA the GPU holds at once: SMs x the kernel's resident CTAs per SM (registers, shared memory)."""
     from . import cute_kernel as K
-    from .runtime import compiled_launcher, ctas_per_sm, cubin_registers, registers_per_thread
+    from .runtime import compiled_launcher, ctas_per_sm, launcher_registers
 
-    # the launches' own compile (once per process): the DSL's cubin holds the register count; ptxas on the PTX of
-    # the compile without a GPU (~20 s more) only where it does not
-    regs = cubin_registers(getattr(compiled_launcher(device).artifacts, "CUBIN", None))
-    if regs is None:
-        regs = registers_per_thread(K.compile_for().__ptx__)
+    regs = launcher_registers(compiled_launcher(device))  # the launches' own compile or cache entry
     per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
     return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -59,12 +59,17 @@ def _cute_args(rt: "MegaRuntime"):
                         rt.timeline, rt.delay_ns, rt.num_ctas)
 
 
+def compile_options(K, dump: str | None = None) -> str:
+    """The DSL compile options of the launcher (the disk cache's key holds them without the dump directory)."""
+    return f"--gpu-arch={K.ARCH} --keep-cubin" + (f" --dump-dir={dump}" if dump else "")
+
+
 def compile_launcher(device, cache: bool = True):
-    """Compile the launcher (20-30 s) from placeholder tensors of the runtime's dtypes and ranks on `device`,
+    """Compile the launcher (20-60 s) from placeholder tensors of the runtime's dtypes and ranks on `device`,
     layouts dynamic, so it serves every program; the stream is an argument of each call, not of the compile.
-    The cubin is kept: default_ctas and check_residency read the kernel's register count from it. Uncached: the
-    harness's planted builds (validate/mega_plants.py) compile through it with `cache=False` (the DSL's compile
-    cache does not see the module attributes they swap); launches share `compiled_launcher`."""
+    The cubin is kept: its register count is the residency check's. Uncached: the harness's planted builds
+    (validate/mega_plants.py) compile through it with `cache=False` (the DSL's compile cache does not see the
+    module attributes they swap); launches share `compiled_launcher`, which also keeps the shipped kernel on disk."""
     from .isa import ROW
 
     K = kernel_module()  # first: it sets the DSL's architecture before cutlass is imported
@@ -77,17 +82,59 @@ def compile_launcher(device, cache: bool = True):
                         z(TLW, dtype=torch.int64), 0, 0, 8)
     # the dump directory stays (as compile_for's does): whether the executor reads its files later is not known
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-    return K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0),
-                          options=f"--gpu-arch={K.ARCH} --keep-cubin --dump-dir={dump}", no_cache=not cache)
+    return K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0), options=compile_options(K, dump),
+                          no_cache=not cache)
+
+
+class Launcher:
+    """The shipped kernel's launcher with its register count: compiled in this process, or loaded from the disk
+    cache (backends/mega/kernel_cache.py), whose loaded function keeps no cubin to read the count from."""
+
+    def __init__(self, fn, registers: int | None, source: str, keep=None):
+        self.fn, self.registers, self.source = fn, registers, source  # source: "compiled" or "cache"
+        self._keep = keep  # the loaded module: it owns the linked code the function calls
+
+    def __call__(self, *args):
+        return self.fn(*args)
 
 
 def compiled_launcher(device):
-    """The shipped kernel's compiled launcher, once per process: the engine build's CTA count (`default_ctas`)
-    and every runtime's launches share it (two compiles made k3-mini's cold start 52.5 s on the H200)."""
+    """The shipped kernel's launcher, once per process: the engine build's CTA count (`default_ctas`) and every
+    runtime's launches share it (two compiles made k3-mini's cold start 52.5 s on the H200). On a CUDA device it
+    is loaded from the disk cache when an entry for these sources exists, else compiled and stored there."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = compile_launcher(device)
+        _COMPILED = _cached_or_compiled(torch.device(device))
     return _COMPILED
+
+
+def _cached_or_compiled(device: torch.device) -> Launcher:
+    from . import kernel_cache
+
+    root = kernel_cache.cache_dir() if device.type == "cuda" else None
+    if root is None:
+        fn = compile_launcher(device)
+        return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
+    key = kernel_cache.source_key(compile_options(kernel_module()))
+    hit = kernel_cache.load(root, key)
+    if hit is not None:
+        (module, fn), registers = hit
+        return Launcher(fn, registers, "cache", keep=module)
+    kernel_cache.say(f"compiling the megakernel (about a minute, once: it is kept in {root})")
+    fn = compile_launcher(device)
+    registers = cubin_registers(getattr(fn.artifacts, "CUBIN", None))
+    kernel_cache.store(root, key, fn, registers)
+    return Launcher(fn, registers, "compiled")
+
+
+def launcher_registers(fn) -> int | None:
+    """Registers per thread of a launcher's kernel: a Launcher's own count, else the compiled function's cubin's,
+    else (no cubin kept) ptxas's on the PTX of the same kernel compiled without a GPU (~20 s)."""
+    regs = fn.registers if isinstance(fn, Launcher) else cubin_registers(
+        getattr(getattr(fn, "artifacts", None), "CUBIN", None))
+    if regs is None:
+        regs = registers_per_thread(kernel_module().compile_for().__ptx__)
+    return regs
 
 
 @functools.lru_cache(maxsize=4)
@@ -213,9 +260,7 @@ class MegaRuntime:
         """All CTAs must be resident at once (a CTA spinning on a counter would otherwise wait for a CTA that
         never starts): refuse a launch larger than the GPU holds."""
         K = kernel_module()
-        regs = cubin_registers(getattr(getattr(self._compiled, "artifacts", None), "CUBIN", None))
-        if regs is None:  # no cubin kept: the same kernel compiled without a GPU, its PTX through ptxas
-            regs = registers_per_thread(K.compile_for().__ptx__)
+        regs = launcher_registers(self._compiled)
         per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.num_ctas > per_sm * sms:

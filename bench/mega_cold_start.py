@@ -1,0 +1,88 @@
+"""The megakernel's cold start with the on-disk kernel cache (issue 40 item 5: a second `generate --executor mega`
+starts in <= 15 s): `megadecode generate --executor mega` run as a user runs it, each a fresh process, wall clock
+of the whole command, against one fresh cache directory (MEGADECODE_KERNEL_CACHE):
+
+    1. tiny-qwen3-moe, the cache empty (the process compiles and stores the kernel);
+    2. tiny-qwen3-moe again (it loads the kernel);
+    3. each --preset with the cache warm, then with the cache off (MEGADECODE_KERNEL_CACHE=off: the compile), the
+       same tokens expected from both.
+
+Each row: the command, wall seconds, whether the process said it compiled, the tokens; the JSON is rewritten after
+every row (a run cut short keeps what it measured).
+
+    python bench/mega_cold_start.py --preset qwen3-30b-a3b --out $OUT/mega-cold-start.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def run(model: str, cache: str, new_tokens: int, timeout: int) -> dict:
+    cmd = [sys.executable, "-m", "megadecode", "generate", "--model", model, "--executor", "mega", "--device", "cuda",
+           "--max-new-tokens", str(new_tokens), "--greedy", "--json"]
+    env = {**os.environ, "MEGADECODE_KERNEL_CACHE": cache}
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    row = {"model": model, "cache": "off" if cache == "off" else "dir", "wall_s": round(time.perf_counter() - t, 2),
+           "rc": p.returncode, "compiled": "compiling the megakernel" in p.stderr,
+           "command": f"MEGADECODE_KERNEL_CACHE={'off' if cache == 'off' else '<dir>'} " + " ".join(cmd[1:])}
+    if p.returncode:
+        row["stderr"] = p.stderr[-2000:]
+        return row
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("megadecode:")]
+    if said:
+        row["said"] = said
+    try:
+        doc = json.loads(p.stdout)
+        row["tokens"] = doc["token_ids"]
+        row.update({k: round(doc[k], 3) for k in ("warmup_s", "prefill_s", "decode_s") if k in doc})
+    except (json.JSONDecodeError, KeyError, TypeError):
+        row["stdout"] = p.stdout[-500:]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="comma-separated presets for step 3")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds a command may take")
+    ap.add_argument("--out", default="mega-cold-start.json")
+    args = ap.parse_args(argv)
+    cache = tempfile.mkdtemp(prefix="megadecode-kcache-")
+    res = {"git_sha": os.environ.get("MEGADECODE_GIT_SHA"), "rows": []}
+
+    def add(row):
+        res["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "stderr")}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout))
+    add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout))
+    for preset in args.preset.split(","):
+        warm = run(preset, cache, args.new_tokens, args.timeout)
+        add(warm)
+        off = run(preset, "off", args.new_tokens, args.timeout)
+        off["same_tokens_as_cached"] = off.get("tokens") == warm.get("tokens") and off.get("tokens") is not None
+        add(off)
+    r = res["rows"]
+    ok = (all(x["rc"] == 0 for x in r) and r[0]["compiled"] and not r[1]["compiled"]
+          and all(not x["compiled"] for x in r[2::2]) and all(x.get("same_tokens_as_cached") for x in r[3::2]))
+    res["checks_passed"] = ok
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{'model':<18} {'cache':<5} {'compiled':<9} wall s")
+    for x in r:
+        print(f"{x['model']:<18} {x['cache']:<5} {str(x['compiled']):<9} {x['wall_s']}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
