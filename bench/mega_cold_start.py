@@ -26,7 +26,7 @@ import time
 
 def run(model: str, cache: str, new_tokens: int, timeout: int) -> dict:
     cmd = [sys.executable, "-m", "megadecode", "generate", "--model", model, "--executor", "mega", "--device", "cuda",
-           "--max-new-tokens", str(new_tokens), "--greedy", "--json"]
+           "--max-new-tokens", str(new_tokens), "--dtype", "bfloat16", "--greedy", "--json"]
     env = {**os.environ, "MEGADECODE_KERNEL_CACHE": cache}
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
