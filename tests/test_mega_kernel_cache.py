@@ -82,8 +82,12 @@ def test_the_key_changes_with_any_source_byte_the_options_and_the_dsl(tmp_path, 
         assert KC.source_key("--gpu-arch=sm_90a --keep-cubin") != k0, rel
         f.write_bytes(text)
     assert KC.source_key("--gpu-arch=sm_90a --keep-cubin") == k0
-    monkeypatch.setattr(KC.metadata, "version", lambda name: "9.9.9")
+    import cutlass
+
+    monkeypatch.setattr(cutlass, "__version__", "9.9.9")
     assert KC.source_key("--gpu-arch=sm_90a --keep-cubin") != k0
+    monkeypatch.delattr(cutlass, "__version__")  # a DSL without the attribute: the distribution's version
+    assert KC.dsl_version() == KC.metadata.version("nvidia-cutlass-dsl")
     (root / "backends/mega/isa.py").unlink()
     with pytest.raises(FileNotFoundError, match="isa.py"):
         KC.source_key("x")
@@ -237,6 +241,17 @@ def test_compiled_launcher_stores_then_loads_and_recompiles_a_broken_entry(tmp_p
     err = capsys.readouterr().err
     assert "did not load" in err and "compiling the megakernel" in err
     assert (entry / "mega_step.o").read_bytes() == b"\x7fELF object"  # replaced by the fresh export
+
+    def no_key(options):
+        raise ModuleNotFoundError("no DSL version")
+
+    key = KC.source_key
+    monkeypatch.setattr(KC, "source_key", no_key)  # no key: compiled, said in one line, nothing stored
+    monkeypatch.setattr(R, "_COMPILED", None)
+    assert R.compiled_launcher(cuda).source == "compiled" and len(compiles) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cache key could not be computed" in err[0] and "no DSL version" in err[0], err
+    monkeypatch.setattr(KC, "source_key", key)
 
     for env, device in (("off", cuda), (str(tmp_path / "other"), torch.device("cpu"))):
         monkeypatch.setenv("MEGADECODE_KERNEL_CACHE", env)

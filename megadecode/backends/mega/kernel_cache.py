@@ -57,11 +57,20 @@ def source_files() -> list[Path]:
     return sorted(files)
 
 
+def dsl_version() -> str:
+    """The CuTe DSL's version: the module's own (a DSL put on the path without its package metadata, as the GPU
+    machine's staged one is, has no distribution to ask), else the installed distribution's."""
+    import cutlass
+
+    version = getattr(cutlass, "__version__", None)
+    return str(version) if version else metadata.version("nvidia-cutlass-dsl")
+
+
 def source_key(options: str) -> str:
     """The cache key: sha256 of the DSL's version, the compile options (architecture included) and every source
     file's path and bytes."""
     h = hashlib.sha256()
-    h.update(f"nvidia-cutlass-dsl {metadata.version('nvidia-cutlass-dsl')}\0{options}\0".encode())
+    h.update(f"nvidia-cutlass-dsl {dsl_version()}\0{options}\0".encode())
     for f in source_files():
         h.update(str(f.relative_to(_PKG)).encode() + b"\0")
         h.update(f.read_bytes() + b"\0")
@@ -72,7 +81,7 @@ def say(message: str) -> None:
     print(f"megadecode: {message}", file=sys.stderr, flush=True)
 
 
-def _why(e: BaseException) -> str:
+def why(e: BaseException) -> str:
     """An exception in one line: its type and its message's last non-empty line (the DSL's run to many)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
@@ -96,7 +105,7 @@ def load(root: Path, key: str):
         module = cute.runtime.load_module(str(entry / f"{PREFIX}.o"))
         fn = getattr(module, PREFIX)
     except Exception as e:  # noqa: BLE001 (any failure to load means: compile again)
-        say(f"the cached megakernel in {entry} did not load ({_why(e)}); compiling it again")
+        say(f"the cached megakernel in {entry} did not load ({why(e)}); compiling it again")
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return (module, fn), registers
@@ -116,7 +125,7 @@ def store(root: Path, key: str, compiled, registers: int | None) -> bool:
         if not (tmp / f"{PREFIX}.o").is_file():
             raise FileNotFoundError(f"the export wrote no {PREFIX}.o")
         (tmp / "meta.json").write_text(json.dumps({"key": key, "registers": int(registers),
-                                                   "dsl": metadata.version("nvidia-cutlass-dsl")}) + "\n")
+                                                   "dsl": dsl_version()}) + "\n")
         try:
             os.rename(tmp, root / key)
         except OSError:
@@ -124,7 +133,7 @@ def store(root: Path, key: str, compiled, registers: int | None) -> bool:
                 raise
         return True
     except Exception as e:  # noqa: BLE001 (a cache that cannot be written costs the next process a compile)
-        say(f"the compiled megakernel was not cached in {root} ({_why(e)})")
+        say(f"the compiled megakernel was not cached in {root} ({why(e)})")
         return False
     finally:
         if tmp is not None and tmp.exists():

@@ -115,7 +115,12 @@ def _cached_or_compiled(device: torch.device) -> Launcher:
     if root is None:
         fn = compile_launcher(device)
         return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
-    key = kernel_cache.source_key(compile_options(kernel_module()))
+    try:
+        key = kernel_cache.source_key(compile_options(kernel_module()))
+    except Exception as e:  # noqa: BLE001 (no key, no cache: the compile still serves this process)
+        kernel_cache.say(f"the megakernel's cache key could not be computed ({kernel_cache.why(e)}); compiling it")
+        fn = compile_launcher(device)
+        return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
     hit = kernel_cache.load(root, key)
     if hit is not None:
         (module, fn), registers = hit
