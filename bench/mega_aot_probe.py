@@ -8,8 +8,9 @@ JSON after every step (a run cut short keeps what it measured).
     python bench/mega_aot_probe.py --out $OUT/mega-aot-probe.json
 
 The loaded launcher keeps no cubin, so the runtime's residency check (which reads the register count from it)
-is bypassed in the loading process: a cache of the export would store the count beside the object. On a machine
-without the CUDA runtime the export fails to link (docs/megakernel.md, "Open").
+is bypassed in the loading process; the runtime's disk cache (backends/mega/kernel_cache.py, built on these
+stages) stores the count beside the object. On a machine without the CUDA runtime the export fails to link
+(docs/megakernel.md, "Cold start").
 """
 
 from __future__ import annotations
