@@ -321,9 +321,8 @@ def _check_speculative(args, sampling, cfg) -> None:
     """--speculative's limits, named by flag: no penalties, one process, no structured output or min-tokens beside
     it."""
     from .engine import RequestError, model_config
-    from .speculative import MAX_DRAFT, check_model
+    from .speculative import MAX_DRAFT
 
-    check_model(cfg)
     why = speculative_flags_error(args)
     if why is not None:
         raise RequestError(why)

@@ -189,7 +189,7 @@ class ModelRunner:
         rule) and one token of the model's, the others sample as in a decode step. Returns, per sequence, its new
         tokens as `collect` gives them, and the draft tokens proposed and accepted. Eager and synchronous: no graph
         replay, no step launched ahead."""
-        from .speculative import accept, verify_step
+        from .speculative import accept, rewind_states, verify_step
 
         self._generators(seqs)
         takes = [i for i, s in enumerate(seqs) if not s.params.penalized and not s.params.logit_bias
@@ -209,6 +209,7 @@ class ModelRunner:
             for i, r in zip(plain, self.collect(self._sample(logits[rows], [seqs[i] for i in plain]))):
                 results[i] = [r]
         drafted = accepted = 0
+        kept = {}
         for i, (s, f, st) in enumerate(zip(seqs, feeds, starts)):
             if len(f) == 1:
                 continue
@@ -217,10 +218,12 @@ class ModelRunner:
                 results[i] = [(0, 0.0, False, ())]
                 continue
             emit, lps = accept(rows, f, s.params, s.generator)
+            kept[i] = len(emit)  # KDA state: back to after the last token and the accepted drafts
             drafted += len(f) - 1
             accepted += len(emit) - 1
             s.sampled += len(emit)
             results[i] = [(t, lp, True, ()) for t, lp in zip(emit, lps)]
+        rewind_states(step, kept)
         return results, drafted, accepted
 
     def _generators(self, seqs: list[Sequence]) -> None:

@@ -14,8 +14,10 @@ that continue the sequences' caches: attention reads the cached positions and th
 the logits of every position; it runs the executor's prefill ops (eager: the reference's on `torch` and `mega`, the
 graph's on `graph` and `fused`), so today it shows the method, not its speed. Drafts the target rejects leave cache
 entries past the sequence's length, which the next step overwrites before any query can see them (attention is
-masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) are refused: the state would
-advance over rejected drafts.
+masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) continue it from the slot's
+state (`Step.seg_first`) and record the state after each fed token (`Step.state_trace`); the state after the
+accepted prefix is put back (`rewind_states`), so rejected drafts leave no trace in it. The record is transient:
+per KDA layer and sequence, k + 1 copies of the recurrent state (H x K x K fp32) and of the conv's window.
 
 Drafters: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats;
 `DraftModelDrafter`, a smaller model of the same vocabulary (`--draft-model`): its greedy continuation;
@@ -261,13 +263,6 @@ class SpeculativeResult:
         return made / self.steps / max(len(self.token_ids), 1) if self.steps else 0.0
 
 
-def check_model(cfg) -> None:
-    """RequestError for a model whose decode state cannot skip rejected drafts (KDA's recurrent state)."""
-    if any(cfg.is_kda(i) for i in range(cfg.num_layers)):
-        raise RequestError(f"speculative decoding does not take {cfg.family}: its KDA layers' recurrent state "
-                           "would advance over rejected drafts (qwen3_moe and deepseek_v3 are taken)")
-
-
 def check_draft_model(cfg, vocab_size: int) -> None:
     """RequestError for a draft model that cannot draft for a target of `vocab_size` tokens: another vocabulary,
     or a recurrent state (KDA) that a rejected draft would advance."""
@@ -280,22 +275,33 @@ def check_draft_model(cfg, vocab_size: int) -> None:
 
 
 def check_speculative(engine: Engine) -> None:
-    check_model(engine.cfg)
     if engine.parallel is not None:
         raise RequestError("speculative decoding runs in one process (no expert parallelism)")
 
 
 def verify_step(feeds: list[list[int]], first: list[int], slots: list[int], device) -> tuple[Step, list[int]]:
     """The verify step of sequences feeding feeds[i] (their last token, then their drafts) at positions first[i]
-    onwards in cache slots slots[i], every row's logits wanted; and each feed's first row in it."""
+    onwards in cache slots slots[i], every row's logits wanted; and each feed's first row in it. Each segment
+    continues its slot's sequence (`seg_first`), and KDA layers record their state after each fed token
+    (`state_trace`, for `rewind_states`)."""
     lens = [len(f) for f in feeds]
     starts = [sum(lens[:j]) for j in range(len(lens))]
     step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=device),
                 positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(device),
                 slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(device),
                 logit_rows=torch.arange(sum(lens), device=device), kv_len=max(p + n for p, n in zip(first, lens)),
-                segments=[(st, st + n, s) for st, n, s in zip(starts, lens, slots)])
+                segments=[(st, st + n, s) for st, n, s in zip(starts, lens, slots)], seg_first=list(first),
+                state_trace=[])
     return step, starts
+
+
+def rewind_states(step: Step, kept: dict[int, int]) -> None:
+    """After a verify step: the KDA state of segment j put back to what it was after the first kept[j] tokens
+    it fed (its last token and the drafts it accepted); segments not named, or that kept every token, stay."""
+    for tr in step.state_trace or ():
+        n = kept.get(tr.segment)
+        if n is not None and n < tr.rec.shape[0]:
+            tr.rewind(n)
 
 
 def accept(logits: torch.Tensor, feed: list[int], params: SamplingParams, generator) -> tuple[list[int], list[float]]:
@@ -356,9 +362,10 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
             i = next(i for i, s, f in zip(live, starts, feeds) if s <= n < s + len(f))
             raise NonFiniteError(f"sequence {i}: the logits at position {int(step.positions[n])} hold NaN or inf")
         steps += 1
-        still = []
-        for i, f, s in zip(live, feeds, starts):
+        still, kept = [], {}
+        for j, (i, f, s) in enumerate(zip(live, feeds, starts)):
             emit, got = accept(logits[s:s + len(f)], f, sampling, gen)
+            kept[j] = len(emit)  # fed tokens whose state stays: the last token and the accepted drafts
             drafted += len(f) - 1
             accepted += len(emit) - 1
             for t, v in zip(emit, got):
@@ -368,6 +375,7 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
                     break
             if out[i][-1] not in eos and len(out[i]) < max_new_tokens:
                 still.append(i)
+        rewind_states(step, kept)
         live = still
     t2 = time.perf_counter()
     return SpeculativeResult(out, lps, steps, drafted, accepted, t1 - t0, t2 - t1)

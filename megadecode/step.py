@@ -24,6 +24,13 @@ class Step:
     segments: list[tuple[int, int, int]] | None = None
     # Decode only: slots are 0..N-1 in order, so attention can read the cache as a view, not a gather.
     contiguous_slots: bool = False
+    # Prefill only: each segment's first position (None: every segment a new sequence from position 0). A segment
+    # that starts past 0 continues its slot's sequence (speculative verify steps): KDA layers start from the slot's
+    # conv and recurrent state instead of zeros.
+    seg_first: list[int] | None = None
+    # Prefill only: when a list, each KDA layer appends, per segment, the state after each of its tokens
+    # (reference/kda.py, `KdaTrace`), so a verify step's rejected drafts can be taken back (speculative.py).
+    state_trace: list | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -57,9 +57,30 @@ def test_sequences_that_take_no_drafts_are_served_as_before(spec):
     assert g.choices[0].text in ("abab", "ba") and g.choices[0].finish_reason == "stop"
 
 
-def test_models_with_kda_layers_are_refused_speculation():
-    with pytest.raises(ValueError, match="KDA layers' recurrent state"):
-        Server.build("tiny-k3", max_batch=2, max_seq_len=MAX_SEQ, drafter=NgramDrafter(2))
+def test_models_with_kda_layers_serve_drafts_with_their_own_greedy_tokens():
+    """tiny-k3 (KDA layers): two sequences batched with drafts, some rejected, whose recurrent state is rewound to
+    the accepted prefix (ModelRunner.verify): the greedy completions are the engine's own."""
+    from megadecode.engine import Engine
+    from megadecode.sampling import SamplingParams
+
+    r = Running(Server.build("tiny-k3", max_batch=2, max_seq_len=MAX_SEQ, drafter=NgramDrafter(3)))
+    try:
+        client = r.client()
+        prompts = ["abcabcabcabc", "xyzzxyzzxyzz"]
+
+        def one(p):
+            return client.completions.create(model="tiny-k3", prompt=p, max_tokens=20, temperature=0,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+
+        with cf.ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(one, prompts))
+        eng = Engine.from_pretrained("tiny-k3", max_batch=1, max_seq_len=MAX_SEQ)
+        for p, out in zip(prompts, outs):
+            want = eng.generate([list(ids(p))], 20, SamplingParams(greedy=True), stop_at_eos=False).token_ids[0]
+            assert out.choices[0].token_ids == want, p
+        assert r.metric("megadecode_spec_draft_tokens_total") > r.metric("megadecode_spec_accepted_tokens_total")
+    finally:
+        r.close()
 
 
 def test_a_draft_model_drafts_for_the_server(capsys):

@@ -1,6 +1,7 @@
 """Speculative decoding (megadecode/speculative.py) on the CPU: the n-gram drafter, greedy output identical to
-plain greedy generation with drafts verified a step at a time (fp32, qwen3_moe and deepseek_v3), drafts accepted
-where the text repeats, and what is refused."""
+plain greedy generation with drafts verified a step at a time (fp32, qwen3_moe, deepseek_v3, and the KDA families,
+whose recurrent state is rewound to the accepted prefix), drafts accepted where the text repeats, and what is
+refused."""
 
 from __future__ import annotations
 
@@ -76,9 +77,44 @@ def test_speculative_generation_stops_at_eos_and_max_tokens_as_generate_does():
                                      stop_at_eos=False).token_ids] == [5, 5]
 
 
-def test_models_with_a_recurrent_state_are_refused():
-    with pytest.raises(RequestError, match="KDA layers' recurrent state"):
-        generate(_engine("tiny-k3", 1), [[1, 2, 3]], 4, NgramDrafter(2))
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_greedy_speculative_output_is_greedy_output_with_kda_layers(preset):
+    """KDA's recurrent state continues from the slot in a verify step and is rewound to the accepted prefix: the
+    greedy tokens equal plain greedy generation while drafts are both accepted and rejected."""
+    prompts = [[3, 4, 5, 6] * 6, [9, 8, 7] * 5 + [1]]
+    ref = _engine(preset, 2).generate(prompts, 48, SamplingParams(greedy=True), stop_at_eos=False)
+    res = generate(_engine(preset, 2), prompts, 48, NgramDrafter(4), stop_at_eos=False)
+    assert res.token_ids == ref.token_ids
+    assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+    assert 0 < res.accepted < res.drafted  # some drafts kept, some rewound
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_a_rewound_verify_step_leaves_the_state_of_its_accepted_prefix(preset):
+    """A verify step feeding four tokens, rewound to its first kept ones, leaves each KDA layer's conv and
+    recurrent state (and the next logits) as decoding just those tokens one step at a time does; kept = 4 is the
+    step's own end state. The slot's state before the step is poisoned nowhere: a segment past position 0 reads
+    it (a verify step that started from zeros would differ at once)."""
+    from megadecode.speculative import rewind_states, verify_step
+
+    prompt, fed = [5, 9, 2, 7, 7, 1], [11, 4, 30, 8]
+    for kept in (1, 2, 4):
+        want = _engine(preset, 1)
+        want.prefill([prompt])
+        for t in fed[:kept]:
+            logits = want.decode(torch.tensor([t]))
+        got = _engine(preset, 1)
+        got.prefill([prompt])
+        step, _ = verify_step([fed], [len(prompt)], [0], "cpu")
+        rows = got.executor.run_ops(step).buf["logits"]
+        assert len(step.state_trace) == sum(got.cfg.is_kda(i) for i in range(got.cfg.num_layers)) > 0
+        rewind_states(step, {0: kept})
+        assert torch.allclose(rows[kept - 1], logits[0], atol=1e-4, rtol=1e-4)
+        for name in want.cache.state_layers:
+            for a, b in zip(want.cache[name], got.cache[name]):
+                assert torch.allclose(a[0], b[0], atol=1e-5, rtol=1e-5), (name, kept)
+    with pytest.raises(ValueError, match="keeps 1..4"):
+        step.state_trace[0].rewind(0)
 
 
 def test_generate_cli_speculative_is_greedy_and_reports_its_drafts(capsys):
@@ -98,8 +134,9 @@ def test_generate_cli_speculative_is_greedy_and_reports_its_drafts(capsys):
     assert len(sampled["token_ids"][0]) == 12 and sampled["speculative"]["steps"] <= 11
     assert "--num-draft-tokens must be in [1, 7]" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy",
                                                                      "--num-draft-tokens", "9"])
-    assert "does not take kimi_k3" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy", "--model",
-                                                     "tiny-k3"])
+    k3 = ["generate", "--json", "--model", "tiny-k3", "--token-ids", ",".join(["3,4,5"] * 6), "--max-new-tokens",
+          "24", "--greedy", "--ignore-eos"]
+    assert run_json(capsys, k3 + ["--speculative", "ngram"])["token_ids"] == run_json(capsys, k3)["token_ids"]
     assert "cannot be used with --min-tokens" in fails(capsys, ["generate", "--speculative", "ngram", "--greedy",
                                                                 "--min-tokens", "2"])
 

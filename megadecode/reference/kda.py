@@ -13,7 +13,8 @@ Per token of a sequence:
   S    = S + k (x) beta * (v - k^T S)                           delta rule: what k reads is moved toward v
   o    = q^T S                                                  [H, V]
   y    = o_proj(rmsnorm_V(o) * o_norm.weight * sigmoid(g_b(g_a x)))   gated RMSNorm per head, in fp32
-The conv and the recurrence start from zero state at a sequence's first token.
+The conv and the recurrence start from zero state at a sequence's first token; a prefill segment that continues
+its sequence (`Step.seg_first` past 0: a speculative verify step) starts from the slot's state.
 """
 
 from __future__ import annotations
@@ -21,8 +22,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dataclasses import dataclass
+
 from ..config import ModelConfig
 from ..step import Step
+
+
+@dataclass
+class KdaTrace:
+    """One KDA layer's states after each token of one prefill segment (`Step.state_trace`): conv [n, C, W-1] (the
+    conv's last W-1 inputs), rec [n, H, K, V] fp32, for the segment's slot of the layer's state tensors. `rewind`
+    puts the state after the segment's first `kept` tokens back into the slot."""
+    conv_state: torch.Tensor
+    rec_state: torch.Tensor
+    slot: int
+    segment: int
+    conv: torch.Tensor
+    rec: torch.Tensor
+
+    def rewind(self, kept: int) -> None:
+        n = self.rec.shape[0]
+        if not 1 <= kept <= n:
+            raise ValueError(f"a segment of {n} tokens keeps 1..{n} of them, not {kept}")
+        self.conv_state[self.slot] = self.conv[kept - 1]
+        self.rec_state[self.slot] = self.rec[kept - 1]
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -79,17 +102,28 @@ def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
         o = recur(q, k, v, g, beta, rec_state, rows)
     else:
         outs = []
-        for s, e, slot in step.segments:
-            # A new sequence: zero conv history and zero state, whatever the slot held before.
-            padded = torch.cat((qkv.new_zeros(qkv.shape[1], W - 1), qkv[s:e].T), -1)  # [C, W-1 + n]
+        for j, (s, e, slot) in enumerate(step.segments):
+            if step.seg_first is not None and step.seg_first[j] > 0:
+                # It continues the slot's sequence: the conv's history and the state the slot holds.
+                hist = conv_state[slot].to(qkv.dtype)
+                S = rec_state[slot][None].float().clone()
+            else:
+                # A new sequence: zero conv history and zero state, whatever the slot held before.
+                hist = qkv.new_zeros(qkv.shape[1], W - 1)
+                S = torch.zeros(1, H, K, K, dtype=torch.float32, device=x.device)
+            padded = torch.cat((hist, qkv[s:e].T), -1)  # [C, W-1 + n]
             q, k, v = heads(_conv_silu(padded.unfold(-1, W, 1).transpose(0, 1), conv_w))  # windows [n, C, W]
-            S = torch.zeros(1, H, K, K, dtype=torch.float32, device=x.device)
+            states = []
             for t in range(e - s):
                 o_t, S = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[s + t:s + t + 1],
                                          beta[s + t:s + t + 1], S)
                 outs.append(o_t)
+                states.append(S[0])
             conv_state[slot] = padded[:, -(W - 1):]
             rec_state[slot] = S[0]
+            if step.state_trace is not None:  # the conv's state after token t: the W-1 inputs ending at it
+                conv = padded.unfold(-1, W - 1, 1).transpose(0, 1)[1:].to(conv_state.dtype)  # [n, C, W-1]
+                step.state_trace.append(KdaTrace(conv_state, rec_state, slot, j, conv, torch.stack(states)))
         o = torch.cat(outs, 0)
     # Gated RMSNorm per head: the core output is rounded to the model dtype, then normed in fp32.
     gate = F.linear(F.linear(x, w[f"{p}.g_a_proj.weight"]), w[f"{p}.g_b_proj.weight"]).view(N, H, K)

@@ -127,9 +127,8 @@ def build_server(args, ep, progress=None):
     resolve_executor(args, cfg, args.max_batch, ep is None or ep.rank == 0)
     drafter = None
     if args.speculative:
-        from ..speculative import NgramDrafter, check_model, draft_model_drafter
+        from ..speculative import NgramDrafter, draft_model_drafter
 
-        check_model(cfg)  # before any weight is built
         if args.speculative == "ngram":
             drafter = NgramDrafter(args.num_draft_tokens)
         else:

@@ -53,7 +53,8 @@ class Server:
                  batch_sizes: list[int] | None = None, pad: bool | None = None, max_prefill_tokens: int | None = None,
                  mirror=None, drafter=None):
         """`mirror`: expert parallelism's rank 0 publishes every step to the other ranks (serve/lockstep.py).
-        `drafter`: speculative decoding (speculative.NgramDrafter or DraftModelDrafter; one process, models without KDA layers)."""
+        `drafter`: speculative decoding (speculative.NgramDrafter or DraftModelDrafter; one process; a KDA layer's
+        state is rewound to the accepted prefix)."""
         if drafter is not None:
             from ..speculative import check_speculative
 
