@@ -8,7 +8,9 @@ of the whole command, against one fresh cache directory (MEGADECODE_KERNEL_CACHE
        same tokens expected from both.
 
 Each row: the command, wall seconds, whether the process said it compiled, the tokens; the JSON is rewritten after
-every row (a run cut short keeps what it measured).
+every row (a run cut short keeps what it measured). `--profile`: then the warm tiny-qwen3-moe run once more under
+`python -X importtime -m cProfile`: the slowest imports (cumulative) and functions (cumulative) of the warm start,
+to find what it spends besides the kernel.
 
     python bench/mega_cold_start.py --preset qwen3-30b-a3b --out $OUT/mega-cold-start.json
 """
@@ -48,12 +50,41 @@ def run(model: str, cache: str, new_tokens: int, timeout: int) -> dict:
     return row
 
 
+def profile(cache: str, new_tokens: int, timeout: int, top: int = 25) -> dict:
+    """The warm start of tiny-qwen3-moe under -X importtime and cProfile: its slowest imports and functions."""
+    import pstats
+    import re
+
+    prof = os.path.join(tempfile.mkdtemp(prefix="megadecode-prof-"), "generate.prof")
+    cmd = [sys.executable, "-X", "importtime", "-m", "cProfile", "-o", prof, "-m", "megadecode", "generate",
+           "--model", "tiny-qwen3-moe", "--executor", "mega", "--device", "cuda", "--max-new-tokens",
+           str(new_tokens), "--dtype", "bfloat16", "--greedy", "--json"]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env={**os.environ, "MEGADECODE_KERNEL_CACHE": cache}, capture_output=True, text=True,
+                       timeout=timeout)
+    out = {"wall_s": round(time.perf_counter() - t, 2), "rc": p.returncode}
+    imports = []
+    for ln in p.stderr.splitlines():  # "import time: self [us] | cumulative | imported package"
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \| (.*)$", ln)
+        if m:
+            imports.append((int(m.group(2)) / 1e6, m.group(3).rstrip()))
+    out["imports_top_s"] = [[round(s_, 3), name] for s_, name in sorted(imports, reverse=True)[:top]]
+    if os.path.exists(prof):
+        st = pstats.Stats(prof)
+        rows = sorted(((v[3], f"{k[0]}:{k[1]}({k[2]})") for k, v in st.stats.items()), reverse=True)[:top]
+        out["functions_top_cumulative_s"] = [[round(c, 3), name] for c, name in rows]
+    else:
+        out["stderr"] = p.stderr[-2000:]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="comma-separated presets for step 3")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--timeout", type=int, default=300, help="seconds a command may take")
     ap.add_argument("--out", default="mega-cold-start.json")
+    ap.add_argument("--profile", action="store_true", help="then profile the warm start (imports, functions)")
     args = ap.parse_args(argv)
     cache = tempfile.mkdtemp(prefix="megadecode-kcache-")
     res = {"git_sha": os.environ.get("MEGADECODE_GIT_SHA"), "rows": []}
@@ -76,6 +107,10 @@ def main(argv=None) -> int:
     ok = (all(x["rc"] == 0 for x in r) and r[0]["compiled"] and not r[1]["compiled"]
           and all(not x["compiled"] for x in r[2::2]) and all(x.get("same_tokens_as_cached") for x in r[3::2]))
     res["checks_passed"] = ok
+    if args.profile:
+        res["profile"] = profile(cache, args.new_tokens, args.timeout)
+        for c, name in res["profile"].get("functions_top_cumulative_s", [])[:15]:
+            print(f"{c:8.2f} s  {name}")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"{'model':<18} {'cache':<5} {'compiled':<9} wall s")

@@ -12,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Configs are resolved through transformers in every test (and the CLI's subprocesses), never read from a disk
+# cache an earlier run left: tests/test_config_cache.py turns it on in a temporary directory.
+os.environ["MEGADECODE_CONFIG_CACHE"] = "off"
 # The tests' tensors are tiny: one intra-op thread. With more, OpenMP workers spin on every small op, and on a
 # loaded 2-core machine a [2, 64] x [64, 13] matmul took ~7 ms instead of ~3 us (pyvm's generate: 13.5 s -> 0.2 s).
 torch.set_num_threads(int(os.environ.get("MEGADECODE_TEST_THREADS", "1")))

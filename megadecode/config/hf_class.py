@@ -11,16 +11,30 @@ Order of checks, so that every error names the config.json field the user wrote:
   2. transformers' class; any value it rejects is a ConfigError carrying its message.
   3. the family parser reads the resolved dict (`resolve`) with its typed readers, and ModelConfig checks the
      result (megadecode/config/model.py).
+
+Importing transformers and building the class takes ~3 s (on the CPU, after torch), most of a preset's start.
+A resolved dict is kept on disk (megadecode/disk_cache.py, kind `configs`, MEGADECODE_CONFIG_CACHE) under a hash
+of the raw dict, the class, the required fields, transformers' version and this module's and fields.py's source,
+so a later process with the same config and transformers reads it back without importing transformers. Only
+what passed every check is kept (a rejected config is checked again each time), and only a dict that reads back
+equal (`_encode`: integer keys and tuples survive; anything else not plain JSON is not kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import typing
 from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
 
+from ..disk_cache import cache_root, write_text_atomic
 from .fields import hf_field
 from .model import ConfigError
+
+_SOURCES = (Path(__file__), Path(__file__).with_name("fields.py"))  # what a resolved dict also depends on
 
 
 def _class(name: str):
@@ -84,11 +98,75 @@ def _quiet_transformers():
         tf_logging.set_verbosity(level)
 
 
+def cache_file(d: dict, class_name: str, required: tuple[str, ...]) -> Path | None:
+    """Where the resolved form of `d` is kept; None when the cache is off, transformers' version is unknown or
+    `d` is not plain JSON."""
+    root = cache_root("MEGADECODE_CONFIG_CACHE", "configs")
+    if root is None:
+        return None
+    try:
+        version = metadata.version("transformers")
+        raw = json.dumps(d, sort_keys=True, allow_nan=False)
+    except (metadata.PackageNotFoundError, TypeError, ValueError):
+        return None
+    h = hashlib.sha256(f"transformers {version}\0{class_name}\0{sorted(required)}\0{raw}\0".encode())
+    for f in _SOURCES:
+        h.update(f.read_bytes())
+    return root / f"{class_name}-{h.hexdigest()[:32]}.json"
+
+
+def _encode(v):
+    """JSON for what a resolved dict holds: a dict with keys other than strings (transformers' `id2label` has
+    ints) as {"__items__": [[key, value], ...]}, a tuple as {"__tuple__": [...]}; `_decode` reverses it."""
+    if isinstance(v, dict):
+        if all(isinstance(k, str) for k in v) and not ({"__items__", "__tuple__"} & set(v)):
+            return {k: _encode(x) for k, x in v.items()}
+        return {"__items__": [[_encode(k), _encode(x)] for k, x in v.items()]}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_encode(x) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    return v
+
+
+def _decode(v):
+    if isinstance(v, dict):
+        if set(v) == {"__items__"}:
+            return {_decode(k): _decode(x) for k, x in v["__items__"]}
+        if set(v) == {"__tuple__"}:
+            return tuple(_decode(x) for x in v["__tuple__"])
+        return {k: _decode(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    return v
+
+
 def resolve(d: dict, class_name: str, required: tuple[str, ...] = ()) -> dict:
     """config.json `d` as transformers' `class_name` reads it: a dict of the class's attributes, each under every
     spelling of its name (so `num_experts` and `num_local_experts` both hold the value, whichever was written
     or left to the default), plus the raw fields the class does not know (our parsers read some, e.g.
-    DeepSeek's `scoring_func`). Steps 1 and 2 of the module doc; the caller reads the result."""
+    DeepSeek's `scoring_func`). Steps 1 and 2 of the module doc; the caller reads the result. Read back from the
+    disk cache when this config was resolved before (`cache_file`)."""
+    path = cache_file(d, class_name, required)
+    if path is not None:
+        try:
+            cached = _decode(json.loads(path.read_text()))
+            if isinstance(cached, dict):
+                return cached
+        except (OSError, ValueError, TypeError):  # absent, or damaged: resolved again and rewritten
+            pass
+    out = _resolve(d, class_name, required)
+    if path is not None:
+        try:
+            text = json.dumps(_encode(out), sort_keys=True, allow_nan=False)
+            if _decode(json.loads(text)) == out:  # kept only where it reads back equal (no objects)
+                write_text_atomic(path, text)
+        except (OSError, TypeError, ValueError):  # a cache that cannot be written costs the next start ~3 s
+            pass
+    return out
+
+
+def _resolve(d: dict, class_name: str, required: tuple[str, ...]) -> dict:
     cls = _class(class_name)
     check_required(d, cls, required)
     check_types(d, cls)

@@ -27,6 +27,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+from ...disk_cache import cache_root
+
 PREFIX = "mega_step"  # the exported function's name
 _PKG = Path(__file__).resolve().parents[2]  # megadecode/
 # what the launcher is traced from: the loop, its opcode bodies and their device helpers, the row layout and limits,
@@ -34,16 +36,11 @@ _PKG = Path(__file__).resolve().parents[2]  # megadecode/
 SOURCES = ("backends/mega/cute_kernel.py", "backends/mega/cute/*.py", "backends/mega/ops/*.py",
            "backends/mega/isa.py", "backends/mega/limits.py", "backends/mega/runtime.py", "backends/cute_device.py",
            "quant/mxfp4_frag.py", "quant/mxfp4.py")
-OFF = ("off", "0", "none", "false", "no")
 
 
 def cache_dir() -> Path | None:
     """Where compiled launchers are kept; None when MEGADECODE_KERNEL_CACHE turns the cache off."""
-    env = os.environ.get("MEGADECODE_KERNEL_CACHE")
-    if env is not None:
-        return None if env.strip().lower() in OFF or not env.strip() else Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "megadecode" / "kernels"
+    return cache_root("MEGADECODE_KERNEL_CACHE", "kernels")
 
 
 def source_files() -> list[Path]:
