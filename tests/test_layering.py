@@ -16,13 +16,13 @@ PKG = Path(__file__).resolve().parent.parent / "megadecode"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
     ("foundation", ("megadecode.config", "megadecode.quant", "megadecode.tokenizer", "megadecode.step",
-                    "megadecode.hardware", "megadecode.parallel")),
+                    "megadecode.hardware", "megadecode.parallel", "megadecode.disk_cache")),
     ("model", ("megadecode.weights", "megadecode.presets", "megadecode.plan", "megadecode.cache",
                "megadecode.checkpoint", "megadecode.layouts", "megadecode.reference", "megadecode.sampling",
                "megadecode.structured", "megadecode.memory", "megadecode.hub")),
     ("contract", ("megadecode.contract",)),
     ("kernels", ("megadecode.backends.fused.kernels", "megadecode.backends.mega", "megadecode.backends.cute_device",
-                 "megadecode.backends.ptxas", "megadecode.backends.base", "megadecode.backends.expert_layout")),
+                 "megadecode.backends.cute_frag", "megadecode.backends.ptxas", "megadecode.backends.base", "megadecode.backends.expert_layout")),
     ("executors", ("megadecode.backends", "megadecode.backends.torch", "megadecode.backends.graph",
                    "megadecode.backends.fused.executor", "megadecode.backends.fused.parallel_moe",
                    "megadecode.backends.mega.executor", "megadecode.backends.mega.pyvm_executor")),

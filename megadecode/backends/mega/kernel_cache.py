@@ -35,7 +35,7 @@ _PKG = Path(__file__).resolve().parents[2]  # megadecode/
 # the launch's placeholder arguments (runtime.py) and the MXFP4 constants the expert bodies decode with
 SOURCES = ("backends/mega/cute_kernel.py", "backends/mega/cute/*.py", "backends/mega/ops/*.py",
            "backends/mega/isa.py", "backends/mega/limits.py", "backends/mega/runtime.py", "backends/cute_device.py",
-           "quant/mxfp4_frag.py", "quant/mxfp4.py")
+           "backends/cute_frag.py", "quant/mxfp4_frag.py", "quant/mxfp4.py")
 
 
 def cache_dir() -> Path | None:

@@ -37,8 +37,8 @@ import tempfile
 import torch
 
 from ....quant.mxfp4 import MXFP4Tensor
-from ....quant.mxfp4_frag import (KREC, MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, TILE, WBYTES, MXFP4Frag,
-                                  frag_from_entries, is_frag_entry, relayout_experts)
+from ....quant.mxfp4_frag import (KREC, RECORD, TILE, WBYTES, MXFP4Frag, frag_from_entries, is_frag_entry,
+                                  relayout_experts)
 
 GROUPED_ABOVE = 16  # tokens: per pair at or below (no sort), grouped by expert above
 ACTS = ("silu", "situ")
@@ -65,6 +65,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     from cutlass.memory import SmemAllocator
 
     from ...cute_device import from_bits, ldi, ldi64, silu, situ, stf, warp_max
+    from ...cute_frag import frag_dec, frag_scale, lds4, mma
 
     XT = {"fp32": Float32, "bf16": BFloat16, "fp16": Float16}[xdt]
     XB = XT.width // 8
@@ -79,16 +80,10 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     NTL = 2 if up else 1  # tiles a warp streams at once (up: gate and up)
     SCU = scu  # records of each tile loaded before the first is used
     assert ntok <= 8 and NSC % SCU == 0 and K % KREC == 0 and R % (2 * TILE if up else TILE) == 0
-    MAG, SIGN = MAG_MASK, SIGN_MASK
 
     @cute.jit
     def ldg4(addr: Int64):
         return cute.arch.inline_ptx("ld.global.nc.L1::no_allocate.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
-                                    write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
-
-    @cute.jit
-    def lds4(addr: Int32):
-        return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
                                     write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
 
     @cute.jit
@@ -103,35 +98,6 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
             "{ .reg .b16 a, b; .reg .f32 fa, fb; mov.b32 {a, b}, {$r2}; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; "
             "sub.rn.f32 fa, {$r0}, fa; sub.rn.f32 fb, {$r1}, fb; cvt.rn.f16x2.f32 {$w0}, fb, fa; }",
             write_only_types=[Uint32], read_only_args=[lo, hi, h])
-
-    @cute.jit
-    def mma(a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32, c1: Float32,
-            c2: Float32, c3: Float32):
-        return cute.arch.inline_ptx(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, "
-            "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
-            write_only_types=[Float32, Float32, Float32, Float32],
-            read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
-
-    @cute.jit
-    def dec(w: Uint32, j: cutlass.Constexpr):
-        """Register j of a record word -> its fp16 pair, e2m1 * 2**-14 (quant/mxfp4_frag.py: one shift and mask
-        for registers 0 and 1, two of each for 2 and 3)."""
-        sm = 9 - MAG_AT[j]
-        ss = 15 - SIGN_AT[j]
-        out = Uint32(0)
-        if cutlass.const_expr(sm == ss):
-            out = (w << Uint32(sm) if cutlass.const_expr(sm > 0) else w) & Uint32(MAG | SIGN)
-        else:
-            out = ((w << Uint32(sm)) & Uint32(MAG)) | ((w << Uint32(ss)) & Uint32(SIGN))
-        return out
-
-    @cute.jit
-    def scale_of(word: Uint32, m: cutlass.Constexpr) -> Float32:
-        """2**(byte m of word - 127) as fp32 bits (byte 0 -> 0)."""
-        sh = 23 - 8 * m
-        b = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
-        return from_bits(b & Uint32(0x7F800000))
 
     @cute.jit
     def ld4x(addr: Int64):
@@ -253,15 +219,16 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                                     p3 = Float32(0.0)
                                     for s2 in cutlass.range_constexpr(2):
                                         w = ws[su * NTL + t][q][2 * b + s2]
-                                        a0, a1, a2, a3 = dec(w, 0), dec(w, 1), dec(w, 2), dec(w, 3)
-                                        p0, p1, p2, p3 = mma(a0, a1, a2, a3, bh[2 * s2], bh[2 * s2 + 1],
+                                        a0, a1 = frag_dec(w, 0), frag_dec(w, 1)
+                                        a2, a3 = frag_dec(w, 2), frag_dec(w, 3)
+                                        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, bh[2 * s2], bh[2 * s2 + 1],
                                                              p0, p1, p2, p3)
                                         if cutlass.const_expr(split):
-                                            p0, p1, p2, p3 = mma(a0, a1, a2, a3, bl[2 * s2], bl[2 * s2 + 1],
+                                            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, bl[2 * s2], bl[2 * s2 + 1],
                                                                  p0, p1, p2, p3)
                                     sq = ss[su * NTL + t]
-                                    s_lo = scale_of(sq[mb // 4], mb % 4)
-                                    s_hi = scale_of(sq[2 + mb // 4], mb % 4)
+                                    s_lo = frag_scale(sq[mb // 4], mb % 4)
+                                    s_hi = frag_scale(sq[2 + mb // 4], mb % 4)
                                     acc[4 * t] += p0 * s_lo
                                     acc[4 * t + 1] += p1 * s_lo
                                     acc[4 * t + 2] += p2 * s_hi

@@ -1,0 +1,57 @@
+"""The MXFP4 fragment-order records (quant/mxfp4_frag.py) on the tensor cores, in CuTe DSL: a record word's
+registers decoded to A fragments, a record's block scales, the warp's mma.sync, and the 16-byte shared-memory
+read its B fragments take. One implementation for both users: the megakernel's expert bodies (mega/cute/moe.py,
+through mega/cute/base.py) and the fused backend's CuTe experts (fused/kernels/cute_experts.py)."""
+
+from __future__ import annotations
+
+from .cute_device import ARCH, from_bits  # noqa: F401  (first: it sets the DSL's architecture)
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Constexpr, Float32, Int32, Uint32  # noqa: E402
+
+from ..quant.mxfp4_frag import MAG_AT, MAG_MASK, SIGN_AT, SIGN_MASK  # noqa: E402
+
+
+@cute.jit
+def mma(t: Constexpr, a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32, c0: Float32,
+        c1: Float32, c2: Float32, c3: Float32):
+    """One warp-wide mma.sync m16n8k16 with operands of type t ("bf16": the dense rows; "f16": the fragment-order
+    MXFP4 weights, which decode to fp16, frag_dec) and fp32 sums: this lane's 4 sums of C + A B, where lane
+    (g = lane / 4, t = lane % 4) holds A[g, 2t..2t+1] (a0), A[g + 8, 2t..] (a1), A[g, 2t + 8..] (a2),
+    A[g + 8, 2t + 8..] (a3), B[2t..2t+1, g] (b0), B[2t + 8.., g] (b1), and C / D[g, 2t..2t+1], [g + 8, 2t..2t+1]."""
+    return cute.arch.inline_ptx(
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{ {{$w0}}, {{$w1}}, {{$w2}}, {{$w3}} }}, "
+        "{ {$r0}, {$r1}, {$r2}, {$r3} }, { {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def frag_dec(w: Uint32, j: Constexpr) -> Uint32:
+    """Register j (0..3) of an MXFP4 record word as its A-fragment fp16 pair, e2m1 * 2**-14 exactly
+    (quant/mxfp4_frag.py: one shift and mask for registers 0 and 1, two of each for 2 and 3)."""
+    sm = 9 - MAG_AT[j]
+    ss = 15 - SIGN_AT[j]
+    out = Uint32(0)
+    if cutlass.const_expr(sm == ss):
+        out = (w << Uint32(sm) if cutlass.const_expr(sm > 0) else w) & Uint32(MAG_MASK | SIGN_MASK)
+    else:
+        out = ((w << Uint32(sm)) & Uint32(MAG_MASK)) | ((w << Uint32(ss)) & Uint32(SIGN_MASK))
+    return out
+
+
+@cute.jit
+def frag_scale(word: Uint32, m: Constexpr) -> Float32:
+    """2**(byte m of word - 127) as fp32 (the e8m0 byte shifted into the exponent field; byte 0 -> 0)."""
+    sh = 23 - 8 * m
+    b = (word << Uint32(sh)) if cutlass.const_expr(sh >= 0) else (word >> Uint32(-sh))
+    return from_bits(b & Uint32(0x7F800000))
+
+
+@cute.jit
+def lds4(addr: Int32):
+    """16 bytes of shared memory at byte address addr as 4 words."""
+    return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
