@@ -527,7 +527,8 @@ def expert_up_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi
     (w + 1) N / W) (isa.up_chunks with unit FRAG_TILE, which pyvm runs). Pair by pair (an item's units touch one
     or two), the CTA stages the pair's x once in shared memory as fp16 hi / lo planes (stage_row), then its warps
     take the pair's units a unit a warp, reading B there: the conversion is done once a CTA, not once a warp and
-    unit (on the H200 -3% / -7% of k3-mini's batch 1 / 8 launch, bench/mega_frag_ab.py)."""
+    unit (on the H200 -3% / -7% of k3-mini's batch 1 / 8 launch, bench/mega_body_ab.py, named mega_frag_ab.py
+    then)."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     use_situ = (arg(smi, 3) & F_SITU) != 0
