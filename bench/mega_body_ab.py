@@ -42,7 +42,7 @@ def _down_units(RU: int):
     from cutlass import BFloat16, Float32, Int32, Int64
 
     from megadecode.backends.mega.cute import moe as M
-    from megadecode.backends.mega.cute.base import ARG, NT, NW, arg, args, dot8, fa, ia, ld8, ld8raw, ldi, stf
+    from megadecode.backends.mega.cute.base import ARG, NW, arg, args, dot8, fa, ia, ld8, ld8raw, ldi, stf
     from megadecode.backends.mega.cute.base import warp_sum
     from megadecode.backends.mega.isa import F_MXFP4
 
@@ -64,11 +64,7 @@ def _down_units(RU: int):
             r0, r1, B, A = args(smi, A_, "r0 r1 B A")
             uniq_off, wts_off, pairof_off, shared_off = args(smi, A_, "uniq_off wts_off pairof_off shared_off")
             rowb = Int64(I) * 2
-            for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
-                e = ldi(ia(ib, uniq_off + u))
-                for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
-                    smi[p] = e
-            cute.arch.sync_threads()
+            M.pair_experts(ib, smi, tid, nuniq, uniq_off, pstart_off)  # smi[p]: pair p's expert
             acc = cute.make_rmem_tensor(RU, Float32)
             gpu = (r1 - r0 + RU - 1) // RU  # units per pair
             for g in cutlass.range(warp, npairs * gpu, NW):

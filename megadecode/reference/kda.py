@@ -19,10 +19,10 @@ its sequence (`Step.seg_first` past 0: a speculative verify step) starts from th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-
-from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..step import Step
@@ -113,12 +113,13 @@ def kda_attention(cfg: ModelConfig, w: dict, prefix: str, x: torch.Tensor, step:
                 S = torch.zeros(1, H, K, K, dtype=torch.float32, device=x.device)
             padded = torch.cat((hist, qkv[s:e].T), -1)  # [C, W-1 + n]
             q, k, v = heads(_conv_silu(padded.unfold(-1, W, 1).transpose(0, 1), conv_w))  # windows [n, C, W]
-            states = []
+            states = []  # only for a trace: a prompt's would hold its length's worth of states
             for t in range(e - s):
                 o_t, S = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[s + t:s + t + 1],
                                          beta[s + t:s + t + 1], S)
                 outs.append(o_t)
-                states.append(S[0])
+                if step.state_trace is not None:
+                    states.append(S[0])
             conv_state[slot] = padded[:, -(W - 1):]
             rec_state[slot] = S[0]
             if step.state_trace is not None:  # the conv's state after token t: the W-1 inputs ending at it

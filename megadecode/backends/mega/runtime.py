@@ -108,28 +108,30 @@ def compiled_launcher(device):
     return _COMPILED
 
 
+def _compiled_here(device: torch.device) -> Launcher:
+    fn = compile_launcher(device)
+    return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
+
+
 def _cached_or_compiled(device: torch.device) -> Launcher:
     from . import kernel_cache
 
     root = kernel_cache.cache_dir() if device.type == "cuda" else None
     if root is None:
-        fn = compile_launcher(device)
-        return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
+        return _compiled_here(device)
     try:
         key = kernel_cache.source_key(compile_options(kernel_module()))
     except Exception as e:  # noqa: BLE001 (no key, no cache: the compile still serves this process)
         kernel_cache.say(f"the megakernel's cache key could not be computed ({kernel_cache.why(e)}); compiling it")
-        fn = compile_launcher(device)
-        return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
+        return _compiled_here(device)
     hit = kernel_cache.load(root, key)
     if hit is not None:
         (module, fn), registers = hit
         return Launcher(fn, registers, "cache", keep=module)
     kernel_cache.say(f"compiling the megakernel (about a minute, once: it is kept in {root})")
-    fn = compile_launcher(device)
-    registers = cubin_registers(getattr(fn.artifacts, "CUBIN", None))
-    kernel_cache.store(root, key, fn, registers)
-    return Launcher(fn, registers, "compiled")
+    launcher = _compiled_here(device)
+    kernel_cache.store(root, key, launcher.fn, launcher.registers)
+    return launcher
 
 
 def launcher_registers(fn) -> int | None:
