@@ -3,7 +3,8 @@ starts in <= 15 s): `megadecode generate --executor mega` run as a user runs it,
 of the whole command, against one fresh cache directory (MEGADECODE_KERNEL_CACHE):
 
     1. tiny-qwen3-moe, the cache empty (the process compiles and stores the kernel);
-    2. tiny-qwen3-moe again (it loads the kernel);
+    2. tiny-qwen3-moe again (it loads the kernel), and once more with the config cache off (MEGADECODE_CONFIG_CACHE
+       =off: transformers imported to resolve the config, config/hf_class.py);
     3. each --preset with the cache warm, then with the cache off (MEGADECODE_KERNEL_CACHE=off: the compile), the
        same tokens expected from both.
 
@@ -26,13 +27,16 @@ import tempfile
 import time
 
 
-def run(model: str, cache: str, new_tokens: int, timeout: int) -> dict:
+def run(model: str, cache: str, new_tokens: int, timeout: int, config_cache: bool = True) -> dict:
     cmd = [sys.executable, "-m", "megadecode", "generate", "--model", model, "--executor", "mega", "--device", "cuda",
            "--max-new-tokens", str(new_tokens), "--dtype", "bfloat16", "--greedy", "--json"]
     env = {**os.environ, "MEGADECODE_KERNEL_CACHE": cache}
+    if not config_cache:  # configs resolved through transformers again (config/hf_class.py), as before 3b513ae
+        env["MEGADECODE_CONFIG_CACHE"] = "off"
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    row = {"model": model, "cache": "off" if cache == "off" else "dir", "wall_s": round(time.perf_counter() - t, 2),
+    row = {"model": model, "cache": "off" if cache == "off" else "dir", "config_cache": config_cache,
+           "wall_s": round(time.perf_counter() - t, 2),
            "rc": p.returncode, "compiled": "compiling the megakernel" in p.stderr,
            "command": f"MEGADECODE_KERNEL_CACHE={'off' if cache == 'off' else '<dir>'} " + " ".join(cmd[1:])}
     if p.returncode:
@@ -97,6 +101,7 @@ def main(argv=None) -> int:
 
     add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout))
     add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout))
+    add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout, config_cache=False))
     for preset in args.preset.split(","):
         warm = run(preset, cache, args.new_tokens, args.timeout)
         add(warm)
@@ -104,8 +109,9 @@ def main(argv=None) -> int:
         off["same_tokens_as_cached"] = off.get("tokens") == warm.get("tokens") and off.get("tokens") is not None
         add(off)
     r = res["rows"]
-    ok = (all(x["rc"] == 0 for x in r) and r[0]["compiled"] and not r[1]["compiled"]
-          and all(not x["compiled"] for x in r[2::2]) and all(x.get("same_tokens_as_cached") for x in r[3::2]))
+    pairs = r[3:]  # each preset's warm row, then its row with the kernel cache off
+    ok = (all(x["rc"] == 0 for x in r) and r[0]["compiled"] and not r[1]["compiled"] and not r[2]["compiled"]
+          and all(not x["compiled"] for x in pairs[0::2]) and all(x.get("same_tokens_as_cached") for x in pairs[1::2]))
     res["checks_passed"] = ok
     if args.profile:
         res["profile"] = profile(cache, args.new_tokens, args.timeout)
@@ -113,9 +119,9 @@ def main(argv=None) -> int:
             print(f"{c:8.2f} s  {name}")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{'model':<18} {'cache':<5} {'compiled':<9} wall s")
+    print(f"{'model':<18} {'cache':<5} {'configs':<8} {'compiled':<9} wall s")
     for x in r:
-        print(f"{x['model']:<18} {x['cache']:<5} {str(x['compiled']):<9} {x['wall_s']}")
+        print(f"{x['model']:<18} {x['cache']:<5} {str(x['config_cache']):<8} {str(x['compiled']):<9} {x['wall_s']}")
     return 0 if ok else 1
 
 
