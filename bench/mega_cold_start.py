@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout))
     add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout))
     add(run("tiny-qwen3-moe", cache, args.new_tokens, args.timeout, config_cache=False))
-    for preset in args.preset.split(","):
+    for preset in [p for p in args.preset.split(",") if p]:  # --preset "": the tiny rows (and --profile) alone
         warm = run(preset, cache, args.new_tokens, args.timeout)
         add(warm)
         off = run(preset, "off", args.new_tokens, args.timeout)
