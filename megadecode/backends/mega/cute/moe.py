@@ -32,6 +32,7 @@ from .base import (
     ld4u32,
     ld4w,
     ld8,
+    ld8raw,
     ldf,
     ldi,
     lds4,
@@ -48,7 +49,6 @@ from .base import (
     warp_max,
     warp_sum,
 )
-from .dense import WU1, row_sums
 
 
 @cute.jit
@@ -350,6 +350,34 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
 # accumulators hold TB. EXPERT_UP at 4 rows took the kernel to 192 registers (1 CTA per SM)
 RW_UP, RW_DN = 2, 4
 assert max(RW_UP, RW_DN) <= TB
+# bf16 rows a unit of the one-pair paths: EXPERT_DOWN's flat (pair, RU_DN adjacent rows) units; EXPERT_UP's RU_UP
+# rows a warp (r, r + NW, ...) with WU_UP chunks of their gate and up rows in flight a lane. Each loads a chunk of the
+# pair's fp32 activation once for all its rows: with one row a load the activation bytes equal the weight bytes.
+# Measured on the H200 (docs/megakernel.md, "The one-pair expert bodies"): qwen3-30b-a3b batch 8, 13250 -> 11926 us
+# a launch with RU_DN 8 (from 2)
+RU_DN, RU_UP, WU_UP = 8, 2, 2
+
+
+@cute.jit
+def up_rows_multi(acc: cute.Tensor, gbase: Int64, rowb: Int64, I: Int32, r: Int32, r1: Int32, D: Int32, xa: Int64,
+                  lane: Int32):
+    """acc[2 i], acc[2 i + 1] += this lane's products of gate and up row r + i NW (i < RU_UP; a row past r1 reads
+    row r1 - 1) of one expert's bf16 [2 I, D] block at gbase with x (fp32 at xa): WU_UP chunks of 256 columns of all
+    the rows in flight, each chunk of x loaded once for them; the lane's chunks in k order."""
+    ris = [Int64(cutlass.min(r + i * NW, r1 - 1)) for i in range(RU_UP)]
+    rows = [gbase + (ris[j // 2] + Int64(I * (j % 2))) * rowb for j in range(2 * RU_UP)]  # gate, up, gate, ...
+    kmain = D - D % (256 * WU_UP)
+    for k0 in cutlass.range(lane * 8, kmain, 256 * WU_UP):
+        wq = [[ld8raw(BFloat16, rows[j] + Int64(k0 + u * 256) * 2) for j in range(2 * RU_UP)] for u in range(WU_UP)]
+        for u in cutlass.range_constexpr(WU_UP):
+            xv = ld8(Float32, xa + Int64(k0 + u * 256) * 4)
+            for j in cutlass.range_constexpr(2 * RU_UP):
+                acc[j] += dot8(wq[u][j].to(Float32), xv)
+    for k in cutlass.range(kmain + lane * 8, D, 256):
+        wq = [ld8raw(BFloat16, rows[j] + Int64(k) * 2) for j in range(2 * RU_UP)]
+        xv = ld8(Float32, xa + Int64(k) * 4)
+        for j in cutlass.range_constexpr(2 * RU_UP):
+            acc[j] += dot8(wq[j].to(Float32), xv)
 
 
 @cute.jit
@@ -683,9 +711,7 @@ def expert_up_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, ti
     accu = cute.make_rmem_tensor(TB, Float32)
     wg = cute.make_rmem_tensor(8, Float32)
     xrow = cute.make_rmem_tensor(TB, Int32)
-    acc1 = cute.make_rmem_tensor(1, Float32)
-    acu1 = cute.make_rmem_tensor(1, Float32)
-    xa1 = cute.make_rmem_tensor(1, Int64)
+    accm = cute.make_rmem_tensor(2 * RU_UP, Float32)
     for u in cutlass.range(u0, u1 + 1):
         e = ldi(ia(ib, uniq_off + u))
         ps, pe = ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))
@@ -709,23 +735,21 @@ def expert_up_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, ti
                             if use_situ:
                                 hv = situ(g, up)
                             stf(Float32, fa(fb, h_off + p0 * I + rb + i * NW), hv)
-            elif pn == 1:  # bf16, one pair (a decode step's common case): MATVEC's batch-1 GLU loop (row_sums), WU1
-                # chunks of the gate and up rows in flight per lane; the general loop below predicates TB tokens and
-                # waits on one chunk at a time. The same chunks in the same k order per lane, so the same sums
-                xa1[0] = fa(fb, x_off + ldi(ia(ib, ptok_off + p0)) * D)
+            elif pn == 1:  # bf16, one pair (a decode step's common case): RU_UP rows a warp (up_rows_multi)
+                xa = fa(fb, x_off + ldi(ia(ib, ptok_off + p0)) * D)
                 gbase = gu + Int64(e) * Int64(2 * I) * rowb
-                for r in cutlass.range(r0 + warp, r1, NW):
-                    acc1[0] = Float32(0.0)
-                    acu1[0] = Float32(0.0)
-                    row_sums(acc1, acu1, gbase, gbase + Int64(I) * rowb, r, r1, D, lane, gu, xa1, xa1, Int32(0),
-                             Int32(1), False, False, 1, True, WU1)
-                    g = warp_sum(acc1[0])
-                    up = warp_sum(acu1[0])
-                    if lane == 0:
-                        hv = silu(g) * up
-                        if use_situ:
-                            hv = situ(g, up)
-                        stf(Float32, fa(fb, h_off + p0 * I + r), hv)
+                for r in cutlass.range(r0 + warp, r1, RU_UP * NW):
+                    for j in cutlass.range_constexpr(2 * RU_UP):
+                        accm[j] = Float32(0.0)
+                    up_rows_multi(accm, gbase, rowb, I, r, r1, D, xa, lane)
+                    for h in cutlass.range_constexpr(RU_UP):
+                        g = warp_sum(accm[2 * h])
+                        up = warp_sum(accm[2 * h + 1])
+                        if lane == 0 and r + h * NW < r1:
+                            hv = silu(g) * up
+                            if use_situ:
+                                hv = situ(g, up)
+                            stf(Float32, fa(fb, h_off + p0 * I + r + h * NW), hv)
             else:
                 for r in cutlass.range(r0 + warp, r1, NW):
                     for j in cutlass.range_constexpr(TB):
@@ -789,9 +813,7 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
         rowb = Int64(I // 2)
     acc = cute.make_rmem_tensor(TB, Float32)
     wr = cute.make_rmem_tensor(8, Float32)
-    acc1 = cute.make_rmem_tensor(2, Float32)
-    acu1 = cute.make_rmem_tensor(1, Float32)
-    xa1 = cute.make_rmem_tensor(1, Int64)
+    accr = cute.make_rmem_tensor(RU_DN, Float32)
     npairs = ldi(ia(ib, pstart_off + nuniq))
     # flat: every pair on its own, the (pair, rows) units of all selected experts dealt to the warps at once. MXFP4
     # always; bf16 up to 2 pairs an expert on average (an expert's second pair reads its rows again, from L2), past
@@ -806,20 +828,26 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
                 smi[p] = e
         cute.arch.sync_threads()
     if flat and not mx:
-        # bf16: units (pair, 2 adjacent rows), MATVEC's batch-1 loop (row_sums, WU1 chunks of both rows in flight per
-        # lane) against the pair's h; the same chunks in the same k order per lane as the loop below, so the same sums
-        gp2 = (r1 - r0 + 1) // 2
-        for g in cutlass.range(warp, npairs * gp2, NW):
-            p = g // gp2
-            r = r0 + (g % gp2) * 2
-            acc1[0] = Float32(0.0)
-            acc1[1] = Float32(0.0)
-            xa1[0] = fa(fb, h_off + p * I)
+        # bf16: units of (pair, RU_DN adjacent rows). A lane's 8-column chunk of the pair's h (fp32, as many bytes as
+        # two bf16 rows' chunks) is loaded once for the unit's RU_DN rows, whose chunks are in flight together; rows
+        # past r1 are loaded (clamped to r1 - 1) and not stored. Each lane adds its chunks in k order, as the loop
+        # below does, so the same sums
+        gpu = (r1 - r0 + RU_DN - 1) // RU_DN  # units per pair
+        for g in cutlass.range(warp, npairs * gpu, NW):
+            p = g // gpu
+            r = r0 + (g % gpu) * RU_DN
+            for q in cutlass.range_constexpr(RU_DN):
+                accr[q] = Float32(0.0)
             w0 = dn + Int64(smi[p]) * Int64(D) * rowb
-            row_sums(acc1, acu1, w0, w0, r, r1, I, lane, dn, xa1, xa1, Int32(0), Int32(1), False, False, 1, False,
-                     WU1)
-            for q in cutlass.range_constexpr(2):
-                s = warp_sum(acc1[q])
+            rows = [w0 + Int64(cutlass.min(r + q, r1 - 1)) * rowb for q in range(RU_DN)]
+            hrow = fa(fb, h_off + p * I)
+            for k in cutlass.range(lane * 8, I, 256):
+                wq = [ld8raw(BFloat16, rows[q] + Int64(k) * 2) for q in range(RU_DN)]
+                hv = ld8(Float32, hrow + Int64(k) * 4)
+                for q in cutlass.range_constexpr(RU_DN):
+                    accr[q] += dot8(wq[q].to(Float32), hv)
+            for q in cutlass.range_constexpr(RU_DN):
+                s = warp_sum(accr[q])
                 if lane == 0 and r + q < r1:
                     stf(Float32, fa(fb, y_off + p * D + r + q), s)
     if mx:
