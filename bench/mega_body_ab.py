@@ -26,11 +26,8 @@ paid are cute/moe.py's since. Before that, the MXFP4 bodies' conversions (`git s
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 from megadecode.backends.mega.runtime import compile_launcher
-from mega_sync_ab import ab_parser, ab_variants, run_ab, swapped  # bench/: options, swaps, checks, timing
+from mega_sync_ab import ab_parser, ab_variants, module_from_file, run_ab, swapped  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
@@ -38,15 +35,7 @@ BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodie
 
 def _bodies_module():
     """--bodies-from loaded as a module of the cute package (its relative imports resolve as the shipped file's)."""
-    name = "megadecode.backends.mega.cute._moe_from"
-    if name not in sys.modules:
-        if BODIES_FROM is None:
-            raise SystemExit("the `bodies` variant needs --bodies-from FILE (a cute/moe.py, e.g. from git show)")
-        spec = importlib.util.spec_from_file_location(name, BODIES_FROM)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return module_from_file("megadecode.backends.mega.cute._moe_from", BODIES_FROM, "--bodies-from", "a cute/moe.py")
 
 
 def _swaps(name: str) -> list[tuple[object, str, object]]:

@@ -94,21 +94,26 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
             "fenced_signal": [(K, "signal", signal_fenced)]}[name]
 
 
-def _loop_module():
-    """LOOP_FROM's source as a module beside cute_kernel.py (its relative imports resolve to today's bodies): its
-    mega_kernel, traced in place of today's, calls its own synchronisation steps and today's BODIES."""
+def module_from_file(name: str, path: str | None, option: str, what: str):
+    """The file at `path` imported once as module `name` (a dotted name inside megadecode's package, so that its
+    relative imports resolve beside the file it stands for); without a path, the one-line error naming `option`."""
     import importlib.util
     import sys
 
-    name = "megadecode.backends.mega._loop_from"
     if name not in sys.modules:
-        if LOOP_FROM is None:
-            raise SystemExit("the `loop` variant needs --loop-from FILE (a cute_kernel.py, e.g. from git show)")
-        spec = importlib.util.spec_from_file_location(name, LOOP_FROM)
+        if path is None:
+            raise SystemExit(f"this variant needs {option} FILE ({what}, e.g. from git show)")
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def _loop_module():
+    """LOOP_FROM's source as a module beside cute_kernel.py (its relative imports resolve to today's bodies): its
+    mega_kernel, traced in place of today's, calls its own synchronisation steps and today's BODIES."""
+    return module_from_file("megadecode.backends.mega._loop_from", LOOP_FROM, "--loop-from", "a cute_kernel.py")
 
 
 @contextlib.contextmanager
