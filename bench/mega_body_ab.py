@@ -7,7 +7,8 @@ one compile (the shipped source holds no switch), first diffed against pyvm (val
     git show ae62ae9:megadecode/backends/mega/cute/moe.py > /tmp/moe_before.py
     python bench/mega_body_ab.py --bodies-from /tmp/moe_before.py --variants shipped,bodies,up_r4,down_u16 \
         --preset qwen3-30b-a3b --batch 1,8 --out $OUT/mega-body-ab.json
-    python bench/mega_body_ab.py --audit --variants up_r4,down_u16   # no GPU: the static audit of each build
+    python bench/mega_body_ab.py --variants shipped,down_flat8 --check-batch 1,3,17 --preset qwen3-30b-a3b --batch 16,64
+    python bench/mega_body_ab.py --audit --variants up_r4,down_u16,down_flat8   # no GPU: the static audit of each
 
 A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` is the kernel as it is. Variants:
 - `bodies`: bf16 EXPERT_UP's and EXPERT_DOWN's row bodies (`expert_up_rows`, `expert_down_rows`) of another
@@ -16,6 +17,10 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 - `up_r4`: EXPERT_UP's one-pair path with 4 rows a warp and one chunk of each in flight (cute/moe.py's RU_UP = 4,
   WU_UP = 1; shipped: 2 rows, 2 chunks).
 - `down_u16`: EXPERT_DOWN's flat bf16 units of 16 rows (RU_DN = 16; shipped: 8).
+- `down_flat8`: bf16 EXPERT_DOWN's flat units up to 8 pairs an expert on average (FLAT_PAIRS = 8; shipped: 2), so
+  qwen3-30b-a3b at batch 16-64 (1.3-4.1 pairs an expert) takes them too: with 2-row units the flat path lost at
+  batch 64 (486 against the loop's 442 us a layer); with 8-row units, each h chunk loaded once for 8 rows, to be
+  measured (`--batch 16,64`, beside bench/mega_lower_ab.py's pair1 variants).
 Each variant's build should pass the static audit (`--audit`) before it is timed.
 
 Measured before (docs/megakernel.md, "The one-pair expert bodies"): at 8ac6cae the units this file then swapped
@@ -29,7 +34,7 @@ from __future__ import annotations
 from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import ab_parser, ab_variants, module_from_file, run_ab, swapped  # bench/: options, swaps, timing
 
-VARIANTS = ("shipped", "bodies", "up_r4", "down_u16")
+VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "down_flat8")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -51,6 +56,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(M, "RU_UP", 4), (M, "WU_UP", 1)]
     if name == "down_u16":
         return [(M, "RU_DN", 16)]
+    if name == "down_flat8":
+        return [(M, "FLAT_PAIRS", 8)]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -97,7 +104,8 @@ def main(argv=None) -> int:
             if not r.passed:
                 print(r.to_markdown())
         return 0 if all(r.passed for r in reports.values()) else 1
-    out = run_ab(names, build, args.check_preset, args.preset, args.batch, args.context, args.rounds, args.out)
+    out = run_ab(names, build, args.check_preset, args.preset, args.batch, args.context, args.rounds, args.out,
+                 args.check_batch)
     ok = all(not c["failures"] for c in out["checks"])
     print(f"wrote {args.out}; every variant {'passes' if ok else 'does NOT pass'} its check")
     return 0 if ok else 1

@@ -7,7 +7,15 @@ drift within the call falls on all of them alike. Medians to --out as JSON, with
 
     python bench/mega_lower_ab.py --preset qwen3-30b-a3b --batch 1,2,4,8 --out $OUT/mega-lower-ab.json
 
-A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` is the lowering as it is. Measured so
+A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` is the lowering as it is. Variants:
+- `pair1_16`, `pair1_64`: bf16 EXPERT_UP takes one (expert, token) pair a pass (F_PAIR1, isa.up_passes) up to batch
+  16 / 64, where the shipped lowering stops at 8 (isa.PAIR1_MAX_B): past 8 an item's passes of several pairs run the
+  general loop, which at batch 8 took 1.8-2.0x a single-pair item's time for the same rows; the megakernel is 1.7x
+  `fused`'s step at qwen3-30b-a3b batch 16 and 3.2x at 64. Diff them past batch 8 (`--check-batch 1,3,17`):
+
+      python bench/mega_lower_ab.py --variants shipped,pair1_16,pair1_64 --check-batch 1,3,17 --batch 16,64
+
+Measured so
 far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
 pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
 batch 1-8 on qwen3-30b-a3b (bench/results/mega-lower-ab-nvidia-h200.json); its lowering and body are in git
@@ -35,14 +43,18 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped",)
+VARIANTS = ("shipped", "pair1_16", "pair1_64")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
 def _swaps(name: str) -> list[tuple[object, str, object]]:
     """The variant's swaps of layers.py's module-level choices (none for `shipped`)."""
+    from megadecode.backends.mega import layers
+
     if name == "shipped":
         return []
+    if name in ("pair1_16", "pair1_64"):  # bf16 EXPERT_UP one pair a pass (F_PAIR1) up to batch 16 / 64
+        return [(layers, "PAIR1_MAX_B", int(name.split("_")[1]))]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -77,7 +89,7 @@ def main(argv=None) -> int:
            "compile_s": round(time.perf_counter() - t0, 1), "checks": [], "runs": []}
     for n in names:
         for p in CHECK_PRESETS:
-            for b in (1, 3):
+            for b in map(int, args.check_batch.split(",")):
                 with swapped(_swaps(n)):
                     r = diff_program(p, b, 16, seed=b, kernel=kernel)
                 worst = max((x.get("rel", 0.0) for x in r.get("buffers", [])), default=None)

@@ -356,6 +356,11 @@ assert max(RW_UP, RW_DN) <= TB
 # Measured on the H200 (docs/megakernel.md, "The one-pair expert bodies"): qwen3-30b-a3b batch 8, 13250 -> 11926 us
 # a launch with RU_DN 8 (from 2)
 RU_DN, RU_UP, WU_UP = 8, 2, 2
+# bf16 EXPERT_DOWN takes the flat units up to this many pairs an expert on average. Measured on the H200 with
+# (pair, 2 row) units (qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the
+# loop, 89 flat; batch 64 (4.1) 442 with the loop, 486 flat. With RU_DN rows a unit, to be measured again
+# (bench/mega_body_ab.py's down_flat8)
+FLAT_PAIRS = 2
 
 
 @cute.jit
@@ -816,11 +821,9 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
     accr = cute.make_rmem_tensor(RU_DN, Float32)
     npairs = ldi(ia(ib, pstart_off + nuniq))
     # flat: every pair on its own, the (pair, rows) units of all selected experts dealt to the warps at once. MXFP4
-    # always; bf16 up to 2 pairs an expert on average (an expert's second pair reads its rows again, from L2), past
-    # that the bf16 loop below (expert after expert, each row read once for up to TB of its pairs). Measured on the
-    # H200 (qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the loop, 89 flat;
-    # batch 64 (4.1) 442 with the loop, 486 flat
-    flat = mx or npairs <= 2 * nuniq
+    # always; bf16 up to FLAT_PAIRS pairs an expert on average (an expert's second pair reads its rows again, from
+    # L2), past that the bf16 loop below (expert after expert, each row read once for up to TB of its pairs)
+    flat = mx or npairs <= FLAT_PAIRS * nuniq
     if flat:
         for u in cutlass.range(tid, nuniq, NT):  # pair -> expert, in shared memory (pairs grouped by expert)
             e = ldi(ia(ib, uniq_off + u))
