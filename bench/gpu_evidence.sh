@@ -9,6 +9,7 @@
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh suite            # both halves at once, one call
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh reports [v ...]  # harness reports
 #   OUT=/path bash bench/gpu_evidence.sh bench                                        # the benchmarks
+#   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh serve            # serve_load (stage_serve_deps.sh)
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh cute             # the CuTe DSL MXFP4 experts
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh mega             # mega beside fused and graph
 #   OUT=/path MEGADECODE_GIT_SHA=<commit> bash bench/gpu_evidence.sh kernel           # a megakernel change (~5 min)
@@ -176,6 +177,20 @@ if [ "$MODE" = cute ]; then  # issue 14, item 1: the CuTe DSL MXFP4 routed exper
     for x in md html; do [ -f "$OUT/evidence/cute-latent-moe.$x" ] && mv "$OUT/evidence/cute-latent-moe.$x" \
         "$OUT/evidence/cute-latent-moe-h200.$x"; done
     exit 0
+fi
+
+if [ "$MODE" = serve ]; then  # issue 41's figures: the serve stack from .device/wheels (bench/stage_serve_deps.sh,
+    # the machine has none and no package index), then bench/serve_load.py on qwen3-30b-a3b as docs/results.md runs it
+    if ! timeout 120 pip install -q --no-index --find-links .device/wheels --target /tmp/serve-deps fastapi \
+            uvicorn prometheus-client httpx > "$OUT/evidence/serve-deps.log" 2>&1; then
+        tail -3 "$OUT/evidence/serve-deps.log"
+        exit 1
+    fi
+    export PYTHONPATH=${PYTHONPATH:-}:/tmp/serve-deps
+    timeout "$(left)" python bench/serve_load.py --serve "--model qwen3-30b-a3b --executor fused --device cuda \
+        --dtype bfloat16 --max-batch 16 --batch-sizes 1,4,16 --max-seq-len 1024" --concurrency 1,4,16 \
+        --requests-per-stream 2 --max-tokens 128 --step-ms 4.24 --out "$OUT/results/serve-qwen3-30b-a3b-nvidia-h200.json"
+    exit $?
 fi
 
 if [ "$MODE" = bench ]; then
@@ -359,5 +374,5 @@ if [ "$MODE" = ep ]; then  # issue 17, item 4: the README's commands on every GP
     python bench/ep_model.py --check "$OUT/results/k3-ep-ep$N-nvidia-h200.json" 2>&1 | tail -12
     exit 0
 fi
-echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | bench | mega | kernel | land | try | probe | ep | sanitizer | ncu | timelines" >&2
+echo "usage: OUT=dir bash bench/gpu_evidence.sh tests | reports [variant ...] | serve | bench | mega | kernel | land | try | probe | ep | sanitizer | ncu | timelines" >&2
 exit 2
