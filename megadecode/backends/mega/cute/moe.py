@@ -352,14 +352,12 @@ RW_UP, RW_DN = 2, 4
 assert max(RW_UP, RW_DN) <= TB
 # bf16 rows a unit of the one-pair paths: EXPERT_DOWN's flat (pair, RU_DN adjacent rows) units; EXPERT_UP's RU_UP
 # rows a warp (r, r + NW, ...) with WU_UP chunks of their gate and up rows in flight a lane. Each loads a chunk of the
-# pair's fp32 activation once for all its rows: with one row a load the activation bytes equal the weight bytes.
-# Measured on the H200 (docs/megakernel.md, "The one-pair expert bodies"): qwen3-30b-a3b batch 8, 13250 -> 11926 us
-# a launch with RU_DN 8 (from 2)
+# pair's fp32 activation once for all its rows: with one row a load the activation bytes equal the weight bytes
+# (the sizes as measured on the H200: docs/megakernel.md, "The one-pair expert bodies")
 RU_DN, RU_UP, WU_UP = 8, 2, 2
 # bf16 EXPERT_DOWN takes the flat units up to this many pairs an expert on average. Measured on the H200 with
 # (pair, 2 row) units (qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the
-# loop, 89 flat; batch 64 (4.1) 442 with the loop, 486 flat. With RU_DN rows a unit, to be measured again
-# (bench/mega_body_ab.py's down_flat8)
+# loop, 89 flat; batch 64 (4.1) 442 with the loop, 486 flat
 FLAT_PAIRS = 2
 
 
