@@ -1,7 +1,7 @@
 """The megakernel's opcode bodies (backends/mega/cute/) against alternatives, by launch time on the GPU, as
 bench/mega_sync_ab.py measures the loop: each variant is a build of the kernel with module-level names swapped for
 one compile (the shipped source holds no switch), first diffed against pyvm (validate.mega_gpu.diff_program on
---check-preset at batch 1 and 3, delayed launches included), then timed on --preset in interleaved rounds
+--check-preset at --check-batch (1 and 3), delayed launches included), then timed on --preset in interleaved rounds
 (mega_sync_ab.timed). Medians to --out as JSON.
 
     git show ae62ae9:megadecode/backends/mega/cute/moe.py > /tmp/moe_before.py
