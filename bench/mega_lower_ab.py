@@ -1,10 +1,10 @@
 """The megakernel's lowering choices against alternatives, by launch time on the GPU, with one build of the kernel:
 each variant is the lowering (backends/mega/layers.py) with module-level choices swapped while its programs are
-built (the shipped source holds no switch), each first diffed against pyvm (validate.mega_gpu.diff_program on tiny-
-qwen3-moe and tiny-deepseek-v3 at --check-batch (1 and 3), delayed launches included), then every variant's program
-timed in interleaved rounds per preset and batch (one launch of each a round, CUDA events around each), so that the
-GPU's drift within the call falls on all of them alike. Medians to --out as JSON, with each variant's instruction
-count.
+built (the shipped source holds no switch), each first diffed against pyvm (validate.mega_gpu.diff_program on
+tiny-qwen3-moe and tiny-deepseek-v3 at --check-batch (1 and 3), delayed launches included), then every variant's
+program timed in interleaved rounds per preset and batch (one launch of each a round, CUDA events around each), so
+that the GPU's drift within the call falls on all of them alike. Medians to --out as JSON, with each variant's
+instruction count.
 
     python bench/mega_lower_ab.py --preset qwen3-30b-a3b --batch 1,2,4,8 --out $OUT/mega-lower-ab.json
 

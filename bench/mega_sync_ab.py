@@ -1,10 +1,10 @@
 """The megakernel's persistent loop and synchronisation steps against alternatives, by launch time on the GPU. Each
 variant is a build of the kernel with one of cute_kernel.py's module-level steps swapped for one compile (the way
 validate/mega_plants.py swaps in its planted mistakes; the shipped source holds no switch), each alternative a
-correct one under the PTX memory model, and each first checked against pyvm (validate.mega_gpu.diff_program on tiny-
-qwen3-moe at --check-batch (1 and 3), delayed launches included). Then per preset and batch every variant's launch
-is timed in interleaved rounds (one launch of each variant a round, CUDA events around each), so that the GPU's
-drift within the call falls on all of them alike (K3's experts in the order the mega executor holds them); the
+correct one under the PTX memory model, and each first checked against pyvm (validate.mega_gpu.diff_program on
+tiny-qwen3-moe at --check-batch (1 and 3), delayed launches included). Then per preset and batch every variant's
+launch is timed in interleaved rounds (one launch of each variant a round, CUDA events around each), so that the
+GPU's drift within the call falls on all of them alike (K3's experts in the order the mega executor holds them); the
 medians are written to --out as JSON.
 
     python bench/mega_sync_ab.py --preset qwen3-30b-a3b,k3-mini --batch 1,8 --out $OUT/mega-sync-ab.json
