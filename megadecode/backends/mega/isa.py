@@ -117,7 +117,9 @@ for _name, (_, _args) in OPS.items():
     assert len(_args) < ARGS, (_name, len(_args))  # W_NEXT follows the arguments
 
 
-PAIR1_MAX_B = 8  # bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch
+# bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch. Measured on the H200 (bench/mega_lower_ab.py,
+# qwen3-30b-a3b): up to 16 tokens, 23.5 -> 19.3 ms a step at batch 16; up to 64, no gain at 64 (66.2 -> 74.7 ms)
+PAIR1_MAX_B = 16
 
 
 def up_passes(flags: int) -> tuple[int, str]:

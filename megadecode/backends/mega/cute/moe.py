@@ -355,10 +355,10 @@ assert max(RW_UP, RW_DN) <= TB
 # pair's fp32 activation once for all its rows: with one row a load the activation bytes equal the weight bytes
 # (the sizes as measured on the H200: docs/megakernel.md, "The one-pair expert bodies")
 RU_DN, RU_UP, WU_UP = 8, 2, 2
-# bf16 EXPERT_DOWN takes the flat units up to this many pairs an expert on average. Measured on the H200 with
-# (pair, 2 row) units (qwen3-30b-a3b, EXPERT_DOWN's span a layer): batch 8 (1.2 pairs an expert) 138 us with the
-# loop, 89 flat; batch 64 (4.1) 442 with the loop, 486 flat
-FLAT_PAIRS = 2
+# bf16 EXPERT_DOWN takes the flat units up to this many pairs an expert on average. Measured on the H200
+# (qwen3-30b-a3b, bench/mega_body_ab.py): with (pair, 8 row) units the flat path is 58.8 against the loop's 66.3 ms
+# a step at batch 64 (4.1 pairs an expert), no slower at 1-16; with (pair, 2 row) units it lost at batch 64
+FLAT_PAIRS = 8
 
 
 @cute.jit
