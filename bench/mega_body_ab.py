@@ -22,7 +22,8 @@ Measured before (docs/megakernel.md, "The one-pair expert bodies"): at 8ac6cae t
 in (EXPERT_DOWN's flat units of 4 / 8 rows where the body took 2; EXPERT_UP's one-pair path with 2 rows a warp where
 it took 1; `git show 8ac6cae:bench/mega_body_ab.py`), bench/results/mega-body-ab-nvidia-h200.json; the two that
 paid are cute/moe.py's since. At 1e8d862 (bench/results/mega-body-ab-b1-64-nvidia-h200.json): `up_r4` and
-`down_u16` slower at every batch, `down_flat8` 11% faster at batch 64 (cute/moe.py's FLAT_PAIRS since). Before that, the MXFP4 bodies' conversions (`git show cacde6b:bench/mega_frag_ab.py`).
+`down_u16` slower at every batch, `down_flat8` 11% faster at batch 64 (cute/moe.py's FLAT_PAIRS since). Before
+that, the MXFP4 bodies' conversions (`git show cacde6b:bench/mega_frag_ab.py`).
 """
 
 from __future__ import annotations
