@@ -508,3 +508,71 @@ def test_the_gqa_case_has_qwen3s_attention_shape_and_wider_heads_are_refused_bef
                                                              "head_dim": 32}, "32 q heads")):
         with pytest.raises(KernelLimit, match=msg):
             check_program(_bf16_cfg_program(config_from_hf({**base, **over}), 2, 128))
+
+
+def test_batch_1_qwen3_routes_inside_expert_up_with_the_route_phases_outputs():
+    """isa.ROUTE_IN_UP_MAX_B: at batch 1 a qwen3-moe layer has no ROUTE phase; every EXPERT_UP item picks the experts
+    from the router's logits (F_ROUTE) and item 0 writes ROUTE's outputs. In pyvm (random interleaving, the race
+    check on) every buffer ends as with the ROUTE phase: the same picks, weights, tables, activations and cache,
+    bit for bit; batch 2 keeps the phase."""
+    from megadecode.backends.mega import layers
+    from megadecode.backends.mega.isa import F_ROUTE
+
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, "cpu", torch.float32, 3)
+    progs = {}
+    for limit in (1, 0):
+        cache = KVCache(cfg, 4, 64, "cpu", torch.float32)
+        torch.manual_seed(4)
+        for parts in cache.layers.values():
+            for t in parts:
+                t.normal_()
+        old, layers.ROUTE_IN_UP_MAX_B = layers.ROUTE_IN_UP_MAX_B, limit
+        try:
+            progs[limit] = schedule(lower(cfg, w, cache, 1, 6), 6)
+        finally:
+            layers.ROUTE_IN_UP_MAX_B = old
+    fused, phase = progs[1], progs[0]
+    ups = [i for i in fused.instrs if i.op == "EXPERT_UP"]
+    assert not any(i.op == "ROUTE" for i in fused.instrs) and all(i.flags & F_ROUTE for i in ups)
+    n_moe = sum(i.op == "ROUTE" for i in phase.instrs)  # a ROUTE a MoE layer
+    assert n_moe == len({i.layer for i in ups}) >= 2
+    assert len(fused.phases) == len(phase.phases) - n_moe
+    vms = []
+    for prog in (fused, phase):
+        vm = PyVM(prog)
+        vm.i32[prog.i32["tokens"][0]] = 5
+        vm.i32[prog.i32["positions"][0]] = 20
+        vm.launch("random", seed=2)
+        assert not vm.races(limit=10)
+        vms.append(vm)
+    assert torch.equal(vms[0].f32, vms[1].f32) and torch.equal(vms[0].i32, vms[1].i32)
+    assert int(vms[0].i32[fused.i32["nuniq"][0]]) == cfg.top_k  # the tables were written
+    for a, b in zip(fused.tensors, phase.tensors):
+        if a.role == "produced":
+            assert torch.equal(a.tensor, b.tensor), a.name
+    _, _, _, prog2 = _program("tiny-qwen3-moe", 2)
+    assert any(i.op == "ROUTE" for i in prog2.instrs)
+    assert not any(i.flags & F_ROUTE for i in prog2.instrs if i.op == "EXPERT_UP")
+
+
+def test_route_inside_expert_up_is_refused_past_its_limits():
+    """F_ROUTE's picks take a thread an expert and a lane a pick, for bf16 experts one pair a pass: more experts or
+    picks, or passes of several pairs, are refused before a launch."""
+    from megadecode.backends.mega.isa import F_ROUTE
+    from megadecode.backends.mega.kernel_check import check_program
+    from megadecode.backends.mega.limits import KernelLimit
+
+    cfg = preset_config("tiny-qwen3-moe")
+    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
+    cache = KVCache(cfg, 1, 64, "cpu", torch.bfloat16)
+    check_program(lower(cfg, w, cache, 1, 8))
+    for change, clear, match in (({"E": 300}, 0, "at most 256 experts"), ({"A": 33}, 0, "32 picks"),
+                                 ({}, F_PAIR1, "bf16 experts one pair a pass")):
+        prog = lower(cfg, w, cache, 1, 8)
+        ins = next(i for i in prog.instrs if i.op == "EXPERT_UP")
+        assert ins.flags & F_ROUTE
+        ins.args.update(change)
+        ins.flags &= ~clear
+        with pytest.raises(KernelLimit, match=match):
+            check_program(prog)
