@@ -126,7 +126,13 @@ def build_server(args, ep, progress=None):
     cfg = model_config(args.model)
     resolve_executor(args, cfg, args.max_batch, ep is None or ep.rank == 0)
     drafter = None
-    if args.speculative:
+    if args.speculative == "mtp":
+        from ..mtp import mtp_refusal
+
+        why = mtp_refusal(cfg)
+        if why:
+            raise ValueError(f"--speculative mtp: {why}")
+    elif args.speculative:
         from ..speculative import NgramDrafter, draft_model_drafter
 
         if args.speculative == "ngram":
@@ -143,7 +149,8 @@ def build_server(args, ep, progress=None):
                  model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                  batch_sizes=args.batch_sizes, max_prefill_tokens=args.max_prefill_tokens or args.max_seq_len,
                  parallel=ranks.expert_parallel(ep, cfg), mirror=Leader(ep) if leads else None,
-                 progress=progress, drafter=drafter)
+                 progress=progress, drafter=drafter,
+                 mtp_draft_tokens=args.num_draft_tokens if args.speculative == "mtp" else 0)
 
 
 def follow(server, ep) -> int:
