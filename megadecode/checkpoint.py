@@ -268,6 +268,11 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     if mtp and shard is not None:
         raise ValueError("the MTP layer's weights are loaded in one process (no expert parallelism)")
     where = _index_files(ckpt)
+    mtp_layer = f"model.layers.{cfg.num_layers}."
+    if mtp and cfg.num_mtp_layers and not any(n.startswith(mtp_layer) for n in where):
+        raise CheckpointError(f"checkpoint {ckpt} holds no MTP layer ({mtp_layer}* tensors), though its config.json "
+                              f"declares {cfg.num_mtp_layers} (num_nextn_predict_layers; transformers' "
+                              f"save_pretrained writes 1 without saving one)")
     try:
         sources = map_names(cfg, [n for n in where if not _expected_extra(n, cfg, mtp)])
     except LayoutError as e:

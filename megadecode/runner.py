@@ -110,7 +110,7 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror.prefill(prompts, slots)
         hidden = [] if drafter is not None and drafter.reads_hidden else None
-        logits = self._published(self.engine.prefill_into, prompts, slots, hidden)
+        logits = self._published(self.engine.prefill_into, prompts, slots, *([] if hidden is None else [hidden]))
         src = list(range(len(seqs)))
         if len(run) < len(seqs):
             row = {i: r for r, i in enumerate(run)}

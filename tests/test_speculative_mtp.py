@@ -71,6 +71,13 @@ def test_a_checkpoints_mtp_layer_loads_by_name_only_when_asked(tmp_path):
     with pytest.raises(CheckpointError, match=f"missing tensor '{P}.hnorm.weight'"):
         load_weights(one, mtp=True)
 
+    declared = make_checkpoint(tmp_path / "declared", "tiny-deepseek-v3", dtype=torch.float32)
+    hf = json.loads((declared / "config.json").read_text())
+    (declared / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))  # as transformers writes
+    load_weights(declared)
+    with pytest.raises(CheckpointError, match=r"holds no MTP layer \(model.layers.3.\* tensors\), though its"):
+        load_weights(declared, mtp=True)
+
 
 def test_an_fp8_checkpoints_mtp_layer_keeps_its_experts_fp8(tmp_path):
     hf = {**preset_hf_config("tiny-deepseek-v3-fp8"), "num_nextn_predict_layers": 1}
