@@ -460,7 +460,8 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
         for i, seq, d in zip(live, seqs, drafter.draft_many(seqs, live)):
             room = min(max_new_tokens - len(out[i]) - 1, limit - len(seq))  # tokens past the correction's
             feeds.append([seq[-1]] + d[:max(room, 0)])
-        step, starts = verify_step(feeds, [len(prompts[i]) + len(out[i]) - 1 for i in live], live, engine.device)
+        firsts = [len(prompts[i]) + len(out[i]) - 1 for i in live]  # the position of each sequence's last token
+        step, starts = verify_step(feeds, firsts, live, engine.device)
         ctx = engine.executor.run_ops(step)  # the executor's prefill ops, every row's logits
         logits = ctx.buf["logits"]
         bad = ~torch.isfinite(logits).all(-1)
@@ -473,7 +474,7 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
         for j, (i, f, s) in enumerate(zip(live, feeds, starts)):
             emit, got = accept(logits[s:s + len(f)], f, sampling, gen)
             kept[j] = len(emit)  # fed tokens whose state stays: the last token and the accepted drafts
-            seen.append((i, int(step.positions[s]), s, emit))
+            seen.append((i, firsts[j], s, emit))
             drafted += len(f) - 1
             accepted += len(emit) - 1
             for t, v in zip(emit, got):
