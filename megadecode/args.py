@@ -13,10 +13,11 @@ def add_quiet(p) -> None:
 
 def add_speculative(p) -> None:
     """generate's and serve's speculative decoding flags."""
-    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="speculative decoding: drafts from prompt lookup (ngram) or a draft model (draft, with "
-                        "--draft-model) verified a step at a time, kept by the target's greedy choice or, sampling, "
-                        "by the rejection rule (qwen3_moe, deepseek_v3; eager verify steps, one process)")
+    p.add_argument("--speculative", choices=("ngram", "draft", "mtp"), default=None,
+                   help="speculative decoding: drafts from prompt lookup (ngram), a draft model (draft, with "
+                        "--draft-model) or the model's own multi-token-prediction layer (mtp: DeepSeek-V3's, where "
+                        "the checkpoint has one) verified a step at a time, kept by the target's greedy choice or, "
+                        "sampling, by the rejection rule (eager verify steps, one process)")
     p.add_argument("--draft-model", metavar="MODEL",
                    help="with --speculative draft: a smaller model of the same vocabulary (a preset, an HF "
                         "checkpoint directory or a hub name), on the target's device (the graph executor on CUDA, "

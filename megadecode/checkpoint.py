@@ -25,7 +25,15 @@ from .parallel.experts import ExpertShard
 from .presets import preset_hf_config
 from .quant.fp8 import FP8, SCALE_DTYPES, dequantize_fp8, quantize_fp8
 from .parallel.vocab import VocabShard, pad_rows, shard_rows
-from .weights import WeightProgress, param_specs, random_experts, random_tensor, vocab_shard
+from .weights import (
+    WeightProgress,
+    mtp_generator,
+    mtp_specs,
+    param_specs,
+    random_experts,
+    random_tensor,
+    vocab_shard,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,14 +87,15 @@ def _index_files(ckpt: Path) -> dict[str, Path]:
     return out
 
 
-def _expected_extra(name: str, cfg: ModelConfig) -> bool:
-    """Tensors a checkpoint of the family may hold that the decode step does not use: DeepSeek-V3's
-    multi-token-prediction layers (indices num_hidden_layers .. + num_nextn_predict_layers - 1), rotary
+def _expected_extra(name: str, cfg: ModelConfig, mtp: bool = False) -> bool:
+    """Tensors a checkpoint of the family may hold that are not read: DeepSeek-V3's multi-token-prediction layers
+    (indices num_hidden_layers .. + num_nextn_predict_layers - 1), unless `mtp` (the MTP drafter's load: then only
+    the MTP layer's copy of the embedding, `model.layers.{L}.embed_tokens`, the model's own being read), rotary
     `inv_freq` buffers of older exports, lm_head when the embedding is tied."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    mtp = cfg.hf.get("num_nextn_predict_layers") or 0
-    if m and isinstance(mtp, int) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + mtp:
-        return True
+    L = cfg.num_layers
+    if m and L <= int(m.group(1)) < L + cfg.num_mtp_layers:
+        return not mtp or name == f"model.layers.{L}.embed_tokens.weight"
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
@@ -238,7 +247,7 @@ def _assemble(ckpt: Path, cfg: ModelConfig, name: str, spec, src: Source, read, 
 
 def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cpu", dtype=torch.float32,
                  check_finite: bool = False, ignore_unknown: bool = False, shard: ExpertShard | None = None,
-                 progress=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                 progress=None, mtp: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load every tensor the weight table expects, checking names, shapes and dtypes.
 
     Tensor names may follow any layout of the family that real checkpoints use (megadecode/layouts.py: the
@@ -250,13 +259,22 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
     tensor. With `shard` (expert parallelism) the stacked routed experts hold the rank's experts only, and no other
     expert's tensor is read (per-expert tensors: not opened; stacked ones: their rows sliced lazily); an untied
     lm_head holds the rank's rows (parallel/vocab.py), read as a slice. `progress(bytes, total bytes)`: called as
-    each tensor is loaded (weights.WeightProgress).
+    each tensor is loaded (weights.WeightProgress). `mtp` (the MTP drafter's load): the MTP layer's tensors too,
+    by name (weights.mtp_specs, read as the model's are; its `shared_head.head` only where the checkpoint holds it);
+    without it they are skipped and never read.
     """
     ckpt = Path(ckpt)
     cfg = cfg or load_config(ckpt)
+    if mtp and shard is not None:
+        raise ValueError("the MTP layer's weights are loaded in one process (no expert parallelism)")
     where = _index_files(ckpt)
+    mtp_layer = f"model.layers.{cfg.num_layers}."
+    if mtp and cfg.num_mtp_layers and not any(n.startswith(mtp_layer) for n in where):
+        raise CheckpointError(f"checkpoint {ckpt} holds no MTP layer ({mtp_layer}* tensors), though its config.json "
+                              f"declares {cfg.num_mtp_layers} (num_nextn_predict_layers; transformers' "
+                              f"save_pretrained writes 1 without saving one)")
     try:
-        sources = map_names(cfg, [n for n in where if not _expected_extra(n, cfg)])
+        sources = map_names(cfg, [n for n in where if not _expected_extra(n, cfg, mtp)])
     except LayoutError as e:
         raise CheckpointError(f"checkpoint {ckpt}: {e}") from None
     if cfg.expert_quant != "fp8":
@@ -265,6 +283,9 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig | None = None, *, device="cp
             raise CheckpointError(f"checkpoint {ckpt} holds FP8 weights ({scale!r}), but config.json has no FP8 "
                                   f"quantization_config (quant_method 'fp8' with weight_block_size)")
     specs = param_specs(cfg, shard)
+    if mtp:
+        specs.update({n: sp for n, sp in mtp_specs(cfg).items()
+                      if n in sources or not n.endswith(".shared_head.head.weight")})
     missing = [n for n in specs if n not in sources]
     _check_unknown(ckpt, cfg, sources, specs, bool(missing), ignore_unknown)
     if missing:
@@ -369,6 +390,8 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
     (quantization_config fp8) gets FP8 weights as DeepSeek-V3's checkpoints hold them (`_fp8_in_checkpoint`):
     the routed experts as drawn (`random_tensor`), the other linears drawn in `dtype` and quantized
     (quant/fp8.py), each with its `weight_scale_inv`.
+    A model with an MTP layer (num_nextn_predict_layers) gets its tensors too (weights.mtp_specs, the values of
+    random_weights(mtp=True)), named as DeepSeek-V3's checkpoints name them.
     """
     hf = preset_hf_config(preset_or_hf) if isinstance(preset_or_hf, str) else dict(preset_or_hf)
     cfg = config_from_hf(hf)
@@ -378,11 +401,13 @@ def make_checkpoint(out_dir: str | Path, preset_or_hf: str | dict, *, seed: int 
     if cfg.expert_quant == "mxfp4":  # say so, as a compressed-tensors checkpoint does
         hf.setdefault("quantization_config", {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
     (out / "config.json").write_text(json.dumps(hf, indent=2))
-    gen = torch.Generator().manual_seed(seed)
+    gen, mtp_gen = torch.Generator().manual_seed(seed), mtp_generator(seed)
+    tables = [(n, sp, gen) for n, sp in param_specs(cfg).items()]
+    tables += [(n, sp, mtp_gen) for n, sp in mtp_specs(cfg).items()]
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, spec in param_specs(cfg).items():  # the values of weights.random_weights
-        t = random_experts(spec, gen, "cpu", dtype) if spec.stacked else random_tensor(spec, gen, "cpu", dtype)
+    for name, spec, g in tables:  # the values of weights.random_weights (with mtp)
+        t = random_experts(spec, g, "cpu", dtype) if spec.stacked else random_tensor(spec, g, "cpu", dtype)
         tensors = {name: t}
         if cfg.expert_quant == "fp8" and _fp8_in_checkpoint(name, spec) and spec.quant is None:
             tensors = dict(zip((name, name + "_scale_inv"), quantize_fp8(t, cfg.weight_block)))

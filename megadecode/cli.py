@@ -330,6 +330,12 @@ def _check_speculative(args, sampling, cfg) -> None:
         from .speculative import check_draft_model
 
         check_draft_model(model_config(args.draft_model), cfg.vocab_size)
+    if args.speculative == "mtp":
+        from .mtp import mtp_refusal
+
+        why = mtp_refusal(cfg)
+        if why:
+            raise RequestError(f"--speculative mtp: {why}")
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT:
         raise RequestError(f"--num-draft-tokens must be in [1, {MAX_DRAFT}], got {args.num_draft_tokens}")
     if sampling.penalized:
@@ -390,7 +396,8 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide=None):
         engine = agree(ep, Engine.from_pretrained, args.model, device=ranks.device(args, ep), dtype=args.dtype,
                        executor=args.executor, seed=args.seed, check_finite=args.check_finite,
                        max_batch=len(prompts), ignore_unknown=args.ignore_unknown_tensors, max_seq_len=need,
-                       parallel=ranks.expert_parallel(ep, cfg), progress=byte_feed(bar))
+                       parallel=ranks.expert_parallel(ep, cfg), progress=byte_feed(bar),
+                       mtp=args.speculative == "mtp")
     engine.check_request(prompts, args.max_new_tokens)  # before the progress bars show up
     bars = (tqdm(desc="compile and capture", unit="graph", file=sys.stderr, disable=off),
             tqdm(total=sum(map(len, prompts)), desc="prefill", unit="token", file=sys.stderr, disable=off),
@@ -398,12 +405,17 @@ def _generate(args, cfg, ep, prompts, need, sampling, tqdm, guide=None):
     try:
         with bars[0] as warm, bars[1] as pre, bars[2] as progress:
             if args.speculative:
-                from .speculative import NgramDrafter, check_speculative, draft_model_drafter, generate
+                from .speculative import MtpDrafter, NgramDrafter, check_speculative, draft_model_drafter, generate
 
                 check_speculative(engine)
-                drafter = NgramDrafter(args.num_draft_tokens) if args.speculative == "ngram" else \
-                    draft_model_drafter(args.draft_model, args.num_draft_tokens, cfg.vocab_size, device=engine.device,
-                                        dtype=args.dtype, seed=args.seed, max_batch=len(prompts), max_seq_len=need)
+                if args.speculative == "ngram":
+                    drafter = NgramDrafter(args.num_draft_tokens)
+                elif args.speculative == "mtp":
+                    drafter = MtpDrafter(engine, args.num_draft_tokens)
+                else:
+                    drafter = draft_model_drafter(args.draft_model, args.num_draft_tokens, cfg.vocab_size,
+                                                  device=engine.device, dtype=args.dtype, seed=args.seed,
+                                                  max_batch=len(prompts), max_seq_len=need)
                 return generate(engine, prompts, args.max_new_tokens, drafter, sampling, seed=args.seed,
                                 stop_at_eos=not args.ignore_eos)
             guides = None if guide is None else [guide[0].guide(guide[1]) for _ in prompts]

@@ -20,7 +20,7 @@ from .presets import PRESETS, preset_config
 from .quant.mxfp4_frag import entry_shape
 from .sampling import Counts, SamplingParams, sample
 from .step import Step
-from .weights import param_specs, random_weights
+from .weights import mtp_specs, param_specs, random_weights
 
 MAX_SEED = 2**32 - 1  # generate's in-step sampler derives a seed per step as seed * 1_000_003 + step (int64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,13 +54,14 @@ class GenerationResult:
 QUANT_DTYPES = {"mxfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "fp8_scale": torch.float32}  # ParamSpec.quant
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None) -> None:
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard=None, specs: dict | None = None) -> None:
     """Every tensor of the weight table present, with its shape (stacked MXFP4 experts in the checkpoint's order
     or in fragment order, quant/mxfp4_frag.entry_shape), on one device; quantized experts in their
     storage dtype (QUANT_DTYPES: kimi_k3's MXFP4 halves uint8, FP8 values and their fp32 scales), everything else
-    floating point. `shard` (expert parallelism): stacked experts hold that rank's experts only."""
+    floating point. `shard` (expert parallelism): stacked experts hold that rank's experts only. `specs`: another
+    table than the model's (the MTP layer's)."""
     devices = set()
-    for name, spec in param_specs(cfg, shard).items():
+    for name, spec in (param_specs(cfg, shard) if specs is None else specs).items():
         if name not in weights:
             raise RequestError(f"weights are missing {name!r} (shape {list(spec.shape)})")
         t = weights[name]
@@ -136,7 +137,9 @@ class Engine:
     combines are collectives). None: one process holds the whole model.
     The engine takes `weights`: its executor may replace K3's routed expert tensors in that dict with the order it
     reads (the fused executor's fragment order; backends/expert_layout.py), so that the experts' bytes are held
-    once; an engine built later on the same dict turns them back if it reads the other order."""
+    once; an engine built later on the same dict turns them back if it reads the other order.
+    `weights` may hold the MTP layer's tensors too (weights.mtp_specs): they are kept apart in `mtp_weights` (the
+    MTP drafter's, speculative.MtpDrafter; the decode step never reads them); None when there are none."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, executor: str = "torch",
                  max_batch: int = 8, max_seq_len: int | None = None, parallel=None):
@@ -144,6 +147,9 @@ class Engine:
         self.cfg = cfg
         self.parallel = parallel
         shard = None if parallel is None else parallel.shard
+        self.mtp_weights = _mtp_weights(cfg, weights, shard)
+        if self.mtp_weights is not None:
+            weights = {n: t for n, t in weights.items() if n not in self.mtp_weights}
         check_weights(cfg, weights, shard)
         any_w = next(iter(weights.values()))
         self.device, self.dtype = any_w.device, any_w.dtype
@@ -157,11 +163,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str, *, device="cpu", dtype="float32", seed: int = 0,
                         check_finite: bool = False, ignore_unknown: bool = False, max_batch: int = 8,
-                        max_seq_len: int | None = None, parallel=None, progress=None, **kw) -> "Engine":
+                        max_seq_len: int | None = None, parallel=None, progress=None, mtp: bool = False,
+                        **kw) -> "Engine":
         """`model` is a preset name (random weights, built on `device`) or an HF checkpoint directory. Whether the
         weights and the cache fit in the device's memory is checked before either is built (memory.check_fits).
         `parallel`: this rank's share of expert parallelism (its experts alone are built or read). `progress`:
-        called as progress(bytes, total bytes) while the weights are built or read (a progress bar's feed)."""
+        called as progress(bytes, total bytes) while the weights are built or read (a progress bar's feed).
+        `mtp`: the MTP layer's weights too (`mtp_weights`, for speculative.MtpDrafter; its cache counted in the fit
+        check); a model without one is refused at once."""
         dt = resolve_dtype(dtype)
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RequestError(f"device {device!r} requested but CUDA is not available")
@@ -169,13 +178,24 @@ class Engine:
         cfg = model_config(model)
         shard = None if parallel is None else parallel.shard
         ex = executor_class(kw.get("executor", "torch"), cfg)
-        check_fits(model, cfg, device, dt, *cache_dims(cfg, max_batch, max_seq_len), shard=shard,
-                   extra=ex.build_extra(cfg, device, dt, shard))
+        dims = cache_dims(cfg, max_batch, max_seq_len)
+        extra = ex.build_extra(cfg, device, dt, shard)
+        if mtp:
+            from .mtp import mtp_bytes, mtp_refusal
+
+            why = mtp_refusal(cfg)
+            if why:
+                raise RequestError(f"{model}: {why}")
+            if parallel is not None:
+                raise RequestError("the MTP drafter runs in one process (no expert parallelism)")
+            more, also = mtp_bytes(cfg, dt, *dims), "for the MTP layer's weights and cache"
+            extra = (more, also) if extra is None else (extra[0] + more, f"{extra[1]} and {also}")
+        check_fits(model, cfg, device, dt, *dims, shard=shard, extra=extra)
         kw.update(max_batch=max_batch, max_seq_len=max_seq_len, parallel=parallel)
         if model in PRESETS:
-            return cls(cfg, random_weights(cfg, device, dt, seed, shard, progress), **kw)
+            return cls(cfg, random_weights(cfg, device, dt, seed, shard, progress, mtp=mtp), **kw)
         _, weights = load_weights(model, cfg, device=device, dtype=dt, check_finite=check_finite,
-                                  ignore_unknown=ignore_unknown, shard=shard, progress=progress)
+                                  ignore_unknown=ignore_unknown, shard=shard, progress=progress, mtp=mtp)
         return cls(cfg, weights, **kw)
 
     # ---- request checks -------------------------------------------------------------------------
@@ -204,17 +224,20 @@ class Engine:
                                    f"{self.max_seq_len}")
 
     # ---- steps ----------------------------------------------------------------------------------
-    def prefill(self, prompts: list[list[int]], max_new_tokens: int = 0) -> torch.Tensor:
-        """Start a new batch (slot i = prompt i). Returns next-token logits [B, V] (fp32)."""
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int = 0, hidden: list | None = None) -> torch.Tensor:
+        """Start a new batch (slot i = prompt i). Returns next-token logits [B, V] (fp32). `hidden`: as
+        prefill_into's."""
         self.check_request(prompts, max_new_tokens)
-        logits = self.prefill_into(prompts, list(range(len(prompts))))
+        logits = self.prefill_into(prompts, list(range(len(prompts))), hidden)
         self.lengths = [len(p) for p in prompts]
         return logits
 
-    def prefill_into(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+    def prefill_into(self, prompts: list[list[int]], slots: list[int], hidden: list | None = None) -> torch.Tensor:
         """Prefill prompts[i] into cache slot slots[i] (distinct slots; positions from 0), writing no other slot:
         the server's newcomers join while the other slots' sequences keep their cache. The prompts are checked
-        by the caller (check_request). Returns next-token logits [len(prompts), V] (fp32)."""
+        by the caller (check_request). Returns next-token logits [len(prompts), V] (fp32). `hidden`: a list, to
+        which the last layer's output of every prompt token is appended, the prompts' rows in order [sum of
+        lengths, D] (Step.last_hidden: the MTP drafter's input)."""
         if len(set(slots)) != len(slots) or not all(0 <= s < self.cache.num_slots for s in slots):
             raise RequestError(f"slots {slots} must be distinct and in [0, {self.cache.num_slots})")
         dev = self.device
@@ -225,7 +248,8 @@ class Engine:
             positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
             slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(dev),
             logit_rows=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], device=dev),
-            kv_len=max(lens), segments=[(s, s + n, slot) for s, n, slot in zip(starts, lens, slots)])
+            kv_len=max(lens), segments=[(s, s + n, slot) for s, n, slot in zip(starts, lens, slots)],
+            last_hidden=hidden)
         return self.executor.prefill(step)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -372,6 +396,20 @@ class Engine:
         others = f" ({len(bad) - 1} more sequences too)" if len(bad) > 1 else ""
         raise NonFiniteError(f"sequence {i}: the logits for generated token {k} ({where}, position {pos}) hold NaN "
                              f"or inf{others}; the weights may hold NaN or inf")
+
+
+def _mtp_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard) -> dict[str, torch.Tensor] | None:
+    """The MTP layer's tensors among `weights` (weights.mtp_specs; its `shared_head.head` may be left out), checked
+    as the model's are, or None when `weights` hold none."""
+    specs = mtp_specs(cfg)
+    held = {n: weights[n] for n in specs if n in weights}
+    if not held:
+        return None
+    if shard is not None:
+        raise RequestError("the MTP layer's weights are for one process (no expert parallelism)")
+    head = next(n for n in specs if n.endswith(".shared_head.head.weight"))
+    check_weights(cfg, held, specs={n: s for n, s in specs.items() if n != head or n in held})
+    return held
 
 
 def _guided(logits: torch.Tensor, guides: list | None) -> torch.Tensor:

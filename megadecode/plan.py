@@ -138,6 +138,13 @@ def build_plan(cfg: ModelConfig) -> DecodePlan:
     return DecodePlan(cfg, tuple(ops))
 
 
+def final_norm_input(plan: DecodePlan) -> str:
+    """The buffer the final norm reads: the last layer's output of every token of a step (`hidden`; with AttnRes,
+    `layer_in`), which holds it after the step."""
+    op = next(op for op in reversed(plan.ops) if op.kind == RMSNORM and op.layer == -1)
+    return op.inputs[0]
+
+
 def fuse_add_rmsnorm(plan: DecodePlan) -> DecodePlan:
     """The same plan with every ADD immediately followed by a one-input RMSNORM of its sum replaced by one
     ADD_RMSNORM op (inputs: the two addends; outputs: the sum, then the normed sum; weights: the norm's).

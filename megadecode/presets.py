@@ -1,7 +1,8 @@
 """Built-in model presets, written as HF config.json dicts so they round-trip through the loader.
 
 `tiny-*` presets are CPU-sized (tests, CI, the README's first command); their vocabulary is the
-byte-level tokenizer's (256 bytes + BOS/EOS/PAD). `qwen3-30b-a3b` is the real Qwen3-30B-A3B shape.
+byte-level tokenizer's (256 bytes + BOS/EOS/PAD); `tiny-deepseek-v3-mtp` carries a multi-token-prediction layer.
+`qwen3-30b-a3b` is the real Qwen3-30B-A3B shape.
 `*-fp8` presets hold their routed experts in FP8 as an FP8 checkpoint loads (quant/fp8.py): the
 quantization_config of Qwen3-30B-A3B-FP8 / DeepSeek-V3 (blocks of 128 x 128; the tiny ones 32 x 32, so that
 their 32-wide experts hold whole blocks and their 40-row MLA projection a partial one).
@@ -125,6 +126,9 @@ def _fp8(name: str, block: int) -> dict:
 PRESETS["tiny-k3-wide"] = {**PRESETS["tiny-k3"], "latent_size": 256, "moe_intermediate_size": 256}
 PRESETS.update({"tiny-qwen3-moe-fp8": _fp8("tiny-qwen3-moe", 32), "tiny-deepseek-v3-fp8": _fp8("tiny-deepseek-v3", 32),
                 "qwen3-30b-a3b-fp8": _fp8("qwen3-30b-a3b", 128)})
+# tiny-deepseek-v3 with one multi-token-prediction layer after its last (model.layers.3: DeepSeek-V3's layout, a MoE
+# layer), the MTP drafter's preset (megadecode/mtp.py, `--speculative mtp`)
+PRESETS["tiny-deepseek-v3-mtp"] = {**PRESETS["tiny-deepseek-v3"], "num_nextn_predict_layers": 1}
 
 
 def preset_hf_config(name: str) -> dict:

@@ -95,10 +95,12 @@ class ModelRunner:
     # device with this one's tokens (`after`): the loop keeps the GPU busy while it handles the last step's tokens.
 
     @torch.inference_mode()
-    def launch_prefill(self, seqs: list[Sequence]) -> Launched:
+    def launch_prefill(self, seqs: list[Sequence], drafter=None) -> Launched:
         """Prefill each sequence's prompt into its slot; the step's results are its first new token. Sequences with
         the same prompt (a request's n choices) share one prefill: the first one's slot is computed and copied
-        into the others' (not under expert parallelism, whose other ranks replay the prefills as published)."""
+        into the others' (not under expert parallelism, whose other ranks replay the prefills as published).
+        `drafter` (one that reads hidden states: speculative.MtpDrafter): given each sequence's prompt hidden
+        states and first token (`observe`)."""
         first: dict[tuple, int] = {}
         if self.mirror is None:
             for i, s in enumerate(seqs):
@@ -107,7 +109,9 @@ class ModelRunner:
         prompts, slots = [seqs[i].prompt for i in run], [seqs[i].slot for i in run]
         if self.mirror is not None:
             self.mirror.prefill(prompts, slots)
-        logits = self._published(self.engine.prefill_into, prompts, slots)
+        hidden = [] if drafter is not None and drafter.reads_hidden else None
+        logits = self._published(self.engine.prefill_into, prompts, slots, *([] if hidden is None else [hidden]))
+        src = list(range(len(seqs)))
         if len(run) < len(seqs):
             row = {i: r for r, i in enumerate(run)}
             src = [row[first[tuple(s.prompt)]] for s in seqs]
@@ -115,7 +119,13 @@ class ModelRunner:
                 if s.slot != slots[r]:
                     self.engine.cache.copy_slot(slots[r], s.slot, len(s.prompt))
             logits = logits[torch.tensor(src, device=logits.device)]
-        return self._sample(logits, seqs)
+        launched = self._sample(logits, seqs)
+        if hidden:
+            at = [sum(map(len, prompts[:r])) for r in range(len(prompts))]
+            drafter.observe([(s.slot, 0, hidden[0][at[r]:at[r] + len(s.prompt)],
+                              torch.cat((to_device(s.prompt[1:], torch.int64, self.device), launched.tokens[j:j + 1])))
+                             for j, (s, r) in enumerate(zip(seqs, src))])
+        return launched
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], after: Launched | None = None) -> Launched:
@@ -174,8 +184,8 @@ class ModelRunner:
                  tuple((int(ids[j][i]), tops[j][i]) for j in range(min(s.top_logprobs, k))))
                 for i, s in enumerate(step.seqs)]
 
-    def prefill(self, seqs: list[Sequence]) -> list[tuple[int, float, bool, tuple]]:
-        return self.collect(self.launch_prefill(seqs))
+    def prefill(self, seqs: list[Sequence], drafter=None) -> list[tuple[int, float, bool, tuple]]:
+        return self.collect(self.launch_prefill(seqs, drafter))
 
     def decode(self, seqs: list[Sequence]) -> list[tuple[int, float, bool, tuple]]:
         return self.collect(self.launch_decode(seqs))
@@ -188,20 +198,24 @@ class ModelRunner:
         prefill ops; a drafted sequence keeps the drafts it accepts (greedy: its argmax; sampling: the rejection
         rule) and one token of the model's, the others sample as in a decode step. Returns, per sequence, its new
         tokens as `collect` gives them, and the draft tokens proposed and accepted. Eager and synchronous: no graph
-        replay, no step launched ahead."""
+        replay, no step launched ahead. A drafter that reads hidden states (speculative.MtpDrafter) is given every
+        sequence's kept positions' (`observe`)."""
+        from .plan import final_norm_input
         from .speculative import accept, rewind_states, verify_step
 
         self._generators(seqs)
         takes = [i for i, s in enumerate(seqs) if not s.params.penalized and not s.params.logit_bias
                  and s.guide is None and not s.top_logprobs and s.sampled >= s.min_tokens]
-        drafts = dict(zip(takes, drafter.draft_many([seqs[i].prompt + seqs[i].output for i in takes])))
+        drafts = dict(zip(takes, drafter.draft_many([seqs[i].prompt + seqs[i].output for i in takes],
+                                                    [seqs[i].slot for i in takes])))
         feeds = []
         for i, s in enumerate(seqs):
             room = min(s.max_tokens - len(s.output) - 1, self.engine.max_seq_len - s.num_tokens)
             feeds.append([s.last_token] + drafts.get(i, [])[:max(room, 0)])
         dev = self.device
         step, starts = verify_step(feeds, [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], dev)
-        logits = self._published(self.engine.executor.run_ops, step).buf["logits"]
+        ctx = self._published(self.engine.executor.run_ops, step)
+        logits = ctx.buf["logits"]
         results: list = [None] * len(seqs)
         plain = [i for i, f in enumerate(feeds) if len(f) == 1]
         if plain:  # no drafts: the decode step's sampling (penalties, bias, guides, bans, top logprobs)
@@ -224,6 +238,11 @@ class ModelRunner:
             s.sampled += len(emit)
             results[i] = [(t, lp, True, ()) for t, lp in zip(emit, lps)]
         rewind_states(step, kept)
+        if drafter.reads_hidden:
+            h = ctx.buf[final_norm_input(self.engine.plan)]
+            done = [(s, st, [t for t, _, ok, _ in r]) for s, st, r in zip(seqs, starts, results) if r[-1][2]]
+            drafter.observe([(s.slot, s.num_tokens - 1, h[st:st + len(e)], to_device(e, torch.int64, self.device))
+                             for s, st, e in done])
         return results, drafted, accepted
 
     def _generators(self, seqs: list[Sequence]) -> None:

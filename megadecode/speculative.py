@@ -21,7 +21,8 @@ per KDA layer and sequence, k + 1 copies of the recurrent state (H x K x K fp32)
 
 Drafters: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats;
 `DraftModelDrafter`, a smaller model of the same vocabulary (`--draft-model`): its greedy continuation;
-`OracleDrafter`, recorded continuations (benchmarks: every draft accepted).
+`MtpDrafter`, the model's own multi-token-prediction layer (DeepSeek-V3's, mtp.py), fed the target's last hidden
+states (`Drafter.observe`); `OracleDrafter`, recorded continuations (benchmarks: every draft accepted).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine, NonFiniteError, RequestError
+from .plan import final_norm_input
 from .sampling import SamplingParams, race, sample, target_probs
 from .step import Step
 
@@ -41,13 +43,25 @@ MAX_DRAFT = 7  # draft tokens a step at most (issue 43: k up to 7)
 
 class Drafter:
     """What proposes drafts. `draft`: up to k proposed next tokens of the sequence `tokens` (prompt and output so
-    far), [] for none; `draft_many`: each of a step's sequences' (one at a time, unless a drafter batches them)."""
+    far), [] for none; `draft_many`: each of a step's sequences' (one at a time, unless a drafter batches them),
+    `slots` their cache slots in the target (read by drafters that keep state per sequence).
+    `reads_hidden`: the drafter drafts from the target's last hidden states, which the caller gives it after each
+    step of the target (`observe`)."""
+
+    reads_hidden = False
 
     def draft(self, tokens: list[int]) -> list[int]:
         raise NotImplementedError
 
-    def draft_many(self, seqs: list[list[int]]) -> list[list[int]]:
+    def draft_many(self, seqs: list[list[int]], slots: list[int] | None = None) -> list[list[int]]:
         return [self.draft(s) for s in seqs]
+
+    def observe(self, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        """After a step of the target (prefill or verify), for drafters that read hidden states: per sequence
+        (slot, first, hidden [m, D], next [m]): the tokens it kept at positions first .. first + m - 1 (the
+        prompt; or the fed token and the accepted drafts), their last layer's outputs (the final norm's input), and
+        each one's next token (the prompt's next, then the sampled one; the accepted drafts, then the correction or
+        bonus). Its drafts after that step extend exactly that sequence."""
 
 
 class NgramDrafter(Drafter):
@@ -174,9 +188,9 @@ class DraftModelDrafter(Drafter):
         return self.draft_many([tokens])[0]
 
     @torch.inference_mode()
-    def draft_many(self, seqs: list[list[int]]) -> list[list[int]]:
+    def draft_many(self, seqs: list[list[int]], slots: list[int] | None = None) -> list[list[int]]:
         """Each sequence's drafts, the sequences' steps run together (at most as many sequences a group as the
-        draft engine has cache slots)."""
+        draft engine has cache slots; the draft engine's slots are its own, the target's `slots` unused)."""
         out: list[list[int]] = [[] for _ in seqs]
         live = [i for i, q in enumerate(seqs) if min(self.k, self.engine.max_seq_len - len(q)) > 0]
         n = len(self.held)
@@ -234,6 +248,93 @@ def draft_model_drafter(model: str, k: int, vocab_size: int, *, device, dtype: s
     draft = Engine.from_pretrained(model, device=device, dtype=dtype, seed=seed, executor=executor,
                                    max_batch=max_batch, max_seq_len=max_seq_len)
     return DraftModelDrafter(draft, k, vocab_size)
+
+
+class MtpDrafter(Drafter):
+    """Drafts by the model's multi-token-prediction layer (mtp.py), held by `engine` (Engine.mtp_weights), with a
+    cache of the target's slots and positions. After each step of the target (`observe`) the layer runs over the
+    positions the sequence kept, each with its next token: that writes their entries of its cache (over what
+    earlier drafts wrote there) and gives, at the last, the first draft and the layer's output. `draft_many` chains
+    the layer from there, k - 1 steps of one token a sequence at the positions that follow (their entries are
+    written over by the next `observe` before any query of the layer can see them: its attention is masked by
+    position). A sequence is drafted for only when the last `observe` of its slot left it at its length. Greedy:
+    each draft is the argmax of the layer's logits; from non-finite logits no further draft is proposed."""
+
+    reads_hidden = True
+
+    def __init__(self, engine: Engine, k: int):
+        from .mtp import MtpLayer, mtp_refusal
+
+        if not 1 <= k <= MAX_DRAFT:
+            raise RequestError(f"draft tokens must be in [1, {MAX_DRAFT}], got {k}")
+        why = mtp_refusal(engine.cfg)
+        if why:
+            raise RequestError(why)
+        if engine.parallel is not None:
+            raise RequestError("the MTP drafter runs in one process (no expert parallelism)")
+        if engine.mtp_weights is None:
+            raise RequestError("the engine holds no MTP layer weights (build it with Engine.from_pretrained(..., "
+                               "mtp=True), or give Engine the MTP layer's tensors)")
+        w = engine.executor.weights
+        embed = "model.embed_tokens.weight"
+        head = w[embed if engine.cfg.tie_word_embeddings else "lm_head.weight"]
+        self.layer = MtpLayer(engine.cfg, {**engine.mtp_weights, embed: w[embed]}, head, engine.cache.num_slots,
+                              engine.max_seq_len)
+        self.k, self.max_len, self.device = k, engine.max_seq_len, engine.device
+        # per target slot: (the sequence's length, its first draft [1], the layer's output at its last kept position
+        # [1, D], whether the logits of that draft were finite [1]), on the device
+        self.ready: dict[int, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def observe(self, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
+        pieces = [p for p in pieces if len(p[2])]
+        if not pieces:
+            return
+        dev = self.device
+        lens = [len(h) for _, _, h, _ in pieces]
+        starts = [sum(lens[:j]) for j in range(len(lens))]
+        step = Step(tokens=torch.cat([torch.as_tensor(nx, device=dev).long() for _, _, _, nx in pieces]),
+                    positions=torch.cat([torch.arange(p, p + m) for (_, p, _, _), m in zip(pieces, lens)]).to(dev),
+                    slots=torch.cat([torch.full((m,), s) for (s, _, _, _), m in zip(pieces, lens)]).to(dev),
+                    logit_rows=torch.tensor([st + m - 1 for st, m in zip(starts, lens)], device=dev),
+                    kv_len=max(p + m for (_, p, _, _), m in zip(pieces, lens)),
+                    segments=[(st, st + m, s) for st, m, (s, _, _, _) in zip(starts, lens, pieces)])
+        out, logits = self.layer(step, torch.cat([h for _, _, h, _ in pieces]))
+        tok, ok = logits.argmax(-1), torch.isfinite(logits).all(-1)
+        for j, ((s, p, _, _), m, st) in enumerate(zip(pieces, lens, starts)):
+            self.ready[s] = (p + m + 1, tok[j:j + 1], out[st + m - 1:st + m], ok[j:j + 1])
+
+    @torch.inference_mode()
+    def draft_many(self, seqs: list[list[int]], slots: list[int] | None = None) -> list[list[int]]:
+        if slots is None or len(slots) != len(seqs):
+            raise ValueError("the MTP drafter drafts for sequences by their cache slots: give draft_many `slots`")
+        out: list[list[int]] = [[] for _ in seqs]
+        rows = [i for i, (q, s) in enumerate(zip(seqs, slots)) if s in self.ready
+                and self.ready[s][0] == len(q) and self.max_len > len(q)]
+        if not rows:
+            return out
+        ks = [min(self.k, self.max_len - len(seqs[i])) for i in rows]  # the layer's positions stay in its cache
+        ready = [self.ready[slots[i]] for i in rows]
+        toks, hs = torch.cat([r[1] for r in ready]), torch.cat([r[2] for r in ready])
+        drafts, finite = [toks], [torch.cat([r[3] for r in ready])]
+        dev = self.device
+        for r in range(1, max(ks)):
+            live = torch.tensor([j for j, kj in enumerate(ks) if kj > r], device=dev)
+            pos = torch.tensor([len(seqs[i]) - 2 + r for i, kj in zip(rows, ks) if kj > r], device=dev)
+            step = Step(tokens=drafts[-1][live], positions=pos,
+                        slots=torch.tensor([slots[i] for i, kj in zip(rows, ks) if kj > r], device=dev),
+                        logit_rows=torch.arange(len(live), device=dev), kv_len=int(pos.max()) + 1)
+            h, logits = self.layer(step, hs[live])
+            nxt, ok = torch.zeros_like(toks), torch.zeros_like(finite[0])
+            nxt[live], ok[live] = logits.argmax(-1), torch.isfinite(logits).all(-1)
+            hs = hs.index_copy(0, live, h)
+            drafts.append(nxt)
+            finite.append(ok)
+        got, fine = torch.stack(drafts, 1).tolist(), torch.stack(finite, 1).tolist()
+        for j, (i, kj) in enumerate(zip(rows, ks)):
+            n = next((r for r in range(kj) if not fine[j][r]), kj)
+            out[i] = got[j][:n]
+        return out
 
 
 @dataclass
@@ -341,8 +442,13 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
     limit = engine.max_seq_len
     gen = torch.Generator(device=engine.device).manual_seed(seed)
     t0 = time.perf_counter()
-    logits = engine.prefill(prompts)
+    hidden = [] if drafter.reads_hidden else None
+    logits = engine.prefill(prompts, hidden=hidden)
     tok, lp = sample(logits, sampling, gen)
+    if hidden and max_new_tokens:  # the prompts' last hidden states, each position's next token
+        at = [sum(map(len, prompts[:i])) for i in range(len(prompts))]
+        nexts = [torch.cat((torch.tensor(p[1:], device=tok.device), tok[i:i + 1])) for i, p in enumerate(prompts)]
+        drafter.observe([(i, 0, hidden[0][a:a + len(p)], nx) for i, (a, p, nx) in enumerate(zip(at, prompts, nexts))])
     out = [[int(t)] for t in tok.tolist()] if max_new_tokens else [[] for _ in prompts]
     lps = [[v] for v in lp.tolist()] if max_new_tokens else [[] for _ in prompts]
     t1 = time.perf_counter()
@@ -351,21 +457,24 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
     while live:
         seqs = [prompts[i] + out[i] for i in live]
         feeds = []
-        for i, seq, d in zip(live, seqs, drafter.draft_many(seqs)):
+        for i, seq, d in zip(live, seqs, drafter.draft_many(seqs, live)):
             room = min(max_new_tokens - len(out[i]) - 1, limit - len(seq))  # tokens past the correction's
             feeds.append([seq[-1]] + d[:max(room, 0)])
-        step, starts = verify_step(feeds, [len(prompts[i]) + len(out[i]) - 1 for i in live], live, engine.device)
-        logits = engine.executor.run_ops(step).buf["logits"]  # the executor's prefill ops, every row's logits
+        firsts = [len(prompts[i]) + len(out[i]) - 1 for i in live]  # the position of each sequence's last token
+        step, starts = verify_step(feeds, firsts, live, engine.device)
+        ctx = engine.executor.run_ops(step)  # the executor's prefill ops, every row's logits
+        logits = ctx.buf["logits"]
         bad = ~torch.isfinite(logits).all(-1)
         if bool(bad.any()):
             n = int(bad.nonzero()[0, 0])
             i = next(i for i, s, f in zip(live, starts, feeds) if s <= n < s + len(f))
             raise NonFiniteError(f"sequence {i}: the logits at position {int(step.positions[n])} hold NaN or inf")
         steps += 1
-        still, kept = [], {}
+        still, kept, seen = [], {}, []
         for j, (i, f, s) in enumerate(zip(live, feeds, starts)):
             emit, got = accept(logits[s:s + len(f)], f, sampling, gen)
             kept[j] = len(emit)  # fed tokens whose state stays: the last token and the accepted drafts
+            seen.append((i, firsts[j], s, emit))
             drafted += len(f) - 1
             accepted += len(emit) - 1
             for t, v in zip(emit, got):
@@ -376,6 +485,10 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
             if out[i][-1] not in eos and len(out[i]) < max_new_tokens:
                 still.append(i)
         rewind_states(step, kept)
+        if drafter.reads_hidden and still:
+            h = ctx.buf[final_norm_input(engine.plan)]
+            drafter.observe([(i, p, h[s:s + len(e)], torch.tensor(e, device=h.device)) for i, p, s, e in seen
+                             if i in still])
         live = still
     t2 = time.perf_counter()
     return SpeculativeResult(out, lps, steps, drafted, accepted, t1 - t0, t2 - t1)

@@ -31,6 +31,9 @@ class Step:
     # Prefill only: when a list, each KDA layer appends, per segment, the state after each of its tokens
     # (reference/kda.py, `KdaTrace`), so a verify step's rejected drafts can be taken back (speculative.py).
     state_trace: list | None = None
+    # Prefill only: when a list, the executor appends the last layer's output of every token [N, D] (the final
+    # norm's input; the MTP drafter's input, speculative.MtpDrafter).
+    last_hidden: list | None = None
 
     @property
     def num_tokens(self) -> int:

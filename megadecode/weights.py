@@ -148,6 +148,41 @@ def param_specs(cfg: ModelConfig, shard: ExpertShard | None = None) -> dict[str,
     return {s.name: s for s in specs}
 
 
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its MTP layer as one more decoder layer, index L = num_layers, made as DeepSeek-V3 makes layer L
+    (a MoE layer from first_k_dense_replace on; transformers' default 3 where config.json leaves it out): the MTP
+    layer's decoder tensors and plan ops are that layer's (mtp.py)."""
+    if cfg.num_mtp_layers < 1:
+        raise ValueError(f"a {cfg.family} model with no MTP layer (num_nextn_predict_layers 0) has no MTP config")
+    L = cfg.num_layers
+    first_dense = cfg.moe_layers.index(True) if any(cfg.moe_layers) else cfg.hf.get("first_k_dense_replace", 3)
+    return replace(cfg, num_layers=L + 1, moe_layers=cfg.moe_layers + (L >= first_dense,), num_mtp_layers=0)
+
+
+def mtp_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """The tensors of the model's MTP layer (DeepSeek-V3's layout under model.layers.{L}, L = num_layers), empty
+    when it has none: `enorm`, `hnorm` [D] (the norms of the next token's embedding and of the hidden state),
+    `eh_proj` [D, 2D] (over the two concatenated in that order), the decoder layer's tensors (`mtp_config`), and
+    `shared_head.norm` [D] and `shared_head.head` [V, D] (a checkpoint may leave the head out: the model's lm_head
+    then). The embedding is the model's (a checkpoint's `model.layers.{L}.embed_tokens` is a copy of it). Only the
+    first MTP layer: the MTP drafter runs one."""
+    if cfg.num_mtp_layers < 1:
+        return {}
+    D, p = cfg.hidden_size, f"model.layers.{cfg.num_layers}"
+    specs = [ParamSpec(f"{p}.enorm.weight", (D,), "norm"), ParamSpec(f"{p}.hnorm.weight", (D,), "norm"),
+             ParamSpec(f"{p}.eh_proj.weight", (D, 2 * D), "linear")]
+    specs += [s for n, s in param_specs(mtp_config(cfg)).items() if n.startswith(p + ".")]
+    specs += [ParamSpec(f"{p}.shared_head.norm.weight", (D,), "norm"),
+              ParamSpec(f"{p}.shared_head.head.weight", (cfg.vocab_size, D), "linear")]
+    return {s.name: s for s in specs}
+
+
+def mtp_generator(seed: int, device="cpu") -> torch.Generator:
+    """The random stream of the MTP layer's tensors: a stream of its own (seed + 2**32, never a model's seed: those
+    are below 2**32), so the model's weights are the same with or without them."""
+    return torch.Generator(device=device).manual_seed(seed + 2**32)
+
+
 def _experts(prefix: str, gate_up: tuple, down: tuple, fp8_block: tuple[int, int] | None) -> list[ParamSpec]:
     """Stacked routed experts: float, or FP8 values + their block scales (module doc)."""
     out = []
@@ -267,11 +302,14 @@ def random_experts(spec: ParamSpec, gen: torch.Generator, device, dtype: torch.d
 
 
 def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0,
-                   shard: ExpertShard | None = None, progress=None) -> dict[str, torch.Tensor]:
+                   shard: ExpertShard | None = None, progress=None, mtp: bool = False) -> dict[str, torch.Tensor]:
     """Random weights built directly on `device` (benchmarks build 60 GB models this way, on the GPU). Stacked
     routed experts are drawn expert by expert (`random_experts`); with `shard`, only the rank's own experts are
     kept, with the values the whole model holds for them, and of an untied lm_head the rank's rows. `progress`:
-    called after each tensor as progress(bytes, total bytes) (`WeightProgress`)."""
+    called after each tensor as progress(bytes, total bytes) (`WeightProgress`). `mtp`: the MTP layer's tensors
+    too (`mtp_specs`, none without an MTP layer), from their own stream (`mtp_generator`)."""
+    if mtp and shard is not None:
+        raise ValueError("the MTP layer's weights are built for one process (no expert parallelism)")
     gen = torch.Generator(device=device).manual_seed(seed)
     lo, hi = (0, None) if shard is None else (shard.lo, shard.hi)
     tick = WeightProgress(cfg, dtype, shard, progress)
@@ -282,6 +320,10 @@ def random_weights(cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: in
     v = vocab_shard(cfg, shard)
     if v is not None:  # drawn whole (the stream passes every row), the rank's rows kept
         out["lm_head.weight"] = shard_rows(out["lm_head.weight"], v)
+    if mtp:
+        gen = mtp_generator(seed, device)
+        for name, s in mtp_specs(cfg).items():
+            out[name] = random_experts(s, gen, device, dtype) if s.stacked else random_tensor(s, gen, device, dtype)
     return out
 
 

@@ -27,7 +27,7 @@ LAYERS = [
                    "megadecode.backends.fused.executor", "megadecode.backends.fused.parallel_moe",
                    "megadecode.backends.mega.executor", "megadecode.backends.mega.pyvm_executor")),
     ("engine", ("megadecode.engine", "megadecode.sequence", "megadecode.scheduler", "megadecode.runner",
-                "megadecode.speculative")),
+                "megadecode.speculative", "megadecode.mtp")),
     ("top", ("megadecode.args", "megadecode.measure", "megadecode.ranks", "megadecode.bench", "megadecode.bench_moe", "megadecode.tune",
              "megadecode.validate", "megadecode.serve", "megadecode.cli", "megadecode.__main__")),
 ]

@@ -110,3 +110,35 @@ def test_a_draft_model_drafts_for_the_server(capsys):
         r.close()
     assert "--speculative draft needs --draft-model" in fails(capsys, ["serve", "--speculative", "draft"])
     assert "--draft-model needs --speculative draft" in fails(capsys, ["serve", "--draft-model", QWEN])
+
+
+def test_the_mtp_layer_drafts_for_the_server(capsys):
+    """`serve --speculative mtp` (Server.build mtp_draft_tokens): the MTP drafter is given the prefills' hidden
+    states (two choices of one prompt share a prefill, copied into the second's slot) and the verify steps';
+    greedy completions are the engine's own, batched with different lengths; a model without an MTP layer is
+    refused in one line."""
+    from megadecode.engine import Engine
+    from megadecode.sampling import SamplingParams
+    from test_cli import fails
+
+    mtp = "tiny-deepseek-v3-mtp"
+    r = Running(Server.build(mtp, max_batch=3, max_seq_len=MAX_SEQ, mtp_draft_tokens=3))
+    try:
+        client = r.client()
+
+        def one(p):
+            return client.completions.create(model=mtp, prompt=p, max_tokens=20, temperature=0, n=2 if p == "ab" else 1,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+
+        prompts = ["Hello there", "ab"]
+        with cf.ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(one, prompts))
+        eng = Engine.from_pretrained(mtp, max_batch=1, max_seq_len=MAX_SEQ)
+        for p, out in zip(prompts, outs):
+            want = eng.generate([list(ids(p))], 20, SamplingParams(greedy=True), stop_at_eos=False).token_ids[0]
+            assert [c.token_ids for c in out.choices] == [want] * len(out.choices), p
+        assert r.metric("megadecode_spec_draft_tokens_total") > 0
+    finally:
+        r.close()
+    err = fails(capsys, ["serve", "--model", "tiny-deepseek-v3", "--speculative", "mtp"])
+    assert "--speculative mtp: the MTP drafter needs a model with a multi-token-prediction layer" in err

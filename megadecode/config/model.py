@@ -4,7 +4,8 @@ Families:
   qwen3_moe    GQA + RoPE with q/k RMSNorm, softmax router, top-k, optional renormalisation.
   deepseek_v3  MLA (absorbed decode), sigmoid router with a selection-only correction bias
                (`noaux_tc`), expert groups, renormalisation, routed scaling, shared experts,
-               the first `first_k_dense_replace` layers dense. `kimi_k2` is the same architecture.
+               the first `first_k_dense_replace` layers dense; optional multi-token-prediction layers
+               after the last (`num_mtp_layers`). `kimi_k2` is the same architecture.
   kimi_linear  hybrid: KDA layers (Kimi Delta Attention: short causal conv over q/k/v, gated delta rule
                with a per-channel decay, gated RMSNorm output) and MLA layers without positional
                encoding (the `qk_rope_head_dim` part of the key is shared across heads but never
@@ -97,6 +98,9 @@ class ModelConfig:
     mla_output_gate: bool = False  # o = o_proj(attn * sigmoid(x W_gate^T))
     attn_res_block_size: int = 0  # > 0: Block Attention Residuals with blocks of this many layers
     tie_word_embeddings: bool = False
+    # DeepSeek-V3's multi-token-prediction (MTP) layers after the last layer (config.json num_nextn_predict_layers):
+    # not part of the decode step; the MTP drafter's (megadecode/mtp.py)
+    num_mtp_layers: int = 0
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     hf: dict = field(default_factory=dict, compare=False, repr=False)
@@ -165,6 +169,9 @@ class ModelConfig:
         if self.family == "kimi_linear":
             need(self.n_shared_experts >= 1 or not any(self.moe_layers),
                  "kimi_linear MoE layers always run a shared expert: num_shared_experts must be >= 1")
+        need(isinstance(self.num_mtp_layers, int) and not isinstance(self.num_mtp_layers, bool)
+             and self.num_mtp_layers >= 0,
+             f"num_nextn_predict_layers must be an integer >= 0, got {self.num_mtp_layers!r}")
         need(self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor),
              f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor}")
         for t in self.eos_token_id:
@@ -179,6 +186,8 @@ class ModelConfig:
         """The config.json field a ModelConfig field is read from (error messages name what the user wrote)."""
         if name == "num_experts":
             return "n_routed_experts" if self.family == "deepseek_v3" else "num_experts"
+        if name == "num_mtp_layers":
+            return "num_nextn_predict_layers"
         return _HF_NAMES.get(name, name)
 
     # ---- derived sizes ------------------------------------------------------------------------

@@ -53,8 +53,9 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler,
                  emit: Callable[[list[tuple[Sequence, Delta]]], None], metrics=None, overlap: bool = True,
                  drafter=None):
-        """`drafter` (speculative.NgramDrafter or DraftModelDrafter): decode steps verify its drafts (ModelRunner.verify) instead of
-        one token a sequence, eagerly and without a step launched ahead."""
+        """`drafter` (speculative.NgramDrafter, DraftModelDrafter or MtpDrafter): decode steps verify its drafts
+        (ModelRunner.verify) instead of one token a sequence, eagerly and without a step launched ahead; a drafter
+        that reads hidden states is given the prefills' too."""
         self.runner, self.scheduler, self.emit, self.overlap = runner, scheduler, emit, overlap
         self.drafter = drafter
         self._pending = None  # a launched decode step (runner.Launched) not collected yet
@@ -218,7 +219,7 @@ class EngineLoop:
     def _prefill(self, admitted: list[Sequence], out: list) -> None:
         t = time.perf_counter()
         try:
-            results = self.runner.prefill(admitted)
+            results = self.runner.prefill(admitted, self.drafter)
         except Exception:  # noqa: BLE001 - find the culprit: each newcomer alone
             if len(admitted) == 1:
                 e = traceback.format_exc()

@@ -126,7 +126,7 @@ def build_server(args, ep, progress=None):
     cfg = model_config(args.model)
     resolve_executor(args, cfg, args.max_batch, ep is None or ep.rank == 0)
     drafter = None
-    if args.speculative:
+    if args.speculative in ("ngram", "draft"):  # mtp: the engine's own MTP layer, built with it (Server.build)
         from ..speculative import NgramDrafter, draft_model_drafter
 
         if args.speculative == "ngram":
@@ -143,7 +143,8 @@ def build_server(args, ep, progress=None):
                  model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                  batch_sizes=args.batch_sizes, max_prefill_tokens=args.max_prefill_tokens or args.max_seq_len,
                  parallel=ranks.expert_parallel(ep, cfg), mirror=Leader(ep) if leads else None,
-                 progress=progress, drafter=drafter)
+                 progress=progress, drafter=drafter,
+                 mtp_draft_tokens=args.num_draft_tokens if args.speculative == "mtp" else 0)
 
 
 def follow(server, ep) -> int:
@@ -167,7 +168,14 @@ def cmd_serve(args, argv) -> int:
     check_args(args)
     args.served_model_name = args.served_model_name or args.model  # ORG/NAME stays the name requests give
     args.model = resolve_model(args.model)  # its snapshot in the local hub cache
-    ranks.check(model_config(args.model), args.ep)
+    cfg = model_config(args.model)
+    ranks.check(cfg, args.ep)
+    if args.speculative == "mtp":
+        from ..mtp import mtp_refusal
+
+        why = mtp_refusal(cfg)
+        if why:
+            raise ValueError(f"--speculative mtp: {why}")
     if ranks.must_spawn(args.ep):
         return ranks.spawn(argv, args.ep)
     # Two threads share the GIL: the engine loop and the HTTP event loop. A thread waiting for it gets it only

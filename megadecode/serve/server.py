@@ -53,8 +53,8 @@ class Server:
                  batch_sizes: list[int] | None = None, pad: bool | None = None, max_prefill_tokens: int | None = None,
                  mirror=None, drafter=None):
         """`mirror`: expert parallelism's rank 0 publishes every step to the other ranks (serve/lockstep.py).
-        `drafter`: speculative decoding (speculative.NgramDrafter or DraftModelDrafter; one process; a KDA layer's
-        state is rewound to the accepted prefix)."""
+        `drafter`: speculative decoding (speculative.NgramDrafter, DraftModelDrafter or MtpDrafter; one process; a
+        KDA layer's state is rewound to the accepted prefix)."""
         if drafter is not None:
             from ..speculative import check_speculative
 
@@ -76,14 +76,23 @@ class Server:
     @classmethod
     def build(cls, model: str, *, max_batch: int, executor: str = "torch", device: str = "cpu",
               dtype: str = "float32", max_seq_len: int | None = None, seed: int = 0, check_finite: bool = False,
-              ignore_unknown: bool = False, parallel=None, progress=None, **kw) -> "Server":
+              ignore_unknown: bool = False, parallel=None, progress=None, mtp_draft_tokens: int = 0,
+              **kw) -> "Server":
+        """`mtp_draft_tokens` > 0: speculative decoding with the model's multi-token-prediction layer drafting that
+        many tokens a sequence a step (speculative.MtpDrafter: the engine holds the MTP layer's weights)."""
         from ..presets import PRESETS
         from ..tokenizer import load_tokenizer
 
+        if mtp_draft_tokens and kw.get("drafter") is not None:
+            raise ValueError("one drafter: the MTP layer's (mtp_draft_tokens) or `drafter`, not both")
         engine = Engine.from_pretrained(model, device=device, dtype=dtype, executor=executor, seed=seed,
                                         check_finite=check_finite, ignore_unknown=ignore_unknown,
                                         max_batch=max_batch + 1, max_seq_len=max_seq_len, parallel=parallel,
-                                        progress=progress)
+                                        progress=progress, mtp=mtp_draft_tokens > 0)
+        if mtp_draft_tokens:
+            from ..speculative import MtpDrafter
+
+            kw["drafter"] = MtpDrafter(engine, mtp_draft_tokens)
         tok = load_tokenizer(None if model in PRESETS else model)
         kw.setdefault("model_name", model)
         return cls(engine, tok, **kw)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import KVCache
-from ...plan import DecodePlan
+from ...plan import DecodePlan, final_norm_input
 from ...step import Step
 from .. import expert_layout
 from ..base import ExecutorBase
@@ -56,8 +56,11 @@ class TorchExecutor(ExecutorBase):
 
     @torch.inference_mode()
     def prefill(self, step: Step) -> torch.Tensor:
-        logits = self.run_ops(step).buf["logits"]
+        ctx = self.run_ops(step)
+        logits = ctx.buf["logits"]
         self.flag_nonfinite(logits, step)
+        if step.last_hidden is not None:
+            step.last_hidden.append(ctx.buf[final_norm_input(self.plan)])
         return logits
 
     @torch.inference_mode()

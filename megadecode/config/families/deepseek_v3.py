@@ -58,4 +58,7 @@ def parse(d: dict) -> ModelConfig:
         v_head_dim=hf_field(r, "v_head_dim", type_=int), rope_interleave=bool(r.get("rope_interleave", True)),
         num_kv_heads=hf_field(r, "num_key_value_heads", c["num_heads"], type_=int),
         expert_quant=quant, weight_block=block,
+        # read as written: DeepseekV3Config fills in 1 where config.json leaves it out, and a checkpoint without
+        # the field holds no MTP layer (Kimi K2's says 0)
+        num_mtp_layers=hf_field(d, "num_nextn_predict_layers", 0, type_=int),
     )
