@@ -194,14 +194,14 @@ class ModelRunner:
     def verify(self, seqs: list[Sequence], drafter) -> tuple[list[list[tuple[int, float, bool, tuple]]], int, int]:
         """One speculative step (speculative.py): each sequence that may take drafts (no penalties, logit bias,
         structured output guide, top logprobs, or min_tokens still to go) feeds its last token and up to k tokens of
-        `drafter`'s at their positions, the others their last token alone, all in one step of the executor's
-        prefill ops; a drafted sequence keeps the drafts it accepts (greedy: its argmax; sampling: the rejection
-        rule) and one token of the model's, the others sample as in a decode step. Returns, per sequence, its new
-        tokens as `collect` gives them, and the draft tokens proposed and accepted. Eager and synchronous: no graph
-        replay, no step launched ahead. A drafter that reads hidden states (speculative.MtpDrafter) is given every
-        sequence's kept positions' (`observe`)."""
-        from .plan import final_norm_input
-        from .speculative import accept, rewind_states, verify_step
+        `drafter`'s at their positions, the others their last token alone, all in one step (speculative.run_verify:
+        a decode step of the fed tokens where the executor and model allow, its captured graph replayed; else the
+        executor's prefill ops, eagerly); a drafted sequence keeps the drafts it accepts (greedy: its argmax;
+        sampling: the rejection rule) and one token of the model's, the others sample as in a decode step. Returns,
+        per sequence, its new tokens as `collect` gives them, and the draft tokens proposed and accepted.
+        Synchronous: no step launched ahead. A drafter that reads hidden states (speculative.MtpDrafter) is given
+        every sequence's kept positions' (`observe`)."""
+        from .speculative import accept, rewind_states, run_verify
 
         self._generators(seqs)
         takes = [i for i, s in enumerate(seqs) if not s.params.penalized and not s.params.logit_bias
@@ -213,9 +213,8 @@ class ModelRunner:
             room = min(s.max_tokens - len(s.output) - 1, self.engine.max_seq_len - s.num_tokens)
             feeds.append([s.last_token] + drafts.get(i, [])[:max(room, 0)])
         dev = self.device
-        step, starts = verify_step(feeds, [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], dev)
-        ctx = self._published(self.engine.executor.run_ops, step)
-        logits = ctx.buf["logits"]
+        step, starts, logits, h = run_verify(self.engine, feeds, [s.num_tokens - 1 for s in seqs],
+                                             [s.slot for s in seqs], hidden=drafter.reads_hidden, call=self._published)
         results: list = [None] * len(seqs)
         plain = [i for i, f in enumerate(feeds) if len(f) == 1]
         if plain:  # no drafts: the decode step's sampling (penalties, bias, guides, bans, top logprobs)
@@ -239,7 +238,6 @@ class ModelRunner:
             results[i] = [(t, lp, True, ()) for t, lp in zip(emit, lps)]
         rewind_states(step, kept)
         if drafter.reads_hidden:
-            h = ctx.buf[final_norm_input(self.engine.plan)]
             done = [(s, st, [t for t, _, ok, _ in r]) for s, st, r in zip(seqs, starts, results) if r[-1][2]]
             drafter.observe([(s.slot, s.num_tokens - 1, h[st:st + len(e)], to_device(e, torch.int64, self.device))
                              for s, st, e in done])

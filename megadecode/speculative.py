@@ -9,12 +9,14 @@ target's distribution at that position (after temperature, min-p, top-k, top-p);
 replaced by a draw from p with d removed, renormalised; when all are accepted the bonus token is drawn from p at
 the last position. Each emitted token is then distributed as the target's sampler would draw it.
 
-The verify step feeds each sequence its last token and its drafts at their positions (a prefill step of segments
-that continue the sequences' caches: attention reads the cached positions and the step's own, causally) and takes
-the logits of every position; it runs the executor's prefill ops (eager: the reference's on `torch` and `mega`, the
-graph's on `graph` and `fused`), so today it shows the method, not its speed. Drafts the target rejects leave cache
-entries past the sequence's length, which the next step overwrites before any query can see them (attention is
-masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) continue it from the slot's
+The verify step feeds each sequence its last token and its drafts at their positions and takes the logits of every
+position (`run_verify`). Where the executor and model allow (`verifies_as_decode`: not the megakernel, no KDA layers)
+it is a decode step of all the fed tokens, a row per token: each row writes its cache entry before any row reads the
+cache, and attends to the positions up to its own, so the step is causal within a sequence; on CUDA the executor's
+captured decode graph of that many rows replays it (`fused`: its kernels). Otherwise it is a prefill step of
+segments that continue the sequences' caches, run eagerly by the executor's prefill ops. Drafts the target rejects
+leave cache entries past the sequence's length, which the next step overwrites before any query can see them
+(attention is masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) continue it from the slot's
 state (`Step.seg_first`) and record the state after each fed token (`Step.state_trace`); the state after the
 accepted prefix is put back (`rewind_states`), so rejected drafts leave no trace in it. The record is transient:
 per KDA layer and sequence, k + 1 copies of the recurrent state (H x K x K fp32) and of the conv's window.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine, NonFiniteError, RequestError
-from .plan import final_norm_input
+from .plan import ATTN_KDA, final_norm_input
 from .sampling import SamplingParams, race, sample, target_probs
 from .step import Step
 
@@ -396,6 +398,40 @@ def verify_step(feeds: list[list[int]], first: list[int], slots: list[int], devi
     return step, starts
 
 
+def verifies_as_decode(engine: Engine) -> bool:
+    """Whether the verify step runs as a decode step of its fed tokens (`run_verify`): the executor's decode step
+    writes all of a step's cache entries before any row reads the cache (ExecutorBase.decode_verifies: not the
+    megakernel's), and no layer carries a recurrent state from one of the step's tokens to the next (KDA layers:
+    kimi_linear, kimi_k3, whose decode step advances a slot's state once)."""
+    return engine.executor.decode_verifies and not any(op.kind == ATTN_KDA for op in engine.plan.ops)
+
+
+def run_verify(engine: Engine, feeds: list[list[int]], first: list[int], slots: list[int], *, hidden: bool = False,
+               call=None) -> tuple[Step, list[int], torch.Tensor, torch.Tensor | None]:
+    """The verify step of sequences feeding feeds[i] at positions first[i] onwards in cache slots slots[i] (as
+    verify_step's), run by the engine's executor. Returns (the step, each feed's first row, the logits of every
+    row [rows, V] fp32, and with `hidden` the last layer's output of every row [rows, D], else None).
+    Where `verifies_as_decode` and no hidden states are wanted, the step is a decode step of all the fed tokens
+    (a row per token: its slot, its position; the executor's captured decode graph of that many rows, its fused
+    kernels): each row writes its cache entry, then attends to positions up to its own, which the earlier rows of
+    its sequence wrote in the same step. Otherwise the executor's prefill ops run it eagerly (segments that
+    continue the slots' sequences, KDA's state recorded per token). The decode form's logits may be the captured
+    graph's output buffer: read them before the next step. `call(fn, step)`: how to run the executor's method (the
+    runner's publishing wrapper); default fn(step)."""
+    call = call or (lambda fn, st: fn(st))
+    dev = engine.device
+    if not hidden and verifies_as_decode(engine):
+        lens = [len(f) for f in feeds]
+        step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=dev),
+                    positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(dev),
+                    slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(dev),
+                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)))
+        return step, [sum(lens[:j]) for j in range(len(lens))], call(engine.executor.decode, step), None
+    step, starts = verify_step(feeds, first, slots, dev)
+    ctx = call(engine.executor.run_ops, step)
+    return step, starts, ctx.buf["logits"], ctx.buf[final_norm_input(engine.plan)] if hidden else None
+
+
 def rewind_states(step: Step, kept: dict[int, int]) -> None:
     """After a verify step: the KDA state of segment j put back to what it was after the first kept[j] tokens
     it fed (its last token and the drafts it accepted); segments not named, or that kept every token, stay."""
@@ -461,9 +497,7 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
             room = min(max_new_tokens - len(out[i]) - 1, limit - len(seq))  # tokens past the correction's
             feeds.append([seq[-1]] + d[:max(room, 0)])
         firsts = [len(prompts[i]) + len(out[i]) - 1 for i in live]  # the position of each sequence's last token
-        step, starts = verify_step(feeds, firsts, live, engine.device)
-        ctx = engine.executor.run_ops(step)  # the executor's prefill ops, every row's logits
-        logits = ctx.buf["logits"]
+        step, starts, logits, h = run_verify(engine, feeds, firsts, live, hidden=drafter.reads_hidden)
         bad = ~torch.isfinite(logits).all(-1)
         if bool(bad.any()):
             n = int(bad.nonzero()[0, 0])
@@ -486,7 +520,6 @@ def generate(engine: Engine, prompts: list[list[int]], max_new_tokens: int, draf
                 still.append(i)
         rewind_states(step, kept)
         if drafter.reads_hidden and still:
-            h = ctx.buf[final_norm_input(engine.plan)]
             drafter.observe([(i, p, h[s:s + len(e)], torch.tensor(e, device=h.device)) for i, p, s, e in seen
                              if i in still])
         live = still

@@ -236,3 +236,49 @@ def test_long_greedy_generations_with_and_without_speculation_are_the_same(prese
     want = _engine(preset, 2).generate(prompts, 200, SamplingParams(greedy=True), stop_at_eos=False).token_ids
     res = generate(_engine(preset, 2), prompts, 200, NgramDrafter(5), stop_at_eos=False)
     assert res.token_ids == want and res.accepted > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_the_verify_step_as_a_decode_step_equals_its_prefill_form(preset):
+    """run_verify's decode form (a row per fed token, two sequences' feeds of 4 and 1 rows, 5 rows on 2 slots)
+    against the segment form of the same step: every row's logits, and the cache entries both wrote. Each row sees
+    the entries its sequence's earlier rows wrote in the same step: a row that missed them would differ."""
+    from megadecode.speculative import run_verify, verifies_as_decode, verify_step
+
+    prompts, feeds = [[5, 9, 2, 7, 7, 1], [40, 3, 3]], [[11, 4, 30, 8], [17]]
+    first = [len(p) for p in prompts]
+    want, got = _engine(preset, 2), _engine(preset, 2)
+    for e in (want, got):
+        e.prefill(prompts)
+    assert verifies_as_decode(got)
+    step, starts = verify_step(feeds, first, [0, 1], "cpu")
+    ref = want.executor.run_ops(step).buf["logits"]
+    dstep, dstarts, logits, h = run_verify(got, feeds, first, [0, 1])
+    assert dstep.segments is None and dstarts == starts == [0, 4] and h is None
+    assert torch.isfinite(ref).all() and torch.allclose(logits, ref, atol=1e-4, rtol=1e-4)
+    for name in want.cache.layers:
+        for a, b in zip(want.cache[name], got.cache[name]):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), name
+    # a drafter that reads hidden states takes the prefill form, its rows the final norm's input
+    _, _, logits2, h2 = run_verify(got, feeds, first, [0, 1], hidden=True)
+    assert h2.shape == (5, got.cfg.hidden_size) and torch.allclose(logits2, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_verify_step_is_a_prefill_step_where_a_decode_step_would_not_be_causal():
+    """The megakernel's program (pyvm) writes a token's cache entry in the phase where the other tokens read the
+    cache, and a KDA layer's decode step advances a slot's state once: both verify in the prefill form."""
+    from megadecode.speculative import verifies_as_decode
+
+    assert not verifies_as_decode(_engine("tiny-deepseek-v3", 1, executor="pyvm"))
+    assert not verifies_as_decode(_engine("tiny-kimi-linear", 1))
+    assert verifies_as_decode(_engine("tiny-deepseek-v3", 1, executor="graph"))
+
+
+def test_greedy_speculation_on_the_fused_executor_is_its_greedy_generation():
+    """The fused executor's verify step is its decode step of the fed tokens (its Triton kernels, interpreted on
+    the CPU in fp32): the greedy tokens are its greedy generation's."""
+    prompts = [[3, 4, 5, 6] * 4, [8, 1, 8, 1, 8]]
+    want = _engine("tiny-qwen3-moe", 2, executor="fused").generate(prompts, 24, SamplingParams(greedy=True),
+                                                                   stop_at_eos=False).token_ids
+    res = generate(_engine("tiny-qwen3-moe", 2, executor="fused"), prompts, 24, NgramDrafter(3), stop_at_eos=False)
+    assert res.token_ids == want and res.accepted > 0

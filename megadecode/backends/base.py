@@ -54,6 +54,10 @@ class ExecutorBase:
     name = "?"
     seed: torch.Tensor | None = None
     sampled: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Whether a decode step may feed several consecutive positions of one sequence (the same slot on several rows),
+    # each row attending causally to the step's earlier rows: true where every layer's attention writes all the
+    # step's cache entries before any row reads the cache (speculative.py runs its verify step so)
+    decode_verifies = True
 
     def set_sampling(self, params, batch: int = 1) -> bool:
         """Sample inside the decode step for `params` when this executor can; False: the engine samples."""

@@ -24,6 +24,8 @@ from .pyvm_executor import stream_supports
 class MegaExecutor(TorchExecutor):
     name = "mega"
     supports = classmethod(stream_supports)
+    # a token's attention instruction writes its key and value in the phase where the other tokens' read the cache
+    decode_verifies = False
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):

@@ -38,6 +38,7 @@ def stream_supports(cls, cfg) -> str | None:
 class PyVMExecutor(TorchExecutor):
     name = "pyvm"
     supports = classmethod(stream_supports)
+    decode_verifies = False  # the megakernel's program (MegaExecutor.decode_verifies)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False, parallel=None):

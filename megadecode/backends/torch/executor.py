@@ -36,9 +36,10 @@ class TorchExecutor(ExecutorBase):
     def flag_nonfinite(self, logits: torch.Tensor, step: Step) -> None:
         """Record, for each row of `logits` whose values are not all finite, the position of its token unless an
         earlier one is recorded. Device ops only (no host sync), so it runs inside a captured decode step."""
-        seen = self.first_nonfinite[:logits.shape[0]]
-        bad = ~torch.isfinite(logits).all(-1)
-        seen.copy_(torch.where(bad & (seen < 0), step.positions[step.logit_rows], seen))
+        n = min(logits.shape[0], self.first_nonfinite.shape[0])  # a verify step's rows may outnumber the slots
+        seen = self.first_nonfinite[:n]
+        bad = ~torch.isfinite(logits[:n]).all(-1)
+        seen.copy_(torch.where(bad & (seen < 0), step.positions[step.logit_rows[:n]], seen))
 
     def graph_lengths(self, batch: int, kv_lo: int, kv_hi: int) -> list[int]:
         """The kv_len values, one per captured graph, that decode steps of `batch` sequences with kv_len in
