@@ -43,6 +43,9 @@ def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], toke
                                     max_batch=1, max_seq_len=eng.max_seq_len).engine
         drafters.append(("draft", lambda k: DraftModelDrafter(draft, k, eng.cfg.vocab_size)))
     for (kind, make), k in ((d, k) for d in drafters for k in ks):
+        # the verify steps' decode graphs (1 .. k + 1 rows on one slot, speculative.run_verify) captured before the
+        # timed run, as Engine.generate captures its own; the warm-up's writes at slot 0 go before the prefill
+        eng.warmup(list(range(1, k + 2)), prompt_len + 1, prompt_len + tokens + k + 1, slot=0)
         res = generate(eng, [prompt], tokens, make(k), stop_at_eos=False)
         if res.token_ids != plain.token_ids:
             raise AssertionError(f"{kind} k={k}: the speculative output differs from greedy generation")
