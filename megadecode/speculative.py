@@ -10,16 +10,16 @@ replaced by a draw from p with d removed, renormalised; when all are accepted th
 the last position. Each emitted token is then distributed as the target's sampler would draw it.
 
 The verify step feeds each sequence its last token and its drafts at their positions and takes the logits of every
-position (`run_verify`). Where the executor and model allow (`verifies_as_decode`: not the megakernel, no KDA layers)
-it is a decode step of all the fed tokens, a row per token: each row writes its cache entry before any row reads the
-cache, and attends to the positions up to its own, so the step is causal within a sequence; on CUDA the executor's
-captured decode graph of that many rows replays it (`fused`: its kernels). Otherwise it is a prefill step of
-segments that continue the sequences' caches, run eagerly by the executor's prefill ops. Drafts the target rejects
-leave cache entries past the sequence's length, which the next step overwrites before any query can see them
-(attention is masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) continue it from the slot's
-state (`Step.seg_first`) and record the state after each fed token (`Step.state_trace`); the state after the
-accepted prefix is put back (`rewind_states`), so rejected drafts leave no trace in it. The record is transient:
-per KDA layer and sequence, k + 1 copies of the recurrent state (H x K x K fp32) and of the conv's window.
+position (`run_verify`). Where the executor and model allow (`verifies_as_decode`: no KDA layers, and not the
+megakernel's GQA layers) it is a decode step of all the fed tokens, a row per token: each row writes its cache entry
+before any row reads the cache, and attends to the positions up to its own, so the step is causal within a sequence; on
+CUDA the executor's captured decode graph of that many rows replays it (`fused`: its kernels). Otherwise it is a prefill
+step of segments that continue the sequences' caches, run eagerly by the executor's prefill ops. Drafts the target
+rejects leave cache entries past the sequence's length, which the next step overwrites before any query can see them
+(attention is masked by position). Models with a recurrent state (KDA layers: kimi_linear, kimi_k3) continue it from the
+slot's state (`Step.seg_first`) and record the state after each fed token (`Step.state_trace`); the state after the
+accepted prefix is put back (`rewind_states`), so rejected drafts leave no trace in it. The record is transient: per KDA
+layer and sequence, k + 1 copies of the recurrent state (H x K x K fp32) and of the conv's window.
 
 Drafters: `NgramDrafter`, prompt lookup (vLLM's `ngram`): no weights, drafts from text the sequence repeats;
 `DraftModelDrafter`, a smaller model of the same vocabulary (`--draft-model`): its greedy continuation;
@@ -401,8 +401,8 @@ def verify_step(feeds: list[list[int]], first: list[int], slots: list[int], devi
 def verifies_as_decode(engine: Engine) -> bool:
     """Whether the verify step runs as a decode step of its fed tokens (`run_verify`): the executor's decode step
     writes all of a step's cache entries before any row reads the cache (ExecutorBase.decode_verifies: not the
-    megakernel's), and no layer carries a recurrent state from one of the step's tokens to the next (KDA layers:
-    kimi_linear, kimi_k3, whose decode step advances a slot's state once)."""
+    megakernel's GQA layers), and no layer carries a recurrent state from one of the step's tokens to the next
+    (KDA layers: kimi_linear, kimi_k3, whose decode step advances a slot's state once)."""
     return engine.executor.decode_verifies and not any(op.kind == ATTN_KDA for op in engine.plan.ops)
 
 

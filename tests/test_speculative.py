@@ -12,6 +12,7 @@ from megadecode.engine import Engine, RequestError
 from megadecode.presets import preset_config
 from megadecode.sampling import SamplingParams
 from megadecode.speculative import NgramDrafter, generate
+from megadecode.step import Step
 from megadecode.weights import random_weights
 
 
@@ -265,13 +266,26 @@ def test_the_verify_step_as_a_decode_step_equals_its_prefill_form(preset):
 
 
 def test_the_verify_step_is_a_prefill_step_where_a_decode_step_would_not_be_causal():
-    """The megakernel's program (pyvm) writes a token's cache entry in the phase where the other tokens read the
-    cache, and a KDA layer's decode step advances a slot's state once: both verify in the prefill form."""
+    """The megakernel's GQA attention instruction writes its token's cache entry in the phase where the other
+    rows read the cache (pyvm's race check finds it on a decode step of one sequence's 3 rows), and a KDA layer's
+    decode step advances a slot's state once: both verify in the prefill form. Its MLA layers write the cache a
+    phase before attention reads it: no race, and the decode form is taken."""
+    from megadecode.backends.mega.pyvm_executor import PyVMExecutor
     from megadecode.speculative import verifies_as_decode
 
-    assert not verifies_as_decode(_engine("tiny-deepseek-v3", 1, executor="pyvm"))
     assert not verifies_as_decode(_engine("tiny-kimi-linear", 1))
     assert verifies_as_decode(_engine("tiny-deepseek-v3", 1, executor="graph"))
+    for preset, causal in (("tiny-qwen3-moe", False), ("tiny-deepseek-v3", True)):
+        eng = _engine(preset, 1, executor="pyvm")
+        assert verifies_as_decode(eng) is causal
+        vm = PyVMExecutor(eng.plan, eng.executor.weights, eng.cache, check_races=True)
+        step = Step(tokens=torch.tensor([5, 6, 7]), positions=torch.tensor([4, 5, 6]), slots=torch.zeros(3).long(),
+                    logit_rows=torch.arange(3), kv_len=7)
+        if causal:
+            assert torch.isfinite(vm.decode(step)).all()
+        else:
+            with pytest.raises(RuntimeError, match="unordered accesses"):
+                vm.decode(step)
 
 
 def test_greedy_speculation_on_the_fused_executor_is_its_greedy_generation():

@@ -18,14 +18,16 @@ from ...plan import DecodePlan
 from ...step import Step
 from .. import expert_layout
 from ..torch.executor import TorchExecutor
-from .pyvm_executor import stream_supports
+from .pyvm_executor import stream_decode_verifies, stream_supports
 
 
 class MegaExecutor(TorchExecutor):
     name = "mega"
     supports = classmethod(stream_supports)
-    # a token's attention instruction writes its key and value in the phase where the other tokens' read the cache
-    decode_verifies = False
+
+    @property
+    def decode_verifies(self) -> bool:
+        return stream_decode_verifies(self.plan)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):

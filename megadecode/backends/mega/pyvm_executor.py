@@ -35,10 +35,23 @@ def stream_supports(cls, cfg) -> str | None:
     return why and f"the {cls.name} executor cannot run {cfg.family}: {why}"
 
 
+def stream_decode_verifies(plan: DecodePlan) -> bool:
+    """An instruction-stream executor's `decode_verifies`: an MLA layer writes its tokens' cache rows (MLA_KV) two
+    phases before its attention (MLA_ATTN) reads the cache, so a decode step's rows may continue one sequence; a
+    GQA layer's attention instruction writes its token's key and value in the phase where the other rows' read
+    the cache (ATTN_GQA), which would race."""
+    from ...plan import ATTN_GQA
+
+    return not any(op.kind == ATTN_GQA for op in plan.ops)
+
+
 class PyVMExecutor(TorchExecutor):
     name = "pyvm"
     supports = classmethod(stream_supports)
-    decode_verifies = False  # the megakernel's program (MegaExecutor.decode_verifies)
+
+    @property
+    def decode_verifies(self) -> bool:
+        return stream_decode_verifies(self.plan)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False, parallel=None):
