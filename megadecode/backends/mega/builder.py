@@ -25,8 +25,10 @@ MIN_ROWS_B1 = 8
 class Builder:
     """Collects a lowering's instructions, tensor table, arena buffers and phases (one per counter)."""
 
-    def __init__(self, cfg, weights: dict, cache, batch: int, num_ctas: int, sample: str | None):
+    def __init__(self, cfg, weights: dict, cache, batch: int, num_ctas: int, sample: str | None,
+                 causal_rows: bool = False):
         self.cfg, self.B, self.ctas, self.sample = cfg, batch, num_ctas, sample
+        self.causal_rows = causal_rows  # rows may continue one sequence (lower's `causal_rows`)
         self.instrs: list[Instr] = []
         self.tensors: list[Tensor] = []
         self._tidx: dict[str, int] = {}

@@ -51,6 +51,8 @@ F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 
 F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
 F_FRAG = 16384  # EXPERT_UP / EXPERT_DOWN (with F_MXFP4): weights in fragment order (quant/mxfp4_frag.py), tensor cores
 F_ROUTE = 32768  # EXPERT_UP (batch 1, softmax scores): each item picks the experts itself from the router's logits
+F_KV_WRITE = 65536  # ATTN_GQA: only write the token's key and value to the cache (a causal-rows program's write phase)
+F_KV_READ = 131072  # ATTN_GQA: attention over the cache only, its rows written by an F_KV_WRITE phase before
 # (ROUTE's batch-1 semantics), item w = 0 also writing ROUTE's outputs; the layer has no ROUTE phase
 FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
 FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair

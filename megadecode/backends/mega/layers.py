@@ -23,6 +23,8 @@ from .isa import (
     FRAG_TILE,
     F_FRAG,
     F_INTERLEAVED,
+    F_KV_READ,
+    F_KV_WRITE,
     F_MXFP4,
     F_NOPE,
     F_PAIR1,
@@ -69,15 +71,24 @@ def gqa_layer(b: Builder, i: int, p: str, att_bits: int, io: LayerIO) -> None:
     S = b.splits(B * KH)
     b.buf("part", B * H * S * (d + 2))
     kc, vc = b.t(f"cache.{i}.0", "produced"), b.t(f"cache.{i}.1", "produced")
+
+    def attn(s_: int, h: int, s: int, flags: int, name: str) -> None:
+        b.add("ATTN_GQA", i, name, flags, bytes_=0, kc=kc, vc=vc,
+              qkv_off=b.f32["qkv"][0], qkv_stride=(H + 2 * KH) * d, qn_w=b.t(f"{a}.q_norm.weight"),
+              kn_w=b.t(f"{a}.k_norm.weight"), pos_off=b.i32["positions"][0], slot_off=b.i32["slots"][0],
+              b=s_, h=h, s=s, S=S, H=H, KH=KH, d=d, part_off=b.f32["part"][0],
+              scale_bits=f32_bits(d ** -0.5), eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"],
+              att_bits=att_bits, Lmax=b.cache.max_len)
+
+    if b.causal_rows:  # every row's key and value written a phase before any row's attention reads the cache
+        for s_ in range(B):
+            for h in range(KH):
+                attn(s_, h, S - 1, F_KV_WRITE, f"L{i}.kv[{s_},{h}]")
+        b.close(f"L{i}.kv")
     for s_ in range(B):
         for h in range(KH):
             for s in range(S):
-                b.add("ATTN_GQA", i, f"L{i}.attn[{s_},{h},{s}]", 0, bytes_=0, kc=kc, vc=vc,
-                      qkv_off=b.f32["qkv"][0], qkv_stride=(H + 2 * KH) * d, qn_w=b.t(f"{a}.q_norm.weight"),
-                      kn_w=b.t(f"{a}.k_norm.weight"), pos_off=b.i32["positions"][0], slot_off=b.i32["slots"][0],
-                      b=s_, h=h, s=s, S=S, H=H, KH=KH, d=d, part_off=b.f32["part"][0],
-                      scale_bits=f32_bits(d ** -0.5), eps_bits=b.eps, rope_w=b._tidx["rope.inv_freq"],
-                      att_bits=att_bits, Lmax=b.cache.max_len)
+                attn(s_, h, s, F_KV_READ if b.causal_rows else 0, f"L{i}.attn[{s_},{h},{s}]")
     b.close(f"L{i}.attn")
     b.buf("attn", B * H * d)
     for s_ in range(B):

@@ -75,13 +75,17 @@ def supports(cfg, batch: int) -> str | None:
 
 
 
-def lower(cfg, weights: dict, cache, batch: int, num_ctas: int = 132, sample: str | None = None) -> Program:
+def lower(cfg, weights: dict, cache, batch: int, num_ctas: int = 132, sample: str | None = None,
+          causal_rows: bool = False) -> Program:
     """The instructions of one decode step of `batch` sequences. `sample`: None (logits only), "greedy" or
-    "temperature" (a SAMPLE instruction per sequence after the lm_head)."""
+    "temperature" (a SAMPLE instruction per sequence after the lm_head). `causal_rows`: the rows may be
+    consecutive positions of one sequence (a speculative verify step, Step.causal_rows), so every row's cache entry
+    is written a phase before any row's attention reads the cache (GQA layers: an F_KV_WRITE phase; MLA layers
+    write theirs in MLA_KV, two phases before MLA_ATTN, either way)."""
     why = supports(cfg, batch)
     if why:
         raise Unsupported(f"the mega executor does not support {why}")
-    b = Builder(cfg, weights, cache, batch, num_ctas, sample)
+    b = Builder(cfg, weights, cache, batch, num_ctas, sample, causal_rows)
     B, D, L = batch, cfg.hidden_size, cfg.num_layers
     b.buf("tokens", B, ints=True)
     b.buf("positions", B, ints=True)

@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
-from ..isa import F_INTERLEAVED, F_NOPE
+from ..isa import F_INTERLEAVED, F_KV_READ, F_KV_WRITE, F_NOPE
 from ..limits import MLA_HB
 from .base import (
     ARG,
@@ -236,6 +236,9 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     half = d // 2
     Q, SC, ACC = 0, 2048, 3072
     M, L, AL, TMP = 5120, 5136, 5152, 5168
+    flags = arg(smi, 3)
+    kv_only = (flags & F_KV_WRITE) != 0  # a causal-rows program's write phase: the key and value, nothing else
+    writes = kv_only or (s == S - 1 and (flags & F_KV_READ) == 0)
     base = qkv_off + b * qkv_stride
     rowb = (Int64(slot) * Int64(Lmax) * Int64(KH) + Int64(h)) * Int64(d) * 2  # position 0's row of this KV head
     rstride = Int64(KH) * Int64(d) * 2
@@ -243,7 +246,10 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     # no L2 prefetch of the split's key and value rows before the q heads' norm: gqa_chunk loads them all at once
     # anyway (on the H200 without / with it, ATTN_GQA's phase at qwen3-30b-a3b batch 8 25.1 / 26.8 us, the launch
     # 13179 / 13485 us; batch 1 the same)
-    for g in cutlass.range(warp, G, NW):  # q heads: RMSNorm, each lane's elements and norm weights loaded together
+    NQ = G
+    if kv_only:
+        NQ = 0
+    for g in cutlass.range(warp, NQ, NW):  # q heads: RMSNorm, each lane's elements and norm weights loaded together
         qrow = base + (h * G + g) * d
         ss = Float32(0.0)
         for dd in cutlass.range(lane, d, 32, unroll=4):
@@ -265,13 +271,13 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     cute.arch.sync_threads()
     if tid == 0:
         mark(smi, idx, 0)  # timeline builds: the arguments, q's norm and k's rstd done
-    for e in cutlass.range(tid, G * half, NT):  # q heads: RoPE (pairs i, i + d/2)
+    for e in cutlass.range(tid, NQ * half, NT):  # q heads: RoPE (pairs i, i + d/2)
         g, i = e // half, e % half
         x0, x1 = rope_pair(sm[Q + g * d + i], sm[Q + g * d + i + half], pos, ldf(Float32, inv + Int64(i) * 4),
                            att)
         sm[Q + g * d + i] = x0
         sm[Q + g * d + i + half] = x1
-    if s == S - 1:  # this split holds the token's own position: write its key and value
+    if writes:  # the split holding the token's own position (or the write phase): its key and value
         krow = base + (H + h) * d
         vrow = base + (H + KH + h) * d
         crow = ((Int64(slot) * Int64(Lmax) + Int64(pos)) * Int64(KH) + Int64(h)) * Int64(d)
@@ -284,19 +290,21 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
             stf(BFloat16, kc + (crow + Int64(i + half)) * 2, k1)
         for dd in cutlass.range(tid, d, NT):
             stf(BFloat16, vc + (crow + Int64(dd)) * 2, ldf(Float32, fa(fb, vrow + dd)))
-    init_stats(sm, tid, M, L, G)
-    for e in cutlass.range(tid, G * d, NT):
-        sm[ACC + e] = Float32(0.0)
-    cute.arch.sync_threads()
-    if tid == 0:
-        mark(smi, idx, 1)  # RoPE, the cache write (the last split) and the softmax state done
-    for c0 in cutlass.range(lo, hi, CH):
-        gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL, ACC)
-    if tid == 0:
-        mark(smi, idx, 2)  # the split's chunks folded
-    store_partial(sm, tid, part_off, b * H + h * G, s, S, G, d, M, L, ACC, fb)
-    if tid == 0:
-        mark(smi, idx, 3)  # thread 0's partials stored
+    if not kv_only:
+        init_stats(sm, tid, M, L, G)
+        for e in cutlass.range(tid, G * d, NT):
+            sm[ACC + e] = Float32(0.0)
+        cute.arch.sync_threads()
+        if tid == 0:
+            mark(smi, idx, 1)  # RoPE, the cache write (the last split) and the softmax state done
+        for c0 in cutlass.range(lo, hi, CH):
+            gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL,
+                      ACC)
+        if tid == 0:
+            mark(smi, idx, 2)  # the split's chunks folded
+        store_partial(sm, tid, part_off, b * H + h * G, s, S, G, d, M, L, ACC, fb)
+        if tid == 0:
+            mark(smi, idx, 3)  # thread 0's partials stored
 
 
 @cute.jit

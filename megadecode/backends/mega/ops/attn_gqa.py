@@ -1,12 +1,13 @@
 """ATTN_GQA: GQA for (sequence b, kv head h, split s of S): q/k RMSNorm + RoPE of this token, the last split writes
 k/v to the cache, then attention of the G query heads over the split's share of positions [0, pos] -> partials (m,
-l, acc) at part_off + ((b * H + head) * S + s) * (d + 2)"""
+l, acc) at part_off + ((b * H + head) * S + s) * (d + 2). In a causal-rows program (rows that may continue one
+sequence: a verify step) an F_KV_WRITE phase writes every row's k/v and the F_KV_READ attention after it writes none."""
 
 from __future__ import annotations
 
 import torch
 
-from ..isa import bits_f32
+from ..isa import F_KV_READ, F_KV_WRITE, bits_f32
 from ..limits import KernelLimit
 from ..pyvm_ops import rope, rms
 from .opcode import Opcode
@@ -34,14 +35,18 @@ def run(vm, ins, a) -> None:
     eps, att = bits_f32(a["eps_bits"]), bits_f32(a["att_bits"])
     inv = vm.T[a["rope_w"]]
     base = a["qkv_off"] + b * a["qkv_stride"]
-    q = torch.stack([vm.rf(base + (h * G + g) * d, d) for g in range(G)])
-    q = rope(rms(q, vm.T[a["qn_w"]], eps), pos, inv, att, False)
+    if not ins.flags & F_KV_WRITE:
+        q = torch.stack([vm.rf(base + (h * G + g) * d, d) for g in range(G)])
+        q = rope(rms(q, vm.T[a["qn_w"]], eps), pos, inv, att, False)
     L = pos + 1
     lo, hi = s * L // S, (s + 1) * L // S
-    if s == S - 1:  # the split holding this token's position writes its key and value
+    kv_only = bool(ins.flags & F_KV_WRITE)
+    if kv_only or (s == S - 1 and not ins.flags & F_KV_READ):  # the token's key and value into the cache
         k = rope(rms(vm.rf(base + (H + h) * d, d), vm.T[a["kn_w"]], eps), pos, inv, att, False)
         vm.cache_row(a["kc"], (slot, pos, h), write=k)
         vm.cache_row(a["vc"], (slot, pos, h), write=vm.rf(base + (H + KH + h) * d, d))
+    if kv_only:
+        return
     dev = vm.f32.device
     m = torch.full((G,), float("-inf"), device=dev)
     lsum, acc = torch.zeros(G, device=dev), torch.zeros(G, d, device=dev)
