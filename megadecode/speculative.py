@@ -400,9 +400,9 @@ def verify_step(feeds: list[list[int]], first: list[int], slots: list[int], devi
 
 def verifies_as_decode(engine: Engine) -> bool:
     """Whether the verify step runs as a decode step of its fed tokens (`run_verify`): the executor's decode step
-    writes all of a step's cache entries before any row reads the cache (ExecutorBase.decode_verifies: not the
-    megakernel's GQA layers), and no layer carries a recurrent state from one of the step's tokens to the next
-    (KDA layers: kimi_linear, kimi_k3, whose decode step advances a slot's state once)."""
+    writes all of a step's cache entries before any row reads the cache (ExecutorBase.decode_verifies; the
+    megakernel's program for Step.causal_rows), and no layer carries a recurrent state from one of the step's
+    tokens to the next (KDA layers: kimi_linear, kimi_k3, whose decode step advances a slot's state once)."""
     return engine.executor.decode_verifies and not any(op.kind == ATTN_KDA for op in engine.plan.ops)
 
 
@@ -425,7 +425,8 @@ def run_verify(engine: Engine, feeds: list[list[int]], first: list[int], slots: 
         step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=dev),
                     positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(dev),
                     slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(dev),
-                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)))
+                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)),
+                    causal_rows=True)
         return step, [sum(lens[:j]) for j in range(len(lens))], call(engine.executor.decode, step), None
     step, starts = verify_step(feeds, first, slots, dev)
     ctx = call(engine.executor.run_ops, step)

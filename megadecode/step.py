@@ -24,6 +24,10 @@ class Step:
     segments: list[tuple[int, int, int]] | None = None
     # Decode only: slots are 0..N-1 in order, so attention can read the cache as a view, not a gather.
     contiguous_slots: bool = False
+    # Decode only: rows may be consecutive positions of one sequence (a speculative verify step), each attending to
+    # the entries its sequence's earlier rows write in the same step (the megakernel then runs a program that writes
+    # every row's cache entry a phase before any row reads the cache; mega/lower.py `causal_rows`)
+    causal_rows: bool = False
     # Prefill only: each segment's first position (None: every segment a new sequence from position 0). A segment
     # that starts past 0 continues its slot's sequence (speculative verify steps): KDA layers start from the slot's
     # conv and recurrent state instead of zeros.

@@ -265,27 +265,35 @@ def test_the_verify_step_as_a_decode_step_equals_its_prefill_form(preset):
     assert h2.shape == (5, got.cfg.hidden_size) and torch.allclose(logits2, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_the_verify_step_is_a_prefill_step_where_a_decode_step_would_not_be_causal():
-    """The megakernel's GQA attention instruction writes its token's cache entry in the phase where the other
-    rows read the cache (pyvm's race check finds it on a decode step of one sequence's 3 rows), and a KDA layer's
-    decode step advances a slot's state once: both verify in the prefill form. Its MLA layers write the cache a
-    phase before attention reads it: no race, and the decode form is taken."""
+def test_the_megakernels_verify_program_writes_every_rows_cache_entry_before_attention():
+    """A decode step of one sequence's 3 rows on the megakernel's program (pyvm, its race check on): the shipped
+    program's GQA attention writes a row's key and value in the phase where the other rows read the cache (a race
+    pyvm finds); the causal-rows program (Step.causal_rows, lower's F_KV_WRITE phase) has none, and its logits are
+    the prefill form's. MLA layers write their cache (MLA_KV) two phases before attention in both. A KDA layer's
+    decode step advances a slot's state once: kimi_linear verifies in the prefill form."""
     from megadecode.backends.mega.pyvm_executor import PyVMExecutor
-    from megadecode.speculative import verifies_as_decode
+    from megadecode.speculative import verifies_as_decode, verify_step
 
     assert not verifies_as_decode(_engine("tiny-kimi-linear", 1))
-    assert verifies_as_decode(_engine("tiny-deepseek-v3", 1, executor="graph"))
-    for preset, causal in (("tiny-qwen3-moe", False), ("tiny-deepseek-v3", True)):
+    prompt, fed = [5, 9, 2, 7], [11, 4, 30]
+    for preset, shipped_races in (("tiny-qwen3-moe", True), ("tiny-deepseek-v3", False)):
+        ref = _engine(preset, 1)
+        ref.prefill([prompt])
+        step, _ = verify_step([fed], [len(prompt)], [0], "cpu")
+        want = ref.executor.run_ops(step).buf["logits"]
         eng = _engine(preset, 1, executor="pyvm")
-        assert verifies_as_decode(eng) is causal
+        assert verifies_as_decode(eng)
         vm = PyVMExecutor(eng.plan, eng.executor.weights, eng.cache, check_races=True)
-        step = Step(tokens=torch.tensor([5, 6, 7]), positions=torch.tensor([4, 5, 6]), slots=torch.zeros(3).long(),
-                    logit_rows=torch.arange(3), kv_len=7)
-        if causal:
-            assert torch.isfinite(vm.decode(step)).all()
-        else:
-            with pytest.raises(RuntimeError, match="unordered accesses"):
-                vm.decode(step)
+        for causal in (False, True):
+            eng.prefill([prompt])
+            step = Step(tokens=torch.tensor(fed), positions=torch.arange(4, 7), slots=torch.zeros(3).long(),
+                        logit_rows=torch.arange(3), kv_len=7, causal_rows=causal)
+            if shipped_races and not causal:
+                with pytest.raises(RuntimeError, match="unordered accesses"):
+                    vm.decode(step)
+                continue
+            got = vm.decode(step)
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (preset, causal)
 
 
 def test_greedy_speculation_on_the_fused_executor_is_its_greedy_generation():

@@ -18,16 +18,12 @@ from ...plan import DecodePlan
 from ...step import Step
 from .. import expert_layout
 from ..torch.executor import TorchExecutor
-from .pyvm_executor import stream_decode_verifies, stream_supports
+from .pyvm_executor import stream_supports
 
 
 class MegaExecutor(TorchExecutor):
     name = "mega"
     supports = classmethod(stream_supports)
-
-    @property
-    def decode_verifies(self) -> bool:
-        return stream_decode_verifies(self.plan)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int | None = None, timeline: bool = False, delay_ns: int = 0, parallel=None):
@@ -109,16 +105,16 @@ class MegaExecutor(TorchExecutor):
             return None, 1.0
         return ("greedy", 1.0) if self.sampling.greedy else ("temperature", 1.0 / self.sampling.temperature)
 
-    def runtime(self, batch: int):
+    def runtime(self, batch: int, causal_rows: bool = False):
         from .isa import f32_bits
         from .lower import lower
         from .runtime import MegaRuntime
         from .schedule import schedule
 
         mode, inv_t = self._mode()
-        key = (batch, mode, inv_t)
+        key = (batch, mode, inv_t, causal_rows)
         if key not in self.runtimes:
-            prog = lower(self.cfg, self.weights, self.cache, batch, self.num_ctas, sample=mode)
+            prog = lower(self.cfg, self.weights, self.cache, batch, self.num_ctas, sample=mode, causal_rows=causal_rows)
             for ins in prog.instrs:
                 if ins.op == "SAMPLE":
                     ins.args["inv_temp_bits"] = f32_bits(inv_t)
@@ -136,7 +132,7 @@ class MegaExecutor(TorchExecutor):
     @torch.inference_mode()
     def decode(self, step: Step) -> torch.Tensor:
         B = step.num_tokens
-        key, rt = self.runtime(B)
+        key, rt = self.runtime(B, step.causal_rows)
         entry = self.graphs.get(key)
         if entry is None:
             static = Step(tokens=step.tokens.clone(), positions=step.positions.clone(), slots=step.slots.clone(),

@@ -35,23 +35,9 @@ def stream_supports(cls, cfg) -> str | None:
     return why and f"the {cls.name} executor cannot run {cfg.family}: {why}"
 
 
-def stream_decode_verifies(plan: DecodePlan) -> bool:
-    """An instruction-stream executor's `decode_verifies`: an MLA layer writes its tokens' cache rows (MLA_KV) two
-    phases before its attention (MLA_ATTN) reads the cache, so a decode step's rows may continue one sequence; a
-    GQA layer's attention instruction writes its token's key and value in the phase where the other rows' read
-    the cache (ATTN_GQA), which would race."""
-    from ...plan import ATTN_GQA
-
-    return not any(op.kind == ATTN_GQA for op in plan.ops)
-
-
 class PyVMExecutor(TorchExecutor):
     name = "pyvm"
     supports = classmethod(stream_supports)
-
-    @property
-    def decode_verifies(self) -> bool:
-        return stream_decode_verifies(self.plan)
 
     def __init__(self, plan: DecodePlan, weights: dict[str, torch.Tensor], cache: KVCache, *,
                  num_ctas: int = PYVM_CTAS, order: str = "round_robin", check_races: bool = False, parallel=None):
@@ -61,22 +47,23 @@ class PyVMExecutor(TorchExecutor):
         check_plan(plan, plan.config)
         super().__init__(plan, weights, cache)
         self.num_ctas, self.order, self.check_races = num_ctas, order, check_races
-        self.vms: dict[int, object] = {}
+        self.vms: dict[tuple, object] = {}  # (batch, causal_rows)
         self.steps = 0
 
-    def vm(self, batch: int):
+    def vm(self, batch: int, causal_rows: bool = False):
         from .lower import lower
         from .pyvm import PyVM
         from .schedule import schedule
 
-        if batch not in self.vms:
-            prog = schedule(lower(self.cfg, self.weights, self.cache, batch, self.num_ctas), self.num_ctas)
-            self.vms[batch] = PyVM(prog)
-        return self.vms[batch]
+        key = (batch, causal_rows)
+        if key not in self.vms:
+            prog = lower(self.cfg, self.weights, self.cache, batch, self.num_ctas, causal_rows=causal_rows)
+            self.vms[key] = PyVM(schedule(prog, self.num_ctas))
+        return self.vms[key]
 
     @torch.inference_mode()
     def decode(self, step: Step) -> torch.Tensor:
-        vm = self.vm(step.num_tokens)
+        vm = self.vm(step.num_tokens, step.causal_rows)
         load_step(vm, step)
         vm.accesses.clear()
         vm.launch(self.order, seed=self.steps)
