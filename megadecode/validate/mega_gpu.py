@@ -231,47 +231,6 @@ def timeout_case(preset: str = "tiny-qwen3-moe", batch: int = 2, ctas: int = 16,
     return out
 
 
-def nan_route_case(preset: str, batch: int, ctas: int = 16) -> dict:
-    """Every router's weights NaN, so every MoE layer routes NaN scores: the picks must still be experts (an id of
-    E would send the expert phases past the expert tensors), and where the picks are defined by pyvm's stable sort
-    (softmax routing without expert groups: every score NaN picks experts 0 .. A - 1) the same ids as pyvm."""
-    cfg = case_config(preset)
-    w = random_weights(cfg, "cuda", torch.bfloat16, 0)
-    for k in w:
-        if k.endswith("mlp.gate.weight"):
-            w[k].fill_(float("nan"))
-    w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))
-    cache = KVCache(cfg, batch, 64, "cuda", torch.bfloat16)
-    prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rt = MegaRuntime(prog, "cuda")
-    for name in ("tokens", "positions", "slots"):
-        rt.view(name).copy_(torch.arange(batch, device="cuda") if name != "positions" else
-                            torch.zeros(batch, dtype=torch.int32, device="cuda"))
-    rt.launch()
-    torch.cuda.synchronize()
-    rt.check()
-    E, A = cfg.num_experts, cfg.top_k
-    off, n = prog.i32["ids"]
-    ids = rt.i32[off:off + n].cpu().view(batch, A)
-    vm = PyVM(prog.to("cpu"))
-    vm.i32.copy_(rt.i32[:vm.i32.numel()].cpu())
-    vm.launch()
-    return {"preset": preset, "batch": batch, "E": E, "A": A, "ids": ids.tolist(),
-            "in_bounds": bool(((ids >= 0) & (ids < E)).all()),
-            "pyvm_ids": vm.i32[off:off + n].view(batch, A).tolist(),
-            "sorted_defined": cfg.score_func == "softmax" and (cfg.n_group or 1) <= 1}
-
-
-def nan_route_failures(r: dict) -> list[str]:
-    """Why a `nan_route_case` row fails (empty: it passes)."""
-    why = []
-    if not r["in_bounds"]:
-        why.append(f"{r['preset']} b={r['batch']}: NaN routing picked ids outside 0 .. {r['E'] - 1}: {r['ids']}")
-    if r["sorted_defined"] and r["ids"] != r["pyvm_ids"]:
-        why.append(f"{r['preset']} b={r['batch']}: NaN routing ids {r['ids']} differ from pyvm's {r['pyvm_ids']}")
-    return why
-
-
 def timeout_failures(r: dict) -> list[str]:
     """Why a `timeout_case` row fails (empty: it passes)."""
     if not r["raised"]:

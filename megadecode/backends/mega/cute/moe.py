@@ -307,25 +307,15 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                             bv = vs[u]
                             bi = e0 + 32 * u
                 bv, bi = warp_argmax(bv, bi)
-                if bi == E:  # no ordered value left (NaN scores): the lowest-index NaN not yet picked, so the ids
-                    # stay experts (id E would send EXPERT_UP past the expert tensors); every score NaN then picks
-                    # experts 0 .. A - 1 as pyvm's stable sort does
-                    ni = Int32(E)
-                    for e in cutlass.range(lane, E, 32):
-                        v = sm[CHW + e]
-                        if v != v and ni == E:
-                            ni = e
-                    for k in cutlass.range_constexpr(5):
-                        ni = cutlass.min(ni, cute.arch.shuffle_sync_bfly(ni, offset=1 << k))
-                    bi = cutlass.min(ni, E - 1)
                 if lane == 0:
                     sti(ia(ib, ids_off + t * A + a), bi)
-                    pe = bi
+                    pe = cutlass.min(bi, E - 1)  # no pick left (bi = E: the rest -inf or NaN): an index in bounds
                     if sigmoid:
                         sm[PK + a] = Float32(pe)  # the pick's id, its score computed after the picks
                     else:
                         sm[PK + a] = sm[SCW + pe]
-                    sm[CHW + bi] = Float32(NEG_INF)
+                    if bi < E:
+                        sm[CHW + bi] = Float32(NEG_INF)
                 cute.arch.sync_warp()
             if sigmoid:  # the picks' scores from their logits, a lane each: one round trip for all A, not one a pick
                 for a in cutlass.range(lane, A, 32):
@@ -353,12 +343,11 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     ptok_off, pslot_off, pairof_off = args(smi, A_, "ptok_off pslot_off pairof_off")
     qst_off = arg(smi, ARG[A_]["qst_off"])
     n = B * A
-    # one token (a batch-1 step) whose picks are distinct experts, as top-k picks are (checked: a pick with no
-    # ordered or NaN score left repeats expert E - 1): warp 0 writes the tables at once, a lane a pick, its place
-    # being the number of picks of lower id; every expert holds one pair and one pass. The same tables as the
-    # general path below (experts ascending), without its zeroing of E counts, its 3 block scans and 4 CTA barriers
-    # (ROUTE's marks at qwen3-30b-a3b batch 1 on the H200 for the general path: counts and table 3.0 us, pair lists
-    # 1.5 of its 11.3)
+    # one token (a batch-1 step) whose picks are distinct experts, as top-k picks are (NaN scores are not: every
+    # pick then stays at id E): warp 0 writes the tables at once, a lane a pick, its place being the number of
+    # picks of lower id; every expert holds one pair and one pass. The same tables as the general path below
+    # (experts ascending), without its zeroing of E counts, its 3 block scans and 4 CTA barriers (ROUTE's marks at
+    # qwen3-30b-a3b batch 1 on the H200 for the general path: counts and table 3.0 us, pair lists 1.5 of its 11.3)
     fast = Int32(0)
     if B == 1 and n <= 32:  # uniform over the CTA
         if warp == 0:
