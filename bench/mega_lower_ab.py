@@ -16,11 +16,6 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,pair1_16,pair1_64 --check-batch 1,3,17 --batch 16,64
 
-- `route_phase`: a qwen3-moe batch-1 layer routes in a ROUTE phase (one instruction, its picks by rank: cute/moe.py
-  route_one) where the shipped lowering routes inside every EXPERT_UP item (F_ROUTE, isa.ROUTE_IN_UP_MAX_B):
-
-      python bench/mega_lower_ab.py --variants shipped,route_phase --batch 1 --check-batch 1,3
-
 Measured so
 far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
 pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
@@ -49,7 +44,7 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase")
+VARIANTS = ("shipped", "pair1_16", "pair1_64")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -61,8 +56,6 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return []
     if name in ("pair1_16", "pair1_64"):  # bf16 EXPERT_UP one pair a pass (F_PAIR1) up to batch 16 / 64
         return [(layers, "PAIR1_MAX_B", int(name.split("_")[1]))]
-    if name == "route_phase":  # batch 1's routing as a ROUTE phase again (its picks by rank), not inside EXPERT_UP
-        return [(layers, "ROUTE_IN_UP_MAX_B", 0)]
     raise ValueError(f"unknown variant {name!r}")
 
 

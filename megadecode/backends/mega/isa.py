@@ -50,8 +50,6 @@ F_NOPE = 2048  # MLA_KV / MLA_Q: no rotary embedding (kimi_linear / kimi_k3's No
 F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 always takes (`up_passes`)
 F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
 F_FRAG = 16384  # EXPERT_UP / EXPERT_DOWN (with F_MXFP4): weights in fragment order (quant/mxfp4_frag.py), tensor cores
-F_ROUTE = 32768  # EXPERT_UP (batch 1, softmax scores): each item picks the experts itself from the router's logits
-# (ROUTE's batch-1 semantics), item w = 0 also writing ROUTE's outputs; the layer has no ROUTE phase
 FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
 FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
@@ -83,11 +81,8 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # h[pair, i] = glu(gate_up[e] . x_t) for the units [w * N / W, (w + 1) * N / W) of N = pre[nuniq] * I: unit
     # pre[u] * I + q * I + r is row r of expert u against its pairs [q * P, (q + 1) * P) (`up_chunks`), P and the
     # pass prefix `pre` by `up_passes`: bf16 qst (PASS pairs a pass), MXFP4 pstart (one pair a pass)
-    # F_ROUTE: the routing first, from the logits at logits_off (E experts, A picks, F_RENORM, scale_bits), as ROUTE at
-    # batch 1; item w = 0 writes ids, wts and the tables (ROUTE's outputs, which EXPERT_DOWN reads)
     "EXPERT_UP": (7, ("gu", "I", "D", "x_off", "h_off", "w", "W", "nuniq_off", "uniq_off", "pstart_off",
-                      "ptok_off", "gus", "qst_off", "logits_off", "E", "A", "scale_bits", "ids_off", "wts_off",
-                      "pslot_off", "pairof_off")),
+                      "ptok_off", "gus", "qst_off")),
     # for rows [r0, r1) of every selected expert: y[pair] = down[e] . h[pair]; then
     # hidden[t, r] += sum_a wts[t, a] * y[pair_of(t, a), r] (+ shared[t, r]). F_FRAG: y alone, for the units
     # [w * N / W, (w + 1) * N / W) of N = pairs x D / FRAG_DOWN, pair-major (`up_chunks` over the pair prefix with
@@ -125,11 +120,6 @@ for _name, (_, _args) in OPS.items():
 # bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch. Measured on the H200 (bench/mega_lower_ab.py,
 # qwen3-30b-a3b): up to 16 tokens, 23.5 -> 19.3 ms a step at batch 16; up to 64, no gain at 64 (66.2 -> 74.7 ms)
 PAIR1_MAX_B = 16
-# up to this batch a softmax-routed MoE layer of bf16 experts without shared experts (qwen3-moe) has no ROUTE phase:
-# its EXPERT_UP items route the token themselves (F_ROUTE). Why: ROUTE is one instruction on one CTA while the GPU
-# waits, and EXPERT_UP then reads its tables back in dependent trips (qwen3-30b-a3b batch 1 on the H200: ROUTE 9.7 us
-# of a 107 us layer, its phase and hand-overs ~10.5; docs/megakernel.md)
-ROUTE_IN_UP_MAX_B = 1
 
 
 def up_passes(flags: int) -> tuple[int, str]:

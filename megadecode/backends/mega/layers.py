@@ -27,13 +27,11 @@ from .isa import (
     F_NOPE,
     F_PAIR1,
     F_RENORM,
-    F_ROUTE,
     F_SHARED,
     F_SIGMOID,
     F_SITU,
     F_STORE,
     PAIR1_MAX_B,
-    ROUTE_IN_UP_MAX_B,
     f32_bits,
 )
 
@@ -204,26 +202,15 @@ def expected_experts(E: int, A: int, B: int) -> float:
     return E * (1 - (1 - A / E) ** B)
 
 
-def route_in_up(cfg, B: int, shared: bool, quant: bool) -> bool:
-    """Whether the layer's EXPERT_UP items route the token themselves (F_ROUTE, isa.ROUTE_IN_UP_MAX_B) instead of
-    a ROUTE phase: softmax scores without groups, bf16 experts without shared ones, within the in-item picks' limits
-    (ops/expert_up.check_route)."""
-    return (B <= ROUTE_IN_UP_MAX_B and not shared and not quant and cfg.score_func == "softmax"
-            and cfg.n_group == 1 and cfg.num_experts <= NT and cfg.top_k <= 32)
-
-
-def _route(b: Builder, i: int, m: str, shared: bool, in_up: bool = False) -> None:
+def _route(b: Builder, i: int, m: str, shared: bool) -> None:
     """The router's logits (post-attention norm fused; the tile at row 0 writes the normed rows) are made by the
-    caller's phase; this phase picks the experts (ROUTE) and runs the shared experts' down projection. `in_up`
-    (route_in_up): only ROUTE's buffers; EXPERT_UP picks the experts."""
+    caller's phase; this phase picks the experts (ROUTE) and runs the shared experts' down projection."""
     cfg, B = b.cfg, b.B
     E, A = cfg.num_experts, cfg.top_k
     for name, n in (("ids", B * A), ("nuniq", 1), ("uniq", E), ("pstart", E + 1), ("ptok", B * A),
                     ("pslot", B * A), ("pairof", B * A), ("qst", min(E, B * A) + 1)):
         b.buf(name, n, ints=True)
     b.buf("wts", B * A)
-    if in_up:
-        return
     sigmoid = cfg.score_func == "sigmoid"
     bias = f"{m}.gate.e_score_correction_bias"
     b.add("ROUTE", i, f"L{i}.route", (F_SIGMOID if sigmoid else 0) | (F_RENORM if cfg.norm_topk_prob else 0),
@@ -240,7 +227,7 @@ def _route(b: Builder, i: int, m: str, shared: bool, in_up: bool = False) -> Non
 
 
 def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int, flags_down: int,
-             shared_off: int, quant: bool, in_up: bool = False) -> None:
+             shared_off: int, quant: bool) -> None:
     """EXPERT_UP (work-balanced items of (selected expert, row tile)) and EXPERT_DOWN (row tiles over every
     selected expert, the weighted combine fused) of the routed experts, D their input / output width. Experts in
     fragment order: EXPERT_DOWN's items are pair-major like EXPERT_UP's, and COMBINE is the phase after them."""
@@ -268,18 +255,11 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     if frag:
         flags_up |= F_FRAG
         flags_down |= F_FRAG
-    # the routing (F_ROUTE: each item's own, from the router's logits; else ROUTE's phase before)
-    routing = dict(logits_off=-1, E=E, A=A, scale_bits=f32_bits(1.0), ids_off=-1, wts_off=-1, pslot_off=-1,
-                   pairof_off=-1)
-    if in_up:
-        flags_up |= F_ROUTE | (F_RENORM if cfg.norm_topk_prob else 0)
-        routing.update(logits_off=b.f32["router_logits"][0], ids_off=b.i32["ids"][0], wts_off=b.f32["wts"][0],
-                       pslot_off=b.i32["pslot"][0], pairof_off=b.i32["pairof"][0])
     for w in range(W):
         b.add("EXPERT_UP", i, f"L{i}.up[{w}]", flags_up, bytes_=int(2 * I * D * wbytes * sel / W), gu=gu, I=I,
               D=D, x_off=b.f32[x][0], h_off=b.f32["h"][0], w=w, W=W, nuniq_off=b.i32["nuniq"][0],
               uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], gus=gus,
-              qst_off=b.i32["qst"][0], **routing)
+              qst_off=b.i32["qst"][0])
     b.close(f"L{i}.up")
     dn, dns = b.t(dn_name), b.t(f"{m}.experts.down_proj.weight_scale") if quant else -1
     common = dict(dn=dn, I=I, D=D, h_off=b.f32["h"][0], y_off=b.f32["y"][0], out_off=b.f32[out][0], B=B, A=A,
@@ -328,10 +308,9 @@ def moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
         b.glu(i, "shared_up", f"{m}.shared_experts.gate_proj.weight", f"{m}.shared_experts.up_proj.weight",
               io.x, "shared_h", norm=post, x2=io.mlp_x2, rows=rs)
     b.close(f"L{i}.router")
-    in_up = route_in_up(cfg, B, shared, quant=False)
-    _route(b, i, m, shared, in_up)
+    _route(b, i, m, shared)
     _experts(b, i, m, D, "normed", io.out, 0, F_SHARED if shared else 0,
-             b.f32["shared_out"][0] if shared else -1, quant=False, in_up=in_up)
+             b.f32["shared_out"][0] if shared else -1, quant=False)
 
 
 def latent_moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:

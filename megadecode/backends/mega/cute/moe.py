@@ -6,8 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN,
-                   FRAG_TILE)
+from ..isa import F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN, FRAG_TILE
 from .base import (
     ARG,
     RECORD,
@@ -84,118 +83,9 @@ def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
     return before + inc - v, total
 
 
-# route_one's shared int words: slot -> expert (RS), pair -> expert (RT); a pick a lane, so 32 each
-RS, RT = 0, 32
-
-
-@cute.jit
-def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, idx: Int32, A_: Constexpr,
-              write: Int32, marks: Constexpr):
-    """One token's routing with softmax scores (E <= NT experts, A <= 32 picks): ROUTE at batch 1, and EXPERT_UP
-    under F_ROUTE. Leaves smi[RT + p] = the expert of pair p (pairs in ascending expert order, as ROUTE's tables
-    hold them) for the CTA; with `write`, also ROUTE's outputs: ids, wts and the tables. The picks by rank, not one
-    warp argmax a pick: thread e counts the experts ahead of expert e (a larger probability, or an equal one at a
-    lower index), which is the order the argmax picks take, so the same ids in the same slots; NaN scores (then
-    all of them) pick experts 0 .. A - 1, as a stable sort of NaN does (pyvm). The probabilities are ROUTE's
-    expressions and the picks' sum is taken in slot order, as its lane 0 adds them: the same bits. Why: ROUTE at
-    qwen3-30b-a3b batch 1 took 9.7 us of one CTA a layer on the H200 (docs/megakernel.md; its marks: scores 3.3 us, 8
-    argmax picks 2.7, weights 1.9, tables 1.0). Its arguments are read here from the row of opcode A_ (ROUTE's, or
-    EXPERT_UP's copy of them): passed in from an EXPERT_UP body they stayed live across it, and ptxas then gave the
-    kernel 244 registers a thread (one CTA an SM) where it gives 128."""
-    warp, lane = tid // 32, tid % 32
-    logits_off, E, A = args(smi, A_, "logits_off E A")
-    if warp == 0:
-        mx = Float32(NEG_INF)
-        for e in cutlass.range(lane, E, 32, unroll=4):
-            lv = ldf(Float32, fa(fb, logits_off + e))
-            sm[e] = lv
-            mx = cute.arch.fmax(mx, lv)
-        mx = warp_max(mx)
-        tot = Float32(0.0)
-        for e in cutlass.range(lane, E, 32, unroll=4):
-            tot += cute.math.exp(sm[e] - mx)
-        tot = warp_sum(tot)
-        for e in cutlass.range(lane, E, 32, unroll=4):
-            sm[e] = cute.math.exp(sm[e] - mx) / tot
-    if tid < 32:
-        smi[RS + tid] = E  # no pick yet
-    cute.arch.sync_threads()
-    if cutlass.const_expr(marks):
-        if tid == 0:
-            mark(smi, idx, 0)  # timeline builds: the scores
-    if tid < E:
-        v = sm[tid]
-        rank = Int32(0)
-        for j in cutlass.range(E, unroll=8):
-            u = sm[j]
-            if u > v or (u == v and j < tid):
-                rank += 1
-        if v == v and rank < A:
-            smi[RS + rank] = tid
-    cute.arch.sync_threads()
-    if cutlass.const_expr(marks):
-        if tid == 0:
-            mark(smi, idx, 1)  # the picks
-    if warp == 0:
-        pe = E
-        wv = Float32(0.0)
-        if lane < A:
-            pe = smi[RS + lane]
-            if smi[RS] == E:  # no pick (NaN scores): experts 0 .. A - 1
-                pe = lane
-            wv = sm[pe]
-        tot = Float32(0.0)
-        for a in cutlass.range(A):
-            tot += cute.arch.shuffle_sync(wv, a)
-        if (arg(smi, 3) & F_RENORM) != 0:
-            wv = wv / tot
-        pos = Int32(0)  # the pick's pair: the picks of lower id before it
-        for k in cutlass.range(A):
-            if cute.arch.shuffle_sync(pe, k) < pe:
-                pos += 1
-        if lane < A:
-            smi[RT + pos] = pe
-            if write != 0:
-                ids_off, wts_off, nuniq_off, uniq_off = args(smi, A_, "ids_off wts_off nuniq_off uniq_off")
-                pstart_off, qst_off, ptok_off = args(smi, A_, "pstart_off qst_off ptok_off")
-                pslot_off, pairof_off = args(smi, A_, "pslot_off pairof_off")
-                sti(ia(ib, ids_off + lane), pe)
-                stf(Float32, fa(fb, wts_off + lane), wv * argf(smi, ARG[A_]["scale_bits"]))
-                sti(ia(ib, uniq_off + pos), pe)
-                sti(ia(ib, pstart_off + pos), pos)
-                sti(ia(ib, qst_off + pos), pos)
-                sti(ia(ib, pairof_off + lane), pos)
-                sti(ia(ib, ptok_off + pos), Int32(0))
-                sti(ia(ib, pslot_off + pos), lane)
-        if lane == 0 and write != 0:
-            sti(ia(ib, arg(smi, ARG[A_]["pstart_off"]) + A), A)
-            sti(ia(ib, arg(smi, ARG[A_]["qst_off"]) + A), A)
-            sti(ia(ib, arg(smi, ARG[A_]["nuniq_off"])), A)
-        if cutlass.const_expr(marks):
-            if tid == 0:
-                mark(smi, idx, 2)  # the weights
-    cute.arch.sync_threads()
-    if cutlass.const_expr(marks):
-        if tid == 0:
-            mark(smi, idx, 3)  # the tables
-
-
 @cute.jit
 def op_route(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
              tid: Int32):
-    """One token with softmax scores (a qwen3-moe batch-1 step, where the lowering keeps a ROUTE phase): route_one;
-    else every token's scores, picks and weights, then the tables (route_batch)."""
-    A_ = "ROUTE"
-    E, A, B = args(smi, A_, "E A B")
-    if B == 1 and (arg(smi, 3) & F_SIGMOID) == 0 and arg(smi, ARG[A_]["n_group"]) <= 1 and E <= NT and A <= 32:
-        route_one(fb, ib, sm, smi, tid, idx, "ROUTE", Int32(1), True)
-    else:
-        route_batch(pb, idx, fb, ib, wtab, ptab, sm, smi, tid)
-
-
-@cute.jit
-def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor,
-                smi: cute.Tensor, tid: Int32):
     warp, lane = tid // 32, tid % 32
     A_ = "ROUTE"
     flags = arg(smi, 3)
@@ -762,51 +652,8 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor,
     cores, whole 16-row tiles (expert_up_frag)."""
     if (arg(smi, 3) & F_FRAG) != 0:
         expert_up_frag(fb, ib, wtab, sm, smi, tid)
-    elif (arg(smi, 3) & F_ROUTE) != 0:
-        expert_up_routed(fb, ib, wtab, sm, smi, tid, idx)
     else:
         expert_up_rows(fb, ib, wtab, smi, tid)
-
-
-@cute.jit
-def expert_up_routed(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor, tid: Int32,
-                     idx: Int32):
-    """EXPERT_UP under F_ROUTE (one token, bf16 experts one pair a pass): the item routes the token itself
-    (route_one; item 0 also writes ROUTE's outputs, which EXPERT_DOWN reads after this phase), then takes its share
-    of the A pairs' rows as expert_up_rows' one-pair path does (pass p is pair p, its rows units p * I + r), the
-    experts from shared memory: no ROUTE phase before it and no table read back from global memory."""
-    warp, lane = tid // 32, tid % 32
-    A_ = "EXPERT_UP"
-    write = Int32(0)
-    if arg(smi, ARG[A_]["w"]) == 0:
-        write = Int32(1)
-    route_one(fb, ib, sm, smi, tid, idx, A_, write, False)
-    use_situ = (arg(smi, 3) & F_SITU) != 0  # the row's words read after the routing (route_one: registers)
-    gu = wtab[arg(smi, ARG[A_]["gu"])]
-    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
-    w, W, A = args(smi, A_, "w W A")
-    N = Int64(A) * Int64(I)
-    lo = Int64(w) * N // Int64(W)
-    hi = Int64(w + 1) * N // Int64(W)
-    rowb = Int64(D) * 2
-    xa = fa(fb, x_off)  # the one token's x
-    accm = cute.make_rmem_tensor(2 * RU_UP, Float32)
-    for p in cutlass.range(Int32(lo // Int64(I)), Int32((hi + Int64(I - 1)) // Int64(I))):
-        r0 = Int32(cutlass.max(lo - Int64(p) * Int64(I), Int64(0)))
-        r1 = Int32(cutlass.min(hi - Int64(p) * Int64(I), Int64(I)))
-        gbase = gu + Int64(smi[RT + p]) * Int64(2 * I) * rowb
-        for r in cutlass.range(r0 + warp, r1, RU_UP * NW):
-            for j in cutlass.range_constexpr(2 * RU_UP):
-                accm[j] = Float32(0.0)
-            up_rows_multi(accm, gbase, rowb, I, r, r1, D, xa, lane)
-            for h in cutlass.range_constexpr(RU_UP):
-                g = warp_sum(accm[2 * h])
-                up = warp_sum(accm[2 * h + 1])
-                if lane == 0 and r + h * NW < r1:
-                    hv = silu(g) * up
-                    if use_situ:
-                        hv = situ(g, up)
-                    stf(Float32, fa(fb, h_off + p * I + r + h * NW), hv)
 
 
 @cute.jit

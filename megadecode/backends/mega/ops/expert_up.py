@@ -9,9 +9,8 @@ import torch.nn.functional as F
 
 from ....quant.mxfp4_frag import KREC, RECORD
 from ....reference.activations import situ_glu
-from ..isa import FRAG_DOWN, FRAG_TILE, F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SITU, up_chunks, up_passes
-from ..limits import NT, SMEM_F, KernelLimit
-from . import route
+from ..isa import FRAG_DOWN, FRAG_TILE, F_FRAG, F_SITU, up_chunks, up_passes
+from ..limits import SMEM_F, KernelLimit
 from .opcode import Opcode
 
 OP = Opcode("EXPERT_UP", ("moe", "op_expert_up"), dtypes={"gu": torch.bfloat16}, mxfp4=("gu", "gus"), lengths={"D": 8},
@@ -21,19 +20,6 @@ OP = Opcode("EXPERT_UP", ("moe", "op_expert_up"), dtypes={"gu": torch.bfloat16},
 def check(prog, ins, where: str) -> None:
     if ins.flags & F_FRAG:
         check_frag(prog, ins, where)
-    if ins.flags & F_ROUTE:
-        check_route(ins, where)
-
-
-def check_route(ins, where: str) -> None:
-    """F_ROUTE (the routing inside EXPERT_UP, cute/moe.py route_one): one token's softmax picks by rank, a thread an
-    expert and a lane a pick, for bf16 experts one pair a pass."""
-    a = ins.args
-    if ins.flags & (F_MXFP4 | F_FRAG) or not ins.flags & F_PAIR1:
-        raise KernelLimit(f"{where}: F_ROUTE takes bf16 experts one pair a pass (F_PAIR1), not MXFP4 or F_FRAG")
-    if not 1 <= a["A"] <= min(32, a["E"]) or a["E"] > NT:
-        raise KernelLimit(f"{where}: F_ROUTE picks by rank with a thread an expert and a lane a pick: at most {NT} "
-                          f"experts and 32 picks, got E = {a['E']}, A = {a['A']}")
 
 
 def check_frag(prog, ins, where: str) -> None:
@@ -61,21 +47,14 @@ def check_frag(prog, ins, where: str) -> None:
 def run(vm, ins, a) -> None:
     """EXPERT_UP in pyvm."""
     I, D = a["I"], a["D"]
+    n, uniq, pstart = vm.groups(a)
     P, pre_arg = up_passes(ins.flags)  # pairs per pass and the pass prefix (MXFP4: one pair a pass)
-    if ins.flags & F_ROUTE:  # the item's own routing of the one token (ROUTE's); item 0 also writes ROUTE's outputs
-        r = route.routing(vm, ins.flags & F_RENORM, a)
-        if a["w"] == 0:
-            route.write(vm, a, r)
-        n, uniq, pstart, pre, ptok = r["nuniq"], r["uniq"], r["pstart"], r["pstart"], r["ptok"]
-    else:
-        n, uniq, pstart = vm.groups(a)
-        pre = vm.ri(a[pre_arg], n + 1).tolist()
-        ptok = None
+    pre = vm.ri(a[pre_arg], n + 1).tolist()
     unit = FRAG_TILE if ins.flags & F_FRAG else 1  # F_FRAG: shares of whole 16-row tiles
     for u, q, r0, r1 in up_chunks(pre, I, a["w"], a["W"], unit):
         p0 = pstart[u] + q * P
         pairs = range(p0, min(pstart[u + 1], p0 + P))
-        toks = ptok[p0:p0 + len(pairs)] if ptok is not None else vm.ri(a["ptok_off"] + p0, len(pairs)).tolist()
+        toks = vm.ri(a["ptok_off"] + p0, len(pairs)).tolist()
         x = torch.stack([vm.rf(a["x_off"] + t * D, D) for t in toks])
         g = x @ vm.rows_of(ins, a["gu"], a["gus"], uniq[u], r0, r1).T
         up = x @ vm.rows_of(ins, a["gu"], a["gus"], uniq[u], I + r0, I + r1).T

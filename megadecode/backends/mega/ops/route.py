@@ -25,15 +25,9 @@ def check(prog, ins, where: str) -> None:
 
 def run(vm, ins, a) -> None:
     """ROUTE in pyvm."""
-    write(vm, a, routing(vm, ins.flags, a))
-
-
-def routing(vm, flags: int, a) -> dict:
-    """ROUTE's outputs for the B tokens' logits at logits_off (B = 1 where `a` has no B: EXPERT_UP under F_ROUTE):
-    picks, weights and the pairs grouped by expert, as lists."""
-    E, A, B = a["E"], a["A"], a.get("B", 1)
+    E, A, B = a["E"], a["A"], a["B"]
     logits = torch.stack([vm.rf(a["logits_off"] + t * E, E) for t in range(B)])
-    if flags & F_SIGMOID:
+    if ins.flags & F_SIGMOID:
         scores = torch.sigmoid(logits)
         choice = scores + (vm.T[a["bias_w"]].float()[None] if a["bias_w"] >= 0 else 0)
         G = a["n_group"]
@@ -46,15 +40,17 @@ def routing(vm, flags: int, a) -> dict:
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(B, E)
         ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :A]
         w = scores.gather(1, ids)
-        if flags & F_RENORM:
+        if ins.flags & F_RENORM:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * bits_f32(a["scale_bits"])
     else:
         probs = torch.softmax(logits, dim=-1)
         ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :A]
         w = probs.gather(1, ids)
-        if flags & F_RENORM:
+        if ins.flags & F_RENORM:
             w = w / w.sum(-1, keepdim=True)
+    vm.wi(a["ids_off"], ids.flatten())
+    vm.wf(a["wts_off"], w.flatten())
     flat = ids.flatten().tolist()
     uniq = sorted(set(flat))
     pstart, ptok, pslot, pairof = [0], [], [], [0] * (B * A)
@@ -68,14 +64,10 @@ def routing(vm, flags: int, a) -> dict:
     qst = [0]
     for u in range(len(uniq)):
         qst.append(qst[-1] + -(-(pstart[u + 1] - pstart[u]) // PASS))
-    return {"ids": ids.flatten(), "wts": w.flatten(), "nuniq": len(uniq), "uniq": uniq, "pstart": pstart,
-            "ptok": ptok, "pslot": pslot, "pairof": pairof, "qst": qst}
-
-
-def write(vm, a, r: dict) -> None:
-    """`routing`'s outputs to the buffers ROUTE's arguments name."""
-    vm.wi(a["ids_off"], r["ids"])
-    vm.wf(a["wts_off"], r["wts"])
-    vm.wi(a["nuniq_off"], [r["nuniq"]])
-    for k in ("qst", "uniq", "pstart", "ptok", "pslot", "pairof"):
-        vm.wi(a[f"{k}_off"], r[k])
+    vm.wi(a["nuniq_off"], [len(uniq)])
+    vm.wi(a["qst_off"], qst)
+    vm.wi(a["uniq_off"], uniq)
+    vm.wi(a["pstart_off"], pstart)
+    vm.wi(a["ptok_off"], ptok)
+    vm.wi(a["pslot_off"], pslot)
+    vm.wi(a["pairof_off"], pairof)
