@@ -3,7 +3,9 @@ the same prompt with an oracle drafter (the recorded greedy continuation, so eve
 path's upper bound) at each k of `--k`. Per k: the verify steps, their mean time against a one-token decode step's
 (the plain run's decode time over its steps), and tokens per second against the plain run's. With `--draft-model M`,
 the same again with M's drafts (speculative.DraftModelDrafter: acceptance and speed with a real drafter, its steps
-counted in the time). The output must equal the plain run's (asserted). Writes `--out` JSON with the command.
+counted in the time). In float32 the output must equal the plain run's (asserted); in bf16/fp16 a k+1-row step
+sums in another order than a one-row step, so a greedy near-tie may flip: each row records how many leading tokens
+agree with the plain run (`agree_tokens`) and the acceptance that followed. Writes `--out` JSON with the command.
 
     python bench/spec_bench.py --preset qwen3-30b-a3b --executor fused --device cuda --dtype bfloat16 \\
         --k 1,3,7 --tokens 128 --out $OUT/spec-qwen3-30b-a3b.json
@@ -47,10 +49,14 @@ def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], toke
         # timed run, as Engine.generate captures its own; the warm-up's writes at slot 0 go before the prefill
         eng.warmup(list(range(1, k + 2)), prompt_len + 1, prompt_len + tokens + k + 1, slot=0)
         res = generate(eng, [prompt], tokens, make(k), stop_at_eos=False)
-        if res.token_ids != plain.token_ids:
-            raise AssertionError(f"{kind} k={k}: the speculative output differs from greedy generation")
+        got, want = res.token_ids[0], plain.token_ids[0]
+        agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        if dtype == "float32" and res.token_ids != plain.token_ids:
+            raise AssertionError(f"{kind} k={k}: the speculative output differs from greedy generation "
+                                 f"at token {agree} (float32)")
         verify_s = res.decode_s / max(res.steps, 1)
         rows.append({"drafter": kind, "k": k, "steps": res.steps, "acceptance": res.acceptance,
+                     "agree_tokens": agree, "tokens": len(want),
                      "tokens_per_step": res.tokens_per_step, "verify_step_ms": verify_s * 1e3,
                      "one_token_step_ms": step_s * 1e3, "verify_over_step": verify_s / step_s,
                      "tokens_per_s": res.decode_tokens_per_s, "plain_tokens_per_s": plain.decode_tokens_per_s,
@@ -78,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     res["git_sha"] = os.environ.get("MEGADECODE_GIT_SHA")
     res["command"] = "python bench/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{'drafter':>7} {'k':>3} {'steps':>6} {'accept':>7} {'tok/step':>9} {'verify ms':>10} {'step ms':>8} {'ratio':>6} "
-          f"{'tok/s':>8} {'speedup':>8}")
+          f"{'tok/s':>8} {'speedup':>8} {'agree':>7}")
     for r in res["rows"]:
         print(f"{r['drafter']:>7} {r['k']:>3} {r['steps']:>6} {r['acceptance']:>7.2f} {r['tokens_per_step']:>9.2f} "
               f"{r['verify_step_ms']:>10.3f} {r['one_token_step_ms']:>8.3f} {r['verify_over_step']:>6.2f} "
-              f"{r['tokens_per_s']:>8.1f} {r['speedup']:>8.2f}")
+              f"{r['tokens_per_s']:>8.1f} {r['speedup']:>8.2f} {r['agree_tokens']:>3}/{r['tokens']:<3}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import operator
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -419,16 +420,12 @@ def run_verify(engine: Engine, feeds: list[list[int]], first: list[int], slots: 
     graph's output buffer: read them before the next step. `call(fn, step)`: how to run the executor's method (the
     runner's publishing wrapper); default fn(step)."""
     call = call or (lambda fn, st: fn(st))
-    dev = engine.device
-    if not hidden and verifies_as_decode(engine):
-        lens = [len(f) for f in feeds]
-        step = Step(tokens=torch.tensor([t for f in feeds for t in f], device=dev),
-                    positions=torch.cat([torch.arange(p, p + n) for p, n in zip(first, lens)]).to(dev),
-                    slots=torch.cat([torch.full((n,), s) for s, n in zip(slots, lens)]).to(dev),
-                    logit_rows=torch.arange(sum(lens), device=dev), kv_len=max(p + n for p, n in zip(first, lens)),
-                    causal_rows=True)
-        return step, [sum(lens[:j]) for j in range(len(lens))], call(engine.executor.decode, step), None
-    step, starts = verify_step(feeds, first, slots, dev)
+    step, starts = verify_step(feeds, first, slots, engine.device)
+    if not hidden and verifies_as_decode(engine):  # the same rows as a decode step: no segments, no state record;
+        # the rows continue their sequences, so a program that writes a row's cache entry in the phase other rows
+        # read it (the megakernel's GQA attention) takes its causal-rows form (Step.causal_rows)
+        step = dataclasses.replace(step, segments=None, seg_first=None, state_trace=None, causal_rows=True)
+        return step, starts, call(engine.executor.decode, step), None
     ctx = call(engine.executor.run_ops, step)
     return step, starts, ctx.buf["logits"], ctx.buf[final_norm_input(engine.plan)] if hidden else None
 
