@@ -275,13 +275,15 @@ class Engine:
                                          logit_rows=self._slots[:tokens.shape[0]], kv_len=kv_len))
 
     def warmup(self, batch_sizes: list[int], kv_lo: int, kv_hi: int, *, slot: int | None = None,
-               progress=None) -> int:
+               causal_rows: bool = False, progress=None) -> int:
         """Compile and capture, before any timed or served step, every decode graph that steps of these batch
         sizes with kv_len in [kv_lo, kv_hi] will replay (executor.graph_lengths: one per batch size where the
         step reads the lengths from the device, one per cache-length bucket otherwise; none when it runs
         eagerly). `slot`: the rows of the warm-up steps all use this cache slot (the server's scratch slot);
         None: rows 0..B-1 (generate: its prefill then overwrites them). Positions are 0, so a warm-up step
-        writes position 0 of those slots only. Returns the number of steps run; `progress.update(1)` after each."""
+        writes position 0 of those slots only. `causal_rows`: the graphs of speculative verify steps (Step.causal_rows:
+        the rows continue one sequence; the megakernel builds another program for them). Returns the number of
+        steps run; `progress.update(1)` after each."""
         todo = [(B, L) for B in batch_sizes for L in self.executor.graph_lengths(B, kv_lo, kv_hi)]
         if progress is not None and hasattr(progress, "total"):
             progress.total = len(todo)
@@ -290,7 +292,7 @@ class Engine:
             zeros = torch.zeros(B, dtype=torch.int64, device=self.device)
             slots = self._slots[:B] if slot is None else torch.full((B,), slot, device=self.device)
             self.executor.decode(Step(tokens=zeros, positions=zeros, slots=slots, logit_rows=self._slots[:B],
-                                      kv_len=L, contiguous_slots=slot is None))
+                                      kv_len=L, contiguous_slots=slot is None, causal_rows=causal_rows))
             if progress is not None:
                 progress.update(1)
         if todo and self.device.type == "cuda":
