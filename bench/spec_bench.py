@@ -1,7 +1,9 @@
 """Speculative decoding's verify path at batch 1 (issue 43's goals): greedy generation of `--tokens` tokens, then
 the same prompt with an oracle drafter (the recorded greedy continuation, so every draft is accepted: the verify
 path's upper bound) at each k of `--k`. Per k: the verify steps, their mean time against a one-token decode step's
-(the plain run's decode time over its steps), and tokens per second against the plain run's. With `--draft-model M`,
+(the plain run's decode time over its steps), and tokens per second against the plain run's; then one verify step
+of exactly k + 1 rows timed alone against a one-row step (`verify_steps`: the issue's verify-cost ratio, which the
+runs' mean step understates when a drafter proposes fewer than k tokens). With `--draft-model M`,
 the same again with M's drafts (speculative.DraftModelDrafter: acceptance and speed with a real drafter, its steps
 counted in the time). In float32 the output must equal the plain run's (asserted). In bf16/fp16 a k+1-row step
 sums in another order than a one-row step, so a greedy near-tie may flip, after which the plain run's continuation
@@ -26,6 +28,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ORACLE_ROUNDS = 4
+TIMED_STEPS = 20
+
+
+def time_verify(eng, rows: int, pos: int, n: int = TIMED_STEPS) -> float:
+    """Median seconds of a verify step of `rows` fed tokens of one sequence (slot 0, positions pos ..), the step
+    alone (speculative.run_verify, then a device sync): its cost whatever a drafter's acceptance, where the
+    generation runs' mean step mixes full steps with shorter ones (a drafter proposes fewer tokens where it has
+    none). Writes cache entries at pos .. pos + rows - 1 of slot 0."""
+    import statistics
+    import time
+
+    import torch
+
+    from megadecode.speculative import run_verify
+
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    feed = [[3 + i for i in range(rows)]]
+    times = []
+    for _ in range(n + 2):  # the first two untimed
+        sync()
+        t0 = time.perf_counter()
+        run_verify(eng, feed, [pos], [0])
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
 
 
 def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], tokens: int, prompt_len: int = 16,
@@ -70,7 +97,15 @@ def run(preset: str, executor: str, device: str, dtype: str, ks: list[int], toke
                      "one_token_step_ms": step_s * 1e3, "verify_over_step": verify_s / step_s,
                      "tokens_per_s": res.decode_tokens_per_s, "plain_tokens_per_s": plain.decode_tokens_per_s,
                      "speedup": res.decode_tokens_per_s / plain.decode_tokens_per_s})
+    # each verify step's cost at exactly k + 1 rows against one row's, timed alone (`time_verify`)
+    pos = prompt_len + tokens // 2
+    one = time_verify(eng, 1, pos)
+    steps = [{"k": k, "rows": k + 1, "verify_ms": time_verify(eng, k + 1, pos) * 1e3, "one_row_ms": one * 1e3}
+             for k in ks]
+    for r in steps:
+        r["verify_over_one_row"] = r["verify_ms"] / r["one_row_ms"]
     return {"preset": preset, "executor": executor, "device": device, "dtype": dtype, "tokens": tokens,
+            "verify_steps": steps,
             "prompt_len": prompt_len, "draft_model": draft_model, "rows": rows}
 
 
@@ -92,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     res["gpu"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     res["git_sha"] = os.environ.get("MEGADECODE_GIT_SHA")
     res["command"] = "python bench/spec_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(f"{'drafter':>7} {'k':>3} {'steps':>6} {'accept':>7} {'tok/step':>9} {'verify ms':>10} {'step ms':>8} {'ratio':>6} "
-          f"{'tok/s':>8} {'speedup':>8} {'agree':>7}")
+    print(f"{'drafter':>7} {'k':>3} {'steps':>6} {'accept':>7} {'tok/step':>9} {'verify ms':>10} {'step ms':>8} "
+          f"{'ratio':>6} {'tok/s':>8} {'speedup':>8} {'agree':>7}")
     for r in res["rows"]:
         print(f"{r['drafter']:>7} {r['k']:>3} {r['steps']:>6} {r['acceptance']:>7.2f} {r['tokens_per_step']:>9.2f} "
               f"{r['verify_step_ms']:>10.3f} {r['one_token_step_ms']:>8.3f} {r['verify_over_step']:>6.2f} "
               f"{r['tokens_per_s']:>8.1f} {r['speedup']:>8.2f} {r['agree_tokens']:>3}/{r['tokens']:<3}")
+    print(f"{'k':>3} {'rows':>5} {'verify ms':>10} {'1-row ms':>9} {'ratio':>6}   (one verify step timed alone)")
+    for r in res["verify_steps"]:
+        print(f"{r['k']:>3} {r['rows']:>5} {r['verify_ms']:>10.3f} {r['one_row_ms']:>9.3f} "
+              f"{r['verify_over_one_row']:>6.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -215,6 +215,8 @@ def test_the_speculative_benchmark_runs_on_the_cpu(tmp_path):
     assert [(r["drafter"], r["k"]) for r in doc["rows"]] == [("oracle", 2), ("oracle", 5), ("draft", 2), ("draft", 5)]
     assert all(r["acceptance"] >= 0.95 for r in doc["rows"]) and doc["draft_model"] == "tiny-qwen3-moe"
     assert all(r["agree_tokens"] == r["tokens"] == 20 for r in doc["rows"])
+    assert [(r["k"], r["rows"]) for r in doc["verify_steps"]] == [(2, 3), (5, 6)]
+    assert all(r["verify_ms"] > 0 and r["one_row_ms"] > 0 for r in doc["verify_steps"])
     assert [r["steps"] for r in doc["rows"][:2]] == [7, 4]  # 19 tokens after the prefill's: 3 and 6 a step
 
 
