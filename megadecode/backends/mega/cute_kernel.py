@@ -32,10 +32,11 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.base import (  # noqa: E402,F401
-    IDX_S, NEXT_S, NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32, row_copies_landed, row_copy16,
+    IDX_S, ISSUER, NEXT_S, NT, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW,
+    hash32, ring_drain, ring_init, ring_issue, ring_pages, row_copies_landed, row_copy16,
 )
 from . import ops  # noqa: E402
-from .isa import OPCODES, W_NEXT  # noqa: E402
+from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
 
 
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
@@ -127,6 +128,8 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     alloc = SmemAllocator()
     sm = alloc.allocate_tensor(Float32, cute.make_layout(SMEM_F), 16)
     smi = alloc.allocate_tensor(Int32, cute.make_layout(SMEM_I), 16)
+    ring = alloc.allocate_tensor(Int32, cute.make_layout(RING_BYTES // 4), 128)  # the weight ring (cute/base.py)
+    mbar = alloc.allocate_tensor(Int64, cute.make_layout(RING_SLOTS), 8)  # its slots' mbarriers
     pb = prog.iterator.toint()
     fb = f32.iterator.toint()
     ib = i32.iterator.toint()
@@ -150,12 +153,25 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         if tid == 32:
             smi[IDX_S] = first
     cute.arch.sync_threads()
+    if tid == ISSUER:  # the weight ring's first staged instruction: the first row's, or the one it names
+        first = Int32(-1)
+        if q0 < qstart[bid + 1]:
+            first = smi[ROW_S + W_STAGE]
+            if (smi[ROW_S + 3] & F_STAGE) != 0:
+                first = smi[IDX_S]
+        ring_init(smi, Int32(ring.iterator.toint()), Int32(mbar.iterator.toint()), err.iterator.toint(), max_spin,
+                  first)
     ra = smi.iterator.toint()
     for qi in cutlass.range(q0, qstart[bid + 1]):
         idx = smi[IDX_S]
         nxt = smi[ROW_S + W_NEXT]
+        staged = Int32(0)  # the ring pages this instruction consumes, freed after its body
+        if (smi[ROW_S + 3] & F_STAGE) != 0:
+            staged = ring_pages(smi[ROW_S + 12] * 16)
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:
             row_copy16(ra + (NEXT_S + 4 * (tid - 32)) * 4, pb + Int64(nxt * ROW + 4 * (tid - 32)) * 4)
+        if tid == ISSUER:  # weights of this and later instructions stream while thread 0 waits on the counters
+            ring_issue(pb, wtab, smi)
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()
@@ -180,6 +196,9 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         order_body_stores()
         if tid == 0 and sig >= 0 and smi[SMEM_I - 1] == 1:
             signal(ctr, sig)
+        if tid == ISSUER and staged > 0:  # every thread is past its reads of the pages (the barrier above)
+            smi[RING_S + 4] = smi[RING_S + 4] + staged
+            smi[RING_S + 3] = smi[RING_S + 4]
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:  # the next row: landed, then made the current one
             row_copies_landed()
             for j in cutlass.range_constexpr(4):
@@ -195,6 +214,8 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 2)
         cute.arch.sync_threads()
+    if tid == ISSUER:
+        ring_drain(smi, Int32(-1))
 
 
 @cute.jit

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .isa import ROW, W_NEXT, Instr
+from .isa import F_STAGE, F_TC, ROW, W_NEXT, W_STAGE, Instr
+from .limits import RING_PAGE, RING_SLOTS
 
 
 @dataclass
@@ -57,14 +58,33 @@ class Program:
                 return i
         raise KeyError(name)
 
+    def stageable(self, ins: Instr) -> bool:
+        """Whether the kernel streams this instruction's rows through its CTA's weight ring (F_STAGE): a batch-1
+        MATVEC on the CUDA cores, of bf16 rows whose static bytes (words 10..12) are exactly rows [r0, r1), a pair of
+        rows within half the ring less a page (a round of the kernel's staged loop, `cute/dense.py`, then fits
+        while the next one streams)."""
+        a = ins.args
+        t, off, n = ins.prefetch
+        return (RING_SLOTS > 0 and ins.op == "MATVEC" and a["B"] == 1 and not ins.flags & F_TC and t >= 0
+                and self.tensors[t].tensor.dtype == torch.bfloat16 and off == 2 * a["r0"] * a["K"]
+                and n == 2 * (a["r1"] - a["r0"]) * a["K"] and 4 * a["K"] <= (RING_SLOTS // 2 - 1) * RING_PAGE)
+
     def rows(self) -> torch.Tensor:
         """[N, ROW] int32: every instruction serialized, word W_NEXT the next instruction of its CTA's queue (-1
-        for the last of a queue, and for every instruction of a program not scheduled yet)."""
+        for the last of a queue, and for every instruction of a program not scheduled yet); the stageable ones
+        flagged F_STAGE, word W_STAGE the next flagged instruction of the same queue (-1: none)."""
         rows = torch.tensor([i.row() for i in self.instrs], dtype=torch.int32).reshape(-1, ROW)
         rows[:, W_NEXT] = -1
+        rows[:, W_STAGE] = -1
         for q in self.queues:
             if len(q) > 1:
                 rows[q[:-1], W_NEXT] = torch.tensor(q[1:], dtype=torch.int32)
+            nxt = -1
+            for i in reversed(q):
+                rows[i, W_STAGE] = nxt
+                if self.stageable(self.instrs[i]):
+                    rows[i, 3] |= F_STAGE
+                    nxt = i
         return rows
 
     def queue_table(self) -> tuple[torch.Tensor, torch.Tensor]:

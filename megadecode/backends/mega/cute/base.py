@@ -12,19 +12,27 @@ from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported fo
 )
 from ...cute_frag import frag_dec, frag_scale, lds4, mma  # noqa: F401  (re-exported for the bodies)
 from ....quant.mxfp4_frag import MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, WBYTES  # noqa: F401
-from ..isa import HEADER, OPS, PASS, ROW, TLW
-from ..limits import BODY_I, NT, SMEM_F, SMEM_I
+from ..isa import HEADER, OPS, PASS, ROW, TLW, W_STAGE
+from ..limits import BODY_I, NT, RING_PAGE, RING_SLOTS, SMEM_F, SMEM_I
 
 NW = NT // 32
 TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
-SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
+RING_BYTES = RING_SLOTS * RING_PAGE
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I) + RING_BYTES + 8 * RING_SLOTS + 128  # + the ring's mbarriers and alignment
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 NEXT_S = BODY_I  # the next instruction's row, copied (cp.async) while the current one runs; a body's int words
 # are [0, BODY_I) (limits.py)
 IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
+ERR_S = SMEM_I - 20  # 2 int words: the error buffer's address (the weight ring's timeouts report through it)
+# The weight ring's int words (RING_S + k): k = 0 the issuer's next staged instruction (-1: none), 1 its next page of
+# that instruction, 2 pages issued, 3 pages freed (consumed: their slots may be refilled), 4 the current instruction's
+# first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
+RING_S = SMEM_I - 72
+ISSUER = 64  # the thread that issues the ring's copies: warp 2's lane 0 (thread 0 spins on counters, warp 1 copies
+# the next row)
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
@@ -267,3 +275,128 @@ def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: C
             sm[AL + g] = alpha
             sm[L + g] = sm[L + g] * alpha + tot
             sm[M + g] = m_new
+
+
+# ---- the weight ring ----------------------------------------------------------------------------------------
+# RING_SLOTS pages of RING_PAGE bytes of shared memory a CTA. The pages of the CTA's staged instructions (isa.F_STAGE:
+# each one's static bytes, words 10..12, cut into RING_PAGE pieces) are numbered in queue order, page n in slot
+# n % RING_SLOTS, completing phase n // RING_SLOTS of that slot's mbarrier. One thread (ISSUER) issues them with
+# cp.async.bulk (the copy engine: static weights only, which the audit proves per copy, as it does the non-coherent
+# loads) as far ahead as free slots allow, walking the queue's staged instructions (row word W_STAGE), and never
+# waits on a counter: it issues at the top of every instruction, before thread 0's wait, and at each round of a
+# staged body, after the round before it freed its pages. Consumers wait on the page's mbarrier (bounded), read the
+# page with shared loads, and free pages in order (a block barrier between the reads and the freeing).
+
+
+@cute.jit
+def ring_init(smi: cute.Tensor, ring: Int32, mbar: Int32, err: Int64, max_spin: Int32, first: Int32):
+    """Thread ISSUER, once a launch: the slots' mbarriers (one arrival a phase: the issuer's expect_tx), the ring's
+    words, the first staged instruction (`first`, -1: none). A block barrier follows before any wait on a page."""
+    for k in cutlass.range_constexpr(RING_SLOTS):
+        cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[mbar + k * 8])
+    cute.arch.mbarrier_init_fence()
+    smi[RING_S] = first
+    smi[RING_S + 1] = Int32(0)
+    smi[RING_S + 2] = Int32(0)
+    smi[RING_S + 3] = Int32(0)
+    smi[RING_S + 4] = Int32(0)
+    smi[RING_S + 5] = ring
+    smi[RING_S + 6] = mbar
+    smi[RING_S + 7] = max_spin
+    smi[ERR_S] = Int32(err & Int64(0xFFFFFFFF))
+    smi[ERR_S + 1] = Int32(err >> Int64(32))
+
+
+@cute.jit
+def ring_pages(nbytes: Int32) -> Int32:
+    """The pages a staged instruction of nbytes static bytes takes."""
+    return (nbytes + RING_PAGE - 1) // RING_PAGE
+
+
+@cute.jit
+def ring_issue(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor):
+    """Thread ISSUER: issue pages in queue order while a slot is free (issued - freed < RING_SLOTS) and a staged
+    instruction is left. A page: its slot's mbarrier told to expect its bytes (the arrival), then one bulk copy of
+    the instruction's static bytes [page * RING_PAGE, ...) from its weight (the address from wtab: static) into the
+    slot, completing the mbarrier's phase when the bytes land. The rows of the instruction stream are static: plain
+    loads."""
+    j = smi[RING_S]
+    pg = smi[RING_S + 1]
+    n = smi[RING_S + 2]
+    freed = smi[RING_S + 3]
+    ring = smi[RING_S + 5]
+    mbar = smi[RING_S + 6]
+    while j >= 0 and n - freed < RING_SLOTS:
+        row = pb + Int64(j) * (ROW * 4)
+        nb = ldi(row + 12 * 4) * 16
+        if pg < ring_pages(nb):
+            src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16 + Int64(pg) * RING_PAGE
+            sz = cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE)
+            slot = n % RING_SLOTS
+            cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                                 read_only_args=[mbar + slot * 8, sz])
+            cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
+                                 "{$r2}, [{$r3}];", read_only_args=[ring + slot * RING_PAGE, src, sz, mbar + slot * 8])
+            n += 1
+            pg += 1
+        else:
+            j = ldi(row + W_STAGE * 4)
+            pg = Int32(0)
+    smi[RING_S] = j
+    smi[RING_S + 1] = pg
+    smi[RING_S + 2] = n
+
+
+@cute.jit
+def page_landed(mbar: Int32, parity: Int32) -> Int32:
+    """1 when the mbarrier at shared address mbar completed its phase of this parity (one try_wait: the hardware
+    may suspend the thread a while before it answers 0)."""
+    return cute.arch.inline_ptx("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
+                                "selp.b32 {$w0}, 1, 0, p; }", write_only_types=[Int32], read_only_args=[mbar, parity])
+
+
+@cute.jit
+def page_wait(smi: cute.Tensor, page: Int32, idx: Int32):
+    """Wait until ring page `page` landed, bounded by the launch's spin limit: past it, the timeout is recorded as a
+    counter's is (err[2] = -2: the ring; err[3] the page), the abort flag raised, and the caller reads whatever
+    the slot holds (the launch is reported failed: runtime.MegaRuntime.check)."""
+    mb = smi[RING_S + 6] + (page % RING_SLOTS) * 8
+    par = (page // RING_SLOTS) & 1
+    ok = page_landed(mb, par)
+    spins = Int32(0)
+    lim = smi[RING_S + 7]
+    while ok == 0 and spins < lim:
+        ok = page_landed(mb, par)
+        spins += 1
+    if ok == 0:
+        ea = (Int64(smi[ERR_S + 1]) << Int64(32)) | (Int64(smi[ERR_S]) & Int64(0xFFFFFFFF))
+        old = cute.arch.atomic_cas(_g(ea, Int32, 4).llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+        if old == 0:
+            sti(ea + 4, idx)
+            sti(ea + 8, Int32(-2))
+            sti(ea + 12, page)
+            sti(ea + 16, par)
+
+
+@cute.jit
+def ring_drain(smi: cute.Tensor, idx: Int32):
+    """Thread ISSUER at the end of the queue: wait (bounded) for the last page issued into each slot, so that no
+    copy is still writing the CTA's shared memory when it exits (a body skipped after an aborted wait leaves its
+    pages unread)."""
+    n = smi[RING_S + 2]
+    for p in cutlass.range(cutlass.max(n - RING_SLOTS, 0), n):
+        page_wait(smi, p, idx)
+
+
+@cute.jit
+def ring_addr(smi: cute.Tensor, page0: Int32, e: Int32) -> Int32:
+    """The shared address of byte e of a staged instruction whose first page is page0."""
+    p = page0 + e // RING_PAGE
+    return smi[RING_S + 5] + (p % RING_SLOTS) * RING_PAGE + e % RING_PAGE
+
+
+@cute.jit
+def lds8(addr: Int32):
+    """8 consecutive bf16 of the ring (16-byte aligned shared address) as they are."""
+    return cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=16),
+                            cute.make_layout(8)).load()

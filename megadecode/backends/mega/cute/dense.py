@@ -6,12 +6,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_GREEDY, F_NORM, F_RESID, F_TC, F_WRITE_NORMED, TC_K
+from ..isa import F_GREEDY, F_NORM, F_RESID, F_STAGE, F_TC, F_WRITE_NORMED, TC_K
 from .base import (
     ARG,
     NEG_INF,
+    ISSUER,
     NT,
     NW,
+    RING_PAGE,
+    RING_S,
+    RING_SLOTS,
     SMEM_F,
     TB,
     arg,
@@ -27,7 +31,11 @@ from .base import (
     ld8raw,
     ldf,
     ldi,
+    lds8,
     mark,
+    page_wait,
+    ring_addr,
+    ring_issue,
     mma,
     sigmoid,
     silu,
@@ -299,6 +307,70 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
 
 
 @cute.jit
+def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int32,
+                r0: Int32, r1: Int32, warp: Int32, lane: Int32, tid: Int32, gaddr: Int64, x_off: Int32, x2_off: Int32,
+                x_stride: Int32, norm, has_x2, eps: Float32, flags: Int32, out_off: Int32, out_stride: Int32,
+                out_col: Int32, add0: Int32, add1: Int32):
+    """A batch-1 MATVEC (F_STAGE) whose rows [r0, r1) come through the weight ring (cute/base.py): its static bytes,
+    rows in order, are its pages from the instruction's first page (ring word 4). Rounds of up to NW row pairs,
+    each round's pages within half the ring (Program.stageable: a pair fits), so the next round's pages stream
+    while this one computes: at a round's start the issuer frees the pages before it and issues more; each warp
+    waits for the pages of its pair, sums it from shared memory against x (as row_sums, the same k order: the same
+    sums as the unstaged rows without slices), stores; a block barrier ends the round."""
+    RP = 2
+    acc1 = cute.make_rmem_tensor(RP, Float32)
+    acu1 = cute.make_rmem_tensor(1, Float32)
+    xa1 = cute.make_rmem_tensor(1, Int64)
+    xb1 = cute.make_rmem_tensor(1, Int64)
+    xa1[0] = fa(fb, x_off)
+    xb1[0] = fa(fb, x2_off)
+    page0 = smi[RING_S + 4]
+    npairs = (r1 - r0 + 1) // 2
+    PB = 4 * K  # bytes of a row pair
+    L = (r1 - r0) * K * 2
+    H = RING_SLOTS // 2
+    q0 = Int32(0)
+    it = Int32(0)
+    while q0 < npairs:  # uniform over the CTA
+        pa = q0 * PB // RING_PAGE  # the round's first page: every page before it was read by the rounds before
+        q1 = cutlass.min(cutlass.min(q0 + NW, npairs), cutlass.max(q0 + 1, (pa + H) * RING_PAGE // PB))
+        if tid == ISSUER:
+            smi[RING_S + 3] = page0 + pa
+            ring_issue(pb, wtab, smi)
+        q = q0 + warp
+        r = r0 + 2 * q
+        if q < q1:
+            e0 = q * PB
+            e1 = cutlass.min(e0 + PB, L)
+            for p in cutlass.range(e0 // RING_PAGE, (e1 - 1) // RING_PAGE + 1):
+                page_wait(smi, page0 + p, idx)
+            acc1[0] = Float32(0.0)
+            acc1[1] = Float32(0.0)
+            acu1[0] = Float32(0.0)
+            ea = (r - r0) * K * 2
+            eb = ea  # a tile's odd last row: its pair's second row reads the first again, not stored
+            if r + 1 < r1:
+                eb = ea + K * 2
+            for k in cutlass.range(lane * 8, K, 256, unroll=4):
+                rows_mac(acc1, acu1, [lds8(ring_addr(smi, page0, ea + k * 2))],
+                         [lds8(ring_addr(smi, page0, eb + k * 2))], k, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
+                         has_x2, 1, False)
+            if tid == 0 and it == 0:
+                mark(smi, idx, 1)  # thread 0's first pair summed (its pages landed)
+        if it == 0 and norm:  # uniform over the CTA
+            norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, Int32(1), eps, warp, lane, tid)
+        if q < q1:
+            store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
+                       out_col, add0, add1, RSTD, 1, RP, False)
+        cute.arch.sync_threads()  # the round's pages read: the next round's start may free them
+        q0 = q1
+        it += 1
+    if tid == 0:
+        mark(smi, idx, 2)
+        mark(smi, idx, 3)
+
+
+@cute.jit
 def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
             tid: Int32, glu: Constexpr):
     warp, lane = tid // 32, tid % 32
@@ -336,7 +408,11 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
     # the tile's end (odd tiles) reads row r again and is not stored. GLU keeps one row (two weights per row).
     RP = 1 if glu else 2
     TT = TB if glu else 2 * TB  # tokens per pass over the rows: MATVEC reads each weight once up to 8 tokens
-    if B == 1:
+    if B == 1 and (flags & F_STAGE) != 0:  # (Program.stageable: MATVEC only)
+        if cutlass.const_expr(not glu):
+            staged_rows(pb, idx, wtab, smi, sm, fb, K, r0, r1, warp, lane, tid, gaddr, x_off, x2_off, x_stride,
+                        norm, has_x2, eps, flags, out_off, out_stride, out_col, add0, add1)
+    elif B == 1:
         # one token (a batch-1 step, the headline case): WU1 chunks' weight loads in flight per warp, in the
         # registers the other tokens' sums and x take at TT tokens (a fit to an H200 timeline: ~10 GB/s per CTA with
         # 2 chunks in flight, bytes in flight per SM being the limit). Same k order per row, so the same sums
