@@ -32,8 +32,8 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.base import (  # noqa: E402,F401
-    IDX_S, ISSUER, NEXT_S, NT, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW,
-    hash32, ring_drain, ring_init, ring_issue, ring_pages, row_copies_landed, row_copy16,
+    IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S,
+    TLW, cta_sync, free_pages, hash32, loader, ring_init, ring_pages, row_copies_landed, row_copy16,
 )
 from . import ops  # noqa: E402
 from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
@@ -90,9 +90,9 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
 
 @cute.jit
 def order_body_stores():
-    """Between an instruction's body and its signal: a block barrier, so every thread's stores are done before
-    thread 0's fence and release publish them."""
-    cute.arch.sync_threads()
+    """Between an instruction's body and its signal: a block barrier (of the compute warps, base.cta_sync), so every
+    thread's stores are done before thread 0's release publishes them."""
+    cta_sync()
 
 
 @cute.jit
@@ -152,17 +152,30 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         smi[ROW_S + tid - 32] = prog[first, tid - 32]
         if tid == 32:
             smi[IDX_S] = first
-    cute.arch.sync_threads()
-    if tid == ISSUER:  # the weight ring's first staged instruction: the first row's, or the one it names
-        first = Int32(-1)
-        if q0 < qstart[bid + 1]:
-            first = smi[ROW_S + W_STAGE]
-            if (smi[ROW_S + 3] & F_STAGE) != 0:
-                first = smi[IDX_S]
-        ring_init(smi, Int32(ring.iterator.toint()), Int32(mbar.iterator.toint()), err.iterator.toint(), max_spin,
-                  first)
+    if tid == LOADER:
+        ring_init(smi, Int32(ring.iterator.toint()), Int32(mbar.iterator.toint()), err.iterator.toint(), max_spin)
+    cute.arch.sync_threads()  # every thread, the loader warp's too: the only barrier it joins
+    if tid >= NT:
+        if tid == LOADER:  # the weight ring's loader, from the first staged instruction: the first row's, or the one
+            # that row names
+            first = Int32(-1)
+            if q0 < qstart[bid + 1]:
+                first = smi[ROW_S + W_STAGE]
+                if (smi[ROW_S + 3] & F_STAGE) != 0:
+                    first = smi[IDX_S]
+            loader(pb, wtab, smi, first)
+    else:
+        compute(prog, pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid,
+                epoch)
+
+
+@cute.jit
+def compute(prog: cute.Tensor, pb: Int64, fb: Int64, ib: Int64, qstart: cute.Tensor, ctr: cute.Tensor,
+            wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor, timeline: Int32,
+            delay_ns: Int32, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, bid: Int32, epoch: Int32):
+    """The compute warps (threads 0 .. NT - 1): the CTA's queue, an instruction after another."""
     ra = smi.iterator.toint()
-    for qi in cutlass.range(q0, qstart[bid + 1]):
+    for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = smi[IDX_S]
         nxt = smi[ROW_S + W_NEXT]
         staged = Int32(0)  # the ring pages this instruction consumes, freed after its body
@@ -170,8 +183,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             staged = ring_pages(smi[ROW_S + 12] * 16)
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:
             row_copy16(ra + (NEXT_S + 4 * (tid - 32)) * 4, pb + Int64(nxt * ROW + 4 * (tid - 32)) * 4)
-        if tid == ISSUER:  # weights of this and later instructions stream while thread 0 waits on the counters
-            ring_issue(pb, wtab, smi)
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()
@@ -181,7 +192,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             smi[SMEM_I - 1] = ok
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 1)
-        cute.arch.sync_threads()
+        cta_sync()
         t_start = Int64(0)
         if tid == 0:
             t_start = cute.arch.globaltimer()
@@ -196,9 +207,10 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         order_body_stores()
         if tid == 0 and sig >= 0 and smi[SMEM_I - 1] == 1:
             signal(ctr, sig)
-        if tid == ISSUER and staged > 0:  # every thread is past its reads of the pages (the barrier above)
+        if tid == 0 and staged > 0:  # every thread is past its reads of the pages (the barrier above); a body
+            # skipped after a failed wait frees its pages too
             smi[RING_S + 4] = smi[RING_S + 4] + staged
-            smi[RING_S + 3] = smi[RING_S + 4]
+            free_pages(smi, smi[RING_S + 4])
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:  # the next row: landed, then made the current one
             row_copies_landed()
             for j in cutlass.range_constexpr(4):
@@ -213,9 +225,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                 tl[TLW * idx + 3] = Int64(cute.arch.smid())
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 2)
-        cute.arch.sync_threads()
-    if tid == ISSUER:
-        ring_drain(smi, Int32(-1))
+        cta_sync()
 
 
 @cute.jit
@@ -223,7 +233,7 @@ def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cut
            i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
            timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream):
     mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns).launch(
-        grid=(num_ctas, 1, 1), block=(NT, 1, 1), stream=stream)
+        grid=(num_ctas, 1, 1), block=(NTL, 1, 1), stream=stream)
 
 
 def current_stream_arg():

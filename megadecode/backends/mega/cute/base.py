@@ -27,15 +27,20 @@ IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
 ERR_S = SMEM_I - 20  # 2 int words: the error buffer's address (the weight ring's timeouts report through it)
-# The weight ring's int words (RING_S + k): k = 0 the issuer's next staged instruction (-1: none), 1 its next page of
-# that instruction, 2 pages issued, 3 pages freed (consumed: their slots may be refilled), 4 the current instruction's
-# first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
+# The weight ring's int words (RING_S + k): k = 3 pages freed (consumed: their slots may be refilled), 4 the current
+# instruction's first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
 RING_S = SMEM_I - 72
-ISSUER = 64  # the thread that issues the ring's copies: warp 2's lane 0 (thread 0 spins on counters, warp 1 copies
-# the next row)
+LOADER = NT  # the loader warp (threads NT .. NT + 31, beside the NW compute warps): its lane 0 issues the ring's copies
+NTL = NT + 32  # threads launched a CTA
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
+
+
+@cute.jit
+def cta_sync():
+    """A block barrier of the NW compute warps (named barrier 1, NT threads): the loader warp never joins one."""
+    cute.arch.inline_ptx("bar.sync 1, {$r0};", read_only_args=[Int32(NT)])
 
 
 @cute.jit
@@ -280,24 +285,36 @@ def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: C
 # ---- the weight ring ----------------------------------------------------------------------------------------
 # RING_SLOTS pages of RING_PAGE bytes of shared memory a CTA. The pages of the CTA's staged instructions (isa.F_STAGE:
 # each one's static bytes, words 10..12, cut into RING_PAGE pieces) are numbered in queue order, page n in slot
-# n % RING_SLOTS, completing phase n // RING_SLOTS of that slot's mbarrier. One thread (ISSUER) issues them with
-# cp.async.bulk (the copy engine: static weights only, which the audit proves per copy, as it does the non-coherent
-# loads) as far ahead as free slots allow, walking the queue's staged instructions (row word W_STAGE), and never
-# waits on a counter: it issues at the top of every instruction, before thread 0's wait, and at each round of a
-# staged body, after the round before it freed its pages. Consumers wait on the page's mbarrier (bounded), read the
-# page with shared loads, and free pages in order (a block barrier between the reads and the freeing).
+# n % RING_SLOTS, completing phase n // RING_SLOTS of that slot's mbarrier. The loader warp's lane 0 walks the queue's
+# staged instructions (row word W_STAGE) and issues their pages with cp.async.bulk (the copy engine: static weights
+# only, which the audit proves per copy, as it does the non-coherent loads) as far ahead as free slots allow; it never
+# waits on a counter, so the weights of later instructions stream while the compute warps wait and compute. The
+# compute warps wait on a page's mbarrier (bounded), read it with shared loads, and free pages in order: a block
+# barrier of the compute warps after the reads, then thread 0's release store of the pages freed, which the loader
+# acquires before it refills a slot.
 
 
 @cute.jit
-def ring_init(smi: cute.Tensor, ring: Int32, mbar: Int32, err: Int64, max_spin: Int32, first: Int32):
-    """Thread ISSUER, once a launch: the slots' mbarriers (one arrival a phase: the issuer's expect_tx), the ring's
-    words, the first staged instruction (`first`, -1: none). A block barrier follows before any wait on a page."""
+def ld_acquire_shared(addr: Int32) -> Int32:
+    return cute.arch.inline_ptx("ld.acquire.cta.shared.u32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[addr])
+
+
+@cute.jit
+def free_pages(smi: cute.Tensor, upto: Int32):
+    """Thread 0, after a block barrier of the compute warps that follows every read of pages < upto: hand them to
+    the loader (a release store it acquires)."""
+    cute.arch.inline_ptx("st.release.cta.shared.u32 [{$r0}], {$r1};",
+                         read_only_args=[Int32(smi.iterator.toint()) + (RING_S + 3) * 4, upto])
+
+
+@cute.jit
+def ring_init(smi: cute.Tensor, ring: Int32, mbar: Int32, err: Int64, max_spin: Int32):
+    """Thread LOADER, once a launch, before the barrier of all threads: the slots' mbarriers (one arrival a phase:
+    the loader's expect_tx) and the ring's words."""
     for k in cutlass.range_constexpr(RING_SLOTS):
         cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[mbar + k * 8])
     cute.arch.mbarrier_init_fence()
-    smi[RING_S] = first
-    smi[RING_S + 1] = Int32(0)
-    smi[RING_S + 2] = Int32(0)
     smi[RING_S + 3] = Int32(0)
     smi[RING_S + 4] = Int32(0)
     smi[RING_S + 5] = ring
@@ -314,37 +331,77 @@ def ring_pages(nbytes: Int32) -> Int32:
 
 
 @cute.jit
-def ring_issue(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor):
-    """Thread ISSUER: issue pages in queue order while a slot is free (issued - freed < RING_SLOTS) and a staged
-    instruction is left. A page: its slot's mbarrier told to expect its bytes (the arrival), then one bulk copy of
-    the instruction's static bytes [page * RING_PAGE, ...) from its weight (the address from wtab: static) into the
-    slot, completing the mbarrier's phase when the bytes land. The rows of the instruction stream are static: plain
-    loads."""
-    j = smi[RING_S]
-    pg = smi[RING_S + 1]
-    n = smi[RING_S + 2]
-    freed = smi[RING_S + 3]
+def err_addr(smi: cute.Tensor) -> Int64:
+    return (Int64(smi[ERR_S + 1]) << Int64(32)) | (Int64(smi[ERR_S]) & Int64(0xFFFFFFFF))
+
+
+@cute.jit
+def report_ring_timeout(smi: cute.Tensor, idx: Int32, what: Int32, page: Int32):
+    """A ring wait past its limit, recorded as a counter's timeout is: err[2] = what (-2: a page that did not land,
+    -3: the loader waiting for a free slot), err[3] the page; the abort flag raised (runtime.MegaRuntime.check)."""
+    ea = err_addr(smi)
+    old = cute.arch.atomic_cas(_g(ea, Int32, 4).llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+    if old == 0:
+        sti(ea + 4, idx)
+        sti(ea + 8, what)
+        sti(ea + 12, page)
+        sti(ea + 16, Int32(0))
+
+
+@cute.jit
+def aborted(smi: cute.Tensor) -> Int32:
+    """The launch's abort flag (err[0]): a wait somewhere timed out."""
+    return cute.arch.load(_g(err_addr(smi), Int32, 4).llvm_ptr, Int32, sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32):
+    """The loader warp's lane 0: from the first staged instruction (`first`, -1: none) along the W_STAGE chain, every
+    page in order. A page: once its slot is free (pages issued - pages freed < RING_SLOTS, the freed count acquired
+    from the compute warps), its slot's mbarrier told to expect its bytes (the arrival), then one bulk copy of the
+    instruction's static bytes [page * RING_PAGE, ...) from its weight (the address from wtab: static) into the
+    slot, completing the phase when the bytes land. The rows of the instruction stream are static: plain loads.
+    Waiting for a free slot it sleeps between polls, bounded (64 x the spin limit), and gives up when the launch
+    aborted; then it waits (bounded) until its last pages landed, so that no copy writes the CTA's shared memory
+    after its threads exit."""
     ring = smi[RING_S + 5]
     mbar = smi[RING_S + 6]
-    while j >= 0 and n - freed < RING_SLOTS:
-        row = pb + Int64(j) * (ROW * 4)
-        nb = ldi(row + 12 * 4) * 16
-        if pg < ring_pages(nb):
-            src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16 + Int64(pg) * RING_PAGE
-            sz = cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE)
-            slot = n % RING_SLOTS
-            cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
-                                 read_only_args=[mbar + slot * 8, sz])
-            cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
-                                 "{$r2}, [{$r3}];", read_only_args=[ring + slot * RING_PAGE, src, sz, mbar + slot * 8])
-            n += 1
-            pg += 1
+    lim = smi[RING_S + 7] * 64
+    freed_at = Int32(smi.iterator.toint()) + (RING_S + 3) * 4
+    j = first
+    pg = Int32(0)
+    n = Int32(0)
+    spins = Int32(0)
+    stop = Int32(0)
+    while j >= 0 and stop == 0:
+        if n - ld_acquire_shared(freed_at) < RING_SLOTS:
+            spins = Int32(0)
+            row = pb + Int64(j) * (ROW * 4)
+            nb = ldi(row + 12 * 4) * 16
+            if pg < ring_pages(nb):
+                src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16 + Int64(pg) * RING_PAGE
+                sz = cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE)
+                slot = n % RING_SLOTS
+                cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                                     read_only_args=[mbar + slot * 8, sz])
+                cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], "
+                                     "[{$r1}], {$r2}, [{$r3}];",
+                                     read_only_args=[ring + slot * RING_PAGE, src, sz, mbar + slot * 8])
+                n += 1
+                pg += 1
+            else:
+                j = ldi(row + W_STAGE * 4)
+                pg = Int32(0)
         else:
-            j = ldi(row + W_STAGE * 4)
-            pg = Int32(0)
-    smi[RING_S] = j
-    smi[RING_S + 1] = pg
-    smi[RING_S + 2] = n
+            cute.arch.inline_ptx("nanosleep.u32 64;")
+            spins += 1
+            if spins > lim:
+                report_ring_timeout(smi, j, Int32(-3), n)
+                stop = Int32(1)
+            elif aborted(smi) != 0:
+                stop = Int32(1)
+    for p in cutlass.range(cutlass.max(n - RING_SLOTS, 0), n):
+        page_wait(smi, p, Int32(-1))
 
 
 @cute.jit
@@ -357,35 +414,22 @@ def page_landed(mbar: Int32, parity: Int32) -> Int32:
 
 @cute.jit
 def page_wait(smi: cute.Tensor, page: Int32, idx: Int32):
-    """Wait until ring page `page` landed, bounded by the launch's spin limit: past it, the timeout is recorded as a
-    counter's is (err[2] = -2: the ring; err[3] the page), the abort flag raised, and the caller reads whatever
-    the slot holds (the launch is reported failed: runtime.MegaRuntime.check)."""
+    """Wait until ring page `page` landed, bounded by the launch's spin limit, giving up once the launch aborted
+    (a page its loader stopped before): past the limit the timeout is recorded (report_ring_timeout, -2) and the
+    caller reads whatever the slot holds, in a launch reported failed."""
     mb = smi[RING_S + 6] + (page % RING_SLOTS) * 8
     par = (page // RING_SLOTS) & 1
     ok = page_landed(mb, par)
     spins = Int32(0)
     lim = smi[RING_S + 7]
-    while ok == 0 and spins < lim:
+    stop = Int32(0)
+    while ok == 0 and spins < lim and stop == 0:
         ok = page_landed(mb, par)
         spins += 1
-    if ok == 0:
-        ea = (Int64(smi[ERR_S + 1]) << Int64(32)) | (Int64(smi[ERR_S]) & Int64(0xFFFFFFFF))
-        old = cute.arch.atomic_cas(_g(ea, Int32, 4).llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-        if old == 0:
-            sti(ea + 4, idx)
-            sti(ea + 8, Int32(-2))
-            sti(ea + 12, page)
-            sti(ea + 16, par)
-
-
-@cute.jit
-def ring_drain(smi: cute.Tensor, idx: Int32):
-    """Thread ISSUER at the end of the queue: wait (bounded) for the last page issued into each slot, so that no
-    copy is still writing the CTA's shared memory when it exits (a body skipped after an aborted wait leaves its
-    pages unread)."""
-    n = smi[RING_S + 2]
-    for p in cutlass.range(cutlass.max(n - RING_SLOTS, 0), n):
-        page_wait(smi, p, idx)
+        if ok == 0:
+            stop = aborted(smi)
+    if ok == 0 and stop == 0:
+        report_ring_timeout(smi, idx, Int32(-2), page)
 
 
 @cute.jit

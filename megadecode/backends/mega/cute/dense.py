@@ -8,9 +8,9 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
 from ..isa import F_GREEDY, F_NORM, F_RESID, F_STAGE, F_TC, F_WRITE_NORMED, TC_K
 from .base import (
+    cta_sync,
     ARG,
     NEG_INF,
-    ISSUER,
     NT,
     NW,
     RING_PAGE,
@@ -33,9 +33,9 @@ from .base import (
     ldi,
     lds8,
     mark,
+    free_pages,
     page_wait,
     ring_addr,
-    ring_issue,
     mma,
     sigmoid,
     silu,
@@ -254,7 +254,7 @@ def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp
                 if sl < ks:
                     for i in cutlass.range_constexpr(8):
                         sm[((sl * nr + warp % nr) * 32 + lane) * 8 + i] = acc[i]
-                cute.arch.sync_threads()
+                cta_sync()
                 if sl == 0:
                     for i in cutlass.range_constexpr(8):
                         tot = Float32(0.0)
@@ -269,7 +269,7 @@ def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp
                             store_one(acc[2 * h + j], acc[4 + 2 * h + j], row, tk, sm, fb, flags, norm, out_off,
                                       out_stride, out_col, add0, add1, RS, glu)
             if ks > 1:
-                cute.arch.sync_threads()  # the partials' words free again
+                cta_sync()  # the partials' words free again
 
 
 RSTD = SMEM_F - 64  # shared fp32 words: each token's rstd (norm_rstd writes them, the stores read them)
@@ -297,13 +297,13 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
         ss = warp_sum(ss)
         if lane == 0:
             sm[RSP + t * S + sl] = ss
-    cute.arch.sync_threads()
+    cta_sync()
     for t in cutlass.range(tid, B, NT):
         tot = Float32(0.0)
         for q in cutlass.range(S):
             tot += sm[RSP + t * S + q]
         sm[RS + t] = cute.math.rsqrt(tot / Float32(K) + eps)
-    cute.arch.sync_threads()
+    cta_sync()
 
 
 @cute.jit
@@ -334,9 +334,10 @@ def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: 
     while q0 < npairs:  # uniform over the CTA
         pa = q0 * PB // RING_PAGE  # the round's first page: every page before it was read by the rounds before
         q1 = cutlass.min(cutlass.min(q0 + NW, npairs), cutlass.max(q0 + 1, (pa + H) * RING_PAGE // PB))
-        if tid == ISSUER:
-            smi[RING_S + 3] = page0 + pa
-            ring_issue(pb, wtab, smi)
+        if tid == 0:
+            free_pages(smi, page0 + pa)
+            if it == 0:
+                mark(smi, idx, 0)  # timeline builds: the staged body's start
         q = q0 + warp
         r = r0 + 2 * q
         if q < q1:
@@ -344,6 +345,8 @@ def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: 
             e1 = cutlass.min(e0 + PB, L)
             for p in cutlass.range(e0 // RING_PAGE, (e1 - 1) // RING_PAGE + 1):
                 page_wait(smi, page0 + p, idx)
+            if tid == 0 and it == 0:
+                mark(smi, idx, 1)  # thread 0's first pages landed
             acc1[0] = Float32(0.0)
             acc1[1] = Float32(0.0)
             acu1[0] = Float32(0.0)
@@ -356,18 +359,17 @@ def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: 
                          [lds8(ring_addr(smi, page0, eb + k * 2))], k, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
                          has_x2, 1, False)
             if tid == 0 and it == 0:
-                mark(smi, idx, 1)  # thread 0's first pair summed (its pages landed)
+                mark(smi, idx, 2)  # thread 0's first pair summed
         if it == 0 and norm:  # uniform over the CTA
             norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, Int32(1), eps, warp, lane, tid)
         if q < q1:
             store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
                        out_col, add0, add1, RSTD, 1, RP, False)
-        cute.arch.sync_threads()  # the round's pages read: the next round's start may free them
+        cta_sync()  # the round's pages read: the next round's start may free them
         q0 = q1
         it += 1
     if tid == 0:
-        mark(smi, idx, 2)
-        mark(smi, idx, 3)
+        mark(smi, idx, 3)  # every round stored
 
 
 @cute.jit
@@ -471,7 +473,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
                         sm[(sl * nu + u) * (RP + 1) + RP] = tot
             if norm:  # uniform over the CTA: the norm once the slices' loads flew
                 norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
-            cute.arch.sync_threads()
+            cta_sync()
             if tid == 0:
                 mark(smi, idx, 2)  # every slice summed
             if sl == 0 and lane == 0:
@@ -486,7 +488,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
                                   add1, RS, glu)
             if tid == 0:
                 mark(smi, idx, 3)  # its unit's rows stored
-            cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
+            cta_sync()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
     elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
         tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
                 out_off, out_stride, out_col, add0, add1, RS, glu)
@@ -562,17 +564,17 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     for s in cutlass.range(tid, S, NT):
         sm[MS + s] = ldf(Float32, fa(fb, base + s * (d + 2)))
         sm[WS + s] = ldf(Float32, fa(fb, base + s * (d + 2) + 1))
-    cute.arch.sync_threads()
+    cta_sync()
     mx = Float32(NEG_INF)
     for s in cutlass.range(S):
         mx = cute.arch.fmax(mx, sm[MS + s])
     den = Float32(0.0)
     for s in cutlass.range(S):
         den += cute.math.exp(sm[MS + s] - mx) * sm[WS + s]
-    cute.arch.sync_threads()  # every thread has read the sums: their words take the weights
+    cta_sync()  # every thread has read the sums: their words take the weights
     for s in cutlass.range(tid, S, NT):
         sm[WS + s] = cute.math.exp(sm[MS + s] - mx)
-    cute.arch.sync_threads()
+    cta_sync()
     for dd in cutlass.range(tid, d, NT):
         num = Float32(0.0)
         for s in cutlass.range(S, unroll=16):
@@ -585,7 +587,7 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
         else:
             sm[dd] = o
     if wuv >= 0:  # MLA: the head's value up-projection W_UV [dv, C] on the merged latent
-        cute.arch.sync_threads()
+        cta_sync()
         w = wtab[wuv]
         for v in cutlass.range(warp, dv, NW, unroll=2):  # two rows' loads in flight
             wrow = w + Int64(h * (P + dv) + P + v) * Int64(d) * 2
@@ -625,21 +627,21 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pt
     sm[tid] = mx
     sm[NT + tid] = bv
     smi[tid] = bi
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         for k in cutlass.range(1, NT):
             sm[0] = cute.arch.fmax(sm[0], sm[k])
             if sm[NT + k] > sm[NT] or (sm[NT + k] == sm[NT] and smi[k] < smi[0]):
                 sm[NT] = sm[NT + k]
                 smi[0] = smi[k]
-    cute.arch.sync_threads()
+    cta_sync()
     gmax = sm[0]
     tot = Float32(0.0)
     for v in cutlass.range(tid, V, NT):
         tot += cute.math.exp(ldf(Float32, fa(fb, base + v)) - gmax)
-    cute.arch.sync_threads()
+    cta_sync()
     sm[2 * NT + tid] = tot
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         s = Float32(0.0)
         for k in cutlass.range(NT):

@@ -9,6 +9,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN,
                    FRAG_TILE)
 from .base import (
+    cta_sync,
     ARG,
     RECORD,
     WBYTES,
@@ -73,14 +74,14 @@ def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
             inc = inc + o
     if lane == 31:
         smi[base + warp] = inc
-    cute.arch.sync_threads()
+    cta_sync()
     before, total = Int32(0), Int32(0)
     for w in cutlass.range_constexpr(NW):
         x = smi[base + w]
         total += x
         if w < warp:
             before += x
-    cute.arch.sync_threads()
+    cta_sync()
     return before + inc - v, total
 
 
@@ -119,7 +120,7 @@ def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int3
             sm[e] = cute.math.exp(sm[e] - mx) / tot
     if tid < 32:
         smi[RS + tid] = E  # no pick yet
-    cute.arch.sync_threads()
+    cta_sync()
     if cutlass.const_expr(marks):
         if tid == 0:
             mark(smi, idx, 0)  # timeline builds: the scores
@@ -132,7 +133,7 @@ def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int3
                 rank += 1
         if v == v and rank < A:
             smi[RS + rank] = tid
-    cute.arch.sync_threads()
+    cta_sync()
     if cutlass.const_expr(marks):
         if tid == 0:
             mark(smi, idx, 1)  # the picks
@@ -174,7 +175,7 @@ def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int3
         if cutlass.const_expr(marks):
             if tid == 0:
                 mark(smi, idx, 2)  # the weights
-    cute.arch.sync_threads()
+    cta_sync()
     if cutlass.const_expr(marks):
         if tid == 0:
             mark(smi, idx, 3)  # the tables
@@ -243,7 +244,7 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                                 if bias_w >= 0:
                                     ch = ch + bv[u]
                                 sm[rr[h] * region + es[u]] = ch  # the token's CHW
-            cute.arch.sync_threads()
+            cta_sync()
         if warp < nr:
             t = t0 + warp
             lrow = logits_off + t * E
@@ -345,7 +346,7 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                         v = v / tot
                     stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
             cute.arch.sync_warp()
-        cute.arch.sync_threads()  # the round's regions are free again
+        cta_sync()  # the round's regions are free again
     if tid == 0:
         mark(smi, idx, 2)  # every token's picks and weights (the warps' last token)
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
@@ -387,7 +388,7 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                     smi[FLAG_S] = Int32(1)
             elif lane == 0:
                 smi[FLAG_S] = Int32(0)
-        cute.arch.sync_threads()
+        cta_sync()
         fast = smi[FLAG_S]
         if tid == 0:
             mark(smi, idx, 3)
@@ -408,7 +409,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
         sm[j] = Float32(ldi(ia(ib, ids_off + j)))
     for e in cutlass.range(tid, E, NT):
         smi[CNT + e] = Int32(0)
-    cute.arch.sync_threads()
+    cta_sync()
     # a thread per pick: its rank among the earlier picks of the same expert, and the expert's count written by its
     # last pick (exactly one pick per selected expert has no later one). Not a thread per expert scanning all n
     # picks for its count and again for its pair list, E / NT experts a thread: that is 3.5 x 2 x 128 compares a
@@ -426,7 +427,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
         sm[RK + j] = Float32(rank)
         if later == 0:
             smi[CNT + Int32(pe)] = rank + 1
-    cute.arch.sync_threads()
+    cta_sync()
     # every thread a run of consecutive experts: its counts of selected experts, pairs and passes, scanned over the
     # CTA for where its run starts (one thread walking all E experts takes ~10 us at E = 896)
     per = (E + NT - 1) // NT
@@ -457,7 +458,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
         sti(ia(ib, pstart_off + tu), tp)
         sti(ia(ib, qst_off + tu), tq)
         sti(ia(ib, nuniq_off), tu)
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         mark(smi, idx, 3)  # the counts, scans and expert table; the pair lists follow
     for j in cutlass.range(tid, n, NT):  # each pick's place in its expert's pair list
@@ -632,7 +633,7 @@ def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
     whole CTA calls it; it starts and ends with a block barrier (the planes' earlier readers are done; the new
     planes are written)."""
     red = sbase + 4 * K
-    cute.arch.sync_threads()
+    cta_sync()
     m = Float32(0.0)
     for k in cutlass.range(tid * 8, K, NT * 8):
         v = ld8(Float32, xrow + Int64(k) * 4)
@@ -641,7 +642,7 @@ def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
     m = warp_max(m)
     if tid % 32 == 0:
         sts1(red + (tid // 32) * 4, Uint32(f32_bits(m)))
-    cute.arch.sync_threads()
+    cta_sync()
     mm = Float32(0.0)
     for w in cutlass.range_constexpr(NW // 4):
         q = lds4(red + 16 * w)
@@ -658,7 +659,7 @@ def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
             h, l_ = f16x2_split(v[2 * j] * up_s, v[2 * j + 1] * up_s)
             sts1(sbase + 16 * i + 4 * j, h)
             sts1(sbase + 2 * K + 16 * i + 4 * j, l_)
-    cute.arch.sync_threads()
+    cta_sync()
     return from_bits(Uint32((141 - kk) << 23))
 
 
@@ -670,7 +671,7 @@ def pair_experts(ib: Int64, smi: cute.Tensor, tid: Int32, nuniq: Int32, uniq_off
         e = ldi(ia(ib, uniq_off + u))
         for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
             smi[p] = e
-    cute.arch.sync_threads()
+    cta_sync()
 
 
 @cute.jit
@@ -846,7 +847,7 @@ def expert_up_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, ti
         PP = Int32(1)
     for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's prefix (produced in this launch: coherent loads)
         smi[u] = ldi(ia(ib, pre_off + u))
-    cute.arch.sync_threads()
+    cta_sync()
     N = Int64(smi[nuniq]) * Int64(I)
     lo = Int64(w) * N // Int64(W)
     hi = Int64(w + 1) * N // Int64(W)
@@ -991,7 +992,7 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
             e = ldi(ia(ib, uniq_off + u))
             for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
                 smi[p] = e
-        cute.arch.sync_threads()
+        cta_sync()
     if flat and not mx:
         # bf16: units of (pair, RU_DN adjacent rows). A lane's 8-column chunk of the pair's h (fp32, as many bytes as
         # two bf16 rows' chunks) is loaded once for the unit's RU_DN rows, whose chunks are in flight together; rows
@@ -1051,7 +1052,7 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
                     s = warp_sum(acc[j])
                     if lane == 0 and p0 + j < pe:
                         stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
-    cute.arch.sync_threads()
+    cta_sync()
     combine_rows(fb, ib, flags, tid, y_off, out_off, D, r0, r1, B, A, wts_off, pairof_off, shared_off)
 
 
