@@ -172,7 +172,7 @@ def default_ctas(device) -> int:
     from .runtime import compiled_launcher, ctas_per_sm, launcher_registers
 
     regs = launcher_registers(compiled_launcher(device))  # the launches' own compile or cache entry
-    per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
+    per_sm = ctas_per_sm(regs, K.NTL, K.SMEM_BYTES)
     return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
 
 

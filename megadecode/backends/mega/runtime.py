@@ -268,7 +268,7 @@ class MegaRuntime:
         never starts): refuse a launch larger than the GPU holds."""
         K = kernel_module()
         regs = launcher_registers(self._compiled)
-        per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
+        per_sm = ctas_per_sm(regs, K.NTL, K.SMEM_BYTES)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.num_ctas > per_sm * sms:
             raise ValueError(f"the megakernel launches {self.num_ctas} CTAs; this GPU holds {per_sm} per SM x {sms} "

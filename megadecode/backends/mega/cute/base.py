@@ -355,6 +355,21 @@ def aborted(smi: cute.Tensor) -> Int32:
 
 
 @cute.jit
+def stage_words(pb: Int64, wtab: cute.Tensor, j: Int32):
+    """Staged instruction j's static bytes, their global address (the weight's from wtab, static) and the next
+    staged instruction of its queue (W_STAGE); j < 0: none (0, 0, -1)."""
+    nb = Int32(0)
+    src = Int64(0)
+    nj = Int32(-1)
+    if j >= 0:
+        row = pb + Int64(j) * (ROW * 4)
+        nb = ldi(row + 12 * 4) * 16
+        src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16
+        nj = ldi(row + W_STAGE * 4)
+    return nb, src, nj
+
+
+@cute.jit
 def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32):
     """The loader warp's lane 0: from the first staged instruction (`first`, -1: none) along the W_STAGE chain, every
     page in order. A page: once its slot is free (pages issued - pages freed < RING_SLOTS, the freed count acquired
@@ -368,38 +383,42 @@ def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32):
     mbar = smi[RING_S + 6]
     lim = smi[RING_S + 7] * 64
     freed_at = Int32(smi.iterator.toint()) + (RING_S + 3) * 4
+    # the current instruction's bytes, source and successor in registers, and its successor's loaded while its pages
+    # go out (3 dependent loads an instruction, off the pages' path)
     j = first
+    nb, src, nj = stage_words(pb, wtab, j)
+    nb2, src2, nj2 = stage_words(pb, wtab, nj)
     pg = Int32(0)
     n = Int32(0)
     spins = Int32(0)
     stop = Int32(0)
     while j >= 0 and stop == 0:
-        if n - ld_acquire_shared(freed_at) < RING_SLOTS:
-            spins = Int32(0)
-            row = pb + Int64(j) * (ROW * 4)
-            nb = ldi(row + 12 * 4) * 16
-            if pg < ring_pages(nb):
-                src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16 + Int64(pg) * RING_PAGE
+        if pg < ring_pages(nb):
+            if n - ld_acquire_shared(freed_at) < RING_SLOTS:
+                spins = Int32(0)
                 sz = cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE)
                 slot = n % RING_SLOTS
                 cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
                                      read_only_args=[mbar + slot * 8, sz])
                 cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], "
                                      "[{$r1}], {$r2}, [{$r3}];",
-                                     read_only_args=[ring + slot * RING_PAGE, src, sz, mbar + slot * 8])
+                                     read_only_args=[ring + slot * RING_PAGE, src + Int64(pg) * RING_PAGE, sz,
+                                                     mbar + slot * 8])
                 n += 1
                 pg += 1
             else:
-                j = ldi(row + W_STAGE * 4)
-                pg = Int32(0)
+                cute.arch.inline_ptx("nanosleep.u32 64;")
+                spins += 1
+                if spins > lim:
+                    report_ring_timeout(smi, j, Int32(-3), n)
+                    stop = Int32(1)
+                elif aborted(smi) != 0:
+                    stop = Int32(1)
         else:
-            cute.arch.inline_ptx("nanosleep.u32 64;")
-            spins += 1
-            if spins > lim:
-                report_ring_timeout(smi, j, Int32(-3), n)
-                stop = Int32(1)
-            elif aborted(smi) != 0:
-                stop = Int32(1)
+            j, nb, src = nj, nb2, src2
+            nj = nj2
+            pg = Int32(0)
+            nb2, src2, nj2 = stage_words(pb, wtab, nj)
     for p in cutlass.range(cutlass.max(n - RING_SLOTS, 0), n):
         page_wait(smi, p, Int32(-1))
 
