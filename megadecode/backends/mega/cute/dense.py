@@ -36,6 +36,7 @@ from .base import (
     free_pages,
     page_wait,
     ring_addr,
+    sts1,
     mma,
     sigmoid,
     silu,
@@ -306,25 +307,62 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
     cta_sync()
 
 
+XS = 0  # staged_rows: the input x (+ x2) in shared fp32 words [XS, XS + K), the norm weight's bf16 after it
+
+
 @cute.jit
-def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int32,
-                r0: Int32, r1: Int32, warp: Int32, lane: Int32, tid: Int32, gaddr: Int64, x_off: Int32, x2_off: Int32,
-                x_stride: Int32, norm, has_x2, eps: Float32, flags: Int32, out_off: Int32, out_stride: Int32,
-                out_col: Int32, add0: Int32, add1: Int32):
+def stage_input(sm: cute.Tensor, fb: Int64, gaddr: Int64, x_off: Int32, x2_off: Int32, has_x2, norm, K: Int32,
+                eps: Float32, warp: Int32, lane: Int32, tid: Int32):
+    """staged_rows' prologue, every compute thread: the token's x (+ x2) into shared words [XS, XS + K) and the norm
+    weight's K bf16 after them (their loads issued together, 8 columns a thread a step: one trip for the whole row
+    instead of one a row pair's step); with the norm, the rstd from the same values, as norm_rstd takes it at batch
+    1 (thread t's sums over columns t * 8 + 2048 i, the warps' sums added in warp order): the same bits."""
+    ga = Int32(sm.iterator.toint()) + (XS + K) * 4  # the norm weight's shared address (bf16)
+    ss = Float32(0.0)
+    for k in cutlass.range(tid * 8, K, NT * 8, unroll=2):
+        xv = ld8(Float32, fa(fb, x_off + k))
+        if has_x2:
+            xv = xv + ld8(Float32, fa(fb, x2_off + k))
+        if norm:
+            w4 = ld4u32(gaddr + Int64(k) * 2)
+            for i in cutlass.range_constexpr(4):
+                sts1(ga + k * 2 + 4 * i, w4[i])
+            ss += dot8(xv, xv)
+        cute.make_tensor(sm.iterator + XS + k, cute.make_layout(8)).store(xv)
+    if norm:
+        ss = warp_sum(ss)
+        if lane == 0:
+            sm[RSTD_PART + warp] = ss
+        cta_sync()
+        if tid == 0:
+            tot = Float32(0.0)
+            for q in cutlass.range_constexpr(NW):
+                tot += sm[RSTD_PART + q]
+            sm[RSTD] = cute.math.rsqrt(tot / Float32(K) + eps)
+    cta_sync()
+
+
+@cute.jit
+def staged_rows(idx: Int32, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int32, r0: Int32, r1: Int32,
+                warp: Int32, lane: Int32, tid: Int32, gaddr: Int64, x_off: Int32, x2_off: Int32, norm, has_x2,
+                eps: Float32, flags: Int32, out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32,
+                add1: Int32):
     """A batch-1 MATVEC (F_STAGE) whose rows [r0, r1) come through the weight ring (cute/base.py): its static bytes,
-    rows in order, are its pages from the instruction's first page (ring word 4). Rounds of up to NW row pairs,
-    each round's pages within half the ring (Program.stageable: a pair fits), so the next round's pages stream
-    while this one computes: at a round's start the issuer frees the pages before it and issues more; each warp
-    waits for the pages of its pair, sums it from shared memory against x (as row_sums, the same k order: the same
-    sums as the unstaged rows without slices), stores; a block barrier ends the round."""
+    rows in order, are its pages from the instruction's first page (ring word 4). The input first, into shared
+    memory (stage_input). Then rounds of up to NW row pairs, each round's pages within half the ring
+    (Program.stageable: a pair fits), so the next round's pages stream while this one computes: at a round's start
+    thread 0 frees the pages before it (the loader refills them); each warp waits for the pages of its pair and sums
+    it against x, every operand in shared memory, in row_sums' order (the norm weight folded into the rows, 8
+    columns a lane at k, k + 256, ...: the same sums as the unstaged rows without k slices), then stores; a block
+    barrier ends the round."""
     RP = 2
     acc1 = cute.make_rmem_tensor(RP, Float32)
     acu1 = cute.make_rmem_tensor(1, Float32)
-    xa1 = cute.make_rmem_tensor(1, Int64)
-    xb1 = cute.make_rmem_tensor(1, Int64)
-    xa1[0] = fa(fb, x_off)
-    xb1[0] = fa(fb, x2_off)
     page0 = smi[RING_S + 4]
+    if tid == 0:
+        mark(smi, idx, 0)  # timeline builds: the staged body's start
+    stage_input(sm, fb, gaddr, x_off, x2_off, has_x2, norm, K, eps, warp, lane, tid)
+    ga = Int32(sm.iterator.toint()) + (XS + K) * 4
     npairs = (r1 - r0 + 1) // 2
     PB = 4 * K  # bytes of a row pair
     L = (r1 - r0) * K * 2
@@ -336,8 +374,6 @@ def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: 
         q1 = cutlass.min(cutlass.min(q0 + NW, npairs), cutlass.max(q0 + 1, (pa + H) * RING_PAGE // PB))
         if tid == 0:
             free_pages(smi, page0 + pa)
-            if it == 0:
-                mark(smi, idx, 0)  # timeline builds: the staged body's start
         q = q0 + warp
         r = r0 + 2 * q
         if q < q1:
@@ -346,23 +382,25 @@ def staged_rows(pb: Int64, idx: Int32, wtab: cute.Tensor, smi: cute.Tensor, sm: 
             for p in cutlass.range(e0 // RING_PAGE, (e1 - 1) // RING_PAGE + 1):
                 page_wait(smi, page0 + p, idx)
             if tid == 0 and it == 0:
-                mark(smi, idx, 1)  # thread 0's first pages landed
+                mark(smi, idx, 1)  # thread 0's first pages landed (after the input)
             acc1[0] = Float32(0.0)
             acc1[1] = Float32(0.0)
-            acu1[0] = Float32(0.0)
             ea = (r - r0) * K * 2
             eb = ea  # a tile's odd last row: its pair's second row reads the first again, not stored
             if r + 1 < r1:
                 eb = ea + K * 2
             for k in cutlass.range(lane * 8, K, 256, unroll=4):
-                rows_mac(acc1, acu1, [lds8(ring_addr(smi, page0, ea + k * 2))],
-                         [lds8(ring_addr(smi, page0, eb + k * 2))], k, gaddr, xa1, xb1, Int32(0), Int32(1), norm,
-                         has_x2, 1, False)
+                wv = lds8(ring_addr(smi, page0, ea + k * 2)).to(Float32)
+                uv = lds8(ring_addr(smi, page0, eb + k * 2)).to(Float32)
+                if norm:
+                    gv = lds8(ga + k * 2).to(Float32)
+                    wv = wv * gv
+                    uv = uv * gv
+                xv = sm8(sm, XS + k)
+                acc1[0] += dot8(wv, xv)
+                acc1[1] += dot8(uv, xv)
             if tid == 0 and it == 0:
                 mark(smi, idx, 2)  # thread 0's first pair summed
-        if it == 0 and norm:  # uniform over the CTA
-            norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, Int32(1), eps, warp, lane, tid)
-        if q < q1:
             store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
                        out_col, add0, add1, RSTD, 1, RP, False)
         cta_sync()  # the round's pages read: the next round's start may free them
@@ -412,8 +450,8 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
     TT = TB if glu else 2 * TB  # tokens per pass over the rows: MATVEC reads each weight once up to 8 tokens
     if B == 1 and (flags & F_STAGE) != 0:  # (Program.stageable: MATVEC only)
         if cutlass.const_expr(not glu):
-            staged_rows(pb, idx, wtab, smi, sm, fb, K, r0, r1, warp, lane, tid, gaddr, x_off, x2_off, x_stride,
-                        norm, has_x2, eps, flags, out_off, out_stride, out_col, add0, add1)
+            staged_rows(idx, smi, sm, fb, K, r0, r1, warp, lane, tid, gaddr, x_off, x2_off, norm, has_x2, eps, flags,
+                        out_off, out_stride, out_col, add0, add1)
     elif B == 1:
         # one token (a batch-1 step, the headline case): WU1 chunks' weight loads in flight per warp, in the
         # registers the other tokens' sums and x take at TT tokens (a fit to an H200 timeline: ~10 GB/s per CTA with
