@@ -62,14 +62,14 @@ class Program:
         """Whether the kernel streams this instruction's rows through its CTA's weight ring (F_STAGE): a batch-1
         MATVEC on the CUDA cores, of bf16 rows whose static bytes (words 10..12) are exactly rows [r0, r1), a pair of
         rows within half the ring less a page (a round of the kernel's staged loop, `cute/dense.py`, then fits
-        while the next one streams), its input row and norm weight within the working shared memory (K fp32 and K
-        bf16 below the rstd words)."""
+        while the next one streams), its input row within the working shared memory (K fp32 below the rstd
+        words)."""
         a = ins.args
         t, off, n = ins.prefetch
         return (RING_SLOTS > 0 and ins.op == "MATVEC" and a["B"] == 1 and not ins.flags & F_TC and t >= 0
                 and self.tensors[t].tensor.dtype == torch.bfloat16 and off == 2 * a["r0"] * a["K"]
                 and n == 2 * (a["r1"] - a["r0"]) * a["K"] and 4 * a["K"] <= (RING_SLOTS // 2 - 1) * RING_PAGE
-                and 6 * a["K"] <= 4 * (SMEM_F - 128))
+                and a["K"] <= SMEM_F - 128)
 
     def rows(self) -> torch.Tensor:
         """[N, ROW] int32: every instruction serialized, word W_NEXT the next instruction of its CTA's queue (-1

@@ -452,14 +452,7 @@ def page_wait(smi: cute.Tensor, page: Int32, idx: Int32):
 
 
 @cute.jit
-def ring_addr(smi: cute.Tensor, page0: Int32, e: Int32) -> Int32:
-    """The shared address of byte e of a staged instruction whose first page is page0."""
-    p = page0 + e // RING_PAGE
-    return smi[RING_S + 5] + (p % RING_SLOTS) * RING_PAGE + e % RING_PAGE
-
-
-@cute.jit
-def lds8(addr: Int32):
-    """8 consecutive bf16 of the ring (16-byte aligned shared address) as they are."""
-    return cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.smem, assumed_align=16),
-                            cute.make_layout(8)).load()
+def lds4u(addr: Int32):
+    """4 words of shared memory at a 16-byte aligned address, as they are (a page's 8 bf16)."""
+    return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])

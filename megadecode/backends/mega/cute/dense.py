@@ -31,12 +31,11 @@ from .base import (
     ld8raw,
     ldf,
     ldi,
-    lds8,
     mark,
     free_pages,
     page_wait,
-    ring_addr,
-    sts1,
+    from_bits,
+    lds4u,
     mma,
     sigmoid,
     silu,
@@ -307,27 +306,24 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
     cta_sync()
 
 
-XS = 0  # staged_rows: the input x (+ x2) in shared fp32 words [XS, XS + K), the norm weight's bf16 after it
+XS = 0  # staged_rows: the input x (+ x2), times the norm weight, in shared fp32 words [XS, XS + K)
 
 
 @cute.jit
 def stage_input(sm: cute.Tensor, fb: Int64, gaddr: Int64, x_off: Int32, x2_off: Int32, has_x2, norm, K: Int32,
                 eps: Float32, warp: Int32, lane: Int32, tid: Int32):
-    """staged_rows' prologue, every compute thread: the token's x (+ x2) into shared words [XS, XS + K) and the norm
-    weight's K bf16 after them (their loads issued together, 8 columns a thread a step: one trip for the whole row
-    instead of one a row pair's step); with the norm, the rstd from the same values, as norm_rstd takes it at batch
-    1 (thread t's sums over columns t * 8 + 2048 i, the warps' sums added in warp order): the same bits."""
-    ga = Int32(sm.iterator.toint()) + (XS + K) * 4  # the norm weight's shared address (bf16)
+    """staged_rows' prologue, every compute thread: the token's x (+ x2), times the norm weight when it norms, into
+    shared words [XS, XS + K), 8 columns a thread a step (one trip for the whole row, instead of one a row pair's
+    step); with the norm, the rstd from the same values, as norm_rstd takes it at batch 1 (thread t's sums over
+    columns t * 8 + 2048 i, the warps' sums added in warp order): the same bits."""
     ss = Float32(0.0)
     for k in cutlass.range(tid * 8, K, NT * 8, unroll=2):
         xv = ld8(Float32, fa(fb, x_off + k))
         if has_x2:
             xv = xv + ld8(Float32, fa(fb, x2_off + k))
         if norm:
-            w4 = ld4u32(gaddr + Int64(k) * 2)
-            for i in cutlass.range_constexpr(4):
-                sts1(ga + k * 2 + 4 * i, w4[i])
             ss += dot8(xv, xv)
+            xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
         cute.make_tensor(sm.iterator + XS + k, cute.make_layout(8)).store(xv)
     if norm:
         ss = warp_sum(ss)
@@ -343,30 +339,39 @@ def stage_input(sm: cute.Tensor, fb: Int64, gaddr: Int64, x_off: Int32, x2_off: 
 
 
 @cute.jit
+def bf16x2_dot(w: Uint32, x0: Float32, x1: Float32, s0: Float32, s1: Float32):
+    """s0 + w.lo * x0, s1 + w.hi * x1 for a word of two bf16 (the low half the first element): a bf16 is the high
+    half of its fp32, so each converts with one shift or mask."""
+    return (s0 + from_bits(w << Uint32(16)) * x0, s1 + from_bits(w & Uint32(0xFFFF0000)) * x1)
+
+
+@cute.jit
 def staged_rows(idx: Int32, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int32, r0: Int32, r1: Int32,
                 warp: Int32, lane: Int32, tid: Int32, gaddr: Int64, x_off: Int32, x2_off: Int32, norm, has_x2,
                 eps: Float32, flags: Int32, out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32,
                 add1: Int32):
     """A batch-1 MATVEC (F_STAGE) whose rows [r0, r1) come through the weight ring (cute/base.py): its static bytes,
-    rows in order, are its pages from the instruction's first page (ring word 4). The input first, into shared
-    memory (stage_input). Then rounds of up to NW row pairs, each round's pages within half the ring
-    (Program.stageable: a pair fits), so the next round's pages stream while this one computes: at a round's start
-    thread 0 frees the pages before it (the loader refills them); each warp waits for the pages of its pair and sums
-    it against x, every operand in shared memory, in row_sums' order (the norm weight folded into the rows, 8
-    columns a lane at k, k + 256, ...: the same sums as the unstaged rows without k slices), then stores; a block
-    barrier ends the round."""
+    rows in order, are its pages from the instruction's first page (ring word 4): byte e of the rows at ring offset
+    (first page's slot x RING_PAGE + e) mod RING_BYTES. The input first, into shared memory (stage_input). Then
+    rounds of up to NW row pairs, each round's pages within half the ring (Program.stageable: a pair fits), so the
+    next round's pages stream while this one computes: at a round's start thread 0 frees the pages before it (the
+    loader refills them); each warp waits for the pages of its pair and sums it against the staged input, 8 columns
+    a lane at k, k + 256, ... (even and odd columns in two sums, added at the end), then stores; a block barrier
+    ends the round."""
     RP = 2
     acc1 = cute.make_rmem_tensor(RP, Float32)
     acu1 = cute.make_rmem_tensor(1, Float32)
     page0 = smi[RING_S + 4]
+    ring = smi[RING_S + 5]
     if tid == 0:
         mark(smi, idx, 0)  # timeline builds: the staged body's start
     stage_input(sm, fb, gaddr, x_off, x2_off, has_x2, norm, K, eps, warp, lane, tid)
-    ga = Int32(sm.iterator.toint()) + (XS + K) * 4
     npairs = (r1 - r0 + 1) // 2
     PB = 4 * K  # bytes of a row pair
     L = (r1 - r0) * K * 2
     H = RING_SLOTS // 2
+    RB = Uint32(RING_SLOTS * RING_PAGE)
+    base = (page0 % RING_SLOTS) * RING_PAGE
     q0 = Int32(0)
     it = Int32(0)
     while q0 < npairs:  # uniform over the CTA
@@ -383,22 +388,24 @@ def staged_rows(idx: Int32, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int
                 page_wait(smi, page0 + p, idx)
             if tid == 0 and it == 0:
                 mark(smi, idx, 1)  # thread 0's first pages landed (after the input)
-            acc1[0] = Float32(0.0)
-            acc1[1] = Float32(0.0)
             ea = (r - r0) * K * 2
             eb = ea  # a tile's odd last row: its pair's second row reads the first again, not stored
             if r + 1 < r1:
                 eb = ea + K * 2
+            oa = Uint32((base + ea + lane * 16) % (RING_SLOTS * RING_PAGE))  # this lane's ring offsets
+            ob = Uint32((base + eb + lane * 16) % (RING_SLOTS * RING_PAGE))
+            a0, a1, b0, b1 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
             for k in cutlass.range(lane * 8, K, 256, unroll=4):
-                wv = lds8(ring_addr(smi, page0, ea + k * 2)).to(Float32)
-                uv = lds8(ring_addr(smi, page0, eb + k * 2)).to(Float32)
-                if norm:
-                    gv = lds8(ga + k * 2).to(Float32)
-                    wv = wv * gv
-                    uv = uv * gv
+                wa = lds4u(Int32(Uint32(ring) + oa))
+                wb = lds4u(Int32(Uint32(ring) + ob))
                 xv = sm8(sm, XS + k)
-                acc1[0] += dot8(wv, xv)
-                acc1[1] += dot8(uv, xv)
+                for i in cutlass.range_constexpr(4):
+                    a0, a1 = bf16x2_dot(wa[i], xv[2 * i], xv[2 * i + 1], a0, a1)
+                    b0, b1 = bf16x2_dot(wb[i], xv[2 * i], xv[2 * i + 1], b0, b1)
+                oa = cutlass.min(oa + Uint32(512), oa + Uint32(512) - RB)  # + 256 columns, wrapped at the ring's end
+                ob = cutlass.min(ob + Uint32(512), ob + Uint32(512) - RB)
+            acc1[0] = a0 + a1
+            acc1[1] = b0 + b1
             if tid == 0 and it == 0:
                 mark(smi, idx, 2)  # thread 0's first pair summed
             store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
