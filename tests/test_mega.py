@@ -14,8 +14,11 @@ from megadecode.backends.mega.isa import (
     F_PAIR1,
     PAIR1_MAX_B,
     PASS,
+    F_STAGE,
+    F_TC,
     ROW,
     W_NEXT,
+    W_STAGE,
     Instr,
     Wait,
     bits_f32,
@@ -154,6 +157,40 @@ def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
     from megadecode.hardware import HBM_READ_BPS
 
     assert occupancy(HBM_READ_BPS * 1e-6 * 10, 20.0) == pytest.approx(0.5) and occupancy(1e6, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rows_name_the_weight_rings_staged_instructions(preset, batch):
+    """The rows the kernel runs flag the instructions whose rows its weight ring streams (F_STAGE: batch-1 MATVEC of
+    bf16 rows on the CUDA cores, whole rows in its static bytes) and chain each queue's flagged ones (W_STAGE),
+    which is all the ring's loader walks; nothing else is flagged, and the instructions themselves (what pyvm runs)
+    are unchanged."""
+    cfg = preset_config(preset)
+    w = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in random_weights(cfg, "cpu",
+                                                                                        torch.float32, 0).items()}
+    cache = KVCache(cfg, max(batch, 4), 64, "cpu", torch.bfloat16)
+    prog = schedule(lower(cfg, w, cache, batch, 7), 7)
+    rows = prog.rows()
+    staged = {i for i in range(len(prog.instrs)) if int(rows[i, 3]) & F_STAGE}
+    for i, ins in enumerate(prog.instrs):
+        assert not ins.flags & F_STAGE
+        if i in staged:
+            a = ins.args
+            assert ins.op == "MATVEC" and a["B"] == 1 and not ins.flags & F_TC
+            assert ins.prefetch[1:] == (2 * a["r0"] * a["K"], 2 * (a["r1"] - a["r0"]) * a["K"])
+            assert int(rows[i, 12]) * 16 == 2 * (a["r1"] - a["r0"]) * a["K"]
+    assert (len(staged) > 0) == (batch == 1)
+    if batch == 1:  # every batch-1 MATVEC of these presets is stageable
+        assert staged == {i for i, ins in enumerate(prog.instrs) if ins.op == "MATVEC"}
+    for q in prog.queues:
+        want = [i for i in q if i in staged]
+        for pos, i in enumerate(q):
+            later = [j for j in q[pos + 1:] if j in staged]
+            assert int(rows[i, W_STAGE]) == (later[0] if later else -1)
+        assert want == sorted(want, key=q.index)
+    fp32 = schedule(lower(cfg, random_weights(cfg, "cpu", torch.float32, 0), cache, batch, 7), 7).rows()
+    assert not (fp32[:, 3] & F_STAGE).any()  # fp32 rows (pyvm's exact programs): the kernel reads bf16 only
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

@@ -33,7 +33,7 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.base import (  # noqa: E402,F401
     IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S,
-    TLW, cta_sync, free_pages, hash32, loader, ring_init, ring_pages, row_copies_landed, row_copy16,
+    TLW, cta_sync, free_pages, hash32, loader, nap, ring_init, ring_pages, row_copies_landed, row_copy16,
 )
 from . import ops  # noqa: E402
 from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
@@ -104,13 +104,6 @@ def signal(ctr: cute.Tensor, sig: Int32):
     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
 
-@cute.jit
-def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
-    """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
-    ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
-    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
-
-
 @cute.kernel
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
                 i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32,
@@ -122,7 +115,8 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     ns), SM, and up to 4 marks its body stamps (base.mark)] in tl, TLW words each. `delay_ns` > 0 (the debug
     build): thread 0 sleeps a random 0..delay_ns after its wait and after its signal, and every warp sleeps its own
     random 0..delay_ns before the body, so that warps store at different times and a signal that does not wait for
-    all of them would be seen early."""
+    all of them would be seen early; the weight ring's loader sleeps before each page, so that a page read before
+    it landed would show."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     alloc = SmemAllocator()
@@ -163,7 +157,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                 first = smi[ROW_S + W_STAGE]
                 if (smi[ROW_S + 3] & F_STAGE) != 0:
                     first = smi[IDX_S]
-            loader(pb, wtab, smi, first)
+            loader(pb, wtab, smi, first, delay_ns, epoch, bid)
     else:
         compute(prog, pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid,
                 epoch)

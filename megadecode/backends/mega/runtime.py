@@ -296,6 +296,11 @@ class MegaRuntime:
         e = self.err.tolist()
         if e[0]:
             ins = self.prog.instrs[e[1]] if 0 <= e[1] < len(self.prog.instrs) else None
+            if e[2] in (-2, -3):  # the weight ring (cute/base.py: report_ring_timeout)
+                what = ("waited for ring page {p}, which did not land" if e[2] == -2 else
+                        "the ring's loader waited for a free slot for page {p}")
+                raise MegaError(f"megakernel weight ring timed out: instruction {e[1]} "
+                                f"({ins.name if ins else 'the end of its queue'}): " + what.format(p=e[3]))
             raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "
                             f"counter {e[2]} ({self.prog.phases[e[2] - 1] if 0 < e[2] <= len(self.prog.phases) else '?'})"
                             f" for {e[4]}, saw {e[3]}")

@@ -295,6 +295,13 @@ def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: C
 
 
 @cute.jit
+def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
+    """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
+    ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
+
+
+@cute.jit
 def ld_acquire_shared(addr: Int32) -> Int32:
     return cute.arch.inline_ptx("ld.acquire.cta.shared.u32 {$w0}, [{$r0}];", write_only_types=[Int32],
                                 read_only_args=[addr])
@@ -370,7 +377,7 @@ def stage_words(pb: Int64, wtab: cute.Tensor, j: Int32):
 
 
 @cute.jit
-def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32):
+def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32, delay_ns: Int32, epoch: Int32, bid: Int32):
     """The loader warp's lane 0: from the first staged instruction (`first`, -1: none) along the W_STAGE chain, every
     page in order. A page: once its slot is free (pages issued - pages freed < RING_SLOTS, the freed count acquired
     from the compute warps), its slot's mbarrier told to expect its bytes (the arrival), then one bulk copy of the
@@ -378,7 +385,7 @@ def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32):
     slot, completing the phase when the bytes land. The rows of the instruction stream are static: plain loads.
     Waiting for a free slot it sleeps between polls, bounded (64 x the spin limit), and gives up when the launch
     aborted; then it waits (bounded) until its last pages landed, so that no copy writes the CTA's shared memory
-    after its threads exit."""
+    after its threads exit. The debug build (delay_ns > 0) sleeps a random while before each page."""
     ring = smi[RING_S + 5]
     mbar = smi[RING_S + 6]
     lim = smi[RING_S + 7] * 64
@@ -396,6 +403,8 @@ def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32):
         if pg < ring_pages(nb):
             if n - ld_acquire_shared(freed_at) < RING_SLOTS:
                 spins = Int32(0)
+                if delay_ns > 0:
+                    nap(delay_ns, n, epoch, bid * 4 + 3)
                 sz = cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE)
                 slot = n % RING_SLOTS
                 cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
