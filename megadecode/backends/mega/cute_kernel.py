@@ -32,8 +32,9 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.base import (  # noqa: E402,F401
-    IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S,
-    TLW, cta_sync, free_pages, hash32, loader, nap, ring_init, ring_pages, row_copies_landed, row_copy16,
+    IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I,
+    SMEM_RING_BYTES, TL_S, TLW, block_smem, block_threads, cta_sync, free_pages, hash32, loader, nap, ring_init,
+    ring_pages, row_copies_landed, row_copy16,
 )
 from . import ops  # noqa: E402
 from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
@@ -107,8 +108,10 @@ def signal(ctr: cute.Tensor, sig: Int32):
 @cute.kernel
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
                 i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32,
-                tl: cute.Tensor, timeline: Int32, delay_ns: Int32):
-    """`wtab`: the device address of every static tensor of the program's tensor table (weights; 0 for the others),
+                tl: cute.Tensor, timeline: Int32, delay_ns: Int32, RING: cutlass.Constexpr):
+    """`RING`: the build with the weight ring (one CTA an SM, a loader warp beside the compute warps; cute/base.py),
+    which streams the rows of the program's F_STAGE instructions; the other build has neither (two CTAs an SM).
+    `wtab`: the device address of every static tensor of the program's tensor table (weights; 0 for the others),
     `ptab`: of every tensor written in the launch (caches, states; 0 for the others), one index space: a body reads
     a weight's address from wtab and a cache's from ptab, so the audit can tell, per load, what it reads
     (backends/mega/spec.py). `timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer
@@ -122,8 +125,9 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     alloc = SmemAllocator()
     sm = alloc.allocate_tensor(Float32, cute.make_layout(SMEM_F), 16)
     smi = alloc.allocate_tensor(Int32, cute.make_layout(SMEM_I), 16)
-    ring = alloc.allocate_tensor(Int32, cute.make_layout(RING_BYTES // 4), 128)  # the weight ring (cute/base.py)
-    mbar = alloc.allocate_tensor(Int64, cute.make_layout(RING_SLOTS), 8)  # its slots' mbarriers
+    if cutlass.const_expr(RING):
+        ring = alloc.allocate_tensor(Int32, cute.make_layout(RING_BYTES // 4), 128)  # the weight ring (cute/base.py)
+        mbar = alloc.allocate_tensor(Int64, cute.make_layout(RING_SLOTS), 8)  # its slots' mbarriers
     pb = prog.iterator.toint()
     fb = f32.iterator.toint()
     ib = i32.iterator.toint()
@@ -146,18 +150,24 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         smi[ROW_S + tid - 32] = prog[first, tid - 32]
         if tid == 32:
             smi[IDX_S] = first
-    if tid == LOADER:
-        ring_init(smi, Int32(ring.iterator.toint()), Int32(mbar.iterator.toint()), err.iterator.toint(), max_spin)
+    if cutlass.const_expr(RING):
+        if tid == LOADER:
+            ring_init(smi, Int32(ring.iterator.toint()), Int32(mbar.iterator.toint()), err.iterator.toint(),
+                      max_spin)
     cute.arch.sync_threads()  # every thread, the loader warp's too: the only barrier it joins
-    if tid >= NT:
-        if tid == LOADER:  # the weight ring's loader, from the first staged instruction: the first row's, or the one
-            # that row names
-            first = Int32(-1)
-            if q0 < qstart[bid + 1]:
-                first = smi[ROW_S + W_STAGE]
-                if (smi[ROW_S + 3] & F_STAGE) != 0:
-                    first = smi[IDX_S]
-            loader(pb, wtab, smi, first, delay_ns, epoch, bid)
+    if cutlass.const_expr(RING):
+        if tid >= NT:
+            if tid == LOADER:  # the weight ring's loader, from the first staged instruction: the first row's, or the
+                # one that row names
+                first = Int32(-1)
+                if q0 < qstart[bid + 1]:
+                    first = smi[ROW_S + W_STAGE]
+                    if (smi[ROW_S + 3] & F_STAGE) != 0:
+                        first = smi[IDX_S]
+                loader(pb, wtab, smi, first, delay_ns, epoch, bid)
+        else:
+            compute(prog, pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid,
+                    bid, epoch)
     else:
         compute(prog, pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid,
                 epoch)
@@ -225,9 +235,9 @@ def compute(prog: cute.Tensor, pb: Int64, fb: Int64, ib: Int64, qstart: cute.Ten
 @cute.jit
 def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
            i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
-           timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream):
-    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns).launch(
-        grid=(num_ctas, 1, 1), block=(NTL, 1, 1), stream=stream)
+           timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream, ring: cutlass.Constexpr):
+    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, ring).launch(
+        grid=(num_ctas, 1, 1), block=(block_threads(ring), 1, 1), stream=stream)
 
 
 def current_stream_arg():
@@ -247,16 +257,16 @@ def fake_args():
             cuda_drv.CUstream(0))
 
 
-def compile_ptx_cubin():
-    """cute.compile the launcher with placeholder tensors, no GPU needed, keeping the PTX (`.__ptx__`, what the
-    static audit and the occupancy calculation read; the dump goes to a temporary directory) and the DSL's cubin
-    (`.artifacts.CUBIN`). Uncached: `compile_for` is the cached form."""
+def compile_ptx_cubin(ring: bool = True):
+    """cute.compile the launcher (the ring build, or the other) with placeholder tensors, no GPU needed, keeping the
+    PTX (`.__ptx__`, what the static audit and the occupancy calculation read; the dump goes to a temporary
+    directory) and the DSL's cubin (`.artifacts.CUBIN`). Uncached: `compile_for` is the cached form."""
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-    return cute.compile(launch, *fake_args(), options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
-                        no_cache=True)
+    return cute.compile(launch, *fake_args(), ring,
+                        options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}", no_cache=True)
 
 
-@functools.lru_cache(maxsize=1)
-def compile_for():
-    """The shipped kernel compiled for the audit, once per process (~100 s on a 2-core CPU)."""
-    return compile_ptx_cubin()
+@functools.lru_cache(maxsize=2)
+def compile_for(ring: bool = True):
+    """A shipped build compiled for the audit, once per process (~70 s on a 2-core CPU)."""
+    return compile_ptx_cubin(ring)

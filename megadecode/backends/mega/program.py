@@ -71,10 +71,11 @@ class Program:
                 and n == 2 * (a["r1"] - a["r0"]) * a["K"] and 4 * a["K"] <= (RING_SLOTS // 2 - 1) * RING_PAGE
                 and a["K"] <= SMEM_F - 128)
 
-    def rows(self) -> torch.Tensor:
+    def rows(self, ring: bool = False) -> torch.Tensor:
         """[N, ROW] int32: every instruction serialized, word W_NEXT the next instruction of its CTA's queue (-1
-        for the last of a queue, and for every instruction of a program not scheduled yet); the stageable ones
-        flagged F_STAGE, word W_STAGE the next flagged instruction of the same queue (-1: none)."""
+        for the last of a queue, and for every instruction of a program not scheduled yet); for the kernel's ring
+        build (`ring`), the stageable ones flagged F_STAGE, word W_STAGE the next flagged instruction of the same
+        queue (-1: none)."""
         rows = torch.tensor([i.row() for i in self.instrs], dtype=torch.int32).reshape(-1, ROW)
         rows[:, W_NEXT] = -1
         rows[:, W_STAGE] = -1
@@ -84,7 +85,7 @@ class Program:
             nxt = -1
             for i in reversed(q):
                 rows[i, W_STAGE] = nxt
-                if self.stageable(self.instrs[i]):
+                if ring and self.stageable(self.instrs[i]):
                     rows[i, 3] |= F_STAGE
                     nxt = i
         return rows

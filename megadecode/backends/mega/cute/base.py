@@ -19,7 +19,8 @@ NW = NT // 32
 TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
 RING_BYTES = RING_SLOTS * RING_PAGE
-SMEM_BYTES = 4 * (SMEM_F + SMEM_I) + RING_BYTES + 8 * RING_SLOTS + 128  # + the ring's mbarriers and alignment
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I)  # the working memory; the ring build adds the ring, its mbarriers and alignment
+SMEM_RING_BYTES = SMEM_BYTES + RING_BYTES + 8 * RING_SLOTS + 128
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 NEXT_S = BODY_I  # the next instruction's row, copied (cp.async) while the current one runs; a body's int words
 # are [0, BODY_I) (limits.py)
@@ -30,8 +31,19 @@ ERR_S = SMEM_I - 20  # 2 int words: the error buffer's address (the weight ring'
 # The weight ring's int words (RING_S + k): k = 3 pages freed (consumed: their slots may be refilled), 4 the current
 # instruction's first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
 RING_S = SMEM_I - 72
-LOADER = NT  # the loader warp (threads NT .. NT + 31, beside the NW compute warps): its lane 0 issues the ring's copies
-NTL = NT + 32  # threads launched a CTA
+LOADER = NT  # the ring build's loader warp (threads NT .. NT + 31, beside the NW compute warps): its lane 0 issues
+# the ring's copies
+NTL = NT + 32  # threads the ring build launches a CTA
+
+
+def block_threads(ring: bool) -> int:
+    """Threads a CTA of the build launches: the compute warps, and the ring's loader warp."""
+    return NTL if ring else NT
+
+
+def block_smem(ring: bool) -> int:
+    """Shared memory bytes a CTA of the build takes."""
+    return SMEM_RING_BYTES if ring else SMEM_BYTES
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
