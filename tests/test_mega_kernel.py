@@ -38,7 +38,7 @@ def test_co_residency_arithmetic():
     # 123 registers x 256 threads: 4096 registers per warp-allocation unit x 8 warps -> 2 CTAs in 64K registers
     assert ctas_per_sm(123, 256, 56 * 1024) == 2
     assert ctas_per_sm(64, 256, 56 * 1024) == 4  # registers and shared memory (56 KiB + 1 KiB) both allow 4
-    assert ctas_per_sm(64, K.NTL, K.SMEM_BYTES) == 1  # the weight ring takes most of the SM
+    assert ctas_per_sm(64, K.NTL, K.SMEM_RING_BYTES) == 1  # the weight ring takes most of the SM
     assert ctas_per_sm(64, 256, 100 * 1024) == 2  # then shared memory decides
     assert ctas_per_sm(None, 256, K.SMEM_BYTES) == 1  # unknown registers: one CTA always fits
     regs = registers_per_thread(K.compile_for().__ptx__)
@@ -54,8 +54,8 @@ def test_the_kernel_fits_one_cta_per_sm():
     if cubin is None:
         pytest.skip(f"no ptxas here: {report}")
     regs = registers_per_thread(ptx)
-    assert K.SMEM_BYTES <= 227 * 1024
-    assert ctas_per_sm(regs, K.NTL, K.SMEM_BYTES) == 1, f"{regs} registers per thread"
+    assert K.SMEM_RING_BYTES <= 227 * 1024
+    assert ctas_per_sm(regs, K.NTL, K.SMEM_RING_BYTES) == 1, f"{regs} registers per thread"
     # what the runtime's residency check reads instead of running ptxas again: the DSL's own cubin's count
     assert cubin_registers(K.compile_for().artifacts.CUBIN) == regs == cubin_registers(cubin)
 
