@@ -9,7 +9,9 @@ checks (which must pass). Exit 0 when every plant is caught and every control pa
 - gpu:long-splits (skip_last_chunk): diff_program against pyvm at the last position of a 1000-position cache
   (splits of several chunks); the same plant at the old cases' contexts (splits of one chunk) is run too, to show
   what they missed.
-- gpu:delayed-build (no_body_barrier): diff_program's delayed launches (every warp delayed before its stores).
+- gpu:delayed-build (no_body_barrier): diff_program's delayed launches (every warp delayed before its stores);
+  (ring_overtake, ring_no_wait): the same at batch 1, the weight ring's build (its loader delayed before each
+  page), on 5 CTAs (many staged instructions a queue: the ring wraps) and 16.
 - nc_cache (caught by the static audit): run too, to record whether a GPU run sees it.
 """
 
@@ -29,8 +31,8 @@ from megadecode.validate.mega_plants import planted_launcher
 CTAS = 16
 
 
-def _diff(preset, batch, context, kernel, delay_runs=3):
-    r = diff_program(preset, batch, CTAS, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
+def _diff(preset, batch, context, kernel, delay_runs=3, ctas=CTAS):
+    r = diff_program(preset, batch, ctas, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
     return {"preset": preset, "batch": batch, "context": context, "longest_split": r["longest_split"],
             "failures": diff_failures(r)}
 
@@ -57,6 +59,14 @@ def run(out: dict) -> None:
     # long splits: the shipped kernel passes them; skip_last_chunk fails them, and passes the old contexts
     presets = ("tiny-qwen3-moe", "tiny-deepseek-v3")
     add("mega_kernel", "gpu:long-splits", False, [_diff(p, b, "max", None, 1) for p in presets for b in (1, 5)])
+    ring_cases = [("tiny-qwen3-moe", 1, 5), ("tiny-qwen3-moe", 1, 16), ("tiny-k3-frag", 1, 5)]
+    add("mega_kernel", "gpu:delayed-build (ring)", False, [_diff(p, b, "random", None, 3, c) for p, b, c in ring_cases])
+    for name in ("ring_overtake", "ring_no_wait"):
+        t0 = time.perf_counter()
+        k = planted_launcher(name, dev)
+        out["compile_s"][name] = time.perf_counter() - t0
+        add(f"mega_kernel+{name}", "gpu:delayed-build (ring)", True, [_diff(p, b, "random", k, 3, c)
+                                                                       for p, b, c in ring_cases])
     for name in ("skip_last_chunk", "no_body_barrier", "nc_cache"):
         t0 = time.perf_counter()
         k = planted_launcher(name, dev)

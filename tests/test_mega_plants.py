@@ -115,3 +115,28 @@ def test_the_path_cases_reach_attention_splits_of_several_chunks_ending_partial(
     old = _program("tiny-qwen3-moe", 1, CONTEXTS["random"], ctas)
     assert longest_split(old, [199]) <= 64
     assert {b for _, b, _ in PATH_CASES} >= {1, 2, 3, 5, 9, 17, 33, 64}
+
+
+@pytest.mark.parametrize("name", ["ring_overtake", "ring_no_wait"])
+def test_the_weight_rings_plants_build_and_differ_where_they_say(name):
+    """The weight ring's plants (a page freed a ring ahead of its readers, a page read without its wait) compile;
+    the GPU catches them (bench/mega_plants_gpu.py: the delayed build at batch 1 against pyvm). Their builds differ
+    from the shipped one in the planted step only: fewer page waits, or the freed count stored a ring ahead."""
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.validate.mega_plants import planted_ptx
+
+    assert PLANTS[name].caught_by == ("gpu:delayed-build",) and PLANTS[name].bodies == ("MATVEC",)
+    saved = K.BODIES
+    K.BODIES = tuple(b for b in saved if b[0] == "MATVEC")  # the shipped build with the plant's bodies
+    try:
+        shipped = K.compile_ptx_cubin().__ptx__
+    finally:
+        K.BODIES = saved
+    ptx = planted_ptx(name)
+    waits = [p.count("mbarrier.try_wait") for p in (shipped, ptx)]
+    frees = [p.count("st.release.cta.shared") for p in (shipped, ptx)]
+    assert frees[0] == frees[1] > 0 and ptx != shipped
+    if name == "ring_no_wait":
+        assert 0 < waits[1] < waits[0], waits  # the loader's drain keeps its waits
+    else:
+        assert waits[1] == waits[0], waits
