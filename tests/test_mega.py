@@ -614,3 +614,34 @@ def test_route_inside_expert_up_is_refused_past_its_limits():
         ins.flags &= ~clear
         with pytest.raises(KernelLimit, match=match):
             check_program(prog)
+
+
+def test_the_ring_checks_every_staged_round_fits():
+    """kernel_check.check_ring: the rounds the staged body cuts (Program.ring_rounds, as cute/dense.py cuts them)
+    each read at most the ring's slots, for the row shapes the presets lower (K 2048 / 4096 / 7168, tiles of 3 to
+    288 rows, odd ones included); an instruction staged past what the ring holds is refused by name."""
+    from megadecode.backends.mega.kernel_check import KernelLimit, check_ring
+    from megadecode.backends.mega.limits import RING_PAGE, RING_SLOTS
+    from megadecode.backends.mega.program import Program, Tensor
+
+    def prog_of(K, rows):
+        ins = Instr("MATVEC", 0, dict(w=0, K=K, x_off=0, x_stride=K, out_off=0, out_stride=rows, out_col=0, r0=0,
+                                      r1=rows, B=1, norm_w=-1, eps_bits=0, normed_off=-1, x2_off=-1, add0_off=-1,
+                                      add1_off=-1), name=f"L0.w[0:{rows}]")
+        ins.prefetch = (0, 0, 2 * rows * K)
+        return Program(None, 1, [ins], [Tensor("w", torch.zeros(1, dtype=torch.bfloat16), "static")], {}, {}, 1)
+
+    for K in (8, 2048, 4096, 7168):
+        for rows in (3, 16, 17, 40, 288):
+            p = prog_of(K, rows)
+            assert p.stageable(p.instrs[0])
+            rounds = p.ring_rounds(p.instrs[0])
+            assert rounds[0][0] == 0 and rounds[-1][1] == (2 * rows * K - 1) // RING_PAGE
+            assert all(z - a + 1 <= RING_SLOTS // 2 for a, z in rounds)
+            check_ring(p)
+    p = prog_of(4096, 16)
+    p.stageable = lambda ins: True  # as if a pair of rows wider than the ring were staged
+    p.instrs[0].args["K"] = RING_SLOTS * RING_PAGE // 2
+    p.instrs[0].prefetch = (0, 0, 2 * 16 * p.instrs[0].args["K"])
+    with pytest.raises(KernelLimit, match=r"L0\.w\[0:16\]: a round of its staged rows reads pages 0\.\.\d+, more"):
+        check_ring(p)

@@ -71,6 +71,23 @@ class Program:
                 and n == 2 * (a["r1"] - a["r0"]) * a["K"] and 4 * a["K"] <= (RING_SLOTS // 2 - 1) * RING_PAGE
                 and a["K"] <= SMEM_F - 128)
 
+    def ring_rounds(self, ins: Instr) -> list[tuple[int, int]]:
+        """A staged MATVEC's rounds as the kernel's staged body cuts them (cute/dense.py staged_rows): per round the
+        first and last page (of the instruction's own, from 0) its row pairs read. Up to NW pairs a round, the
+        round's first page the one holding its first pair, its pairs ending within half the ring from that page."""
+        from .limits import NT
+
+        a = ins.args
+        K, nrows = a["K"], a["r1"] - a["r0"]
+        npairs, pb, total, half = (nrows + 1) // 2, 4 * K, 2 * nrows * K, RING_SLOTS // 2
+        out, q0 = [], 0
+        while q0 < npairs:
+            pa = q0 * pb // RING_PAGE
+            q1 = min(q0 + NT // 32, npairs, max(q0 + 1, (pa + half) * RING_PAGE // pb))
+            out.append((pa, (min(q1 * pb, total) - 1) // RING_PAGE))
+            q0 = q1
+        return out
+
     def rows(self, ring: bool = False) -> torch.Tensor:
         """[N, ROW] int32: every instruction serialized, word W_NEXT the next instruction of its CTA's queue (-1
         for the last of a queue, and for every instruction of a program not scheduled yet); for the kernel's ring

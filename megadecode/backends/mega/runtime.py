@@ -20,7 +20,7 @@ import torch
 
 from ..ptxas import assemble  # noqa: F401  (re-exported: callers and tests reach it here)
 from .isa import TLW
-from .kernel_check import check_program
+from .kernel_check import check_program, check_ring
 from .program import Program
 
 # spin iterations before a wait reports a timeout (~1-2 s of polling); MEGADECODE_MAX_SPIN overrides
@@ -234,6 +234,8 @@ class MegaRuntime:
             device = torch.device("cuda", torch.cuda.current_device())
         self.prog, self.device, self.max_spin = prog, device, max_spin
         self.ring = (ring_build(prog.batch) if kernel is None else True) if ring is None else bool(ring)
+        if self.ring:
+            check_ring(prog)  # every staged round's pages fit the ring at once
         self.num_ctas = prog.num_ctas
         self.rows = prog.rows(ring=self.ring).to(self.device)
         qstart, qorder = prog.queue_table()
