@@ -439,10 +439,13 @@ def _param_reg(ptx: str, params: list[str], name: str) -> str:
 
 
 def _outer_loop_head(lines: list[str]) -> int:
-    """Index of the label the longest backward branch goes to: the persistent loop's head."""
+    """Index of the label the longest backward branch around the signal goes to: the persistent loop's head (the
+    ring build's loader has loops of its own, which hold no signal)."""
     labels = {line.strip()[:-1]: k for k, line in enumerate(lines) if re.match(r"^\$L\w+:$", line.strip())}
+    sig = next(k for k, line in enumerate(lines) if "atom.global.release" in line)
     spans = [(k - labels[m.group(1)], labels[m.group(1)]) for k, line in enumerate(lines)
-             for m in [re.search(r"\bbra(?:\.uni)?\s+(\$L\w+);", line)] if m and labels.get(m.group(1), k) < k]
+             for m in [re.search(r"\bbra(?:\.uni)?\s+(\$L\w+);", line)]
+             if m and labels.get(m.group(1), k) < sig < k]
     return max(spans)[1]
 
 

@@ -34,7 +34,7 @@ from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is impo
 from .cute.base import (  # noqa: E402,F401
     IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I,
     SMEM_RING_BYTES, TL_S, TLW, block_smem, block_threads, cta_sync, free_pages, hash32, loader, nap, ring_init,
-    ring_pages, row_copies_landed, row_copy16,
+    ring_pages, row_copies_landed, row_copy16, staged_pages,
 )
 from . import ops  # noqa: E402
 from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
@@ -182,9 +182,7 @@ def compute(prog: cute.Tensor, pb: Int64, fb: Int64, ib: Int64, qstart: cute.Ten
     for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = smi[IDX_S]
         nxt = smi[ROW_S + W_NEXT]
-        staged = Int32(0)  # the ring pages this instruction consumes, freed after its body
-        if (smi[ROW_S + 3] & F_STAGE) != 0:
-            staged = ring_pages(smi[ROW_S + 12] * 16)
+        staged = staged_pages(smi)  # the ring pages this instruction consumes, freed after its body
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:
             row_copy16(ra + (NEXT_S + 4 * (tid - 32)) * 4, pb + Int64(nxt * ROW + 4 * (tid - 32)) * 4)
         t_wait = Int64(0)
