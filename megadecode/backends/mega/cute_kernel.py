@@ -166,15 +166,14 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                         first = smi[IDX_S]
                 loader(pb, wtab, smi, first, delay_ns, epoch, bid)
         else:
-            compute(prog, pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid,
-                    bid, epoch)
+            compute(pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid,
+                    epoch)
     else:
-        compute(prog, pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid,
-                epoch)
+        compute(pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid, epoch)
 
 
 @cute.jit
-def compute(prog: cute.Tensor, pb: Int64, fb: Int64, ib: Int64, qstart: cute.Tensor, ctr: cute.Tensor,
+def compute(pb: Int64, fb: Int64, ib: Int64, qstart: cute.Tensor, ctr: cute.Tensor,
             wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor, timeline: Int32,
             delay_ns: Int32, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, bid: Int32, epoch: Int32):
     """The compute warps (threads 0 .. NT - 1): the CTA's queue, an instruction after another."""

@@ -897,8 +897,7 @@ def up_routed_rows(fb: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
     xa = fa(fb, x_off)  # the one token's x
     accm = cute.make_rmem_tensor(2 * RU_UP, Float32)
     for p in cutlass.range(Int32(lo // Int64(I)), Int32((hi + Int64(I - 1)) // Int64(I))):
-        r0 = Int32(cutlass.max(lo - Int64(p) * Int64(I), Int64(0)))
-        r1 = Int32(cutlass.min(hi - Int64(p) * Int64(I), Int64(I)))
+        r0, r1 = pair_rows(p, I, lo, hi)
         gbase = gu + Int64(smi[RT + p]) * Int64(2 * I) * rowb
         for r in cutlass.range(r0 + warp, r1, RU_UP * NW):
             for j in cutlass.range_constexpr(2 * RU_UP):
