@@ -25,6 +25,7 @@ import traceback
 
 import torch
 
+from megadecode.backends.mega.runtime import MegaError
 from megadecode.validate.mega_gpu import diff_failures, diff_program, timeout_case, timeout_failures
 from megadecode.validate.mega_plants import planted_launcher
 
@@ -32,12 +33,19 @@ CTAS = 16
 
 
 def _diff(preset, batch, context, kernel, delay_runs=3, ctas=CTAS):
-    r = diff_program(preset, batch, ctas, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
+    """diff_program's failures; a launch that reports an error (MegaError: a ring page that never landed, a wait
+    past its limit) is a catch too: the mistake was named, not run on silently."""
+    try:
+        r = diff_program(preset, batch, ctas, seed=batch, delay_runs=delay_runs, context=context, kernel=kernel)
+    except MegaError as e:
+        return {"preset": preset, "batch": batch, "context": context, "longest_split": None,
+                "failures": [f"MegaError: {e}"]}
     return {"preset": preset, "batch": batch, "context": context, "longest_split": r["longest_split"],
             "failures": diff_failures(r)}
 
 
-def run(out: dict) -> None:
+def run(out: dict, save) -> None:
+    """The plants and controls in turn; `save()` after each row, so a run cut by the device's limit keeps its rows."""
     dev = torch.device("cuda")
     rows = out["rows"]
 
@@ -45,6 +53,7 @@ def run(out: dict) -> None:
         caught = any(x["failures"] for x in results)
         rows.append({"subject": subject, "check": check, "expected": "caught" if expect_caught else "passes",
                      "caught": caught, "ok": caught == expect_caught, "results": results})
+        save()
         print(f"{'OK ' if caught == expect_caught else 'BAD'} {subject:<28} {check:<26} caught={caught} "
               f"{[x['failures'][:2] for x in results if x['failures']][:2]}", flush=True)
 
@@ -84,6 +93,7 @@ def run(out: dict) -> None:
             rows.append({"subject": f"mega_kernel+{name}", "check": "diff vs pyvm (not its catcher)",
                          "expected": "recorded", "caught": any(x["failures"] for x in res), "ok": True,
                          "results": res})
+            save()
             print(f"    mega_kernel+{name} on the GPU: caught={rows[-1]['caught']}", flush=True)
 
 
@@ -93,13 +103,17 @@ def main() -> int:
     args = ap.parse_args()
     out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), "ctas": CTAS,
            "compile_s": {}, "rows": []}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
     try:
-        run(out)
+        run(out, save)
     except Exception as e:  # noqa: BLE001  (write what ran)
         traceback.print_exc()
         out["error"] = repr(e)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1, default=str)
+    save()
     ok = "error" not in out and all(r["ok"] for r in out["rows"])
     print(f"{'all plants caught, controls pass' if ok else 'NOT all as expected'}: wrote {args.out}")
     return 0 if ok else 1
