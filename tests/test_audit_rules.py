@@ -403,7 +403,9 @@ def test_the_embed_megakernel_passes_every_rule(embed_ptx):
     assert set(A.RULES) - {A.R_SASS} == set(rep.rules_checked)
     assert rep.checked[A.R_TIMEOUT] == "2 spin loops"  # the instruction's two counters
     assert rep.checked[A.R_BAR].startswith("1 signal against")
-    assert not rep.nc_loads
+    # the only reads outside the coherent path: the weight ring's loader's bulk copies (the compiler may duplicate
+    # the site), each proven to read wtab[] alone
+    assert rep.nc_loads and all(p == ("wtab[]",) for _, p in rep.nc_loads)
 
 
 def test_the_embed_megakernel_reads_its_rows_through_the_table(embed_ptx):
@@ -413,8 +415,11 @@ def test_the_embed_megakernel_reads_its_rows_through_the_table(embed_ptx):
     rep = _audit_mega(ptx)
     assert rep.passed, rep.to_markdown()
     static = {f"{t}[]" for t, r in S.POINTEES.items() if r == "static"}
-    assert len(rep.nc_loads) == n and all(p and set(p) <= static for _, p in rep.nc_loads), rep.nc_loads
-    assert rep.checked[A.R_NC] == f"{A._count(n, 'non-coherent load')}, {n} proven static"
+    # the rows' loads and the weight ring's bulk copies (as many as the unchanged build holds), each proven to read
+    # a static tensor
+    m = len(_audit_mega(embed_ptx).nc_loads)
+    assert len(rep.nc_loads) == n + m and all(p and set(p) <= static for _, p in rep.nc_loads), rep.nc_loads
+    assert rep.checked[A.R_NC] == f"{A._count(n + m, 'non-coherent load')}, {n + m} proven static"
 
 
 def _drop(ptx: str, pattern: str, before: str | None = None) -> str:
@@ -434,10 +439,13 @@ def _param_reg(ptx: str, params: list[str], name: str) -> str:
 
 
 def _outer_loop_head(lines: list[str]) -> int:
-    """Index of the label the longest backward branch goes to: the persistent loop's head."""
+    """Index of the label the longest backward branch around the signal goes to: the persistent loop's head (the
+    ring build's loader has loops of its own, which hold no signal)."""
     labels = {line.strip()[:-1]: k for k, line in enumerate(lines) if re.match(r"^\$L\w+:$", line.strip())}
+    sig = next(k for k, line in enumerate(lines) if "atom.global.release" in line)
     spans = [(k - labels[m.group(1)], labels[m.group(1)]) for k, line in enumerate(lines)
-             for m in [re.search(r"\bbra(?:\.uni)?\s+(\$L\w+);", line)] if m and labels.get(m.group(1), k) < k]
+             for m in [re.search(r"\bbra(?:\.uni)?\s+(\$L\w+);", line)]
+             if m and labels.get(m.group(1), k) < sig < k]
     return max(spans)[1]
 
 

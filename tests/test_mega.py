@@ -14,8 +14,12 @@ from megadecode.backends.mega.isa import (
     F_PAIR1,
     PAIR1_MAX_B,
     PASS,
+    F_ROUTE,
+    F_STAGE,
+    F_TC,
     ROW,
     W_NEXT,
+    W_STAGE,
     Instr,
     Wait,
     bits_f32,
@@ -154,6 +158,45 @@ def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
     from megadecode.hardware import HBM_READ_BPS
 
     assert occupancy(HBM_READ_BPS * 1e-6 * 10, 20.0) == pytest.approx(0.5) and occupancy(1e6, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rows_name_the_weight_rings_staged_instructions(preset, batch):
+    """The rows the kernel's ring build runs flag the instructions whose weights its ring streams (F_STAGE: batch-1
+    MATVEC of bf16 rows on the CUDA cores, whole rows in its static bytes; batch-1 EXPERT_UP routing its token
+    itself over bf16 experts) and chain each queue's flagged ones (W_STAGE), which is all the ring's loader walks;
+    nothing else is flagged, the other build's rows flag nothing, and the instructions themselves (what pyvm runs)
+    are unchanged."""
+    cfg = preset_config(preset)
+    w = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in random_weights(cfg, "cpu",
+                                                                                        torch.float32, 0).items()}
+    cache = KVCache(cfg, max(batch, 4), 64, "cpu", torch.bfloat16)
+    prog = schedule(lower(cfg, w, cache, batch, 7), 7)
+    assert not (prog.rows()[:, 3] & F_STAGE).any()  # rows for the other build: none
+    rows = prog.rows(ring=True)
+    staged = {i for i in range(len(prog.instrs)) if int(rows[i, 3]) & F_STAGE}
+    for i, ins in enumerate(prog.instrs):
+        assert not ins.flags & F_STAGE
+        if i in staged and ins.op == "MATVEC":
+            a = ins.args
+            assert a["B"] == 1 and not ins.flags & F_TC
+            assert ins.prefetch[1:] == (2 * a["r0"] * a["K"], 2 * (a["r1"] - a["r0"]) * a["K"])
+            assert int(rows[i, 12]) * 16 == 2 * (a["r1"] - a["r0"]) * a["K"]
+        elif i in staged:
+            assert ins.op == "EXPERT_UP" and ins.flags & F_ROUTE and not ins.flags & F_MXFP4
+    assert (len(staged) > 0) == (batch == 1)
+    if batch == 1:  # every batch-1 MATVEC of these presets is stageable; the routed EXPERT_UPs (qwen3's) too
+        want = {i for i, ins in enumerate(prog.instrs) if ins.op == "MATVEC"
+                or (ins.op == "EXPERT_UP" and ins.flags & F_ROUTE and not ins.flags & F_MXFP4)}
+        assert staged == want
+        assert any(prog.instrs[i].op == "EXPERT_UP" for i in staged) == (preset == "tiny-qwen3-moe")
+    for q in prog.queues:
+        for pos, i in enumerate(q):
+            later = [j for j in q[pos + 1:] if j in staged]
+            assert int(rows[i, W_STAGE]) == (later[0] if later else -1)
+    fp32 = schedule(lower(cfg, random_weights(cfg, "cpu", torch.float32, 0), cache, batch, 7), 7).rows(ring=True)
+    assert not (fp32[:, 3] & F_STAGE).any()  # fp32 rows (pyvm's exact programs): the kernel reads bf16 only
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -576,3 +619,56 @@ def test_route_inside_expert_up_is_refused_past_its_limits():
         ins.flags &= ~clear
         with pytest.raises(KernelLimit, match=match):
             check_program(prog)
+
+
+def test_the_ring_checks_every_staged_round_fits():
+    """kernel_check.check_ring: the rounds the staged body cuts (Program.ring_rounds, as cute/dense.py cuts them)
+    each read at most the ring's slots, for the row shapes the presets lower (K 2048 / 4096 / 7168, tiles of 3 to
+    288 rows, odd ones included); an instruction staged past what the ring holds is refused by name."""
+    from megadecode.backends.mega.kernel_check import KernelLimit, check_ring
+    from megadecode.backends.mega.limits import RING_PAGE, RING_SLOTS
+    from megadecode.backends.mega.program import Program, Tensor
+
+    def prog_of(K, rows):
+        ins = Instr("MATVEC", 0, dict(w=0, K=K, x_off=0, x_stride=K, out_off=0, out_stride=rows, out_col=0, r0=0,
+                                      r1=rows, B=1, norm_w=-1, eps_bits=0, normed_off=-1, x2_off=-1, add0_off=-1,
+                                      add1_off=-1), name=f"L0.w[0:{rows}]")
+        ins.prefetch = (0, 0, 2 * rows * K)
+        return Program(None, 1, [ins], [Tensor("w", torch.zeros(1, dtype=torch.bfloat16), "static")], {}, {}, 1)
+
+    for K in (8, 2048, 4096, 7168):
+        for rows in (3, 16, 17, 40, 288):
+            p = prog_of(K, rows)
+            assert p.stageable(p.instrs[0])
+            rounds = p.ring_rounds(p.instrs[0])
+            assert rounds[0][0] == 0 and rounds[-1][1] == (2 * rows * K - 1) // RING_PAGE
+            assert all(z - a + 1 <= RING_SLOTS // 2 for a, z in rounds)
+            check_ring(p)
+    p = prog_of(4096, 16)
+    p.stageable = lambda ins: True  # as if a pair of rows wider than the ring were staged
+    p.instrs[0].args["K"] = RING_SLOTS * RING_PAGE // 2
+    p.instrs[0].prefetch = (0, 0, 2 * 16 * p.instrs[0].args["K"])
+    with pytest.raises(KernelLimit, match=r"L0\.w\[0:16\]: a round of its staged rows reads pages 0\.\.\d+, more"):
+        check_ring(p)
+
+
+@pytest.mark.parametrize("D,I,A,W", [(2048, 768, 8, 132), (4096, 1536, 8, 100), (64, 32, 4, 7), (2048, 768, 8, 5)])
+def test_a_routed_expert_up_items_pages_cover_its_rows_once(D, I, A, W):
+    """Program.up_chunks and ring_rounds for a staged EXPERT_UP item (the loader's pages and the body's rounds, as
+    cute/base.py and cute/moe.py take them): over the W items every (pair, row) unit once; an item's pages are 2 a
+    chunk of k rows (gate, up), each within a page; each round's pages within half the ring."""
+    from megadecode.backends.mega.limits import RING_PAGE, RING_SLOTS
+    from megadecode.backends.mega.program import Program
+
+    seen = []
+    for w in range(W):
+        ins = Instr("EXPERT_UP", 0, {"I": I, "D": D, "A": A, "w": w, "W": W})
+        k, pairs = Program.up_chunks(ins)
+        assert k == RING_PAGE // (2 * D) and k * 2 * D <= RING_PAGE
+        for p, r0, r1 in pairs:
+            seen += [(p, r) for r in range(r0, r1)]
+        npages = sum(2 * -(-(r1 - r0) // k) for _, r0, r1 in pairs)
+        rounds = Program.ring_rounds(Program(None, 1, [], [], {}, {}, 1), ins)
+        assert all(z - a + 1 <= RING_SLOTS // 2 for a, z in rounds)
+        assert (rounds[-1][1] + 1 if rounds else 0) == npages
+    assert sorted(seen) == [(p, r) for p in range(A) for r in range(I)]

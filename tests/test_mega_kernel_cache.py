@@ -215,7 +215,7 @@ def test_compiled_launcher_stores_then_loads_and_recompiles_a_broken_entry(tmp_p
         class artifacts:
             CUBIN = None
 
-    def compile_launcher(device, cache=True):
+    def compile_launcher(device, cache=True, ring=True):
         compiles.append(device)
         return Compiled()
 
@@ -229,6 +229,15 @@ def test_compiled_launcher_stores_then_loads_and_recompiles_a_broken_entry(tmp_p
     assert first.source == "compiled" and first.registers == 120 and len(compiles) == 1
     assert "compiling the megakernel" in capsys.readouterr().err
     assert R.compiled_launcher(cuda) is first  # once per process
+    ring_entry = set((tmp_path / "cache").iterdir())
+    plain = R.compiled_launcher(cuda, ring=False)  # the other build: a compile and an entry of its own
+    assert plain is not first and not plain.ring and first.ring and len(compiles) == 2
+    (plain_entry,) = set((tmp_path / "cache").iterdir()) - ring_entry
+    import shutil
+
+    shutil.rmtree(plain_entry)  # the ring build's entry alone, as the test goes on
+    capsys.readouterr()
+    del compiles[1:]
 
     monkeypatch.setattr(R, "_COMPILED", None)  # the next process
     second = R.compiled_launcher(cuda)

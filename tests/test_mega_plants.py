@@ -68,9 +68,11 @@ def test_plant_verdicts_judge_every_plant_and_control():
     rows, reports = plant_verdicts()
     by = {r["variant"]: r for r in rows}
     assert set(by) == {f"mega_kernel+{n}" for n in list(PLANTS) + list(CONTROLS)}
-    assert all(r["status"] == "PASS" for r in rows if r["variant"] != "mega_kernel+skip_last_chunk"), rows
-    assert by["mega_kernel+skip_last_chunk"]["status"] == "SKIP"  # a GPU catch: bench/mega_plants_gpu.py
-    assert len(reports) == len(rows) - 1
+    gpu_only = {f"mega_kernel+{n}" for n, p in PLANTS.items() if all(c.startswith("gpu:") for c in p.caught_by)}
+    assert gpu_only == {f"mega_kernel+{n}" for n in ("skip_last_chunk", "ring_overtake", "ring_no_wait")}
+    assert all(r["status"] == "PASS" for r in rows if r["variant"] not in gpu_only), rows
+    assert all(by[v]["status"] == "SKIP" for v in gpu_only)  # GPU catches: bench/mega_plants_gpu.py
+    assert len(reports) == len(rows) - len(gpu_only)
 
 
 def _program(preset, batch, max_len, ctas=8):
@@ -115,3 +117,28 @@ def test_the_path_cases_reach_attention_splits_of_several_chunks_ending_partial(
     old = _program("tiny-qwen3-moe", 1, CONTEXTS["random"], ctas)
     assert longest_split(old, [199]) <= 64
     assert {b for _, b, _ in PATH_CASES} >= {1, 2, 3, 5, 9, 17, 33, 64}
+
+
+@pytest.mark.parametrize("name", ["ring_overtake", "ring_no_wait"])
+def test_the_weight_rings_plants_build_and_differ_where_they_say(name):
+    """The weight ring's plants (a page freed a ring ahead of its readers, a page read without its wait) compile;
+    the GPU catches them (bench/mega_plants_gpu.py: the delayed build at batch 1 against pyvm). Their builds differ
+    from the shipped one in the planted step only: fewer page waits, or the freed count stored a ring ahead."""
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.validate.mega_plants import planted_ptx
+
+    assert PLANTS[name].caught_by == ("gpu:delayed-build",) and PLANTS[name].bodies == ("MATVEC", "EXPERT_UP")
+    saved = K.BODIES
+    K.BODIES = tuple(b for b in saved if b[0] in PLANTS[name].bodies)  # the shipped build with the plant's bodies
+    try:
+        shipped = K.compile_ptx_cubin().__ptx__
+    finally:
+        K.BODIES = saved
+    ptx = planted_ptx(name)
+    waits = [p.count("mbarrier.try_wait") for p in (shipped, ptx)]
+    frees = [p.count("st.release.cta.shared") for p in (shipped, ptx)]
+    assert frees[0] == frees[1] > 0 and ptx != shipped
+    if name == "ring_no_wait":
+        assert 0 < waits[1] < waits[0], waits  # the loader's drain keeps its waits
+    else:
+        assert waits[1] == waits[0], waits

@@ -40,6 +40,11 @@ PLANTS = {p.name: p for p in (
           "non-coherent path", ("audit:nc-load-of-produced",), ("MLA_KV", "MLA_ATTN")),
     Plant("skip_last_chunk", "attention skips the last partial 64-position chunk of a split longer than one chunk",
           ("gpu:long-splits",), ("ATTN_GQA",)),
+    Plant("ring_overtake", "a staged body (MATVEC, EXPERT_UP) frees the ring's pages a whole ring ahead of its "
+          "reads: the loader refills slots still being read (a page reused before its readers are done)",
+          ("gpu:delayed-build",), ("MATVEC", "EXPERT_UP")),
+    Plant("ring_no_wait", "a staged body (MATVEC, EXPERT_UP) reads its pages without waiting for them to land",
+          ("gpu:delayed-build",), ("MATVEC", "EXPERT_UP")),
 )}
 CONTROLS = {"nc_weights": Plant("nc_weights", "EMBED reads the embedding rows (static) through the non-coherent "
                                 "path: the audit must pass it", (), ("EMBED",))}
@@ -52,7 +57,7 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
     from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
     from ..backends.mega import cute_kernel as K
-    from ..backends.mega.cute import attention, base, dense
+    from ..backends.mega.cute import attention, base, dense, moe
 
     acquire = K.wait_load
 
@@ -108,6 +113,14 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
         n = hi - lo
         return lo, lo + n - (n % attention.CH) * cutlass.min(1, cutlass.max(0, n - attention.CH))
 
+    @cute.jit
+    def free_ahead(smi: cute.Tensor, upto: Int32):
+        base.free_pages(smi, upto + base.RING_SLOTS)
+
+    @cute.jit
+    def no_page_wait(smi: cute.Tensor, page: Int32, idx: Int32):
+        pass
+
     return {"relaxed_signal": [(K, "signal", relaxed_signal)],
             "weak_wait": [(K, "wait_load", weak_wait_load)],
             "no_body_barrier": [(K, "order_body_stores", no_barrier)],
@@ -115,6 +128,8 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
             "nc_cache": [(attention, "ld8", ld8_nc)],
             "skip_last_chunk": [(attention, "split_bounds", short_split_bounds)],
             "nc_weights": [(dense, "ldf", ldf_nc)],
+            "ring_overtake": [(dense, "free_pages", free_ahead), (moe, "free_pages", free_ahead)],
+            "ring_no_wait": [(dense, "page_wait", no_page_wait), (moe, "page_wait", no_page_wait)],
             }[name]
 
 

@@ -32,10 +32,12 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.base import (  # noqa: E402,F401
-    IDX_S, NEXT_S, NT, NW, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I, TL_S, TLW, hash32, row_copies_landed, row_copy16,
+    IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I,
+    SMEM_RING_BYTES, TL_S, TLW, block_smem, block_threads, cta_sync, free_pages, hash32, loader, nap, ring_init,
+    ring_pages, row_copies_landed, row_copy16, staged_pages,
 )
 from . import ops  # noqa: E402
-from .isa import OPCODES, W_NEXT  # noqa: E402
+from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
 
 
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
@@ -89,9 +91,9 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
 
 @cute.jit
 def order_body_stores():
-    """Between an instruction's body and its signal: a block barrier, so every thread's stores are done before
-    thread 0's fence and release publish them."""
-    cute.arch.sync_threads()
+    """Between an instruction's body and its signal: a block barrier (of the compute warps, base.cta_sync), so every
+    thread's stores are done before thread 0's release publishes them."""
+    cta_sync()
 
 
 @cute.jit
@@ -103,30 +105,29 @@ def signal(ctr: cute.Tensor, sig: Int32):
     cute.arch.atomic_add((ctr.iterator + sig).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
 
-@cute.jit
-def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
-    """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
-    ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
-    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
-
-
 @cute.kernel
 def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
                 i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32,
-                tl: cute.Tensor, timeline: Int32, delay_ns: Int32):
-    """`wtab`: the device address of every static tensor of the program's tensor table (weights; 0 for the others),
+                tl: cute.Tensor, timeline: Int32, delay_ns: Int32, RING: cutlass.Constexpr):
+    """`RING`: the build with the weight ring (one CTA an SM, a loader warp beside the compute warps; cute/base.py),
+    which streams the rows of the program's F_STAGE instructions; the other build has neither (two CTAs an SM).
+    `wtab`: the device address of every static tensor of the program's tensor table (weights; 0 for the others),
     `ptab`: of every tensor written in the launch (caches, states; 0 for the others), one index space: a body reads
     a weight's address from wtab and a cache's from ptab, so the audit can tell, per load, what it reads
     (backends/mega/spec.py). `timeline` bit 0: thread 0 records per instruction [wait start, work start, end (globaltimer
     ns), SM, and up to 4 marks its body stamps (base.mark)] in tl, TLW words each. `delay_ns` > 0 (the debug
     build): thread 0 sleeps a random 0..delay_ns after its wait and after its signal, and every warp sleeps its own
     random 0..delay_ns before the body, so that warps store at different times and a signal that does not wait for
-    all of them would be seen early."""
+    all of them would be seen early; the weight ring's loader sleeps before each page, so that a page read before
+    it landed would show."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     alloc = SmemAllocator()
     sm = alloc.allocate_tensor(Float32, cute.make_layout(SMEM_F), 16)
     smi = alloc.allocate_tensor(Int32, cute.make_layout(SMEM_I), 16)
+    if cutlass.const_expr(RING):
+        ring = alloc.allocate_tensor(Int32, cute.make_layout(RING_BYTES // 4), 128)  # the weight ring (cute/base.py)
+        mbar = alloc.allocate_tensor(Int64, cute.make_layout(RING_SLOTS), 8)  # its slots' mbarriers
     pb = prog.iterator.toint()
     fb = f32.iterator.toint()
     ib = i32.iterator.toint()
@@ -149,11 +150,38 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         smi[ROW_S + tid - 32] = prog[first, tid - 32]
         if tid == 32:
             smi[IDX_S] = first
-    cute.arch.sync_threads()
+    if cutlass.const_expr(RING):
+        if tid == LOADER:
+            ring_init(smi, Int32(ring.iterator.toint()), Int32(mbar.iterator.toint()), err.iterator.toint(),
+                      max_spin)
+    cute.arch.sync_threads()  # every thread, the loader warp's too: the only barrier it joins
+    if cutlass.const_expr(RING):
+        if tid >= NT:
+            if tid == LOADER:  # the weight ring's loader, from the first staged instruction: the first row's, or the
+                # one that row names
+                first = Int32(-1)
+                if q0 < qstart[bid + 1]:
+                    first = smi[ROW_S + W_STAGE]
+                    if (smi[ROW_S + 3] & F_STAGE) != 0:
+                        first = smi[IDX_S]
+                loader(pb, wtab, smi, first, delay_ns, epoch, bid)
+        else:
+            compute(pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid,
+                    epoch)
+    else:
+        compute(pb, fb, ib, qstart, ctr, wtab, ptab, err, max_spin, tl, timeline, delay_ns, sm, smi, tid, bid, epoch)
+
+
+@cute.jit
+def compute(pb: Int64, fb: Int64, ib: Int64, qstart: cute.Tensor, ctr: cute.Tensor,
+            wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor, timeline: Int32,
+            delay_ns: Int32, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, bid: Int32, epoch: Int32):
+    """The compute warps (threads 0 .. NT - 1): the CTA's queue, an instruction after another."""
     ra = smi.iterator.toint()
-    for qi in cutlass.range(q0, qstart[bid + 1]):
+    for qi in cutlass.range(qstart[bid], qstart[bid + 1]):
         idx = smi[IDX_S]
         nxt = smi[ROW_S + W_NEXT]
+        staged = staged_pages(smi)  # the ring pages this instruction consumes, freed after its body
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:
             row_copy16(ra + (NEXT_S + 4 * (tid - 32)) * 4, pb + Int64(nxt * ROW + 4 * (tid - 32)) * 4)
         t_wait = Int64(0)
@@ -165,7 +193,7 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
             smi[SMEM_I - 1] = ok
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 1)
-        cute.arch.sync_threads()
+        cta_sync()
         t_start = Int64(0)
         if tid == 0:
             t_start = cute.arch.globaltimer()
@@ -180,6 +208,10 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
         order_body_stores()
         if tid == 0 and sig >= 0 and smi[SMEM_I - 1] == 1:
             signal(ctr, sig)
+        if tid == 0 and staged > 0:  # every thread is past its reads of the pages (the barrier above); a body
+            # skipped after a failed wait frees its pages too
+            smi[RING_S + 4] = smi[RING_S + 4] + staged
+            free_pages(smi, smi[RING_S + 4])
         if tid >= 32 and tid < 32 + ROW // 4 and nxt >= 0:  # the next row: landed, then made the current one
             row_copies_landed()
             for j in cutlass.range_constexpr(4):
@@ -194,15 +226,15 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
                 tl[TLW * idx + 3] = Int64(cute.arch.smid())
             if delay_ns > 0:
                 nap(delay_ns, idx, epoch, bid * 4 + 2)
-        cute.arch.sync_threads()
+        cta_sync()
 
 
 @cute.jit
 def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
            i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
-           timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream):
-    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns).launch(
-        grid=(num_ctas, 1, 1), block=(NT, 1, 1), stream=stream)
+           timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream, ring: cutlass.Constexpr):
+    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, ring).launch(
+        grid=(num_ctas, 1, 1), block=(block_threads(ring), 1, 1), stream=stream)
 
 
 def current_stream_arg():
@@ -222,16 +254,16 @@ def fake_args():
             cuda_drv.CUstream(0))
 
 
-def compile_ptx_cubin():
-    """cute.compile the launcher with placeholder tensors, no GPU needed, keeping the PTX (`.__ptx__`, what the
-    static audit and the occupancy calculation read; the dump goes to a temporary directory) and the DSL's cubin
-    (`.artifacts.CUBIN`). Uncached: `compile_for` is the cached form."""
+def compile_ptx_cubin(ring: bool = True):
+    """cute.compile the launcher (the ring build, or the other) with placeholder tensors, no GPU needed, keeping the
+    PTX (`.__ptx__`, what the static audit and the occupancy calculation read; the dump goes to a temporary
+    directory) and the DSL's cubin (`.artifacts.CUBIN`). Uncached: `compile_for` is the cached form."""
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-    return cute.compile(launch, *fake_args(), options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}",
-                        no_cache=True)
+    return cute.compile(launch, *fake_args(), ring,
+                        options=f"--gpu-arch={ARCH} --keep-ptx --keep-cubin --dump-dir={dump}", no_cache=True)
 
 
-@functools.lru_cache(maxsize=1)
-def compile_for():
-    """The shipped kernel compiled for the audit, once per process (~100 s on a 2-core CPU)."""
-    return compile_ptx_cubin()
+@functools.lru_cache(maxsize=2)
+def compile_for(ring: bool = True):
+    """A shipped build compiled for the audit, once per process (~70 s on a 2-core CPU)."""
+    return compile_ptx_cubin(ring)

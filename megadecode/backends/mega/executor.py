@@ -48,7 +48,7 @@ class MegaExecutor(TorchExecutor):
         major, minor = torch.cuda.get_device_capability(self.device)
         if (major, minor) != (9, 0):
             raise ValueError(f"the mega executor is built for sm_90 (H100/H200), this GPU is sm_{major}{minor}")
-        self.num_ctas = num_ctas or int(os.environ.get("MEGADECODE_MEGA_CTAS", 0)) or default_ctas(self.device)
+        self.num_ctas = num_ctas or int(os.environ.get("MEGADECODE_MEGA_CTAS", 0)) or None  # None: per build
         self.timeline, self.delay_ns = timeline, delay_ns
         # K3's routed experts in fragment order (frag_order): EXPERT_UP / EXPERT_DOWN on the tensor cores (F_FRAG)
         self.frag_experts = expert_layout.order_of(self.weights, plan) == expert_layout.FRAGMENT
@@ -108,17 +108,18 @@ class MegaExecutor(TorchExecutor):
     def runtime(self, batch: int, causal_rows: bool = False):
         from .isa import f32_bits
         from .lower import lower
-        from .runtime import MegaRuntime
+        from .runtime import MegaRuntime, ring_build
         from .schedule import schedule
 
         mode, inv_t = self._mode()
         key = (batch, mode, inv_t, causal_rows)
         if key not in self.runtimes:
-            prog = lower(self.cfg, self.weights, self.cache, batch, self.num_ctas, sample=mode, causal_rows=causal_rows)
+            ctas = self.num_ctas or default_ctas(self.device, ring_build(batch))
+            prog = lower(self.cfg, self.weights, self.cache, batch, ctas, sample=mode, causal_rows=causal_rows)
             for ins in prog.instrs:
                 if ins.op == "SAMPLE":
                     ins.args["inv_temp_bits"] = f32_bits(inv_t)
-            self.runtimes[key] = MegaRuntime(schedule(prog, self.num_ctas), self.device, timeline=self.timeline,
+            self.runtimes[key] = MegaRuntime(schedule(prog, ctas), self.device, timeline=self.timeline,
                                              delay_ns=self.delay_ns)
         return key, self.runtimes[key]
 
@@ -166,13 +167,13 @@ class MegaExecutor(TorchExecutor):
             rt.check()
 
 
-def default_ctas(device) -> int:
-    """Every CTA the GPU holds at once: SMs x the kernel's resident CTAs per SM (registers, shared memory)."""
+def default_ctas(device, ring: bool = True) -> int:
+    """Every CTA the GPU holds at once: SMs x the build's resident CTAs per SM (registers, shared memory)."""
     from . import cute_kernel as K
     from .runtime import compiled_launcher, ctas_per_sm, launcher_registers
 
-    regs = launcher_registers(compiled_launcher(device))  # the launches' own compile or cache entry
-    per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
+    regs = launcher_registers(compiled_launcher(device, ring))  # the launches' own compile or cache entry
+    per_sm = ctas_per_sm(regs, K.block_threads(ring), K.block_smem(ring))
     return max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
 
 

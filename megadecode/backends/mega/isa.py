@@ -8,6 +8,8 @@ An instruction is a small dataclass that serializes to a fixed-width row of int3
     10..12 the static bytes the instruction streams, to prefetch before its wait: tensor (-1: none), offset and
            length in 16-byte units
     13..   arguments (ARGS ints; their meaning per opcode is in OPS)
+    38     the next instruction of the same CTA's queue after this one whose static bytes (10..12) the weight ring
+           streams (F_STAGE; -1: none; written by Program.rows), so that the ring's issuer walks only those
     39     the next instruction of the same CTA's queue (-1: the last; written by Program.rows from the schedule),
            so that the kernel copies that row into shared memory while this one runs
 
@@ -31,6 +33,7 @@ ROW = 40  # int32 per instruction
 PASS = 4  # tokens (or expert pairs) per pass of the kernel's dot-product loops (its TB)
 HEADER = 13
 W_NEXT = ROW - 1  # row word: the next instruction of the CTA's queue (-1: none)
+W_STAGE = ROW - 2  # row word: the next staged (F_STAGE) instruction of the CTA's queue after this one (-1: none)
 TLW = 8  # timeline words per instruction (MegaRuntime(timeline=True)): wait start, work start, end, SM, 4 body marks
 ARGS = ROW - HEADER
 
@@ -51,9 +54,11 @@ F_PAIR1 = 4096  # EXPERT_UP (bf16): one (expert, token) pair per pass, as MXFP4 
 F_TC = 8192  # MATVEC / GLU: rows on the tensor cores (`tc_input`): batch >= 2, K a multiple of TC_K
 F_FRAG = 16384  # EXPERT_UP / EXPERT_DOWN (with F_MXFP4): weights in fragment order (quant/mxfp4_frag.py), tensor cores
 F_ROUTE = 32768  # EXPERT_UP (batch 1, softmax scores): each item picks the experts itself from the router's logits
+# (ROUTE's batch-1 semantics), item w = 0 also writing ROUTE's outputs; the layer has no ROUTE phase
 F_KV_WRITE = 65536  # ATTN_GQA: only write the token's key and value to the cache (a causal-rows program's write phase)
 F_KV_READ = 131072  # ATTN_GQA: attention over the cache only, its rows written by an F_KV_WRITE phase before
-# (ROUTE's batch-1 semantics), item w = 0 also writing ROUTE's outputs; the layer has no ROUTE phase
+F_STAGE = 262144  # MATVEC (batch 1, CUDA cores): its rows (the static bytes, words 10..12) come through the CTA's
+# weight ring, streamed ahead of its wait (Program.rows sets it: `stageable`); no change to what it computes
 FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
 FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
@@ -121,7 +126,7 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
 OPCODES = {name: code for name, (code, _) in OPS.items()}
 OPNAMES = {code: name for name, (code, _) in OPS.items()}
 for _name, (_, _args) in OPS.items():
-    assert len(_args) < ARGS, (_name, len(_args))  # W_NEXT follows the arguments
+    assert len(_args) < ARGS - 1, (_name, len(_args))  # W_STAGE and W_NEXT follow the arguments
 
 
 # bf16 EXPERT_UP takes one pair a pass (F_PAIR1) up to this batch. Measured on the H200 (bench/mega_lower_ab.py,

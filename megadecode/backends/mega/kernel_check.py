@@ -13,7 +13,7 @@ from .isa import F_MXFP4
 from .limits import BODY_I, MLA_HB, NT, SMEM_F, KernelLimit
 from .program import Program
 
-__all__ = ["BODY_I", "MLA_HB", "NT", "SMEM_F", "KernelLimit", "check_program"]  # the bounds, re-exported
+__all__ = ["BODY_I", "MLA_HB", "NT", "SMEM_F", "KernelLimit", "check_program", "check_ring"]  # the bounds, re-exported
 
 U8 = torch.uint8
 
@@ -67,3 +67,21 @@ def check_program(prog: Program) -> None:
             if a.get(name, -1) > 0 and a[name] % 4:
                 raise KernelLimit(f"{where}: {name} = {a[name]} is not a multiple of 4 fp32 (16-byte vector loads)")
         ops.checker(op)(prog, ins, where)
+
+
+def check_ring(prog: Program) -> None:
+    """What the weight ring's build assumes of the program's staged instructions (Program.stageable): each round of
+    a staged body reads pages that the loader can all hold at once once the pages before the round are freed (at
+    most RING_SLOTS; the kernel then never waits for a page the loader cannot issue), and every page is one bulk
+    copy of whole 16-byte units. Raise KernelLimit naming the instruction otherwise."""
+    from .limits import RING_PAGE, RING_SLOTS
+
+    for ins in prog.instrs:
+        if ins.op not in ("MATVEC", "EXPERT_UP") or not prog.stageable(ins):
+            continue
+        for pa, pz in prog.ring_rounds(ins):
+            if pz - pa + 1 > RING_SLOTS:
+                raise KernelLimit(f"{ins.name}: a round of its staged rows reads pages {pa}..{pz}, more than the "
+                                  f"ring's {RING_SLOTS} slots")
+        if ins.op == "MATVEC" and (ins.prefetch[2] % 16 or RING_PAGE % 16):
+            raise KernelLimit(f"{ins.name}: staged bytes {ins.prefetch[2]} are not whole 16-byte units")

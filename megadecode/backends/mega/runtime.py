@@ -20,7 +20,7 @@ import torch
 
 from ..ptxas import assemble  # noqa: F401  (re-exported: callers and tests reach it here)
 from .isa import TLW
-from .kernel_check import check_program
+from .kernel_check import check_program, check_ring
 from .program import Program
 
 # spin iterations before a wait reports a timeout (~1-2 s of polling); MEGADECODE_MAX_SPIN overrides
@@ -64,7 +64,15 @@ def compile_options(K, dump: str | None = None) -> str:
     return f"--gpu-arch={K.ARCH} --keep-cubin" + (f" --dump-dir={dump}" if dump else "")
 
 
-def compile_launcher(device, cache: bool = True):
+def ring_build(batch: int) -> bool:
+    """Which build runs a program of this batch: the weight ring's (one CTA an SM) where its staged rows are, at
+    batch 1 (the rows of a batch-1 MATVEC: Program.stageable), the other (two CTAs an SM, twice the warps) past it.
+    Measured on one CTA an SM without the ring, qwen3-30b-a3b batch 8 took 1.25x the time of two (docs/megakernel.md,
+    "The weight ring")."""
+    return batch == 1
+
+
+def compile_launcher(device, cache: bool = True, ring: bool = True):
     """Compile the launcher (20-60 s) from placeholder tensors of the runtime's dtypes and ranks on `device`,
     layouts dynamic, so it serves every program; the stream is an argument of each call, not of the compile.
     The cubin is kept: its register count is the residency check's. Uncached: the harness's planted builds
@@ -82,7 +90,7 @@ def compile_launcher(device, cache: bool = True):
                         z(TLW, dtype=torch.int64), 0, 0, 8)
     # the dump directory stays (as compile_for's does): whether the executor reads its files later is not known
     dump = tempfile.mkdtemp(prefix="megadecode-cute-")
-    return K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0), options=compile_options(K, dump),
+    return K.cute.compile(K.launch, *args, K.cuda_drv.CUstream(0), ring, options=compile_options(K, dump),
                           no_cache=not cache)
 
 
@@ -90,46 +98,50 @@ class Launcher:
     """The shipped kernel's launcher with its register count: compiled in this process, or loaded from the disk
     cache (backends/mega/kernel_cache.py), whose loaded function keeps no cubin to read the count from."""
 
-    def __init__(self, fn, registers: int | None, source: str, keep=None):
+    def __init__(self, fn, registers: int | None, source: str, keep=None, ring: bool = True):
         self.fn, self.registers, self.source = fn, registers, source  # source: "compiled" or "cache"
+        self.ring = ring  # the build (compile_launcher)
         self._keep = keep  # the loaded module: it owns the linked code the function calls
 
     def __call__(self, *args):
         return self.fn(*args)
 
 
-def compiled_launcher(device):
-    """The shipped kernel's launcher, once per process: the engine build's CTA count (`default_ctas`) and every
-    runtime's launches share it (two compiles made k3-mini's cold start 52.5 s on the H200). On a CUDA device it
-    is loaded from the disk cache when an entry for these sources exists, else compiled and stored there."""
+def compiled_launcher(device, ring: bool = True):
+    """A shipped build's launcher (`ring`: the weight ring's, else the other), once per process: the engine build's
+    CTA count (`default_ctas`) and every runtime's launches share it (two compiles made k3-mini's cold start 52.5 s
+    on the H200). On a CUDA device it is loaded from the disk cache when an entry for these sources exists, else
+    compiled and stored there."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = _cached_or_compiled(torch.device(device))
-    return _COMPILED
+        _COMPILED = {}
+    if ring not in _COMPILED:
+        _COMPILED[ring] = _cached_or_compiled(torch.device(device), ring)
+    return _COMPILED[ring]
 
 
-def _compiled_here(device: torch.device) -> Launcher:
-    fn = compile_launcher(device)
-    return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled")
+def _compiled_here(device: torch.device, ring: bool) -> Launcher:
+    fn = compile_launcher(device, ring=ring)
+    return Launcher(fn, cubin_registers(getattr(fn.artifacts, "CUBIN", None)), "compiled", ring=ring)
 
 
-def _cached_or_compiled(device: torch.device) -> Launcher:
+def _cached_or_compiled(device: torch.device, ring: bool) -> Launcher:
     from . import kernel_cache
 
     root = kernel_cache.cache_dir() if device.type == "cuda" else None
     if root is None:
-        return _compiled_here(device)
+        return _compiled_here(device, ring)
     try:
-        key = kernel_cache.source_key(compile_options(kernel_module()))
+        key = kernel_cache.source_key(compile_options(kernel_module()) + (" ring" if ring else ""))
     except Exception as e:  # noqa: BLE001 (no key, no cache: the compile still serves this process)
         kernel_cache.say(f"the megakernel's cache key could not be computed ({kernel_cache.why(e)}); compiling it")
-        return _compiled_here(device)
+        return _compiled_here(device, ring)
     hit = kernel_cache.load(root, key)
     if hit is not None:
         (module, fn), registers = hit
-        return Launcher(fn, registers, "cache", keep=module)
+        return Launcher(fn, registers, "cache", keep=module, ring=ring)
     kernel_cache.say(f"compiling the megakernel (about a minute, once: it is kept in {root})")
-    launcher = _compiled_here(device)
+    launcher = _compiled_here(device, ring)
     kernel_cache.store(root, key, launcher.fn, launcher.registers)
     return launcher
 
@@ -208,11 +220,12 @@ def ctas_per_sm(regs: int | None, threads: int, smem_bytes: int) -> int:
 
 class MegaRuntime:
     def __init__(self, prog: Program, device, max_spin: int = DEFAULT_MAX_SPIN, *, timeline: bool = False,
-                 delay_ns: int = 0, kernel=None):
+                 delay_ns: int = 0, kernel=None, ring: bool | None = None):
         """`timeline`: record per instruction [wait start, work start, end ns, SM] (`timeline_rows()`);
         `delay_ns` > 0: the debug build's random delays before each instruction's stores and after its signal;
         `kernel`: another build of the launcher to run (the harness's planted ones, validate/mega_plants.py)
-        instead of the shipped one."""
+        instead of the shipped one; `ring`: which build runs it (default: `ring_build` of the batch for the shipped
+        kernel, the ring build for another, as compile_launcher makes it by default)."""
         if not prog.queues:
             raise ValueError("schedule the program first (mega.schedule.schedule)")
         check_program(prog)  # dtypes, loop lengths, alignment, shared-memory bounds: refused here, not misread
@@ -220,8 +233,11 @@ class MegaRuntime:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.prog, self.device, self.max_spin = prog, device, max_spin
+        self.ring = (ring_build(prog.batch) if kernel is None else True) if ring is None else bool(ring)
+        if self.ring:
+            check_ring(prog)  # every staged round's pages fit the ring at once
         self.num_ctas = prog.num_ctas
-        self.rows = prog.rows().to(self.device)
+        self.rows = prog.rows(ring=self.ring).to(self.device)
         qstart, qorder = prog.queue_table()
         self.qstart, self.qorder = qstart.to(self.device), qorder.to(self.device)
         self.ctr = torch.zeros(max(prog.counters, 4), dtype=torch.int32, device=self.device)
@@ -259,7 +275,7 @@ class MegaRuntime:
         """The compiled launcher (`compiled_launcher`: once per process, it serves every program), residency
         checked on first use."""
         if self._compiled is None:
-            self._compiled = self._kernel or compiled_launcher(self.device)
+            self._compiled = self._kernel or compiled_launcher(self.device, self.ring)
             self.check_residency()
         return self._compiled
 
@@ -268,7 +284,7 @@ class MegaRuntime:
         never starts): refuse a launch larger than the GPU holds."""
         K = kernel_module()
         regs = launcher_registers(self._compiled)
-        per_sm = ctas_per_sm(regs, K.NT, K.SMEM_BYTES)
+        per_sm = ctas_per_sm(regs, K.block_threads(self.ring), K.block_smem(self.ring))
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if self.num_ctas > per_sm * sms:
             raise ValueError(f"the megakernel launches {self.num_ctas} CTAs; this GPU holds {per_sm} per SM x {sms} "
@@ -296,6 +312,12 @@ class MegaRuntime:
         e = self.err.tolist()
         if e[0]:
             ins = self.prog.instrs[e[1]] if 0 <= e[1] < len(self.prog.instrs) else None
+            if e[2] in (-2, -3, -4):  # the weight ring (cute/base.py: report_ring_timeout)
+                what = {-2: "waited for ring page {p}, which did not land",
+                        -3: "the ring's loader waited for a free slot for page {p}",
+                        -4: "the ring's loader waited for the experts its item routed to"}[e[2]]
+                raise MegaError(f"megakernel weight ring timed out: instruction {e[1]} "
+                                f"({ins.name if ins else 'the end of its queue'}): " + what.format(p=e[3]))
             raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "
                             f"counter {e[2]} ({self.prog.phases[e[2] - 1] if 0 < e[2] <= len(self.prog.phases) else '?'})"
                             f" for {e[4]}, saw {e[3]}")

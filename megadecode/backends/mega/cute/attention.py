@@ -9,6 +9,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 from ..isa import F_INTERLEAVED, F_KV_READ, F_KV_WRITE, F_NOPE
 from ..limits import MLA_HB
 from .base import (
+    cta_sync,
     ARG,
     _g,
     CH,
@@ -75,7 +76,7 @@ def value_chunk(sm: cute.Tensor, tid: Int32, vbase: Int64, vstride: Int64, n: In
                     else:
                         sm[PT + ps * NH * W + e] = acc[hq * 4 + i]
     if PS > 1:  # uniform over the CTA: every thread reaches the barrier
-        cute.arch.sync_threads()
+        cta_sync()
         for e in cutlass.range(tid, NH * W, NT):
             tot = Float32(0.0)
             for q in cutlass.range(PS):
@@ -103,11 +104,11 @@ def fold_chunk(sm: cute.Tensor, tid: Int32, vbase: Int64, vstride: Int64, n: Int
     """A chunk's scores (at SC, written by every thread) folded into the online softmax and the value accumulators
     of NH heads: softmax_chunk, then value_chunk over the chunk's n value rows from vbase (its position slices'
     sums at PT), a barrier around each."""
-    cute.arch.sync_threads()
+    cta_sync()
     softmax_chunk(sm, tid, SC, M, L, AL, NH)
-    cute.arch.sync_threads()
+    cta_sync()
     value_chunk(sm, tid, vbase, vstride, n, W, NH, SC, ACC, AL, PT)
-    cute.arch.sync_threads()
+    cta_sync()
 
 
 @cute.jit
@@ -197,9 +198,9 @@ def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rs
             if kp < n:
                 v = sc[k] * scale
             sm[SC + g * CH + kp] = v
-    cute.arch.sync_threads()
+    cta_sync()
     softmax_chunk(sm, tid, SC, M, L, AL, G)
-    cute.arch.sync_threads()
+    cta_sync()
     for hg in cutlass.range((G + 3) // 4):
         for i in cutlass.range_constexpr(16):
             acc[i] = Float32(0.0)
@@ -215,7 +216,7 @@ def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rs
             for k in cutlass.range_constexpr(2):
                 e = g * d + cg * 4 + 2 * (lane & 1) + k
                 sm[ACC + e] = sm[ACC + e] * sm[AL + g] + o[k]
-    cute.arch.sync_threads()
+    cta_sync()
 
 
 @cute.jit
@@ -268,7 +269,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
         ss = warp_sum(ss)
         if lane == 0:
             sm[TMP] = cute.math.rsqrt(ss / Float32(d) + eps)
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         mark(smi, idx, 0)  # timeline builds: the arguments, q's norm and k's rstd done
     for e in cutlass.range(tid, NQ * half, NT):  # q heads: RoPE (pairs i, i + d/2)
@@ -294,7 +295,7 @@ def op_attn_gqa(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
         init_stats(sm, tid, M, L, G)
         for e in cutlass.range(tid, G * d, NT):
             sm[ACC + e] = Float32(0.0)
-        cute.arch.sync_threads()
+        cta_sync()
         if tid == 0:
             mark(smi, idx, 1)  # RoPE, the cache write (the last split) and the softmax state done
         for c0 in cutlass.range(lo, hi, CH):
@@ -328,7 +329,7 @@ def op_mla_kv(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pt
         ss = warp_sum(ss)
         if lane == 0:
             sm[0] = cute.math.rsqrt(ss / Float32(C) + eps)
-    cute.arch.sync_threads()
+    cta_sync()
     rs = sm[0]
     crow = (Int64(slot) * Int64(Lmax) + Int64(pos)) * Int64(C + R)
     for k in cutlass.range(tid, C, NT):
@@ -358,7 +359,7 @@ def op_mla_q(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     q = qb_off + b * qb_stride + h * (P + R)
     for p in cutlass.range(tid, P, NT):
         sm[p] = ldf(Float32, fa(fb, q + p))
-    cute.arch.sync_threads()
+    cta_sync()
     for cc in cutlass.range(tid, C, NT):
         acc = Float32(0.0)
         for p in cutlass.range(P, unroll=32):  # 32 loads in flight (8 make 16 dependent trips a column at P = 128)
@@ -399,7 +400,7 @@ def op_mla_attn(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
         hh, r = e // R, e % R
         sm[QP + e] = ldf(Float32, fa(fb, qpe_off + (b * H + h0 + hh) * R + r))
     init_stats(sm, tid, M, L, HB)
-    cute.arch.sync_threads()
+    cta_sync()
     lo, hi = split_bounds(s, S, pos)
     KS = NT // CH  # 4 threads a cached position, each 8-element chunks j, j + KS, ... of its row
     acc = cute.make_rmem_tensor(MLA_HB, Float32)

@@ -12,22 +12,48 @@ from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported fo
 )
 from ...cute_frag import frag_dec, frag_scale, lds4, mma  # noqa: F401  (re-exported for the bodies)
 from ....quant.mxfp4_frag import MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, WBYTES  # noqa: F401
-from ..isa import HEADER, OPS, PASS, ROW, TLW
-from ..limits import BODY_I, NT, SMEM_F, SMEM_I
+from ..isa import F_STAGE as F_STAGE_BIT, HEADER, OPCODES, OPS, PASS, ROW, TLW, W_STAGE
+from ..limits import BODY_I, NT, RING_PAGE, RING_SLOTS, SMEM_F, SMEM_I
 
 NW = NT // 32
 TB = PASS  # tokens (or expert pairs) per pass of a dot-product loop
 CH = 64  # cache positions scored per attention chunk
-SMEM_BYTES = 4 * (SMEM_F + SMEM_I)
+RING_BYTES = RING_SLOTS * RING_PAGE
+SMEM_BYTES = 4 * (SMEM_F + SMEM_I)  # the working memory; the ring build adds the ring, its mbarriers and alignment
+SMEM_RING_BYTES = SMEM_BYTES + RING_BYTES + 8 * RING_SLOTS + 128
 ROW_S = SMEM_I - 64  # the current instruction's row; SMEM_I - 1: its waits were satisfied
 NEXT_S = BODY_I  # the next instruction's row, copied (cp.async) while the current one runs; a body's int words
 # are [0, BODY_I) (limits.py)
 IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
+ERR_S = SMEM_I - 20  # 2 int words: the error buffer's address (the weight ring's timeouts report through it)
+# The weight ring's int words (RING_S + k): k = 2 the routed EXPERT_UP whose experts were published last (-1: none),
+# 3 pages freed (consumed: their slots may be refilled), 4 the current
+# instruction's first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
+RING_S = SMEM_I - 72
+LOADER = NT  # the ring build's loader warp (threads NT .. NT + 31, beside the NW compute warps): its lane 0 issues
+# the ring's copies
+NTL = NT + 32  # threads the ring build launches a CTA
+
+
+def block_threads(ring: bool) -> int:
+    """Threads a CTA of the build launches: the compute warps, and the ring's loader warp."""
+    return NTL if ring else NT
+
+
+def block_smem(ring: bool) -> int:
+    """Shared memory bytes a CTA of the build takes."""
+    return SMEM_RING_BYTES if ring else SMEM_BYTES
 NEG_INF = float("-inf")
 
 ARG = {name: {a: HEADER + i for i, a in enumerate(args)} for name, (_, args) in OPS.items()}
+
+
+@cute.jit
+def cta_sync():
+    """A block barrier of the NW compute warps (named barrier 1, NT threads): the loader warp never joins one."""
+    cute.arch.inline_ptx("bar.sync 1, {$r0};", read_only_args=[Int32(NT)])
 
 
 @cute.jit
@@ -267,3 +293,263 @@ def softmax_chunk(sm: cute.Tensor, tid: Int32, SC: Constexpr, M: Constexpr, L: C
             sm[AL + g] = alpha
             sm[L + g] = sm[L + g] * alpha + tot
             sm[M + g] = m_new
+
+
+# ---- the weight ring ----------------------------------------------------------------------------------------
+# RING_SLOTS pages of RING_PAGE bytes of shared memory a CTA. The pages of the CTA's staged instructions (isa.F_STAGE:
+# each one's static bytes, words 10..12, cut into RING_PAGE pieces) are numbered in queue order, page n in slot
+# n % RING_SLOTS, completing phase n // RING_SLOTS of that slot's mbarrier. The loader warp's lane 0 walks the queue's
+# staged instructions (row word W_STAGE) and issues their pages with cp.async.bulk (the copy engine: static weights
+# only, which the audit proves per copy, as it does the non-coherent loads) as far ahead as free slots allow; it never
+# waits on a counter, so the weights of later instructions stream while the compute warps wait and compute. The
+# compute warps wait on a page's mbarrier (bounded), read it with shared loads, and free pages in order: a block
+# barrier of the compute warps after the reads, then thread 0's release store of the pages freed, which the loader
+# acquires before it refills a slot.
+
+
+@cute.jit
+def nap(max_ns: Int32, a: Int32, b: Int32, c: Int32):
+    """Sleep a pseudo-random 0..max_ns ns (the debug build's delays that shake out ordering bugs)."""
+    ns = hash32(Uint32(a), Uint32(b), Uint32(c)) % Uint32(max_ns)
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
+
+
+@cute.jit
+def ld_acquire_shared(addr: Int32) -> Int32:
+    return cute.arch.inline_ptx("ld.acquire.cta.shared.u32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[addr])
+
+
+@cute.jit
+def free_pages(smi: cute.Tensor, upto: Int32):
+    """Thread 0, after a block barrier of the compute warps that follows every read of pages < upto: hand them to
+    the loader (a release store it acquires)."""
+    cute.arch.inline_ptx("st.release.cta.shared.u32 [{$r0}], {$r1};",
+                         read_only_args=[Int32(smi.iterator.toint()) + (RING_S + 3) * 4, upto])
+
+
+@cute.jit
+def ring_init(smi: cute.Tensor, ring: Int32, mbar: Int32, err: Int64, max_spin: Int32):
+    """Thread LOADER, once a launch, before the barrier of all threads: the slots' mbarriers (one arrival a phase:
+    the loader's expect_tx) and the ring's words."""
+    for k in cutlass.range_constexpr(RING_SLOTS):
+        cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[mbar + k * 8])
+    cute.arch.mbarrier_init_fence()
+    smi[RING_S + 2] = Int32(-1)
+    smi[RING_S + 3] = Int32(0)
+    smi[RING_S + 4] = Int32(0)
+    smi[RING_S + 5] = ring
+    smi[RING_S + 6] = mbar
+    smi[RING_S + 7] = max_spin
+    smi[ERR_S] = Int32(err & Int64(0xFFFFFFFF))
+    smi[ERR_S + 1] = Int32(err >> Int64(32))
+
+
+@cute.jit
+def ring_pages(nbytes: Int32) -> Int32:
+    """The pages a staged instruction of nbytes static bytes takes."""
+    return (nbytes + RING_PAGE - 1) // RING_PAGE
+
+
+@cute.jit
+def err_addr(smi: cute.Tensor) -> Int64:
+    return (Int64(smi[ERR_S + 1]) << Int64(32)) | (Int64(smi[ERR_S]) & Int64(0xFFFFFFFF))
+
+
+@cute.jit
+def report_ring_timeout(smi: cute.Tensor, idx: Int32, what: Int32, page: Int32):
+    """A ring wait past its limit, recorded as a counter's timeout is: err[2] = what (-2: a page that did not land,
+    -3: the loader waiting for a free slot, -4: the loader waiting for a routed item's experts), err[3] the page;
+    the abort flag raised (runtime.MegaRuntime.check)."""
+    ea = err_addr(smi)
+    old = cute.arch.atomic_cas(_g(ea, Int32, 4).llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+    if old == 0:
+        sti(ea + 4, idx)
+        sti(ea + 8, what)
+        sti(ea + 12, page)
+        sti(ea + 16, Int32(0))
+
+
+@cute.jit
+def aborted(smi: cute.Tensor) -> Int32:
+    """The launch's abort flag (err[0]): a wait somewhere timed out."""
+    return cute.arch.load(_g(err_addr(smi), Int32, 4).llvm_ptr, Int32, sem="relaxed", scope="gpu")
+
+
+RT_S = 32  # int words from here: a routed EXPERT_UP's experts, pair by pair (moe.route_one's RT)
+
+
+@cute.jit
+def up_item(w: Int32, W: Int32, A: Int32, I: Int32, D: Int32):
+    """A staged EXPERT_UP item's rows a page (k), first and end pair, and its units [lo, hi) (Program.up_chunks)."""
+    k = RING_PAGE // (2 * D)
+    n = Int64(A) * Int64(I)
+    lo = Int64(w) * n // Int64(W)
+    hi = Int64(w + 1) * n // Int64(W)
+    return k, Int32(lo // Int64(I)), Int32((hi + Int64(I - 1)) // Int64(I)), lo, hi
+
+
+@cute.jit
+def pair_rows(p: Int32, I: Int32, lo: Int64, hi: Int64):
+    """Rows [r0, r1) of pair p that an item's units [lo, hi) hold."""
+    r0 = Int32(cutlass.max(lo - Int64(p) * Int64(I), Int64(0)))
+    r1 = Int32(cutlass.min(hi - Int64(p) * Int64(I), Int64(I)))
+    return r0, r1
+
+
+@cute.jit
+def staged_pages(smi: cute.Tensor) -> Int32:
+    """The ring pages the current instruction (its row in shared memory) consumes: 0 unless F_STAGE. MATVEC: its
+    static bytes in pages; EXPERT_UP: per pair of its item, 2 pages a chunk of k rows (gate, up)."""
+    npg = Int32(0)
+    if (smi[ROW_S + 3] & F_STAGE_BIT) != 0:
+        if smi[ROW_S] == OPCODES["MATVEC"]:
+            npg = ring_pages(smi[ROW_S + 12] * 16)
+        else:
+            U = ARG["EXPERT_UP"]
+            I, D = smi[ROW_S + U["I"]], smi[ROW_S + U["D"]]
+            k, plo, phi, lo, hi = up_item(smi[ROW_S + U["w"]], smi[ROW_S + U["W"]], smi[ROW_S + U["A"]], I, D)
+            for p in cutlass.range(plo, phi):
+                r0, r1 = pair_rows(p, I, lo, hi)
+                if r1 > r0:
+                    npg += 2 * ((r1 - r0 + k - 1) // k)
+    return npg
+
+
+@cute.jit
+def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j: Int32, delay_ns: Int32,
+               epoch: Int32, bid: Int32):
+    """The loader: page n (sz bytes from src, static) into slot n % RING_SLOTS once the slot is free (pages freed
+    acquired from the compute warps; sleeping between polls, bounded by lim: then reported, -3), its mbarrier told
+    to expect the bytes (the arrival), one bulk copy completing it. (n + 1, 0) when issued; (n, 1) when it gave up
+    (a timeout, or the launch aborted)."""
+    freed_at = Int32(smi.iterator.toint()) + (RING_S + 3) * 4
+    spins = Int32(0)
+    stop = Int32(0)
+    while n - ld_acquire_shared(freed_at) >= RING_SLOTS and stop == 0:
+        cute.arch.inline_ptx("nanosleep.u32 64;")
+        spins += 1
+        if spins > lim:
+            report_ring_timeout(smi, j, Int32(-3), n)
+            stop = Int32(1)
+        elif aborted(smi) != 0:
+            stop = Int32(1)
+    if stop == 0:
+        if delay_ns > 0:
+            nap(delay_ns, n, epoch, bid * 4 + 3)
+        slot = n % RING_SLOTS
+        mb = smi[RING_S + 6] + slot * 8
+        cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[mb, sz])
+        cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
+                             "{$r2}, [{$r3}];", read_only_args=[smi[RING_S + 5] + slot * RING_PAGE, src, sz, mb])
+        n += 1
+    return n, stop
+
+
+@cute.jit
+def experts_published(smi: cute.Tensor, j: Int32, lim: Int32) -> Int32:
+    """The loader at routed EXPERT_UP j: wait (sleeping between polls, bounded by lim: then reported, -4) until its
+    body published its experts (a release store of j, after the routing's barrier: up_publish), which this acquire
+    makes visible in RT_S; 0 when they are, 1 when it gave up."""
+    at = Int32(smi.iterator.toint()) + (RING_S + 2) * 4
+    spins = Int32(0)
+    stop = Int32(0)
+    while ld_acquire_shared(at) != j and stop == 0:
+        cute.arch.inline_ptx("nanosleep.u32 64;")
+        spins += 1
+        if spins > lim:
+            report_ring_timeout(smi, j, Int32(-4), Int32(0))
+            stop = Int32(1)
+        elif aborted(smi) != 0:
+            stop = Int32(1)
+    return stop
+
+
+@cute.jit
+def up_publish(smi: cute.Tensor, idx: Int32):
+    """Thread 0 of a staged routed EXPERT_UP, after the routing's block barrier: its experts (RT_S) for the loader."""
+    cute.arch.inline_ptx("st.release.cta.shared.u32 [{$r0}], {$r1};",
+                         read_only_args=[Int32(smi.iterator.toint()) + (RING_S + 2) * 4, idx])
+
+
+@cute.jit
+def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32, delay_ns: Int32, epoch: Int32, bid: Int32):
+    """The loader warp's lane 0: from the first staged instruction (`first`, -1: none) along the W_STAGE chain, every
+    page in order (issue_page: a page waits for a free slot only). A MATVEC's pages are its static bytes (words
+    10..12) cut into RING_PAGE pieces; a routed EXPERT_UP's, once its body published the experts it routed to
+    (experts_published), per pair of its item and chunk of k rows the gate rows, then the up rows, of that expert.
+    The rows of the instruction stream are static: plain loads. Waits are bounded (64 x the spin limit) and give up
+    when the launch aborted; then it waits (bounded) until its last pages landed, so that no copy writes the CTA's
+    shared memory after its threads exit. The debug build (delay_ns > 0) sleeps a random while before each page."""
+    lim = smi[RING_S + 7] * 64
+    j = first
+    n = Int32(0)
+    stop = Int32(0)
+    while j >= 0 and stop == 0:
+        row = pb + Int64(j) * (ROW * 4)
+        if ldi(row) == OPCODES["MATVEC"]:
+            nb = ldi(row + 12 * 4) * 16
+            src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16
+            pg = Int32(0)
+            while pg < ring_pages(nb) and stop == 0:
+                n, stop = issue_page(smi, n, src + Int64(pg) * RING_PAGE,
+                                     cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE), lim, j, delay_ns, epoch, bid)
+                pg += 1
+        else:  # a routed EXPERT_UP (Program.stageable)
+            U = ARG["EXPERT_UP"]
+            gu = wtab[ldi(row + U["gu"] * 4)]
+            I, D = ldi(row + U["I"] * 4), ldi(row + U["D"] * 4)
+            k, plo, phi, lo, hi = up_item(ldi(row + U["w"] * 4), ldi(row + U["W"] * 4), ldi(row + U["A"] * 4), I, D)
+            rowb = Int64(2 * D)
+            stop = experts_published(smi, j, lim)
+            p = plo
+            while p < phi and stop == 0:
+                r0, r1 = pair_rows(p, I, lo, hi)
+                ebase = gu + Int64(smi[RT_S + p]) * Int64(2 * I) * rowb
+                c = r0
+                while c < r1 and stop == 0:
+                    nr = cutlass.min(k, r1 - c)
+                    n, stop = issue_page(smi, n, ebase + Int64(c) * rowb, nr * 2 * D, lim, j, delay_ns, epoch, bid)
+                    if stop == 0:
+                        n, stop = issue_page(smi, n, ebase + Int64(I + c) * rowb, nr * 2 * D, lim, j, delay_ns,
+                                             epoch, bid)
+                    c += k
+                p += 1
+        j = ldi(row + W_STAGE * 4)
+    for q in cutlass.range(cutlass.max(n - RING_SLOTS, 0), n):
+        page_wait(smi, q, Int32(-1))
+
+
+@cute.jit
+def page_landed(mbar: Int32, parity: Int32) -> Int32:
+    """1 when the mbarrier at shared address mbar completed its phase of this parity (one try_wait: the hardware
+    may suspend the thread a while before it answers 0)."""
+    return cute.arch.inline_ptx("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
+                                "selp.b32 {$w0}, 1, 0, p; }", write_only_types=[Int32], read_only_args=[mbar, parity])
+
+
+@cute.jit
+def page_wait(smi: cute.Tensor, page: Int32, idx: Int32):
+    """Wait until ring page `page` landed, bounded by the launch's spin limit, giving up once the launch aborted
+    (a page its loader stopped before): past the limit the timeout is recorded (report_ring_timeout, -2) and the
+    caller reads whatever the slot holds, in a launch reported failed."""
+    mb = smi[RING_S + 6] + (page % RING_SLOTS) * 8
+    par = (page // RING_SLOTS) & 1
+    ok = page_landed(mb, par)
+    spins = Int32(0)
+    lim = smi[RING_S + 7]
+    stop = Int32(0)
+    while ok == 0 and spins < lim and stop == 0:
+        ok = page_landed(mb, par)
+        spins += 1
+        if ok == 0:
+            stop = aborted(smi)
+    if ok == 0 and stop == 0:
+        report_ring_timeout(smi, idx, Int32(-2), page)
+
+
+@cute.jit
+def lds4u(addr: Int32):
+    """4 words of shared memory at a 16-byte aligned address, as they are (a page's 8 bf16)."""
+    return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                                write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])

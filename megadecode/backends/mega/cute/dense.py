@@ -6,12 +6,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_GREEDY, F_NORM, F_RESID, F_TC, F_WRITE_NORMED, TC_K
+from ..isa import F_GREEDY, F_NORM, F_RESID, F_STAGE, F_TC, F_WRITE_NORMED, TC_K
 from .base import (
+    cta_sync,
     ARG,
     NEG_INF,
     NT,
     NW,
+    RING_PAGE,
+    RING_S,
+    RING_SLOTS,
     SMEM_F,
     TB,
     arg,
@@ -28,6 +32,10 @@ from .base import (
     ldf,
     ldi,
     mark,
+    free_pages,
+    page_wait,
+    from_bits,
+    lds4u,
     mma,
     sigmoid,
     silu,
@@ -246,7 +254,7 @@ def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp
                 if sl < ks:
                     for i in cutlass.range_constexpr(8):
                         sm[((sl * nr + warp % nr) * 32 + lane) * 8 + i] = acc[i]
-                cute.arch.sync_threads()
+                cta_sync()
                 if sl == 0:
                     for i in cutlass.range_constexpr(8):
                         tot = Float32(0.0)
@@ -261,7 +269,7 @@ def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp
                             store_one(acc[2 * h + j], acc[4 + 2 * h + j], row, tk, sm, fb, flags, norm, out_off,
                                       out_stride, out_col, add0, add1, RS, glu)
             if ks > 1:
-                cute.arch.sync_threads()  # the partials' words free again
+                cta_sync()  # the partials' words free again
 
 
 RSTD = SMEM_F - 64  # shared fp32 words: each token's rstd (norm_rstd writes them, the stores read them)
@@ -289,13 +297,124 @@ def norm_rstd(sm: cute.Tensor, fb: Int64, x_off: Int32, x2_off: Int32, x_stride:
         ss = warp_sum(ss)
         if lane == 0:
             sm[RSP + t * S + sl] = ss
-    cute.arch.sync_threads()
+    cta_sync()
     for t in cutlass.range(tid, B, NT):
         tot = Float32(0.0)
         for q in cutlass.range(S):
             tot += sm[RSP + t * S + q]
         sm[RS + t] = cute.math.rsqrt(tot / Float32(K) + eps)
-    cute.arch.sync_threads()
+    cta_sync()
+
+
+XS = 0  # staged_rows: the input x (+ x2), times the norm weight, in shared fp32 words [XS, XS + K)
+
+
+@cute.jit
+def stage_input(sm: cute.Tensor, fb: Int64, gaddr: Int64, x_off: Int32, x2_off: Int32, has_x2, norm, K: Int32,
+                eps: Float32, warp: Int32, lane: Int32, tid: Int32):
+    """staged_rows' prologue, every compute thread: the token's x (+ x2), times the norm weight when it norms, into
+    shared words [XS, XS + K), 8 columns a thread a step (one trip for the whole row, instead of one a row pair's
+    step); with the norm, the rstd from the same values, as norm_rstd takes it at batch 1 (thread t's sums over
+    columns t * 8 + 2048 i, the warps' sums added in warp order): the same bits."""
+    ss = Float32(0.0)
+    for k in cutlass.range(tid * 8, K, NT * 8, unroll=2):
+        xv = ld8(Float32, fa(fb, x_off + k))
+        if has_x2:
+            xv = xv + ld8(Float32, fa(fb, x2_off + k))
+        if norm:
+            ss += dot8(xv, xv)
+            xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
+        cute.make_tensor(sm.iterator + XS + k, cute.make_layout(8)).store(xv)
+    if norm:
+        ss = warp_sum(ss)
+        if lane == 0:
+            sm[RSTD_PART + warp] = ss
+        cta_sync()
+        if tid == 0:
+            tot = Float32(0.0)
+            for q in cutlass.range_constexpr(NW):
+                tot += sm[RSTD_PART + q]
+            sm[RSTD] = cute.math.rsqrt(tot / Float32(K) + eps)
+    cta_sync()
+
+
+@cute.jit
+def bf16x2_dot(w: Uint32, x0: Float32, x1: Float32, s0: Float32, s1: Float32):
+    """s0 + w.lo * x0, s1 + w.hi * x1 for a word of two bf16 (the low half the first element): a bf16 is the high
+    half of its fp32, so each converts with one shift or mask."""
+    return (s0 + from_bits(w << Uint32(16)) * x0, s1 + from_bits(w & Uint32(0xFFFF0000)) * x1)
+
+
+@cute.jit
+def staged_rows(idx: Int32, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int32, r0: Int32, r1: Int32,
+                warp: Int32, lane: Int32, tid: Int32, gaddr: Int64, x_off: Int32, x2_off: Int32, norm, has_x2,
+                eps: Float32, flags: Int32, out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32,
+                add1: Int32):
+    """A batch-1 MATVEC (F_STAGE) whose rows [r0, r1) come through the weight ring (cute/base.py): its static bytes,
+    rows in order, are its pages from the instruction's first page (ring word 4): byte e of the rows at ring offset
+    (first page's slot x RING_PAGE + e) mod RING_BYTES. The input first, into shared memory (stage_input). Then
+    rounds of up to NW row pairs, each round's pages within half the ring (Program.stageable: a pair fits), so the
+    next round's pages stream while this one computes: at a round's start thread 0 frees the pages before it (the
+    loader refills them); each warp waits for the pages of its pair and sums it against the staged input, 8 columns
+    a lane at k, k + 256, ... (even and odd columns in two sums, added at the end), then stores; a block barrier
+    ends the round."""
+    RP = 2
+    acc1 = cute.make_rmem_tensor(RP, Float32)
+    acu1 = cute.make_rmem_tensor(1, Float32)
+    page0 = smi[RING_S + 4]
+    ring = smi[RING_S + 5]
+    if tid == 0:
+        mark(smi, idx, 0)  # timeline builds: the staged body's start
+    stage_input(sm, fb, gaddr, x_off, x2_off, has_x2, norm, K, eps, warp, lane, tid)
+    npairs = (r1 - r0 + 1) // 2
+    PB = 4 * K  # bytes of a row pair
+    L = (r1 - r0) * K * 2
+    H = RING_SLOTS // 2
+    RB = Uint32(RING_SLOTS * RING_PAGE)
+    base = (page0 % RING_SLOTS) * RING_PAGE
+    q0 = Int32(0)
+    it = Int32(0)
+    while q0 < npairs:  # uniform over the CTA
+        pa = q0 * PB // RING_PAGE  # the round's first page: every page before it was read by the rounds before
+        q1 = cutlass.min(cutlass.min(q0 + NW, npairs), cutlass.max(q0 + 1, (pa + H) * RING_PAGE // PB))
+        if tid == 0:
+            free_pages(smi, page0 + pa)
+        q = q0 + warp
+        r = r0 + 2 * q
+        if q < q1:
+            e0 = q * PB
+            e1 = cutlass.min(e0 + PB, L)
+            for p in cutlass.range(e0 // RING_PAGE, (e1 - 1) // RING_PAGE + 1):
+                page_wait(smi, page0 + p, idx)
+            if tid == 0 and it == 0:
+                mark(smi, idx, 1)  # thread 0's first pages landed (after the input)
+            ea = (r - r0) * K * 2
+            eb = ea  # a tile's odd last row: its pair's second row reads the first again, not stored
+            if r + 1 < r1:
+                eb = ea + K * 2
+            oa = Uint32((base + ea + lane * 16) % (RING_SLOTS * RING_PAGE))  # this lane's ring offsets
+            ob = Uint32((base + eb + lane * 16) % (RING_SLOTS * RING_PAGE))
+            a0, a1, b0, b1 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+            for k in cutlass.range(lane * 8, K, 256, unroll=4):
+                wa = lds4u(Int32(Uint32(ring) + oa))
+                wb = lds4u(Int32(Uint32(ring) + ob))
+                xv = sm8(sm, XS + k)
+                for i in cutlass.range_constexpr(4):
+                    a0, a1 = bf16x2_dot(wa[i], xv[2 * i], xv[2 * i + 1], a0, a1)
+                    b0, b1 = bf16x2_dot(wb[i], xv[2 * i], xv[2 * i + 1], b0, b1)
+                oa = cutlass.min(oa + Uint32(512), oa + Uint32(512) - RB)  # + 256 columns, wrapped at the ring's end
+                ob = cutlass.min(ob + Uint32(512), ob + Uint32(512) - RB)
+            acc1[0] = a0 + a1
+            acc1[1] = b0 + b1
+            if tid == 0 and it == 0:
+                mark(smi, idx, 2)  # thread 0's first pair summed
+            store_rows(acc1, acu1, r, r1, Int32(0), Int32(1), lane, sm, fb, flags, norm, out_off, out_stride,
+                       out_col, add0, add1, RSTD, 1, RP, False)
+        cta_sync()  # the round's pages read: the next round's start may free them
+        q0 = q1
+        it += 1
+    if tid == 0:
+        mark(smi, idx, 3)  # every round stored
 
 
 @cute.jit
@@ -336,7 +455,11 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
     # the tile's end (odd tiles) reads row r again and is not stored. GLU keeps one row (two weights per row).
     RP = 1 if glu else 2
     TT = TB if glu else 2 * TB  # tokens per pass over the rows: MATVEC reads each weight once up to 8 tokens
-    if B == 1:
+    if B == 1 and (flags & F_STAGE) != 0:  # (Program.stageable: MATVEC only)
+        if cutlass.const_expr(not glu):
+            staged_rows(idx, smi, sm, fb, K, r0, r1, warp, lane, tid, gaddr, x_off, x2_off, norm, has_x2, eps, flags,
+                        out_off, out_stride, out_col, add0, add1)
+    elif B == 1:
         # one token (a batch-1 step, the headline case): WU1 chunks' weight loads in flight per warp, in the
         # registers the other tokens' sums and x take at TT tokens (a fit to an H200 timeline: ~10 GB/s per CTA with
         # 2 chunks in flight, bytes in flight per SM being the limit). Same k order per row, so the same sums
@@ -395,7 +518,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
                         sm[(sl * nu + u) * (RP + 1) + RP] = tot
             if norm:  # uniform over the CTA: the norm once the slices' loads flew
                 norm_rstd(sm, fb, x_off, x2_off, x_stride, has_x2, K, B, eps, warp, lane, tid)
-            cute.arch.sync_threads()
+            cta_sync()
             if tid == 0:
                 mark(smi, idx, 2)  # every slice summed
             if sl == 0 and lane == 0:
@@ -410,7 +533,7 @@ def op_rows(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab
                                   add1, RS, glu)
             if tid == 0:
                 mark(smi, idx, 3)  # its unit's rows stored
-            cute.arch.sync_threads()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
+            cta_sync()  # the slices' words (NW x (RP + 1), below RSTD_PART) free again
     elif (flags & F_TC) != 0:  # 2 tokens and more, bf16 rows, K % TC_K == 0 (Builder.tc): the tensor cores
         tc_rows(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
                 out_off, out_stride, out_col, add0, add1, RS, glu)
@@ -486,17 +609,17 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     for s in cutlass.range(tid, S, NT):
         sm[MS + s] = ldf(Float32, fa(fb, base + s * (d + 2)))
         sm[WS + s] = ldf(Float32, fa(fb, base + s * (d + 2) + 1))
-    cute.arch.sync_threads()
+    cta_sync()
     mx = Float32(NEG_INF)
     for s in cutlass.range(S):
         mx = cute.arch.fmax(mx, sm[MS + s])
     den = Float32(0.0)
     for s in cutlass.range(S):
         den += cute.math.exp(sm[MS + s] - mx) * sm[WS + s]
-    cute.arch.sync_threads()  # every thread has read the sums: their words take the weights
+    cta_sync()  # every thread has read the sums: their words take the weights
     for s in cutlass.range(tid, S, NT):
         sm[WS + s] = cute.math.exp(sm[MS + s] - mx)
-    cute.arch.sync_threads()
+    cta_sync()
     for dd in cutlass.range(tid, d, NT):
         num = Float32(0.0)
         for s in cutlass.range(S, unroll=16):
@@ -509,7 +632,7 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
         else:
             sm[dd] = o
     if wuv >= 0:  # MLA: the head's value up-projection W_UV [dv, C] on the merged latent
-        cute.arch.sync_threads()
+        cta_sync()
         w = wtab[wuv]
         for v in cutlass.range(warp, dv, NW, unroll=2):  # two rows' loads in flight
             wrow = w + Int64(h * (P + dv) + P + v) * Int64(d) * 2
@@ -549,21 +672,21 @@ def op_sample(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pt
     sm[tid] = mx
     sm[NT + tid] = bv
     smi[tid] = bi
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         for k in cutlass.range(1, NT):
             sm[0] = cute.arch.fmax(sm[0], sm[k])
             if sm[NT + k] > sm[NT] or (sm[NT + k] == sm[NT] and smi[k] < smi[0]):
                 sm[NT] = sm[NT + k]
                 smi[0] = smi[k]
-    cute.arch.sync_threads()
+    cta_sync()
     gmax = sm[0]
     tot = Float32(0.0)
     for v in cutlass.range(tid, V, NT):
         tot += cute.math.exp(ldf(Float32, fa(fb, base + v)) - gmax)
-    cute.arch.sync_threads()
+    cta_sync()
     sm[2 * NT + tid] = tot
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         s = Float32(0.0)
         for k in cutlass.range(NT):

@@ -9,6 +9,7 @@ import cutlass
 from cutlass import BFloat16, Float32, Int32, Int64, cute
 
 from .base import (
+    cta_sync,
     ARG,
     NEG_INF,
     NT,
@@ -56,7 +57,7 @@ def op_attn_res(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
         dq = warp_sum(dq)
         if lane == 0:
             sm[LG + s] = dq * cute.math.rsqrt(ss / Float32(D) + eps)
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         mx = Float32(NEG_INF)
         for s in cutlass.range(nsrc):
@@ -68,7 +69,7 @@ def op_attn_res(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
             tot += ev
         for s in cutlass.range(nsrc):
             sm[LG + s] = sm[LG + s] / tot
-    cute.arch.sync_threads()
+    cta_sync()
     for c in cutlass.range(c0 + tid, c1, NT):
         acc = Float32(0.0)
         for s in cutlass.range(nsrc, unroll=4):  # 4 sources' loads in flight, not one L2 trip each
@@ -142,7 +143,7 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
         fv = ldf(Float32, fa(fb, f_off + b * HK + h * K + i)) + ldf(BFloat16, dt_bias + Int64(h * K + i) * 2)
         g = -cute.math.exp(ldf(BFloat16, a_log + Int64(h) * 2)) * softplus(fv)
         sm[DC + i] = cute.math.exp(g)
-    cute.arch.sync_threads()
+    cta_sync()
     if warp < 2:  # warp 0: q's norm, warp 1: k's
         ss = Float32(0.0)
         for i in cutlass.range(lane, K, 32):
@@ -156,10 +157,10 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
             sm[SC + warp] = sc
     if tid == 64:
         sm[SC + 2] = sigmoid(ldf(Float32, fa(fb, beta_off + b * H + h)))
-    cute.arch.sync_threads()
+    cta_sync()
     for i in cutlass.range(tid, 2 * K, NT):
         sm[MX + i] = sm[MX + i] * sm[SC + i // K]
-    cute.arch.sync_threads()
+    cta_sync()
     # 2. k S on the decayed state, per column, in parts
     S = rec + Int64(slot * H + h) * Int64(K) * Int64(K) * 4
     for jj in cutlass.range(tid, parts * K, NT):
@@ -174,14 +175,14 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                 if i < K:
                     acc += sm[MX + K + i] * sm[DC + i] * sv[u]
         sm[PP + jj] = acc
-    cute.arch.sync_threads()
+    cta_sync()
     beta = sm[SC + 2]
     for j in cutlass.range(tid, K, NT):
         ks = Float32(0.0)
         for part in cutlass.range(parts):
             ks += sm[PP + part * K + j]
         sm[DL + j] = (sm[MX + 2 * K + j] - ks) * beta
-    cute.arch.sync_threads()
+    cta_sync()
     # 3. the update, written once, and q S
     for jj in cutlass.range(tid, parts * K, NT):
         part, j = jj // K, jj % K
@@ -198,13 +199,13 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                     stf(Float32, S + (Int64(i) * Int64(K) + Int64(j)) * 4, s)
                     acc += sm[MX + i] * s
         sm[PP + jj] = acc
-    cute.arch.sync_threads()
+    cta_sync()
     for j in cutlass.range(tid, K, NT):
         o = Float32(0.0)
         for part in cutlass.range(parts):
             o += sm[PP + part * K + j]
         sm[O + j] = o
-    cute.arch.sync_threads()
+    cta_sync()
     # 4. gated RMSNorm of o
     if warp == 0:
         ss = Float32(0.0)
@@ -213,7 +214,7 @@ def op_kda_step(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
         ss = warp_sum(ss)
         if lane == 0:
             sm[SC + 3] = cute.math.rsqrt(ss / Float32(K) + eps)
-    cute.arch.sync_threads()
+    cta_sync()
     for j in cutlass.range(tid, K, NT):
         e = b * HK + h * K + j
         o = sm[O + j] * sm[SC + 3] * ldf(BFloat16, onorm + Int64(j) * 2) * sigmoid(ldf(Float32, fa(fb, gate_off + e)))

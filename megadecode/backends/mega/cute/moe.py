@@ -6,9 +6,21 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN,
-                   FRAG_TILE)
+from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STAGE, F_STORE,
+                   FRAG_DOWN, FRAG_TILE)
 from .base import (
+    RING_PAGE,
+    RING_S,
+    RING_SLOTS,
+    RT_S,
+    cta_sync,
+    free_pages,
+    lds4u,
+    page_wait,
+    pair_rows,
+    sm8,
+    up_item,
+    up_publish,
     ARG,
     RECORD,
     WBYTES,
@@ -50,6 +62,7 @@ from .base import (
     warp_max,
     warp_sum,
 )
+from .dense import bf16x2_dot
 
 
 @cute.jit
@@ -73,19 +86,19 @@ def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
             inc = inc + o
     if lane == 31:
         smi[base + warp] = inc
-    cute.arch.sync_threads()
+    cta_sync()
     before, total = Int32(0), Int32(0)
     for w in cutlass.range_constexpr(NW):
         x = smi[base + w]
         total += x
         if w < warp:
             before += x
-    cute.arch.sync_threads()
+    cta_sync()
     return before + inc - v, total
 
 
 # route_one's shared int words: slot -> expert (RS), pair -> expert (RT); a pick a lane, so 32 each
-RS, RT = 0, 32
+RS, RT = 0, RT_S  # RT: the ring's loader reads a routed item's experts there (base.RT_S)
 
 
 @cute.jit
@@ -119,7 +132,7 @@ def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int3
             sm[e] = cute.math.exp(sm[e] - mx) / tot
     if tid < 32:
         smi[RS + tid] = E  # no pick yet
-    cute.arch.sync_threads()
+    cta_sync()
     if cutlass.const_expr(marks):
         if tid == 0:
             mark(smi, idx, 0)  # timeline builds: the scores
@@ -132,7 +145,7 @@ def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int3
                 rank += 1
         if v == v and rank < A:
             smi[RS + rank] = tid
-    cute.arch.sync_threads()
+    cta_sync()
     if cutlass.const_expr(marks):
         if tid == 0:
             mark(smi, idx, 1)  # the picks
@@ -174,7 +187,7 @@ def route_one(fb: Int64, ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int3
         if cutlass.const_expr(marks):
             if tid == 0:
                 mark(smi, idx, 2)  # the weights
-    cute.arch.sync_threads()
+    cta_sync()
     if cutlass.const_expr(marks):
         if tid == 0:
             mark(smi, idx, 3)  # the tables
@@ -243,7 +256,7 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                                 if bias_w >= 0:
                                     ch = ch + bv[u]
                                 sm[rr[h] * region + es[u]] = ch  # the token's CHW
-            cute.arch.sync_threads()
+            cta_sync()
         if warp < nr:
             t = t0 + warp
             lrow = logits_off + t * E
@@ -345,7 +358,7 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                         v = v / tot
                     stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
             cute.arch.sync_warp()
-        cute.arch.sync_threads()  # the round's regions are free again
+        cta_sync()  # the round's regions are free again
     if tid == 0:
         mark(smi, idx, 2)  # every token's picks and weights (the warps' last token)
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
@@ -387,7 +400,7 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
                     smi[FLAG_S] = Int32(1)
             elif lane == 0:
                 smi[FLAG_S] = Int32(0)
-        cute.arch.sync_threads()
+        cta_sync()
         fast = smi[FLAG_S]
         if tid == 0:
             mark(smi, idx, 3)
@@ -408,7 +421,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
         sm[j] = Float32(ldi(ia(ib, ids_off + j)))
     for e in cutlass.range(tid, E, NT):
         smi[CNT + e] = Int32(0)
-    cute.arch.sync_threads()
+    cta_sync()
     # a thread per pick: its rank among the earlier picks of the same expert, and the expert's count written by its
     # last pick (exactly one pick per selected expert has no later one). Not a thread per expert scanning all n
     # picks for its count and again for its pair list, E / NT experts a thread: that is 3.5 x 2 x 128 compares a
@@ -426,7 +439,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
         sm[RK + j] = Float32(rank)
         if later == 0:
             smi[CNT + Int32(pe)] = rank + 1
-    cute.arch.sync_threads()
+    cta_sync()
     # every thread a run of consecutive experts: its counts of selected experts, pairs and passes, scanned over the
     # CTA for where its run starts (one thread walking all E experts takes ~10 us at E = 896)
     per = (E + NT - 1) // NT
@@ -457,7 +470,7 @@ def route_tables(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, E: In
         sti(ia(ib, pstart_off + tu), tp)
         sti(ia(ib, qst_off + tu), tq)
         sti(ia(ib, nuniq_off), tu)
-    cute.arch.sync_threads()
+    cta_sync()
     if tid == 0:
         mark(smi, idx, 3)  # the counts, scans and expert table; the pair lists follow
     for j in cutlass.range(tid, n, NT):  # each pick's place in its expert's pair list
@@ -632,7 +645,7 @@ def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
     whole CTA calls it; it starts and ends with a block barrier (the planes' earlier readers are done; the new
     planes are written)."""
     red = sbase + 4 * K
-    cute.arch.sync_threads()
+    cta_sync()
     m = Float32(0.0)
     for k in cutlass.range(tid * 8, K, NT * 8):
         v = ld8(Float32, xrow + Int64(k) * 4)
@@ -641,7 +654,7 @@ def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
     m = warp_max(m)
     if tid % 32 == 0:
         sts1(red + (tid // 32) * 4, Uint32(f32_bits(m)))
-    cute.arch.sync_threads()
+    cta_sync()
     mm = Float32(0.0)
     for w in cutlass.range_constexpr(NW // 4):
         q = lds4(red + 16 * w)
@@ -658,7 +671,7 @@ def stage_row(xrow: Int64, K: Int32, sbase: Int32, tid: Int32) -> Float32:
             h, l_ = f16x2_split(v[2 * j] * up_s, v[2 * j + 1] * up_s)
             sts1(sbase + 16 * i + 4 * j, h)
             sts1(sbase + 2 * K + 16 * i + 4 * j, l_)
-    cute.arch.sync_threads()
+    cta_sync()
     return from_bits(Uint32((141 - kk) << 23))
 
 
@@ -670,7 +683,7 @@ def pair_experts(ib: Int64, smi: cute.Tensor, tid: Int32, nuniq: Int32, uniq_off
         e = ldi(ia(ib, uniq_off + u))
         for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
             smi[p] = e
-    cute.arch.sync_threads()
+    cta_sync()
 
 
 @cute.jit
@@ -792,6 +805,87 @@ def expert_up_routed(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, s
     if arg(smi, ARG[A_]["w"]) == 0:
         write = Int32(1)
     route_one(fb, ib, sm, smi, tid, idx, A_, write, False)
+    if (arg(smi, 3) & F_STAGE) != 0:  # the ring build: the experts' rows come through the ring
+        up_staged(fb, wtab, sm, smi, tid, idx)
+    else:
+        up_routed_rows(fb, wtab, smi, tid)
+
+
+@cute.jit
+def up_staged(fb: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, idx: Int32):
+    """A routed EXPERT_UP item's rows through the weight ring (F_STAGE; cute/base.py): thread 0 publishes the
+    experts the routing left in shared memory (route_one ends with a block barrier) for the loader, which then
+    streams, per pair of the item and chunk of k rows, the gate rows and then the up rows (one page each). The
+    token's x into shared memory (one trip); then per pair, rounds of up to NW rows (Program.ring_rounds), a row a
+    warp: thread 0 frees the pages before the round, each warp waits for its row's two pages and sums both rows
+    against x from shared memory, lane 0 stores silu(gate) x up (SiTU under F_SITU); a block barrier ends the
+    round."""
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_UP"
+    if tid == 0:
+        up_publish(smi, idx)
+        mark(smi, idx, 0)
+    use_situ = (arg(smi, 3) & F_SITU) != 0
+    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
+    w, W, A = args(smi, A_, "w W A")
+    for kk in cutlass.range(tid * 8, D, NT * 8):
+        cute.make_tensor(sm.iterator + kk, cute.make_layout(8)).store(ld8(Float32, fa(fb, x_off + kk)))
+    cta_sync()
+    k, plo, phi, lo, hi = up_item(w, W, A, I, D)
+    page0 = smi[RING_S + 4]
+    ring = smi[RING_S + 5]
+    rowb = 2 * D
+    RR = NW
+    if k <= NW:
+        RR = k * cutlass.min(NW // k, RING_SLOTS // 4)
+    base = Int32(0)  # the pair's first page, of the item's
+    it = Int32(0)
+    for p in cutlass.range(plo, phi):
+        r0, r1 = pair_rows(p, I, lo, hi)
+        a = r0
+        while a < r1:  # uniform over the CTA
+            b = cutlass.min(a + RR, r1)
+            if tid == 0:
+                free_pages(smi, page0 + base + 2 * ((a - r0) // k))
+            r = a + warp
+            if r < b:
+                pg = page0 + base + 2 * ((r - r0) // k)
+                page_wait(smi, pg, idx)
+                page_wait(smi, pg + 1, idx)
+                if tid == 0 and it == 0:
+                    mark(smi, idx, 1)  # thread 0's first row's pages landed
+                off = ((r - r0) % k) * rowb + lane * 16
+                ga = ring + (pg % RING_SLOTS) * RING_PAGE + off
+                ua = ring + ((pg + 1) % RING_SLOTS) * RING_PAGE + off
+                g0, g1, u0, u1 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+                for kk in cutlass.range(lane * 8, D, 256, unroll=4):
+                    wg = lds4u(ga + (kk - lane * 8) * 2)
+                    wu = lds4u(ua + (kk - lane * 8) * 2)
+                    xv = sm8(sm, kk)
+                    for i in cutlass.range_constexpr(4):
+                        g0, g1 = bf16x2_dot(wg[i], xv[2 * i], xv[2 * i + 1], g0, g1)
+                        u0, u1 = bf16x2_dot(wu[i], xv[2 * i], xv[2 * i + 1], u0, u1)
+                g = warp_sum(g0 + g1)
+                up = warp_sum(u0 + u1)
+                if lane == 0:
+                    hv = silu(g) * up
+                    if use_situ:
+                        hv = situ(g, up)
+                    stf(Float32, fa(fb, h_off + p * I + r), hv)
+            cta_sync()  # the round's pages read: the next round's start may free them
+            a = b
+            it += 1
+        base += 2 * ((r1 - r0 + k - 1) // k)
+    if tid == 0:
+        mark(smi, idx, 3)
+
+
+@cute.jit
+def up_routed_rows(fb: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """A routed EXPERT_UP item's rows from global memory (the other build): expert_up_rows' one-pair path over the
+    experts route_one left in shared memory."""
+    warp, lane = tid // 32, tid % 32
+    A_ = "EXPERT_UP"
     use_situ = (arg(smi, 3) & F_SITU) != 0  # the row's words read after the routing (route_one: registers)
     gu = wtab[arg(smi, ARG[A_]["gu"])]
     I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
@@ -803,8 +897,7 @@ def expert_up_routed(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, s
     xa = fa(fb, x_off)  # the one token's x
     accm = cute.make_rmem_tensor(2 * RU_UP, Float32)
     for p in cutlass.range(Int32(lo // Int64(I)), Int32((hi + Int64(I - 1)) // Int64(I))):
-        r0 = Int32(cutlass.max(lo - Int64(p) * Int64(I), Int64(0)))
-        r1 = Int32(cutlass.min(hi - Int64(p) * Int64(I), Int64(I)))
+        r0, r1 = pair_rows(p, I, lo, hi)
         gbase = gu + Int64(smi[RT + p]) * Int64(2 * I) * rowb
         for r in cutlass.range(r0 + warp, r1, RU_UP * NW):
             for j in cutlass.range_constexpr(2 * RU_UP):
@@ -846,7 +939,7 @@ def expert_up_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, ti
         PP = Int32(1)
     for u in cutlass.range(tid, nuniq + 1, NT):  # ROUTE's prefix (produced in this launch: coherent loads)
         smi[u] = ldi(ia(ib, pre_off + u))
-    cute.arch.sync_threads()
+    cta_sync()
     N = Int64(smi[nuniq]) * Int64(I)
     lo = Int64(w) * N // Int64(W)
     hi = Int64(w + 1) * N // Int64(W)
@@ -991,7 +1084,7 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
             e = ldi(ia(ib, uniq_off + u))
             for p in cutlass.range(ldi(ia(ib, pstart_off + u)), ldi(ia(ib, pstart_off + u + 1))):
                 smi[p] = e
-        cute.arch.sync_threads()
+        cta_sync()
     if flat and not mx:
         # bf16: units of (pair, RU_DN adjacent rows). A lane's 8-column chunk of the pair's h (fp32, as many bytes as
         # two bf16 rows' chunks) is loaded once for the unit's RU_DN rows, whose chunks are in flight together; rows
@@ -1051,7 +1144,7 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
                     s = warp_sum(acc[j])
                     if lane == 0 and p0 + j < pe:
                         stf(Float32, fa(fb, y_off + (p0 + j) * D + r), s)
-    cute.arch.sync_threads()
+    cta_sync()
     combine_rows(fb, ib, flags, tid, y_off, out_off, D, r0, r1, B, A, wts_off, pairof_off, shared_off)
 
 
