@@ -275,24 +275,29 @@ class Engine:
                                          logit_rows=self._slots[:tokens.shape[0]], kv_len=kv_len))
 
     def warmup(self, batch_sizes: list[int], kv_lo: int, kv_hi: int, *, slot: int | None = None,
-               causal_rows: bool = False, progress=None) -> int:
+               causal_rows: bool = False, verify_sizes: list[int] = (), progress=None) -> int:
         """Compile and capture, before any timed or served step, every decode graph that steps of these batch
         sizes with kv_len in [kv_lo, kv_hi] will replay (executor.graph_lengths: one per batch size where the
         step reads the lengths from the device, one per cache-length bucket otherwise; none when it runs
         eagerly). `slot`: the rows of the warm-up steps all use this cache slot (the server's scratch slot);
         None: rows 0..B-1 (generate: its prefill then overwrites them). Positions are 0, so a warm-up step
         writes position 0 of those slots only. `causal_rows`: the graphs of speculative verify steps (Step.causal_rows:
-        the rows continue one sequence; the megakernel builds another program for them). Returns the number of
-        steps run; `progress.update(1)` after each."""
-        todo = [(B, L) for B in batch_sizes for L in self.executor.graph_lengths(B, kv_lo, kv_hi)]
+        the rows continue one sequence; the megakernel builds another program for them). `verify_sizes`: row counts
+        whose causal-rows graphs are warmed too, after the others (a server's speculative verify steps, padded to
+        them: ModelRunner.verify_sizes). Returns the number of steps run; `progress.update(1)` after each."""
+        todo = [(B, L, causal_rows) for B in batch_sizes for L in self.executor.graph_lengths(B, kv_lo, kv_hi)]
+        todo += [(B, L, True) for B in verify_sizes for L in self.executor.graph_lengths(B, kv_lo, kv_hi)]
         if progress is not None and hasattr(progress, "total"):
             progress.total = len(todo)
             progress.refresh()
-        for B, L in todo:
+        if verify_sizes and slot is None:
+            raise ValueError("verify_sizes need a slot for their rows (rows past the cache's slots share it)")
+        for B, L, causal in todo:
             zeros = torch.zeros(B, dtype=torch.int64, device=self.device)
             slots = self._slots[:B] if slot is None else torch.full((B,), slot, device=self.device)
-            self.executor.decode(Step(tokens=zeros, positions=zeros, slots=slots, logit_rows=self._slots[:B],
-                                      kv_len=L, contiguous_slots=slot is None, causal_rows=causal_rows))
+            rows = torch.arange(B, device=self.device)
+            self.executor.decode(Step(tokens=zeros, positions=zeros, slots=slots, logit_rows=rows,
+                                      kv_len=L, contiguous_slots=slot is None, causal_rows=causal))
             if progress is not None:
                 progress.update(1)
         if todo and self.device.type == "cuda":

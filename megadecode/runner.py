@@ -80,14 +80,30 @@ class ModelRunner:
         self._dev = torch.zeros(3, self.max_batch, dtype=torch.int64, device=self.device)
         self.counts: Counts | None = None  # per slot, the token counts penalties read (made for the first one)
 
-    def warmup(self, progress=None) -> int:
+    def warmup(self, progress=None, drafter=None) -> int:
         """Compile and capture every decode graph serving can replay: each prepared batch size, at every cache
-        length the executor distinguishes (Engine.warmup). Returns the number of graphs."""
+        length the executor distinguishes (Engine.warmup); with `drafter`, the verify steps' too where they run as
+        captured decode steps (`verify_sizes`). Returns the number of graphs."""
         sizes = self.batch_sizes if self.pad else list(range(1, self.max_batch + 1))
-        return self.engine.warmup(sizes, 1, self.engine.max_seq_len, slot=self.scratch, progress=progress)
+        verify = self.verify_sizes(drafter) if drafter is not None and self.pads_verify(drafter) else []
+        return self.engine.warmup(sizes, 1, self.engine.max_seq_len, slot=self.scratch, verify_sizes=verify,
+                                  progress=progress)
 
     def padded(self, batch: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch)] if self.pad else batch
+
+    def pads_verify(self, drafter) -> bool:
+        """Whether verify steps with `drafter` replay captured graphs, and are padded for it: decode steps are
+        (`pad`) and the verify step runs as a decode step of its rows (speculative.run_verify)."""
+        from .speculative import verifies_as_decode
+
+        return self.pad and not drafter.reads_hidden and verifies_as_decode(self.engine)
+
+    def verify_sizes(self, drafter) -> list[int]:
+        """The row counts verify steps are padded to (`pads_verify`): a step of up to max_batch sequences feeds each
+        its last token and up to drafter.k drafts, so the prepared batch sizes and the powers of two up to
+        max_batch x (k + 1), and that. Each is warmed (`warmup`): a verify step never captures mid-stream."""
+        return sorted(set(self.batch_sizes) | set(default_batch_sizes(self.max_batch * (drafter.k + 1))))
 
     # ---- steps ---------------------------------------------------------------------------------------------------
     # A step is launched (its kernels queued, the copy of its results to the host queued after them) and collected
@@ -211,10 +227,16 @@ class ModelRunner:
         feeds = []
         for i, s in enumerate(seqs):
             room = min(s.max_tokens - len(s.output) - 1, self.engine.max_seq_len - s.num_tokens)
-            feeds.append([s.last_token] + drafts.get(i, [])[:max(room, 0)])
+            feeds.append([s.last_token] + drafts.get(i, [])[:max(min(room, drafter.k), 0)])
         dev = self.device
-        step, starts, logits, h = run_verify(self.engine, feeds, [s.num_tokens - 1 for s in seqs],
-                                             [s.slot for s in seqs], hidden=drafter.reads_hidden, call=self._published)
+        firsts, slots, pad = [s.num_tokens - 1 for s in seqs], [s.slot for s in seqs], []
+        if self.pads_verify(drafter):  # up to a warmed row count: rows of token 0 at position 0 of the scratch slot
+            sizes = self.verify_sizes(drafter)
+            rows = sum(map(len, feeds))
+            pad = [[0]] * (sizes[bisect.bisect_left(sizes, rows)] - rows)
+        step, starts, logits, h = run_verify(self.engine, feeds + pad, firsts + [0] * len(pad),
+                                             slots + [self.scratch] * len(pad), hidden=drafter.reads_hidden,
+                                             call=self._published)
         results: list = [None] * len(seqs)
         plain = [i for i, f in enumerate(feeds) if len(f) == 1]
         if plain:  # no drafts: the decode step's sampling (penalties, bias, guides, bans, top logprobs)

@@ -47,7 +47,8 @@ MAX_DRAFT = 7  # draft tokens a step at most (issue 43: k up to 7)
 class Drafter:
     """What proposes drafts. `draft`: up to k proposed next tokens of the sequence `tokens` (prompt and output so
     far), [] for none; `draft_many`: each of a step's sequences' (one at a time, unless a drafter batches them),
-    `slots` their cache slots in the target (read by drafters that keep state per sequence).
+    `slots` their cache slots in the target (read by drafters that keep state per sequence). `k`: the most drafts a
+    sequence gets a step (set by each drafter; a server sizes its verify steps by it, ModelRunner.verify_sizes).
     `reads_hidden`: the drafter drafts from the target's last hidden states, which the caller gives it after each
     step of the target (`observe`)."""
 

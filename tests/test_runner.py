@@ -193,6 +193,55 @@ def test_runner_pads_to_the_prepared_sizes(engine):
     assert r.scratch == 4 and r.max_batch == 4
 
 
+def test_verify_steps_are_padded_to_sizes_warmed_at_startup(engine, monkeypatch):
+    """Speculative decoding where decode steps replay captured graphs: each verify step is padded (rows of the
+    scratch slot) to a row count the warm-up prepared with causal rows, so serving never captures mid-stream, and
+    every sequence still gets exactly its greedy tokens alone. The torch executor runs eagerly; its graph lengths
+    are faked so that the warm-up runs its steps."""
+    from megadecode.speculative import NgramDrafter
+
+    runner = ModelRunner(engine, [1, 2, 4], pad=True)
+    drafter = NgramDrafter(3)
+    sizes = runner.verify_sizes(drafter)
+    assert sizes == [1, 2, 4, 8, 16] and runner.pads_verify(drafter)  # 4 sequences x (1 + 3 drafts) at most
+    seen = []
+    decode = engine.executor.decode
+
+    def spy(step):
+        seen.append((step.num_tokens, step.causal_rows, step.slots.tolist()))
+        return decode(step)
+
+    monkeypatch.setattr(engine.executor, "decode", spy)
+    monkeypatch.setattr(engine.executor, "graph_lengths", lambda B, lo, hi: [MAX_SEQ])
+    assert runner.warmup(drafter=drafter) == 3 + 5
+    assert [(b, c) for b, c, _ in seen] == [(1, False), (2, False), (4, False)] + [(b, True) for b in sizes]
+    assert all(set(sl) == {runner.scratch} for _, _, sl in seen)
+    seen.clear()
+    out = Collector()
+    loop = EngineLoop(runner, Scheduler(runner.max_batch, 100), out, overlap=False, drafter=drafter)
+    prompts = [[256] + [40, 41, 42] * 4, [256] + [50, 51] * 5, [256, 7], PROMPTS[1]]  # repetitive: drafts found
+    seqs = [Sequence(prompt=p, max_tokens=12) for p in prompts]
+    for q in seqs:
+        loop.submit(q)
+    run_all(loop)
+    verify = [(b, sl) for b, c, sl in seen if c]
+    assert verify and all(b in sizes for b, _ in verify)
+    assert any(sl.count(runner.scratch) > 0 for _, sl in verify)  # some step was padded
+    for q in seqs:
+        assert out.tokens[q.id] == alone(QWEN, tuple(q.prompt), 12), q.prompt
+
+
+def test_verify_steps_are_not_padded_where_decode_steps_are_not(engine):
+    """Eager decode steps (no padding) run verify steps at their own row counts; a drafter that reads hidden states
+    verifies through the prefill ops, never padded."""
+    from megadecode.speculative import NgramDrafter
+
+    assert not ModelRunner(engine).pads_verify(NgramDrafter(2))
+    hidden = NgramDrafter(2)
+    hidden.reads_hidden = True
+    assert not ModelRunner(engine, [1, 4], pad=True).pads_verify(hidden)
+
+
 # ---- failures stay with their request ---------------------------------------------------------------------------
 
 def run_all(loop):

@@ -153,7 +153,7 @@ class Recording(Drafter):
     reads_hidden = True
 
     def __init__(self, inner: MtpDrafter):
-        self.inner, self.calls = inner, []
+        self.inner, self.calls, self.k = inner, [], inner.k
 
     def observe(self, pieces):
         self.inner.observe(pieces)

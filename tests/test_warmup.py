@@ -17,7 +17,7 @@ from megadecode.runner import ModelRunner
 from megadecode.sampling import SamplingParams
 from megadecode.scheduler import Scheduler
 from megadecode.sequence import Sequence
-from megadecode.serve.loop import EngineLoop
+from megadecode.serve.loop import EngineLoop, NullMetrics
 from megadecode.step import Step
 
 QWEN = "tiny-qwen3-moe"
@@ -133,3 +133,40 @@ def test_generate_json_reports_warmup(capsys):
     assert main(["generate", "--model", QWEN, "--greedy", "--json", "--max-new-tokens", "3"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["warmup_s"] >= 0 and doc["decode_s"] > 0
+
+
+def test_speculative_serving_captures_only_at_startup():
+    """With prompt-lookup drafts, a verify step feeds each sequence 1 to 4 tokens: its row count, padded with
+    scratch-slot rows to one of ModelRunner.verify_sizes, was captured at startup, so drafts never capture
+    mid-stream (before the padding, every new row count did); the served tokens are the greedy ones alone."""
+    from megadecode.speculative import NgramDrafter
+
+    eng = counting_engine(5, 300, LengthFreeCounting)
+    runner = ModelRunner(eng, [1, 2, 4])
+    drafter = NgramDrafter(3)
+    assert runner.warmup(drafter=drafter) == 3 + 5  # decode 1, 2, 4; verify 1, 2, 4, 8, 16 (causal rows)
+    assert sorted(b for b, _, _ in eng.executor.captures) == [1, 2, 4, 8, 16]  # graph keys ignore causal rows
+    at_startup = list(eng.executor.captures)
+    got, drafted = {}, []
+
+    class Metrics(NullMetrics):
+        def speculated(self, n: int, accepted: int) -> None:
+            drafted.append(n)
+
+    loop = EngineLoop(runner, Scheduler(4, 100), lambda items: [got.setdefault(s.id, []).append(d.token)
+                                                                for s, d in items if d.token is not None],
+                      Metrics(), drafter=drafter)
+    seqs = [Sequence(prompt=[256] + [5 + i, 9, 11] * n, max_tokens=m)
+            for i, (n, m) in enumerate([(6, 14), (1, 9), (4, 12), (2, 5), (5, 10)])]
+    for k, s in enumerate(seqs):
+        loop.submit(s)
+        loop.iteration()
+        if k % 2:
+            loop.iteration()
+    while loop.iteration():
+        pass
+    assert eng.executor.captures == at_startup
+    assert sum(drafted) > 0  # the steps verified drafts
+    ref = Engine.from_pretrained(QWEN, max_batch=1, max_seq_len=300)
+    for s in seqs:
+        assert got[s.id] == ref.generate([s.prompt], s.max_tokens, GREEDY, stop_at_eos=False).token_ids[0]

@@ -116,7 +116,7 @@ class Server:
         otherwise). Sets warmup_s and cold_start_s (process start to that request's first token)."""
         t = time.perf_counter()
         if warmup:
-            self.graphs = self.runner.warmup(progress)
+            self.graphs = self.runner.warmup(progress, drafter=self.loop.drafter)
         self.loop.start()
         if warmup:
             seq = Sequence(prompt=[0], max_tokens=3, stop_ids=frozenset())
