@@ -1,7 +1,6 @@
 """The megakernel's two builds against each other at batch 1, by launch time on the GPU: the weight ring's build
 (one CTA an SM, the loader warp streaming the staged MATVEC rows; cute/base.py) on a program with its rows staged
-(`ring`), with its MATVEC rows staged only (`ring-mv`: the routed experts' rows read from global memory) and
-without (`noring`: the same build, the rows read from global memory as the other build reads them),
+(`ring`) and without (`noring`: the same build, the rows read from global memory as the other build reads them),
 and the other build (two CTAs an SM: `plain<CTAs>`), interleaved in rounds (one launch of each a round, CUDA
 events around each; bench/mega_sync_ab.interleaved), after each build's check against pyvm (--check
 preset:batch:ctas, delayed launches included; validate.mega_gpu.diff_program). At batch 1 a timeline of the ring
@@ -18,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
@@ -36,13 +34,10 @@ from mega_sync_ab import interleaved  # bench/
 
 
 def runtime(prog: Program, batch: int, context: int, ring: bool, stage: str = "all", **kw) -> MegaRuntime:
-    """A warmed runtime of `prog` on the build `ring`; stage "none": its rows not staged (Program.stageable off),
-    "matvec": only its MATVEC rows (the routed EXPERT_UP rows read from global memory)."""
+    """A warmed runtime of `prog` on the build `ring`; stage "none": its rows not staged (Program.stageable off)."""
     saved = Program.stageable
     if stage == "none":
         Program.stageable = lambda self, ins: False
-    elif stage == "matvec":
-        Program.stageable = lambda self, ins: ins.op == "MATVEC" and saved(self, ins)
     try:
         rt = MegaRuntime(prog, "cuda", ring=ring, **kw)
     finally:
@@ -123,7 +118,6 @@ def main(argv=None) -> int:
             if batch == 1:
                 rp = schedule(lower(cfg, w, cache, batch, rc), rc)
                 rts["ring"] = runtime(rp, batch, a.context, True)
-                rts["ring-mv"] = runtime(rp, batch, a.context, True, stage="matvec")
                 rts["noring"] = runtime(rp, batch, a.context, True, stage="none")
             rts[f"plain{pc}"] = runtime(pp, batch, a.context, False)
             med, mins = interleaved(rts, a.rounds)
@@ -133,7 +127,6 @@ def main(argv=None) -> int:
             del rts
             if batch == 1:
                 r["timeline"]["ring"] = op_means(runtime(rp, batch, a.context, True, timeline=True))
-                r["timeline"]["ring-mv"] = op_means(runtime(rp, batch, a.context, True, "matvec", timeline=True))
                 r["timeline"]["plain"] = op_means(runtime(pp, batch, a.context, False, timeline=True))
             out["runs"].append(r)
             save()

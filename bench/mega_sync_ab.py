@@ -18,6 +18,12 @@ Variants:
   acquire load once it reached the target (the acquire reads a value at or past the target: it synchronises with
   the releases that produced it).
 - `fenced_signal`: a `fence.acq_rel.gpu` before the signal's release add (the signal up to 8da66e1).
+- `cta_copies` (the ring build): the loader's bulk copies name their destination `.shared::cta` rather than
+  `.shared::cluster` (PTX 8.6; the same CTA's shared memory either way, the kernel runs without clusters): does a
+  release's MEMBAR / CGAERRBAR wait for the loader's copies in flight? (a staged MATVEC's signal takes ~3.3 us while
+  its loader streams the next pages, ~1 us when it does not)
+- `inflight4` (the ring build): the loader keeps at most 4 pages in flight (before it issues page n it waits, bounded,
+  for page n - 4 to land): a shorter drain for the release, fewer bytes requested across the waits.
 - `loop`: the persistent loop and synchronisation steps of another cute_kernel.py (`--loop-from`, e.g. an earlier
   commit's, read with `git show`) around today's opcode bodies: a loop change measured against the loop it replaces.
 """
@@ -44,7 +50,7 @@ from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
-VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "loop")
+VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight4", "loop")
 LOOP_FROM = None  # --loop-from: the cute_kernel.py whose loop the `loop` variant builds
 
 
@@ -53,6 +59,7 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     from cutlass import Int32
 
     from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.cute import base as B
 
     acquire = K.wait_load
 
@@ -90,8 +97,62 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
     if name == "loop":
         return [(K, "mega_kernel", _loop_module().mega_kernel)]
+    if name in ("cta_copies", "inflight4"):
+        return [(B, "issue_page", _issue_page(name))]
     return {"shipped": [], "relaxed_poll": [(K, "wait_counter", wait_counter_relaxed_poll)],
             "fenced_signal": [(K, "signal", signal_fenced)]}[name]
+
+
+def _issue_page(name: str):
+    """base.issue_page with its bulk copy's destination `.shared::cta` (cta_copies), or issuing page n only once page
+    n - 4 landed (inflight4); otherwise the shipped one."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from megadecode.backends.mega.cute import base as B
+
+    dst = "shared::cta" if name == "cta_copies" else "shared::cluster"
+    cap = 4 if name == "inflight4" else B.RING_SLOTS
+
+    @cute.jit
+    def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j: Int32, delay_ns: Int32,
+                   epoch: Int32, bid: Int32):
+        freed_at = Int32(smi.iterator.toint()) + (B.RING_S + 3) * 4
+        spins = Int32(0)
+        stop = Int32(0)
+        while n - B.ld_acquire_shared(freed_at) >= B.RING_SLOTS and stop == 0:
+            cute.arch.inline_ptx("nanosleep.u32 64;")
+            spins += 1
+            if spins > lim:
+                B.report_ring_timeout(smi, j, Int32(-3), n)
+                stop = Int32(1)
+            elif B.aborted(smi) != 0:
+                stop = Int32(1)
+        if cutlass.const_expr(cap < B.RING_SLOTS):
+            if n >= cap and stop == 0:  # page n - cap landed first (its slot's current phase: none refilled it)
+                m = n - cap
+                mb0 = smi[B.RING_S + 6] + (m % B.RING_SLOTS) * 8
+                while B.page_landed(mb0, (m // B.RING_SLOTS) & 1) == 0 and stop == 0:
+                    spins += 1
+                    if spins > lim:
+                        B.report_ring_timeout(smi, j, Int32(-3), n)
+                        stop = Int32(1)
+                    elif B.aborted(smi) != 0:
+                        stop = Int32(1)
+        if stop == 0:
+            if delay_ns > 0:
+                B.nap(delay_ns, n, epoch, bid * 4 + 3)
+            slot = n % B.RING_SLOTS
+            mb = smi[B.RING_S + 6] + slot * 8
+            cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                                 read_only_args=[mb, sz])
+            cute.arch.inline_ptx("cp.async.bulk." + dst + ".global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
+                                 "{$r2}, [{$r3}];", read_only_args=[smi[B.RING_S + 5] + slot * B.RING_PAGE, src, sz, mb])
+            n += 1
+        return n, stop
+
+    return issue_page
 
 
 def module_from_file(name: str, path: str | None, option: str, what: str):

@@ -14,7 +14,6 @@ from megadecode.backends.mega.isa import (
     F_PAIR1,
     PAIR1_MAX_B,
     PASS,
-    F_ROUTE,
     F_STAGE,
     F_TC,
     ROW,
@@ -164,10 +163,9 @@ def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_rows_name_the_weight_rings_staged_instructions(preset, batch):
     """The rows the kernel's ring build runs flag the instructions whose weights its ring streams (F_STAGE: batch-1
-    MATVEC of bf16 rows on the CUDA cores, whole rows in its static bytes; batch-1 EXPERT_UP routing its token
-    itself over bf16 experts) and chain each queue's flagged ones (W_STAGE), which is all the ring's loader walks;
-    nothing else is flagged, the other build's rows flag nothing, and the instructions themselves (what pyvm runs)
-    are unchanged."""
+    MATVEC of bf16 rows on the CUDA cores, whole rows in its static bytes; not the routed experts) and chain each
+    queue's flagged ones (W_STAGE), which is all the ring's loader walks; nothing else is flagged, the other build's
+    rows flag nothing, and the instructions themselves (what pyvm runs) are unchanged."""
     cfg = preset_config(preset)
     w = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in random_weights(cfg, "cpu",
                                                                                         torch.float32, 0).items()}
@@ -178,19 +176,14 @@ def test_rows_name_the_weight_rings_staged_instructions(preset, batch):
     staged = {i for i in range(len(prog.instrs)) if int(rows[i, 3]) & F_STAGE}
     for i, ins in enumerate(prog.instrs):
         assert not ins.flags & F_STAGE
-        if i in staged and ins.op == "MATVEC":
+        if i in staged:
             a = ins.args
-            assert a["B"] == 1 and not ins.flags & F_TC
+            assert ins.op == "MATVEC" and a["B"] == 1 and not ins.flags & F_TC
             assert ins.prefetch[1:] == (2 * a["r0"] * a["K"], 2 * (a["r1"] - a["r0"]) * a["K"])
             assert int(rows[i, 12]) * 16 == 2 * (a["r1"] - a["r0"]) * a["K"]
-        elif i in staged:
-            assert ins.op == "EXPERT_UP" and ins.flags & F_ROUTE and not ins.flags & F_MXFP4
     assert (len(staged) > 0) == (batch == 1)
-    if batch == 1:  # every batch-1 MATVEC of these presets is stageable; the routed EXPERT_UPs (qwen3's) too
-        want = {i for i, ins in enumerate(prog.instrs) if ins.op == "MATVEC"
-                or (ins.op == "EXPERT_UP" and ins.flags & F_ROUTE and not ins.flags & F_MXFP4)}
-        assert staged == want
-        assert any(prog.instrs[i].op == "EXPERT_UP" for i in staged) == (preset == "tiny-qwen3-moe")
+    if batch == 1:  # every batch-1 MATVEC of these presets is stageable
+        assert staged == {i for i, ins in enumerate(prog.instrs) if ins.op == "MATVEC"}
     for q in prog.queues:
         for pos, i in enumerate(q):
             later = [j for j in q[pos + 1:] if j in staged]
@@ -650,25 +643,3 @@ def test_the_ring_checks_every_staged_round_fits():
     p.instrs[0].prefetch = (0, 0, 2 * 16 * p.instrs[0].args["K"])
     with pytest.raises(KernelLimit, match=r"L0\.w\[0:16\]: a round of its staged rows reads pages 0\.\.\d+, more"):
         check_ring(p)
-
-
-@pytest.mark.parametrize("D,I,A,W", [(2048, 768, 8, 132), (4096, 1536, 8, 100), (64, 32, 4, 7), (2048, 768, 8, 5)])
-def test_a_routed_expert_up_items_pages_cover_its_rows_once(D, I, A, W):
-    """Program.up_chunks and ring_rounds for a staged EXPERT_UP item (the loader's pages and the body's rounds, as
-    cute/base.py and cute/moe.py take them): over the W items every (pair, row) unit once; an item's pages are 2 a
-    chunk of k rows (gate, up), each within a page; each round's pages within half the ring."""
-    from megadecode.backends.mega.limits import RING_PAGE, RING_SLOTS
-    from megadecode.backends.mega.program import Program
-
-    seen = []
-    for w in range(W):
-        ins = Instr("EXPERT_UP", 0, {"I": I, "D": D, "A": A, "w": w, "W": W})
-        k, pairs = Program.up_chunks(ins)
-        assert k == RING_PAGE // (2 * D) and k * 2 * D <= RING_PAGE
-        for p, r0, r1 in pairs:
-            seen += [(p, r) for r in range(r0, r1)]
-        npages = sum(2 * -(-(r1 - r0) // k) for _, r0, r1 in pairs)
-        rounds = Program.ring_rounds(Program(None, 1, [], [], {}, {}, 1), ins)
-        assert all(z - a + 1 <= RING_SLOTS // 2 for a, z in rounds)
-        assert (rounds[-1][1] + 1 if rounds else 0) == npages
-    assert sorted(seen) == [(p, r) for p in range(A) for r in range(I)]

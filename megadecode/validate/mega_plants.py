@@ -40,11 +40,11 @@ PLANTS = {p.name: p for p in (
           "non-coherent path", ("audit:nc-load-of-produced",), ("MLA_KV", "MLA_ATTN")),
     Plant("skip_last_chunk", "attention skips the last partial 64-position chunk of a split longer than one chunk",
           ("gpu:long-splits",), ("ATTN_GQA",)),
-    Plant("ring_overtake", "a staged body (MATVEC, EXPERT_UP) frees the ring's pages a whole ring ahead of its "
-          "reads: the loader refills slots still being read (a page reused before its readers are done)",
-          ("gpu:delayed-build",), ("MATVEC", "EXPERT_UP")),
-    Plant("ring_no_wait", "a staged body (MATVEC, EXPERT_UP) reads its pages without waiting for them to land",
-          ("gpu:delayed-build",), ("MATVEC", "EXPERT_UP")),
+    Plant("ring_overtake", "the staged MATVEC body frees the ring's pages a whole ring ahead of its reads: the "
+          "loader refills slots still being read (a page reused before its readers are done)",
+          ("gpu:delayed-build",), ("MATVEC",)),
+    Plant("ring_no_wait", "the staged MATVEC body reads its pages without waiting for them to land",
+          ("gpu:delayed-build",), ("MATVEC",)),
 )}
 CONTROLS = {"nc_weights": Plant("nc_weights", "EMBED reads the embedding rows (static) through the non-coherent "
                                 "path: the audit must pass it", (), ("EMBED",))}
@@ -57,7 +57,7 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
     from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
     from ..backends.mega import cute_kernel as K
-    from ..backends.mega.cute import attention, base, dense, moe
+    from ..backends.mega.cute import attention, base, dense
 
     acquire = K.wait_load
 
@@ -128,8 +128,8 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
             "nc_cache": [(attention, "ld8", ld8_nc)],
             "skip_last_chunk": [(attention, "split_bounds", short_split_bounds)],
             "nc_weights": [(dense, "ldf", ldf_nc)],
-            "ring_overtake": [(dense, "free_pages", free_ahead), (moe, "free_pages", free_ahead)],
-            "ring_no_wait": [(dense, "page_wait", no_page_wait), (moe, "page_wait", no_page_wait)],
+            "ring_overtake": [(dense, "free_pages", free_ahead)],
+            "ring_no_wait": [(dense, "page_wait", no_page_wait)],
             }[name]
 
 

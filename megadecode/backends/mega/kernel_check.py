@@ -77,11 +77,11 @@ def check_ring(prog: Program) -> None:
     from .limits import RING_PAGE, RING_SLOTS
 
     for ins in prog.instrs:
-        if ins.op not in ("MATVEC", "EXPERT_UP") or not prog.stageable(ins):
+        if not prog.stageable(ins):
             continue
         for pa, pz in prog.ring_rounds(ins):
             if pz - pa + 1 > RING_SLOTS:
                 raise KernelLimit(f"{ins.name}: a round of its staged rows reads pages {pa}..{pz}, more than the "
                                   f"ring's {RING_SLOTS} slots")
-        if ins.op == "MATVEC" and (ins.prefetch[2] % 16 or RING_PAGE % 16):
+        if ins.prefetch[2] % 16 or RING_PAGE % 16:
             raise KernelLimit(f"{ins.name}: staged bytes {ins.prefetch[2]} are not whole 16-byte units")

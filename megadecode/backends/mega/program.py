@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .isa import F_FRAG, F_MXFP4, F_ROUTE, F_STAGE, F_TC, ROW, W_NEXT, W_STAGE, Instr
+from .isa import F_STAGE, F_TC, ROW, W_NEXT, W_STAGE, Instr
 from .limits import RING_PAGE, RING_SLOTS, SMEM_F
 
 
@@ -59,58 +59,28 @@ class Program:
         raise KeyError(name)
 
     def stageable(self, ins: Instr) -> bool:
-        """Whether the kernel's ring build streams this instruction's weights through its CTA's ring (F_STAGE):
-        - a batch-1 MATVEC on the CUDA cores, of bf16 rows whose static bytes (words 10..12) are exactly rows
-          [r0, r1), a pair of rows within half the ring less a page (a round of the staged body, `cute/dense.py`,
-          then fits while the next one streams), its input row within the working shared memory (K fp32 below the
-          rstd words);
-        - a batch-1 EXPERT_UP that routes its token itself (F_ROUTE) over bf16 experts, a row within a page (the
-          pages hold whole gate and up rows: `up_chunks`), its input row within the working shared memory."""
+        """Whether the kernel's ring build streams this instruction's weights through its CTA's ring (F_STAGE): a
+        batch-1 MATVEC on the CUDA cores, of bf16 rows whose static bytes (words 10..12) are exactly rows [r0, r1),
+        a pair of rows within half the ring less a page (a round of the staged body, `cute/dense.py`, then fits while
+        the next one streams), its input row within the working shared memory (K fp32 below the rstd words).
+        The routed experts' rows are not staged: measured, their loader could start an item's pages only once its
+        body had routed, and the staged item took longer than one reading its rows from global memory
+        (docs/megakernel.md, "The weight ring at batch 1")."""
         a = ins.args
-        if ins.op == "EXPERT_UP":
-            return (RING_SLOTS > 0 and bool(ins.flags & F_ROUTE) and not ins.flags & (F_MXFP4 | F_FRAG)
-                    and self.tensors[a["gu"]].tensor.dtype == torch.bfloat16 and 2 * a["D"] <= RING_PAGE
-                    and a["D"] <= SMEM_F - 128)
         t, off, n = ins.prefetch
         return (RING_SLOTS > 0 and ins.op == "MATVEC" and a["B"] == 1 and not ins.flags & F_TC and t >= 0
                 and self.tensors[t].tensor.dtype == torch.bfloat16 and off == 2 * a["r0"] * a["K"]
                 and n == 2 * (a["r1"] - a["r0"]) * a["K"] and 4 * a["K"] <= (RING_SLOTS // 2 - 1) * RING_PAGE
                 and a["K"] <= SMEM_F - 128)
 
-    @staticmethod
-    def up_chunks(ins: Instr) -> tuple[int, list[tuple[int, int, int]]]:
-        """A staged EXPERT_UP item's rows a page (k: whole gate or up rows of D bf16 in RING_PAGE bytes) and its
-        pairs' rows (p, r0, r1): units [w N / W, (w + 1) N / W) of N = A I, unit p I + r row r of pair p, as the
-        routed body takes them. Its pages, in order: per pair, per chunk of k rows, the gate rows then the up rows
-        (one bulk copy each)."""
-        a = ins.args
-        I, A, w, W = a["I"], a["A"], a["w"], a["W"]
-        k = RING_PAGE // (2 * a["D"])
-        n = A * I
-        lo, hi = w * n // W, (w + 1) * n // W
-        pairs = [(p, max(lo - p * I, 0), min(hi - p * I, I)) for p in range(lo // I, -(-hi // I))]
-        return k, [(p, r0, r1) for p, r0, r1 in pairs if r0 < r1]
-
     def ring_rounds(self, ins: Instr) -> list[tuple[int, int]]:
-        """A staged instruction's rounds as the kernel's staged bodies cut them: per round the first and last page
-        (of the instruction's own, from 0) it reads. MATVEC (cute/dense.py staged_rows): up to NW row pairs a
-        round, its first page the one holding its first pair, its pairs ending within half the ring from that
-        page. EXPERT_UP (cute/moe.py up_staged): per pair, rounds of up to NW rows, k x (half the ring's pages / 2)
-        at most, whole chunks of k where k <= NW."""
+        """A staged MATVEC's rounds as the kernel's staged body cuts them (cute/dense.py staged_rows): per round the
+        first and last page (of the instruction's own, from 0) its row pairs read. Up to NW pairs a round, the
+        round's first page the one holding its first pair, its pairs ending within half the ring from that page."""
         from .limits import NT
 
         nw, half = NT // 32, RING_SLOTS // 2
         out = []
-        if ins.op == "EXPERT_UP":
-            k, pairs = self.up_chunks(ins)
-            rr = k * min(nw // k, half // 2) if k <= nw else nw
-            base = 0
-            for _, r0, r1 in pairs:
-                for a in range(r0, r1, rr):
-                    b = min(a + rr, r1)
-                    out.append((base + 2 * ((a - r0) // k), base + 2 * ((b - 1 - r0) // k) + 1))
-                base += 2 * (-(-(r1 - r0) // k))
-            return out
         a = ins.args
         K, nrows = a["K"], a["r1"] - a["r0"]
         npairs, pb, total = (nrows + 1) // 2, 4 * K, 2 * nrows * K

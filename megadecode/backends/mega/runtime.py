@@ -312,10 +312,9 @@ class MegaRuntime:
         e = self.err.tolist()
         if e[0]:
             ins = self.prog.instrs[e[1]] if 0 <= e[1] < len(self.prog.instrs) else None
-            if e[2] in (-2, -3, -4):  # the weight ring (cute/base.py: report_ring_timeout)
+            if e[2] in (-2, -3):  # the weight ring (cute/base.py: report_ring_timeout)
                 what = {-2: "waited for ring page {p}, which did not land",
-                        -3: "the ring's loader waited for a free slot for page {p}",
-                        -4: "the ring's loader waited for the experts its item routed to"}[e[2]]
+                        -3: "the ring's loader waited for a free slot for page {p}"}[e[2]]
                 raise MegaError(f"megakernel weight ring timed out: instruction {e[1]} "
                                 f"({ins.name if ins else 'the end of its queue'}): " + what.format(p=e[3]))
             raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "

@@ -12,7 +12,7 @@ from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported fo
 )
 from ...cute_frag import frag_dec, frag_scale, lds4, mma  # noqa: F401  (re-exported for the bodies)
 from ....quant.mxfp4_frag import MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, WBYTES  # noqa: F401
-from ..isa import F_STAGE as F_STAGE_BIT, HEADER, OPCODES, OPS, PASS, ROW, TLW, W_STAGE
+from ..isa import F_STAGE as F_STAGE_BIT, HEADER, OPS, PASS, ROW, TLW, W_STAGE
 from ..limits import BODY_I, NT, RING_PAGE, RING_SLOTS, SMEM_F, SMEM_I
 
 NW = NT // 32
@@ -28,8 +28,7 @@ IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
 ERR_S = SMEM_I - 20  # 2 int words: the error buffer's address (the weight ring's timeouts report through it)
-# The weight ring's int words (RING_S + k): k = 2 the routed EXPERT_UP whose experts were published last (-1: none),
-# 3 pages freed (consumed: their slots may be refilled), 4 the current
+# The weight ring's int words (RING_S + k): k = 3 pages freed (consumed: their slots may be refilled), 4 the current
 # instruction's first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
 RING_S = SMEM_I - 72
 LOADER = NT  # the ring build's loader warp (threads NT .. NT + 31, beside the NW compute warps): its lane 0 issues
@@ -335,7 +334,6 @@ def ring_init(smi: cute.Tensor, ring: Int32, mbar: Int32, err: Int64, max_spin: 
     for k in cutlass.range_constexpr(RING_SLOTS):
         cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], 1;", read_only_args=[mbar + k * 8])
     cute.arch.mbarrier_init_fence()
-    smi[RING_S + 2] = Int32(-1)
     smi[RING_S + 3] = Int32(0)
     smi[RING_S + 4] = Int32(0)
     smi[RING_S + 5] = ring
@@ -359,8 +357,7 @@ def err_addr(smi: cute.Tensor) -> Int64:
 @cute.jit
 def report_ring_timeout(smi: cute.Tensor, idx: Int32, what: Int32, page: Int32):
     """A ring wait past its limit, recorded as a counter's timeout is: err[2] = what (-2: a page that did not land,
-    -3: the loader waiting for a free slot, -4: the loader waiting for a routed item's experts), err[3] the page;
-    the abort flag raised (runtime.MegaRuntime.check)."""
+    -3: the loader waiting for a free slot), err[3] the page; the abort flag raised (runtime.MegaRuntime.check)."""
     ea = err_addr(smi)
     old = cute.arch.atomic_cas(_g(ea, Int32, 4).llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
     if old == 0:
@@ -376,19 +373,6 @@ def aborted(smi: cute.Tensor) -> Int32:
     return cute.arch.load(_g(err_addr(smi), Int32, 4).llvm_ptr, Int32, sem="relaxed", scope="gpu")
 
 
-RT_S = 32  # int words from here: a routed EXPERT_UP's experts, pair by pair (moe.route_one's RT)
-
-
-@cute.jit
-def up_item(w: Int32, W: Int32, A: Int32, I: Int32, D: Int32):
-    """A staged EXPERT_UP item's rows a page (k), first and end pair, and its units [lo, hi) (Program.up_chunks)."""
-    k = RING_PAGE // (2 * D)
-    n = Int64(A) * Int64(I)
-    lo = Int64(w) * n // Int64(W)
-    hi = Int64(w + 1) * n // Int64(W)
-    return k, Int32(lo // Int64(I)), Int32((hi + Int64(I - 1)) // Int64(I)), lo, hi
-
-
 @cute.jit
 def pair_rows(p: Int32, I: Int32, lo: Int64, hi: Int64):
     """Rows [r0, r1) of pair p that an item's units [lo, hi) hold."""
@@ -399,20 +383,11 @@ def pair_rows(p: Int32, I: Int32, lo: Int64, hi: Int64):
 
 @cute.jit
 def staged_pages(smi: cute.Tensor) -> Int32:
-    """The ring pages the current instruction (its row in shared memory) consumes: 0 unless F_STAGE. MATVEC: its
-    static bytes in pages; EXPERT_UP: per pair of its item, 2 pages a chunk of k rows (gate, up)."""
+    """The ring pages the current instruction (its row in shared memory) consumes: 0 unless F_STAGE (a MATVEC):
+    its static bytes in pages."""
     npg = Int32(0)
     if (smi[ROW_S + 3] & F_STAGE_BIT) != 0:
-        if smi[ROW_S] == OPCODES["MATVEC"]:
-            npg = ring_pages(smi[ROW_S + 12] * 16)
-        else:
-            U = ARG["EXPERT_UP"]
-            I, D = smi[ROW_S + U["I"]], smi[ROW_S + U["D"]]
-            k, plo, phi, lo, hi = up_item(smi[ROW_S + U["w"]], smi[ROW_S + U["W"]], smi[ROW_S + U["A"]], I, D)
-            for p in cutlass.range(plo, phi):
-                r0, r1 = pair_rows(p, I, lo, hi)
-                if r1 > r0:
-                    npg += 2 * ((r1 - r0 + k - 1) // k)
+        npg = ring_pages(smi[ROW_S + 12] * 16)
     return npg
 
 
@@ -447,37 +422,10 @@ def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j:
 
 
 @cute.jit
-def experts_published(smi: cute.Tensor, j: Int32, lim: Int32) -> Int32:
-    """The loader at routed EXPERT_UP j: wait (sleeping between polls, bounded by lim: then reported, -4) until its
-    body published its experts (a release store of j, after the routing's barrier: up_publish), which this acquire
-    makes visible in RT_S; 0 when they are, 1 when it gave up."""
-    at = Int32(smi.iterator.toint()) + (RING_S + 2) * 4
-    spins = Int32(0)
-    stop = Int32(0)
-    while ld_acquire_shared(at) != j and stop == 0:
-        cute.arch.inline_ptx("nanosleep.u32 64;")
-        spins += 1
-        if spins > lim:
-            report_ring_timeout(smi, j, Int32(-4), Int32(0))
-            stop = Int32(1)
-        elif aborted(smi) != 0:
-            stop = Int32(1)
-    return stop
-
-
-@cute.jit
-def up_publish(smi: cute.Tensor, idx: Int32):
-    """Thread 0 of a staged routed EXPERT_UP, after the routing's block barrier: its experts (RT_S) for the loader."""
-    cute.arch.inline_ptx("st.release.cta.shared.u32 [{$r0}], {$r1};",
-                         read_only_args=[Int32(smi.iterator.toint()) + (RING_S + 2) * 4, idx])
-
-
-@cute.jit
 def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32, delay_ns: Int32, epoch: Int32, bid: Int32):
     """The loader warp's lane 0: from the first staged instruction (`first`, -1: none) along the W_STAGE chain, every
     page in order (issue_page: a page waits for a free slot only). A MATVEC's pages are its static bytes (words
-    10..12) cut into RING_PAGE pieces; a routed EXPERT_UP's, once its body published the experts it routed to
-    (experts_published), per pair of its item and chunk of k rows the gate rows, then the up rows, of that expert.
+    10..12) cut into RING_PAGE pieces.
     The rows of the instruction stream are static: plain loads. Waits are bounded (64 x the spin limit) and give up
     when the launch aborted; then it waits (bounded) until its last pages landed, so that no copy writes the CTA's
     shared memory after its threads exit. The debug build (delay_ns > 0) sleeps a random while before each page."""
@@ -487,34 +435,13 @@ def loader(pb: Int64, wtab: cute.Tensor, smi: cute.Tensor, first: Int32, delay_n
     stop = Int32(0)
     while j >= 0 and stop == 0:
         row = pb + Int64(j) * (ROW * 4)
-        if ldi(row) == OPCODES["MATVEC"]:
-            nb = ldi(row + 12 * 4) * 16
-            src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16
-            pg = Int32(0)
-            while pg < ring_pages(nb) and stop == 0:
-                n, stop = issue_page(smi, n, src + Int64(pg) * RING_PAGE,
-                                     cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE), lim, j, delay_ns, epoch, bid)
-                pg += 1
-        else:  # a routed EXPERT_UP (Program.stageable)
-            U = ARG["EXPERT_UP"]
-            gu = wtab[ldi(row + U["gu"] * 4)]
-            I, D = ldi(row + U["I"] * 4), ldi(row + U["D"] * 4)
-            k, plo, phi, lo, hi = up_item(ldi(row + U["w"] * 4), ldi(row + U["W"] * 4), ldi(row + U["A"] * 4), I, D)
-            rowb = Int64(2 * D)
-            stop = experts_published(smi, j, lim)
-            p = plo
-            while p < phi and stop == 0:
-                r0, r1 = pair_rows(p, I, lo, hi)
-                ebase = gu + Int64(smi[RT_S + p]) * Int64(2 * I) * rowb
-                c = r0
-                while c < r1 and stop == 0:
-                    nr = cutlass.min(k, r1 - c)
-                    n, stop = issue_page(smi, n, ebase + Int64(c) * rowb, nr * 2 * D, lim, j, delay_ns, epoch, bid)
-                    if stop == 0:
-                        n, stop = issue_page(smi, n, ebase + Int64(I + c) * rowb, nr * 2 * D, lim, j, delay_ns,
-                                             epoch, bid)
-                    c += k
-                p += 1
+        nb = ldi(row + 12 * 4) * 16  # a batch-1 MATVEC (Program.stageable)
+        src = wtab[ldi(row + 10 * 4)] + Int64(ldi(row + 11 * 4)) * 16
+        pg = Int32(0)
+        while pg < ring_pages(nb) and stop == 0:
+            n, stop = issue_page(smi, n, src + Int64(pg) * RING_PAGE,
+                                 cutlass.min(Int32(RING_PAGE), nb - pg * RING_PAGE), lim, j, delay_ns, epoch, bid)
+            pg += 1
         j = ldi(row + W_STAGE * 4)
     for q in cutlass.range(cutlass.max(n - RING_SLOTS, 0), n):
         page_wait(smi, q, Int32(-1))

@@ -6,21 +6,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STAGE, F_STORE,
-                   FRAG_DOWN, FRAG_TILE)
+from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN,
+                   FRAG_TILE)
 from .base import (
-    RING_PAGE,
-    RING_S,
-    RING_SLOTS,
-    RT_S,
     cta_sync,
-    free_pages,
-    lds4u,
-    page_wait,
     pair_rows,
-    sm8,
-    up_item,
-    up_publish,
     ARG,
     RECORD,
     WBYTES,
@@ -62,7 +52,6 @@ from .base import (
     warp_max,
     warp_sum,
 )
-from .dense import bf16x2_dot
 
 
 @cute.jit
@@ -98,7 +87,7 @@ def block_excl_scan(v: Int32, tid: Int32, smi: cute.Tensor, base: Int32):
 
 
 # route_one's shared int words: slot -> expert (RS), pair -> expert (RT); a pick a lane, so 32 each
-RS, RT = 0, RT_S  # RT: the ring's loader reads a routed item's experts there (base.RT_S)
+RS, RT = 0, 32
 
 
 @cute.jit
@@ -799,91 +788,18 @@ def expert_up_routed(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, s
     (route_one; item 0 also writes ROUTE's outputs, which EXPERT_DOWN reads after this phase), then takes its share
     of the A pairs' rows as expert_up_rows' one-pair path does (pass p is pair p, its rows units p * I + r), the
     experts from shared memory: no ROUTE phase before it and no table read back from global memory."""
-    warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     write = Int32(0)
     if arg(smi, ARG[A_]["w"]) == 0:
         write = Int32(1)
     route_one(fb, ib, sm, smi, tid, idx, A_, write, False)
-    if (arg(smi, 3) & F_STAGE) != 0:  # the ring build: the experts' rows come through the ring
-        up_staged(fb, wtab, sm, smi, tid, idx)
-    else:
-        up_routed_rows(fb, wtab, smi, tid)
-
-
-@cute.jit
-def up_staged(fb: Int64, wtab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, idx: Int32):
-    """A routed EXPERT_UP item's rows through the weight ring (F_STAGE; cute/base.py): thread 0 publishes the
-    experts the routing left in shared memory (route_one ends with a block barrier) for the loader, which then
-    streams, per pair of the item and chunk of k rows, the gate rows and then the up rows (one page each). The
-    token's x into shared memory (one trip); then per pair, rounds of up to NW rows (Program.ring_rounds), a row a
-    warp: thread 0 frees the pages before the round, each warp waits for its row's two pages and sums both rows
-    against x from shared memory, lane 0 stores silu(gate) x up (SiTU under F_SITU); a block barrier ends the
-    round."""
-    warp, lane = tid // 32, tid % 32
-    A_ = "EXPERT_UP"
-    if tid == 0:
-        up_publish(smi, idx)
-        mark(smi, idx, 0)
-    use_situ = (arg(smi, 3) & F_SITU) != 0
-    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
-    w, W, A = args(smi, A_, "w W A")
-    for kk in cutlass.range(tid * 8, D, NT * 8):
-        cute.make_tensor(sm.iterator + kk, cute.make_layout(8)).store(ld8(Float32, fa(fb, x_off + kk)))
-    cta_sync()
-    k, plo, phi, lo, hi = up_item(w, W, A, I, D)
-    page0 = smi[RING_S + 4]
-    ring = smi[RING_S + 5]
-    rowb = 2 * D
-    RR = NW
-    if k <= NW:
-        RR = k * cutlass.min(NW // k, RING_SLOTS // 4)
-    base = Int32(0)  # the pair's first page, of the item's
-    it = Int32(0)
-    for p in cutlass.range(plo, phi):
-        r0, r1 = pair_rows(p, I, lo, hi)
-        a = r0
-        while a < r1:  # uniform over the CTA
-            b = cutlass.min(a + RR, r1)
-            if tid == 0:
-                free_pages(smi, page0 + base + 2 * ((a - r0) // k))
-            r = a + warp
-            if r < b:
-                pg = page0 + base + 2 * ((r - r0) // k)
-                page_wait(smi, pg, idx)
-                page_wait(smi, pg + 1, idx)
-                if tid == 0 and it == 0:
-                    mark(smi, idx, 1)  # thread 0's first row's pages landed
-                off = ((r - r0) % k) * rowb + lane * 16
-                ga = ring + (pg % RING_SLOTS) * RING_PAGE + off
-                ua = ring + ((pg + 1) % RING_SLOTS) * RING_PAGE + off
-                g0, g1, u0, u1 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
-                for kk in cutlass.range(lane * 8, D, 256, unroll=4):
-                    wg = lds4u(ga + (kk - lane * 8) * 2)
-                    wu = lds4u(ua + (kk - lane * 8) * 2)
-                    xv = sm8(sm, kk)
-                    for i in cutlass.range_constexpr(4):
-                        g0, g1 = bf16x2_dot(wg[i], xv[2 * i], xv[2 * i + 1], g0, g1)
-                        u0, u1 = bf16x2_dot(wu[i], xv[2 * i], xv[2 * i + 1], u0, u1)
-                g = warp_sum(g0 + g1)
-                up = warp_sum(u0 + u1)
-                if lane == 0:
-                    hv = silu(g) * up
-                    if use_situ:
-                        hv = situ(g, up)
-                    stf(Float32, fa(fb, h_off + p * I + r), hv)
-            cta_sync()  # the round's pages read: the next round's start may free them
-            a = b
-            it += 1
-        base += 2 * ((r1 - r0 + k - 1) // k)
-    if tid == 0:
-        mark(smi, idx, 3)
+    up_routed_rows(fb, wtab, smi, tid)
 
 
 @cute.jit
 def up_routed_rows(fb: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
-    """A routed EXPERT_UP item's rows from global memory (the other build): expert_up_rows' one-pair path over the
-    experts route_one left in shared memory."""
+    """A routed EXPERT_UP item's rows from global memory: expert_up_rows' one-pair path over the experts route_one
+    left in shared memory."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     use_situ = (arg(smi, 3) & F_SITU) != 0  # the row's words read after the routing (route_one: registers)
