@@ -148,7 +148,8 @@ def _issue_page(name: str):
             cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
                                  read_only_args=[mb, sz])
             cute.arch.inline_ptx("cp.async.bulk." + dst + ".global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
-                                 "{$r2}, [{$r3}];", read_only_args=[smi[B.RING_S + 5] + slot * B.RING_PAGE, src, sz, mb])
+                                 "{$r2}, [{$r3}];",
+                                 read_only_args=[smi[B.RING_S + 5] + slot * B.RING_PAGE, src, sz, mb])
             n += 1
         return n, stop
 
@@ -290,7 +291,15 @@ def run_ab(names: list[str], build, check_preset: str, presets: str, batches: st
             json.dump(out, f, indent=1)
     for p in presets.split(","):
         for b in map(int, batches.split(",")):
-            r = timed(p, b, context, kernels, rounds)
+            try:
+                r = timed(p, b, context, kernels, rounds)
+            except torch.cuda.OutOfMemoryError as e:  # a preset too big for this card (k3-mini on an H100): the
+                # others still run; the row says why this one has no times
+                torch.cuda.empty_cache()
+                r = {"preset": p, "batch": b, "context": context, "skipped": f"out of GPU memory: {e}".splitlines()[0]}
+                out["runs"].append(r)
+                print(f"{p} b={b}: skipped ({r['skipped']})", flush=True)
+                continue
             out["runs"].append(r)
             print(f"{p} b={b}: " + "  ".join(f"{n} {v:.0f} us" for n, v in r["median_us"].items()), flush=True)
             with open(path, "w") as f:

@@ -1,0 +1,35 @@
+"""bench/mega_sync_ab.run_ab on a card too small for one of its presets (k3-mini's fragment-order conversion on an
+H100): that preset's row says it was skipped and why, and the other presets are still timed and written. The GPU
+parts (builds, pyvm diffs, timed launches) are stand-ins here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import mega_sync_ab  # noqa: E402  (bench/)
+
+
+def test_a_preset_out_of_memory_is_skipped_and_the_rest_are_timed(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(mega_sync_ab, "diff_program", lambda *a, **k: {"buffers": [{"rel": 1e-7}]})
+    monkeypatch.setattr(mega_sync_ab, "diff_failures", lambda r: [])
+
+    def timed(preset, batch, context, kernels, rounds):
+        if preset == "big":
+            raise torch.cuda.OutOfMemoryError("no room to convert the experts\nmore detail")
+        return {"preset": preset, "batch": batch, "median_us": {n: 10.0 for n in kernels}, "min_us": {}}
+
+    monkeypatch.setattr(mega_sync_ab, "timed", timed)
+    path = tmp_path / "ab.json"
+    out = mega_sync_ab.run_ab(["shipped", "other"], lambda n, dev: n, "tiny-qwen3-moe", "small,big,last", "1", 64, 2,
+                              str(path), "1")
+    rows = {r["preset"]: r for r in out["runs"]}
+    assert rows["small"]["median_us"] == {"shipped": 10.0, "other": 10.0} and "median_us" in rows["last"]
+    assert rows["big"]["skipped"] == "out of GPU memory: no room to convert the experts"
+    assert "median_us" not in rows["big"]
+    assert json.loads(path.read_text())["runs"] == out["runs"]
