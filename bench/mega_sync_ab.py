@@ -24,6 +24,10 @@ Variants:
   its loader streams the next pages, ~1 us when it does not)
 - `inflight4` (the ring build): the loader keeps at most 4 pages in flight (before it issues page n it waits, bounded,
   for page n - 4 to land): a shorter drain for the release, fewer bytes requested across the waits.
+- `poll_sparse_abort`: the wait reads the launch's abort flag (err[0], one word every spinning CTA polls) every 32
+  polls instead of every poll: less traffic on one L2 line while ~130-260 CTAs spin.
+- `poll_sleep`: that, and a `nanosleep.u32 100` between polls (fewer polls of the counters' lines, which every
+  spinner and every signal of a phase share; the wait sees its counter up to ~0.1 us later).
 - `loop`: the persistent loop and synchronisation steps of another cute_kernel.py (`--loop-from`, e.g. an earlier
   commit's, read with `git show`) around today's opcode bodies: a loop change measured against the loop it replaces.
 """
@@ -50,7 +54,8 @@ from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
-VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight4", "loop")
+VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight4", "poll_sparse_abort", "poll_sleep",
+            "loop")
 LOOP_FROM = None  # --loop-from: the cute_kernel.py whose loop the `loop` variant builds
 
 
@@ -97,10 +102,52 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
     if name == "loop":
         return [(K, "mega_kernel", _loop_module().mega_kernel)]
+    if name in ("poll_sparse_abort", "poll_sleep"):
+        return [(K, "wait_counter", _wait_counter(name == "poll_sleep"))]
     if name in ("cta_copies", "inflight4"):
         return [(B, "issue_page", _issue_page(name))]
     return {"shipped": [], "relaxed_poll": [(K, "wait_counter", wait_counter_relaxed_poll)],
             "fenced_signal": [(K, "signal", signal_fenced)]}[name]
+
+
+def _wait_counter(sleep: bool):
+    """cute_kernel.wait_counter polling the abort flag every 32 polls, with a 100 ns sleep between polls (`sleep`)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from megadecode.backends.mega import cute_kernel as K
+
+    @cute.jit
+    def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
+                     max_spin: Int32, instr: Int32) -> Int32:
+        ok = Int32(1)
+        if c_idx >= 0:
+            target = (epoch - 1) * per + need
+            p = (ctr.iterator + c_idx).llvm_ptr
+            v = K.wait_load(p)
+            spins = Int32(0)
+            aborted = Int32(0)
+            while (v - target) < 0 and spins < max_spin and aborted == 0:
+                if cutlass.const_expr(sleep):
+                    cute.arch.inline_ptx("nanosleep.u32 100;")
+                v = K.wait_load(p)
+                if spins % 32 == 31:
+                    aborted = cute.arch.load(err.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
+                spins += 1
+            if (v - target) < 0:
+                ok = Int32(0)
+                if aborted == 0:
+                    old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed",
+                                               scope="gpu")
+                    if old == 0:
+                        err[1] = instr
+                        err[2] = c_idx
+                        err[3] = v
+                        err[4] = target
+        return ok
+
+    return wait_counter
 
 
 def _issue_page(name: str):
