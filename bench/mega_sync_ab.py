@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import time
@@ -67,6 +68,7 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     from megadecode.backends.mega.cute import base as B
 
     acquire = K.wait_load
+    record = _timeout_recorder()
 
     @cute.jit
     def wait_counter_relaxed_poll(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32,
@@ -86,13 +88,7 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
                 v = acquire(p)
             if (v - target) < 0:
                 ok = Int32(0)
-                old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed",
-                                           scope="gpu")
-                if old == 0:
-                    err[1] = instr
-                    err[2] = c_idx
-                    err[3] = v
-                    err[4] = target
+                record(err, instr, c_idx, v, target)
         return ok
 
     @cute.jit
@@ -110,6 +106,25 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
             "fenced_signal": [(K, "signal", signal_fenced)]}[name]
 
 
+@functools.cache
+def _timeout_recorder():
+    """The wait variants' timeout record, as cute_kernel.wait_counter keeps it: the first wait to time out raises
+    the abort flag (err[0]) and records the instruction, the counter, the value seen and the target."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    @cute.jit
+    def record(err: cute.Tensor, instr: Int32, c_idx: Int32, v: Int32, target: Int32):
+        old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+        if old == 0:
+            err[1] = instr
+            err[2] = c_idx
+            err[3] = v
+            err[4] = target
+
+    return record
+
+
 def _wait_counter(sleep: bool):
     """cute_kernel.wait_counter polling the abort flag every 32 polls, with a 100 ns sleep between polls (`sleep`)."""
     import cutlass
@@ -117,6 +132,8 @@ def _wait_counter(sleep: bool):
     from cutlass import Int32
 
     from megadecode.backends.mega import cute_kernel as K
+
+    record = _timeout_recorder()
 
     @cute.jit
     def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
@@ -138,13 +155,7 @@ def _wait_counter(sleep: bool):
             if (v - target) < 0:
                 ok = Int32(0)
                 if aborted == 0:
-                    old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed",
-                                               scope="gpu")
-                    if old == 0:
-                        err[1] = instr
-                        err[2] = c_idx
-                        err[3] = v
-                        err[4] = target
+                    record(err, instr, c_idx, v, target)
         return ok
 
     return wait_counter
