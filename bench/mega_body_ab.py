@@ -16,6 +16,12 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 - `up_r4`: EXPERT_UP's one-pair path with 4 rows a warp and one chunk of each in flight (cute/moe.py's RU_UP = 4,
   WU_UP = 1; shipped: 2 rows, 2 chunks).
 - `down_u16`: EXPERT_DOWN's flat bf16 units of 16 rows (RU_DN = 16; shipped: 8).
+- `up_w4`: EXPERT_UP's one-pair path with 4 chunks of each of its rows in flight a lane (WU_UP = 4: 8 KiB a warp).
+- `down_w3`: EXPERT_DOWN's flat bf16 units with 3 chunks of each of their rows in flight a lane (WU_DN = 3: 12 KiB a
+  warp; at qwen3-30b-a3b's I = 768 a unit's whole rows in one round).
+Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
+keeps half the two-CTA build's loads in flight in these phases, which is what the deeper variants give back; the
+A/B builds the ring build (compile_launcher's default), which batch 1 runs.
 Each variant's build should pass the static audit (`--audit`) before it is timed.
 
 Measured before (docs/megakernel.md, "The one-pair expert bodies"): at 8ac6cae the units this file then swapped
@@ -31,7 +37,7 @@ from __future__ import annotations
 from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import ab_parser, ab_variants, module_from_file, run_ab, swapped  # bench/: options, swaps, timing
 
-VARIANTS = ("shipped", "bodies", "up_r4", "down_u16")
+VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -44,6 +50,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     """The variant's swaps (none for `shipped`)."""
     from megadecode.backends.mega.cute import moe as M
 
+    if "+" in name:
+        return [s for part in name.split("+") for s in _swaps(part)]
     if name == "shipped":
         return []
     if name == "bodies":
@@ -53,6 +61,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(M, "RU_UP", 4), (M, "WU_UP", 1)]
     if name == "down_u16":
         return [(M, "RU_DN", 16)]
+    if name == "up_w4":
+        return [(M, "WU_UP", 4)]
+    if name == "down_w3":
+        return [(M, "WU_DN", 3)]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -95,7 +107,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global BODIES_FROM
     BODIES_FROM = args.bodies_from
-    names = ab_variants(ap, args, VARIANTS)
+    names = ab_variants(ap, args, VARIANTS + tuple(n for n in args.variants.split(",") if "+" in n
+                                                   and set(n.split("+")) <= set(VARIANTS) - {"shipped"}))
     if args.audit:
         reports = {n: audit(n) for n in names}
         for n, r in reports.items():

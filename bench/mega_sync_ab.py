@@ -24,6 +24,9 @@ Variants:
   its loader streams the next pages, ~1 us when it does not)
 - `inflight4` (the ring build): the loader keeps at most 4 pages in flight (before it issues page n it waits, bounded,
   for page n - 4 to land): a shorter drain for the release, fewer bytes requested across the waits.
+- `inflight2` (the ring build): at most 2 pages in flight (4 MiB requested GPU-wide on 132 SMs, ~1.2 us of the H100's
+  HBM): a shallower queue in front of the latency-bound phases' loads (attention's q and cache rows), which a
+  ring's burst (21 MiB, ~6 us) delays, at the cost of the stream's own rate.
 - `poll_sparse_abort`: the wait reads the launch's abort flag (err[0], one word every spinning CTA polls) every 32
   polls instead of every poll: less traffic on one L2 line while ~130-260 CTAs spin.
 - `poll_sleep`: that, and a `nanosleep.u32 100` between polls (fewer polls of the counters' lines, which every
@@ -55,8 +58,8 @@ from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
-VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight4", "poll_sparse_abort", "poll_sleep",
-            "loop")
+VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight4", "inflight2", "poll_sparse_abort",
+            "poll_sleep", "loop")
 LOOP_FROM = None  # --loop-from: the cute_kernel.py whose loop the `loop` variant builds
 
 
@@ -100,7 +103,7 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(K, "mega_kernel", _loop_module().mega_kernel)]
     if name in ("poll_sparse_abort", "poll_sleep"):
         return [(K, "wait_counter", _wait_counter(name == "poll_sleep"))]
-    if name in ("cta_copies", "inflight4"):
+    if name in ("cta_copies", "inflight4", "inflight2"):
         return [(B, "issue_page", _issue_page(name))]
     return {"shipped": [], "relaxed_poll": [(K, "wait_counter", wait_counter_relaxed_poll)],
             "fenced_signal": [(K, "signal", signal_fenced)]}[name]
@@ -163,7 +166,7 @@ def _wait_counter(sleep: bool):
 
 def _issue_page(name: str):
     """base.issue_page with its bulk copy's destination `.shared::cta` (cta_copies), or issuing page n only once page
-    n - 4 landed (inflight4); otherwise the shipped one."""
+    n - 4 (inflight4) or n - 2 (inflight2) landed; otherwise the shipped one."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Int64
@@ -171,7 +174,7 @@ def _issue_page(name: str):
     from megadecode.backends.mega.cute import base as B
 
     dst = "shared::cta" if name == "cta_copies" else "shared::cluster"
-    cap = 4 if name == "inflight4" else B.RING_SLOTS
+    cap = {"inflight4": 4, "inflight2": 2}.get(name, B.RING_SLOTS)
 
     @cute.jit
     def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j: Int32, delay_ns: Int32,

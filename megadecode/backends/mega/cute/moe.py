@@ -478,6 +478,8 @@ assert max(RW_UP, RW_DN) <= TB
 # pair's fp32 activation once for all its rows: with one row a load the activation bytes equal the weight bytes
 # (the sizes as measured on the H200: docs/megakernel.md, "The one-pair expert bodies")
 RU_DN, RU_UP, WU_UP = 8, 2, 2
+# EXPERT_DOWN's flat bf16 units: WU_DN chunks of 256 columns of the unit's rows in flight a lane (1: one chunk)
+WU_DN = 1
 # bf16 EXPERT_DOWN takes the flat units up to this many pairs an expert on average. Measured on the H200
 # (qwen3-30b-a3b, bench/mega_body_ab.py): with (pair, 8 row) units the flat path is 58.8 against the loop's 66.3 ms
 # a step at batch 64 (4.1 pairs an expert), no slower at 1-16; with (pair, 2 row) units it lost at batch 64
@@ -1015,7 +1017,17 @@ def expert_down_rows(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, 
             w0 = dn + Int64(smi[p]) * Int64(D) * rowb
             rows = [w0 + Int64(cutlass.min(r + q, r1 - 1)) * rowb for q in range(RU_DN)]
             hrow = fa(fb, h_off + p * I)
-            for k in cutlass.range(lane * 8, I, 256):
+            kmain = Int32(0)
+            if cutlass.const_expr(WU_DN > 1):  # WU_DN chunks a row at once, then the columns past their multiple
+                kmain = I - I % (256 * WU_DN)
+                for k0 in cutlass.range(lane * 8, kmain, 256 * WU_DN):
+                    wqs = [[ld8raw(BFloat16, rows[q] + Int64(k0 + u * 256) * 2) for q in range(RU_DN)]
+                           for u in range(WU_DN)]
+                    for u in cutlass.range_constexpr(WU_DN):
+                        hv = ld8(Float32, hrow + Int64(k0 + u * 256) * 4)
+                        for q in cutlass.range_constexpr(RU_DN):
+                            accr[q] += dot8(wqs[u][q].to(Float32), hv)
+            for k in cutlass.range(kmain + lane * 8, I, 256):
                 wq = [ld8raw(BFloat16, rows[q] + Int64(k) * 2) for q in range(RU_DN)]
                 hv = ld8(Float32, hrow + Int64(k) * 4)
                 for q in cutlass.range_constexpr(RU_DN):
