@@ -22,15 +22,14 @@ Variants:
   `.shared::cluster` (PTX 8.6; the same CTA's shared memory either way, the kernel runs without clusters): does a
   release's MEMBAR / CGAERRBAR wait for the loader's copies in flight? (a staged MATVEC's signal takes ~3.3 us while
   its loader streams the next pages, ~1 us when it does not)
-- `inflight4` (the ring build): the loader keeps at most 4 pages in flight (before it issues page n it waits, bounded,
-  for page n - 4 to land): a shorter drain for the release, fewer bytes requested across the waits.
-- `inflight2` (the ring build): at most 2 pages in flight (4 MiB requested GPU-wide on 132 SMs, ~1.2 us of the H100's
-  HBM): a shallower queue in front of the latency-bound phases' loads (attention's q and cache rows), which a
-  ring's burst (21 MiB, ~6 us) delays, at the cost of the stream's own rate.
-- `poll_sparse_abort`: the wait reads the launch's abort flag (err[0], one word every spinning CTA polls) every 32
-  polls instead of every poll: less traffic on one L2 line while ~130-260 CTAs spin.
-- `poll_sleep`: that, and a `nanosleep.u32 100` between polls (fewer polls of the counters' lines, which every
-  spinner and every signal of a phase share; the wait sees its counter up to ~0.1 us later).
+- `inflightN` (the ring build; N = 1, 3, 4 or 10 = every slot, the loader before base.RING_INFLIGHT): the loader
+  keeps at most N pages in flight (shipped: 2) — the stream's own rate against the queue its burst puts in front of
+  the latency-bound loads of the phases that run meanwhile.
+- `poll_every`: the wait reads the launch's abort flag (err[0], one word every spinning CTA polls) at every poll of its
+  counter (shipped: every cute_kernel.ABORT_POLL polls).
+- `poll_sleep`: and a `nanosleep.u32 100` between polls (fewer polls of the counters' lines, which every spinner and
+  every signal of a phase share; the wait sees its counter up to ~0.1 us later).
+- `before`: `poll_every` and `inflight10` in one build, the loop and loader these two replaced.
 - `loop`: the persistent loop and synchronisation steps of another cute_kernel.py (`--loop-from`, e.g. an earlier
   commit's, read with `git show`) around today's opcode bodies: a loop change measured against the loop it replaces.
 """
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import time
@@ -58,8 +56,8 @@ from megadecode.validate.mega_gpu import diff_failures, diff_program
 from megadecode.weights import random_weights
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
-VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight4", "inflight2", "poll_sparse_abort",
-            "poll_sleep", "loop")
+VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight1", "inflight3", "inflight4",
+            "inflight10", "poll_every", "poll_sleep", "before", "loop")
 LOOP_FROM = None  # --loop-from: the cute_kernel.py whose loop the `loop` variant builds
 
 
@@ -71,7 +69,7 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     from megadecode.backends.mega.cute import base as B
 
     acquire = K.wait_load
-    record = _timeout_recorder()
+    record = K.record_timeout
 
     @cute.jit
     def wait_counter_relaxed_poll(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32,
@@ -101,42 +99,29 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
     if name == "loop":
         return [(K, "mega_kernel", _loop_module().mega_kernel)]
-    if name in ("poll_sparse_abort", "poll_sleep"):
+    if name == "before":
+        return _swaps("poll_every") + _swaps("inflight10")
+    if name in ("poll_every", "poll_sleep"):
         return [(K, "wait_counter", _wait_counter(name == "poll_sleep"))]
-    if name in ("cta_copies", "inflight4", "inflight2"):
-        return [(B, "issue_page", _issue_page(name))]
+    if name.startswith("inflight"):
+        return [(B, "RING_INFLIGHT", int(name[len("inflight"):]))]
+    if name == "cta_copies":
+        return [(B, "issue_page", _issue_page_cta())]
     return {"shipped": [], "relaxed_poll": [(K, "wait_counter", wait_counter_relaxed_poll)],
             "fenced_signal": [(K, "signal", signal_fenced)]}[name]
 
 
-@functools.cache
-def _timeout_recorder():
-    """The wait variants' timeout record, as cute_kernel.wait_counter keeps it: the first wait to time out raises
-    the abort flag (err[0]) and records the instruction, the counter, the value seen and the target."""
-    import cutlass.cute as cute
-    from cutlass import Int32
-
-    @cute.jit
-    def record(err: cute.Tensor, instr: Int32, c_idx: Int32, v: Int32, target: Int32):
-        old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-        if old == 0:
-            err[1] = instr
-            err[2] = c_idx
-            err[3] = v
-            err[4] = target
-
-    return record
-
-
 def _wait_counter(sleep: bool):
-    """cute_kernel.wait_counter polling the abort flag every 32 polls, with a 100 ns sleep between polls (`sleep`)."""
+    """cute_kernel.wait_counter reading the abort flag at every poll (poll_every), or every ABORT_POLL polls with a
+    100 ns sleep between polls (poll_sleep)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
     from megadecode.backends.mega import cute_kernel as K
 
-    record = _timeout_recorder()
+    every = K.ABORT_POLL if sleep else 1
+    record = K.record_timeout
 
     @cute.jit
     def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
@@ -152,7 +137,7 @@ def _wait_counter(sleep: bool):
                 if cutlass.const_expr(sleep):
                     cute.arch.inline_ptx("nanosleep.u32 100;")
                 v = K.wait_load(p)
-                if spins % 32 == 31:
+                if spins % every == every - 1:
                     aborted = cute.arch.load(err.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
                 spins += 1
             if (v - target) < 0:
@@ -164,17 +149,13 @@ def _wait_counter(sleep: bool):
     return wait_counter
 
 
-def _issue_page(name: str):
-    """base.issue_page with its bulk copy's destination `.shared::cta` (cta_copies), or issuing page n only once page
-    n - 4 (inflight4) or n - 2 (inflight2) landed; otherwise the shipped one."""
+def _issue_page_cta():
+    """base.issue_page with its bulk copy's destination `.shared::cta`: the shipped one's text otherwise."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
     from megadecode.backends.mega.cute import base as B
-
-    dst = "shared::cta" if name == "cta_copies" else "shared::cluster"
-    cap = {"inflight4": 4, "inflight2": 2}.get(name, B.RING_SLOTS)
 
     @cute.jit
     def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j: Int32, delay_ns: Int32,
@@ -190,9 +171,9 @@ def _issue_page(name: str):
                 stop = Int32(1)
             elif B.aborted(smi) != 0:
                 stop = Int32(1)
-        if cutlass.const_expr(cap < B.RING_SLOTS):
-            if n >= cap and stop == 0:  # page n - cap landed first (its slot's current phase: none refilled it)
-                m = n - cap
+        if cutlass.const_expr(B.RING_INFLIGHT < B.RING_SLOTS):
+            if n >= B.RING_INFLIGHT and stop == 0:
+                m = n - B.RING_INFLIGHT
                 mb0 = smi[B.RING_S + 6] + (m % B.RING_SLOTS) * 8
                 while B.page_landed(mb0, (m // B.RING_SLOTS) & 1) == 0 and stop == 0:
                     spins += 1
@@ -208,7 +189,7 @@ def _issue_page(name: str):
             mb = smi[B.RING_S + 6] + slot * 8
             cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
                                  read_only_args=[mb, sz])
-            cute.arch.inline_ptx("cp.async.bulk." + dst + ".global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
+            cute.arch.inline_ptx("cp.async.bulk.shared::cta.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
                                  "{$r2}, [{$r3}];",
                                  read_only_args=[smi[B.RING_S + 5] + slot * B.RING_PAGE, src, sz, mb])
             n += 1

@@ -59,13 +59,32 @@ def wait_load(p) -> Int32:
     return cute.arch.load(p, Int32, sem="acquire", scope="gpu")
 
 
+# The wait polls the launch's abort flag (err[0]) once every ABORT_POLL polls of its counter, not every poll: the flag
+# is one word that every spinning CTA reads, and 130-260 spinners polling it without pause queue at its L2 slice in
+# front of the loads of the instructions that run (qwen3-30b-a3b batch 1 on the H200, bench/mega_sync_ab.py: launch
+# median 4248 against 4335 us). A timeout elsewhere is seen at most ABORT_POLL polls later.
+ABORT_POLL = 32
+
+
+@cute.jit
+def record_timeout(err: cute.Tensor, instr: Int32, c_idx: Int32, v: Int32, target: Int32):
+    """A wait that timed out: the first raises err[0], the abort flag, and records the instruction, the counter, the
+    value seen and the target (the host's MegaError names them); later ones leave the record as it is."""
+    old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+    if old == 0:
+        err[1] = instr
+        err[2] = c_idx
+        err[3] = v
+        err[4] = target
+
+
 @cute.jit
 def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, per: Int32, epoch: Int32,
                  max_spin: Int32, instr: Int32) -> Int32:
     """Thread 0: spin (acquire) until counter c_idx reached this launch's target; 1 when it did. After max_spin polls,
-    or once another wait has aborted the launch, 0: the first to time out records the instruction, the counter,
-    the value seen and the target in err and raises err[0], the abort flag every spinner polls, so the launch
-    drains instead of hanging and the host raises MegaError (runtime.MegaRuntime.check)."""
+    or once another wait has aborted the launch (err[0], read every ABORT_POLL polls), 0: the first to time out
+    records itself (record_timeout), so the launch drains instead of hanging and the host raises MegaError
+    (runtime.MegaRuntime.check)."""
     ok = Int32(1)
     if c_idx >= 0:
         target = (epoch - 1) * per + need
@@ -75,17 +94,13 @@ def wait_counter(ctr: cute.Tensor, err: cute.Tensor, c_idx: Int32, need: Int32, 
         aborted = Int32(0)
         while (v - target) < 0 and spins < max_spin and aborted == 0:
             v = wait_load(p)
-            aborted = cute.arch.load(err.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
+            if spins % ABORT_POLL == ABORT_POLL - 1:
+                aborted = cute.arch.load(err.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
             spins += 1
         if (v - target) < 0:
             ok = Int32(0)
             if aborted == 0:
-                old = cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-                if old == 0:
-                    err[1] = instr
-                    err[2] = c_idx
-                    err[3] = v
-                    err[4] = target
+                record_timeout(err, instr, c_idx, v, target)
     return ok
 
 

@@ -391,13 +391,23 @@ def staged_pages(smi: cute.Tensor) -> Int32:
     return npg
 
 
+# The loader keeps at most RING_INFLIGHT pages in flight: page n is issued once page n - RING_INFLIGHT landed. With
+# every slot's copy in flight at once, 132 CTAs request a ring each (21 MiB, ~5-6 us of HBM) whenever a phase frees
+# its pages, and the latency-bound loads of the phases that run meanwhile (attention's q and cache rows, the
+# experts' rows) queue behind that burst; two pages (4 MiB GPU-wide) keep the stream near the HBM's rate with a
+# shallow queue (qwen3-30b-a3b batch 1 on the H200, bench/mega_sync_ab.py: launch median 4236 against 4335 us).
+RING_INFLIGHT = 2
+assert 0 < RING_INFLIGHT <= RING_SLOTS
+
+
 @cute.jit
 def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j: Int32, delay_ns: Int32,
                epoch: Int32, bid: Int32):
     """The loader: page n (sz bytes from src, static) into slot n % RING_SLOTS once the slot is free (pages freed
-    acquired from the compute warps; sleeping between polls, bounded by lim: then reported, -3), its mbarrier told
-    to expect the bytes (the arrival), one bulk copy completing it. (n + 1, 0) when issued; (n, 1) when it gave up
-    (a timeout, or the launch aborted)."""
+    acquired from the compute warps; sleeping between polls) and page n - RING_INFLIGHT landed (its slot's mbarrier,
+    not yet refilled: n - RING_INFLIGHT > n - RING_SLOTS), both bounded by lim (then reported, -3); its mbarrier
+    told to expect the bytes (the arrival), one bulk copy completing it. (n + 1, 0) when issued; (n, 1) when it gave
+    up (a timeout, or the launch aborted)."""
     freed_at = Int32(smi.iterator.toint()) + (RING_S + 3) * 4
     spins = Int32(0)
     stop = Int32(0)
@@ -409,6 +419,17 @@ def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j:
             stop = Int32(1)
         elif aborted(smi) != 0:
             stop = Int32(1)
+    if cutlass.const_expr(RING_INFLIGHT < RING_SLOTS):
+        if n >= RING_INFLIGHT and stop == 0:
+            m = n - RING_INFLIGHT
+            mb0 = smi[RING_S + 6] + (m % RING_SLOTS) * 8
+            while page_landed(mb0, (m // RING_SLOTS) & 1) == 0 and stop == 0:
+                spins += 1
+                if spins > lim:
+                    report_ring_timeout(smi, j, Int32(-3), n)
+                    stop = Int32(1)
+                elif aborted(smi) != 0:
+                    stop = Int32(1)
     if stop == 0:
         if delay_ns > 0:
             nap(delay_ns, n, epoch, bid * 4 + 3)
