@@ -29,6 +29,8 @@
 #   two runs with BUDGET 330 and 280 were cut at ~99%). Give each its own call with the default BUDGET (560): a call shared
 #   with other jobs ran out of time at e12a610, and one running both parts at bb54d81 finished neither.
 #   Never write to $OUT/evidence.tar.gz after this script: it is the archive (an empty one overwrote ee57544's).
+#   The whole `-m gpu` set fits one call in three workers sharing the GPU: `MEGADECODE_TEST_WORKERS=3 ... tests -m
+#   gpu` ran its 124 tests in 304 s on an H100 at cd44cbc (one worker: 378 + 173 s in two calls at aac4ab6).
 # ep: bench/ep_tokens.py (greedy tokens of --ep N against one process; it stops after a first run that hangs), the
 #   combine modes, k3-mini on 1 and N GPUs, k3-ep on N, the model's check; on nvidia-h200-x2 (~80 s at 07a1134).
 # kernel: bench/mega_check.py at batches 1, 3 and 16 (exit status its own), k3-mini and qwen3-30b-a3b mega beside fused
