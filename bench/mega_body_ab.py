@@ -20,8 +20,9 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 - `down_w3`: EXPERT_DOWN's flat bf16 units with 3 chunks of each of their rows in flight a lane (WU_DN = 3: 12 KiB a
   warp; at qwen3-30b-a3b's I = 768 a unit's whole rows in one round).
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
-keeps half the two-CTA build's loads in flight in these phases, which is what the deeper variants give back; the
-A/B builds the ring build (compile_launcher's default), which batch 1 runs.
+keeps half the two-CTA build's loads in flight in these phases, which the deeper variants would give back; measured
+at 97c28fe on the H200, they do not pay (docs/megakernel.md, "The abort flag polled every 32 polls"). The A/B builds
+the ring build (compile_launcher's default), which batch 1 runs.
 Each variant's build should pass the static audit (`--audit`) before it is timed.
 
 Measured before (docs/megakernel.md, "The one-pair expert bodies"): at 8ac6cae the units this file then swapped
@@ -107,8 +108,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global BODIES_FROM
     BODIES_FROM = args.bodies_from
-    names = ab_variants(ap, args, VARIANTS + tuple(n for n in args.variants.split(",") if "+" in n
-                                                   and set(n.split("+")) <= set(VARIANTS) - {"shipped"}))
+    names = ab_variants(ap, args, VARIANTS, joins=True)
     if args.audit:
         reports = {n: audit(n) for n in names}
         for n, r in reports.items():

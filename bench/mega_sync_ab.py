@@ -288,12 +288,14 @@ def ab_parser(preset: str, batch: str, rounds: int, variants: str, out: str) -> 
     return ap
 
 
-def ab_variants(ap: argparse.ArgumentParser, args, known: tuple[str, ...]) -> list[str]:
-    """--variants as a list, every name one of `known` (else the parser's one-line error)."""
+def ab_variants(ap: argparse.ArgumentParser, args, known: tuple[str, ...], joins: bool = False) -> list[str]:
+    """--variants as a list, every name one of `known` (with `joins`, or parts of them joined by `+`, which the
+    caller's swaps build as one), else the parser's one-line error."""
     names = args.variants.split(",")
-    unknown = set(names) - set(known)
+    unknown = {n for n in names if not (n in known or joins and set(n.split("+")) <= set(known) - {"shipped"})}
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(known)}")
+        also = " (or parts joined by +)" if joins else ""
+        ap.error(f"unknown variants {sorted(unknown)}: {', '.join(known)}{also}")
     return names
 
 
