@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -33,3 +34,16 @@ def test_a_preset_out_of_memory_is_skipped_and_the_rest_are_timed(monkeypatch, t
     assert rows["big"]["skipped"] == "out of GPU memory: no room to convert the experts"
     assert "median_us" not in rows["big"]
     assert json.loads(path.read_text())["runs"] == out["runs"]
+
+
+def test_variant_names_joined_by_plus_only_where_the_script_builds_them():
+    ap = mega_sync_ab.ab_parser("p", "1", 1, "shipped", "out.json")
+    known = ("shipped", "a", "b")
+
+    def names(v, joins):
+        return mega_sync_ab.ab_variants(ap, ap.parse_args(["--variants", v]), known, joins=joins)
+
+    assert names("shipped,a+b,b", True) == ["shipped", "a+b", "b"]
+    for v, joins in (("a+b", False), ("a+c", True), ("shipped+a", True), ("c", True)):
+        with pytest.raises(SystemExit):
+            names(v, joins)
