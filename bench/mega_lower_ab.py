@@ -21,6 +21,16 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,route_phase --batch 1 --check-batch 1,3
 
+- `splits_ceil`: attention's splits capped at ceil(cache length / 64) where the shipped lowering caps them at the
+  floor (builder.Builder.splits): a cache of `--context` 1024 + 8 then takes 17 splits, not 16. Why: the kernel folds
+  a split's positions in chunks of 64 (cute/attention.py CH) and a launch at position 1024 holds 1025 of them, so
+  one of 16 splits (the last, which also writes the token's key and value) takes 65 positions, two chunks, and the
+  phase waits for it; with 17 every split is one chunk.
+- `splits32`: capped at ceil(cache length / 32): 33 splits of <= 32 positions at batch 1 (about one instruction a
+  CTA, 4 KV heads x 33), each chunk half full, MERGE adding twice the partials.
+
+      python bench/mega_lower_ab.py --variants shipped,splits_ceil,splits32 --batch 1,8 --check-batch 1,3
+
 Measured so
 far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
 pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
@@ -49,7 +59,7 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase")
+VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -63,6 +73,15 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(layers, "PAIR1_MAX_B", int(name.split("_")[1]))]
     if name == "route_phase":  # batch 1's routing as a ROUTE phase again (its picks by rank), not inside EXPERT_UP
         return [(layers, "ROUTE_IN_UP_MAX_B", 0)]
+    if name in ("splits_ceil", "splits32"):  # attention's splits: every one a single chunk at the cache's length
+        from megadecode.backends.mega.builder import Builder
+
+        per = 64 if name == "splits_ceil" else 32
+
+        def splits(self, units: int) -> int:
+            return max(1, min(64, -(-self.cache.max_len // per), round(self.ctas / max(1, units))))
+
+        return [(Builder, "splits", splits)]
     raise ValueError(f"unknown variant {name!r}")
 
 
