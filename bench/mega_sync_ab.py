@@ -32,6 +32,15 @@ Variants:
 - `before`: `poll_every` and `inflight10` in one build, the loop and loader these two replaced.
 - `loop`: the persistent loop and synchronisation steps of another cute_kernel.py (`--loop-from`, e.g. an earlier
   commit's, read with `git show`) around today's opcode bodies: a loop change measured against the loop it replaces.
+- `attn_l2`: before an ATTN_GQA instruction's wait (while q/k/v are computed), its threads request the split's key
+  and value rows of the positions before the token's own into L2 (`prefetch.global.L2`, a line a thread): those rows
+  were written by earlier launches and are static in this one. Why: the split's chunk took 5.0 us the first time
+  and 3.4 us again with its rows in L2 (bench/mega_icache_probe.py, qwen3-30b-a3b batch 1 on the H200), so ~1.6 us
+  of each layer's attention phase is the rows' HBM trip. The static audit flags the variant's two reads of the
+  step's positions and slots before the wait (the i32 arena, where the host writes them before the launch): a
+  landing version would give the step's inputs a region the audit knows is static within the launch.
+
+      python bench/mega_sync_ab.py --preset qwen3-30b-a3b --batch 1 --variants shipped,attn_l2 --check-batch 1,3
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ from megadecode.weights import random_weights
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed, as the timelines take it
 
 VARIANTS = ("shipped", "relaxed_poll", "fenced_signal", "cta_copies", "inflight1", "inflight3", "inflight4",
-            "inflight10", "poll_every", "poll_sleep", "before", "loop")
+            "inflight10", "poll_every", "poll_sleep", "before", "loop", "attn_l2")
 LOOP_FROM = None  # --loop-from: the cute_kernel.py whose loop the `loop` variant builds
 
 
@@ -99,6 +108,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
     if name == "loop":
         return [(K, "mega_kernel", _loop_module().mega_kernel)]
+    if name == "attn_l2":
+        return [(K, "mega_kernel", _attn_l2_module().mega_kernel)]
     if name == "before":
         return _swaps("poll_every") + _swaps("inflight10")
     if name in ("poll_every", "poll_sleep"):
@@ -212,6 +223,59 @@ def module_from_file(name: str, path: str | None, option: str, what: str):
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+# attn_l2: the persistent loop with one step added before an ATTN_GQA instruction's wait (inserted into the shipped
+# cute_kernel.py's source, so the variant is today's loop plus that step)
+ATTN_L2_AT = "        t_wait = Int64(0)\n"
+ATTN_L2_STEP = """        if smi[ROW_S] == OPCODES["ATTN_GQA"] and (smi[ROW_S + 3] & (F_KV_READ | F_KV_WRITE)) == 0:
+            attn_l2_prefetch(ib, ptab, smi, tid)
+"""
+ATTN_L2_HELPER = '''
+
+from .cute.attention import split_bounds  # noqa: E402
+from .cute.base import ARG, arg, ia, ldi  # noqa: E402
+from .isa import F_KV_READ, F_KV_WRITE  # noqa: E402
+
+
+@cute.jit
+def attn_l2_prefetch(ib: Int64, ptab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """Before the wait: the split's key and value rows of the positions before the token's own (written by earlier
+    launches, static in this one) requested into L2, one 128-byte line a thread at a time."""
+    A = "ATTN_GQA"
+    kc, vc = ptab[arg(smi, ARG[A]["kc"])], ptab[arg(smi, ARG[A]["vc"])]
+    b, h, s, S, KH, d, Lmax = (arg(smi, ARG[A][n]) for n in ("b", "h", "s", "S", "KH", "d", "Lmax"))
+    pos = ldi(ia(ib, arg(smi, ARG[A]["pos_off"]) + b))  # the step's inputs: written before the launch
+    slot = ldi(ia(ib, arg(smi, ARG[A]["slot_off"]) + b))
+    lo, hi = split_bounds(s, S, pos)
+    hi = cutlass.min(hi, pos)
+    rowb = (Int64(slot) * Int64(Lmax) * Int64(KH) + Int64(h)) * Int64(d) * 2
+    rstride = Int64(KH) * Int64(d) * 2
+    lines = (d * 2 + 127) // 128
+    n = cutlass.max(hi - lo, 0) * lines
+    for e in cutlass.range(tid, 2 * n, NT):
+        r = (e % n) // lines
+        base = kc
+        if e >= n:
+            base = vc
+        addr = base + rowb + Int64(lo + r) * rstride + Int64((e % lines) * 128)
+        cute.arch.inline_ptx("prefetch.global.L2 [{$r0}];", read_only_args=[addr])
+'''
+
+
+def _attn_l2_module():
+    """The shipped cute_kernel.py with ATTN_L2_STEP before each instruction's wait, as a module beside it."""
+    import tempfile
+    from pathlib import Path
+
+    from megadecode.backends.mega import cute_kernel as K
+
+    src = Path(K.__file__).read_text()
+    if src.count(ATTN_L2_AT) != 1:
+        raise SystemExit("attn_l2: the persistent loop changed; its insertion point is not unique")
+    path = Path(tempfile.mkdtemp(prefix="megadecode-attn-l2-")) / "cute_kernel_attn_l2.py"
+    path.write_text(src.replace(ATTN_L2_AT, ATTN_L2_STEP + ATTN_L2_AT) + ATTN_L2_HELPER)
+    return module_from_file("megadecode.backends.mega._attn_l2", str(path), "", "")
 
 
 def _loop_module():

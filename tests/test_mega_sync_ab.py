@@ -47,3 +47,13 @@ def test_variant_names_joined_by_plus_only_where_the_script_builds_them():
     for v, joins in (("a+b", False), ("a+c", True), ("shipped+a", True), ("c", True)):
         with pytest.raises(SystemExit):
             names(v, joins)
+
+
+def test_attn_l2_variant_is_todays_loop_with_the_prefetch_step_before_the_wait():
+    """The attn_l2 build's module is the shipped cute_kernel.py with one step inserted before the wait (so the
+    variant follows the loop as it changes), its prefetch helper beside it."""
+    mod = mega_sync_ab._attn_l2_module()
+    src = Path(mod.__file__).read_text()
+    assert src.count("attn_l2_prefetch(ib, ptab, smi, tid)") == 1
+    assert src.index(mega_sync_ab.ATTN_L2_STEP) + len(mega_sync_ab.ATTN_L2_STEP) == src.index(mega_sync_ab.ATTN_L2_AT)
+    assert callable(mod.attn_l2_prefetch) and callable(mod.mega_kernel)
