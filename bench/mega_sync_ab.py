@@ -265,17 +265,21 @@ def attn_l2_prefetch(ib: Int64, ptab: cute.Tensor, smi: cute.Tensor, tid: Int32)
 
 def _attn_l2_module():
     """The shipped cute_kernel.py with ATTN_L2_STEP before each instruction's wait, as a module beside it."""
+    import sys
     import tempfile
     from pathlib import Path
 
     from megadecode.backends.mega import cute_kernel as K
 
+    name = "megadecode.backends.mega._attn_l2"
+    if name in sys.modules:  # built once a process (each build's swaps ask again)
+        return sys.modules[name]
     src = Path(K.__file__).read_text()
     if src.count(ATTN_L2_AT) != 1:
         raise SystemExit("attn_l2: the persistent loop changed; its insertion point is not unique")
     path = Path(tempfile.mkdtemp(prefix="megadecode-attn-l2-")) / "cute_kernel_attn_l2.py"
     path.write_text(src.replace(ATTN_L2_AT, ATTN_L2_STEP + ATTN_L2_AT) + ATTN_L2_HELPER)
-    return module_from_file("megadecode.backends.mega._attn_l2", str(path), "", "")
+    return module_from_file(name, str(path), "", "")
 
 
 def _loop_module():
