@@ -25,6 +25,11 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   range, each row's address its own expert's; the same sums in the same order (h's index is the unit's). At
   qwen3-30b-a3b batch 1 (8 pairs of 768 rows over 132 items) 4 items take 4 passes, the other 128 take 3: the
   phase waits for those 4 (compiled and audited on the CPU, 168 registers as shipped; not yet run on a GPU).
+- `attn_early`: an ATTN_GQA instruction issues the loads of its split's first chunk (the positions before the
+  token's own: written by earlier launches) right after its wait, beside q's and k's loads, and folds them after
+  the norms, RoPE and the cache write; the shipped body loads the chunk after those (cute/attention.py
+  gqa_chunk), a dependent trip of 32 KB on every instruction's path. The token's own position, where the split
+  holds it, stays in the chunk loop (its row is written by the instruction itself).
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
 keeps half the two-CTA build's loads in flight in these phases, which the deeper variants would give back; measured
 at 97c28fe on the H200, they do not pay (docs/megakernel.md, "The abort flag polled every 32 polls"). The A/B builds
@@ -44,7 +49,7 @@ from __future__ import annotations
 from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import ab_parser, ab_variants, module_from_file, run_ab, swapped  # bench/: options, swaps, timing
 
-VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "up_flat")
+VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "up_flat", "attn_early")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -74,6 +79,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(M, "WU_DN", 3)]
     if name == "up_flat":
         return [(M, "up_routed_rows", _up_routed_rows_flat())]
+    if name == "attn_early":
+        from megadecode.backends.mega import cute_kernel as K
+
+        op = _attn_early_module().op_attn_gqa
+        return [(K, "BODIES", tuple((n, op if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -131,6 +141,46 @@ def _up_routed_rows_flat():
                     M.stf(Float32, M.fa(fb, h_off + Int32(lo) + j0 + h * M.NW), hv)
 
     return up_routed_rows
+
+
+# attn_early: cute/attention.py's op_attn_gqa with its first chunk's loads moved up to the wait (edits of the
+# shipped source, so the variant is today's body plus that move)
+EARLY_AT = "    lo, hi = split_bounds(s, S, pos)\n"
+EARLY_NEXT = "    # no L2 prefetch of the split's key and value rows"
+EARLY_LOADS = """    pre = cutlass.min(CH, cutlass.min(hi, pos) - lo)  # the first chunk's positions written by earlier launches
+    kq0, vq0 = gqa_loads(tid, kc, vc, rowb, rstride, lo, cutlass.max(pre, 1), d)
+"""
+EARLY_LOOP = """        for c0 in cutlass.range(lo, hi, CH):
+            gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL,
+                      ACC)
+"""
+EARLY_FOLD = """        if pre > 0:
+            gqa_fold(sm, tid, kq0, vq0, pre, d, G, scale, Q, SC, M, L, AL, ACC)
+        for c0 in cutlass.range(lo + cutlass.max(pre, 0), hi, CH):
+            gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL,
+                      ACC)
+"""
+
+
+def _attn_early_module():
+    """The shipped cute/attention.py with EARLY_LOADS after the split's bounds and EARLY_FOLD for its chunk loop,
+    as a module of the cute package."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from megadecode.backends.mega.cute import attention
+
+    name = "megadecode.backends.mega.cute._attn_early"
+    if name in sys.modules:
+        return sys.modules[name]
+    src = Path(attention.__file__).read_text()
+    if src.count(EARLY_AT + EARLY_NEXT) != 1 or src.count(EARLY_LOOP) != 1:
+        raise SystemExit("attn_early: op_attn_gqa changed; its edit points are not unique")
+    path = Path(tempfile.mkdtemp(prefix="megadecode-attn-early-")) / "attention_early.py"
+    path.write_text(src.replace(EARLY_AT + EARLY_NEXT, EARLY_AT + EARLY_LOADS + EARLY_NEXT).replace(EARLY_LOOP,
+                                                                                                 EARLY_FOLD))
+    return module_from_file(name, str(path), "", "")
 
 
 def build(name: str, device):

@@ -157,15 +157,21 @@ def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rs
               d: Int32, G: Int32, scale: Float32, Q: Constexpr, SC: Constexpr, M: Constexpr, L: Constexpr,
               AL: Constexpr, ACC: Constexpr):
     """One chunk of n <= CH cache positions from c0 folded into the online softmax of G <= 16 q heads of one KV
-    head (d <= 128, a multiple of 8): the chunk's keys and values are loaded at once at the top (32 KB at d = 128:
-    16 B of keys and 8 x 8 B of values a thread, all in flight together), then used from registers. Keys: 4
-    threads a position, each 8-dim pieces qd, qd + 4, ... against every head's q (shared memory), the 4 partial
-    sums of the 16 heads folded over those 4 lanes (fold_lanes). Values: a thread 4 dims of 8 positions (slice ps:
-    ps, ps + 8, ...), per group of 4 heads its 16 weighted sums folded over the 8 slices' lanes. Why: with
-    value_chunk and a score loop of two 128-dim dots a thread, each step's loads issue after the last one's
-    arithmetic, ~12 dependent memory trips an instruction (20 us an instruction at qwen3-30b-a3b batch 1 on the
-    H200). Positions past n read position n - 1 (clamped: every load is valid and unconditional, so all are
-    issued before any use) and score -inf."""
+    head (d <= 128, a multiple of 8): the chunk's keys and values are loaded at once at the top (gqa_loads), then
+    used from registers (gqa_fold). Why: with value_chunk and a score loop of two 128-dim dots a thread, each step's
+    loads issue after the last one's arithmetic, ~12 dependent memory trips an instruction (20 us an instruction at
+    qwen3-30b-a3b batch 1 on the H200)."""
+    kq, vq = gqa_loads(tid, kc, vc, rowb, rstride, c0, n, d)
+    gqa_fold(sm, tid, kq, vq, n, d, G, scale, Q, SC, M, L, AL, ACC)
+
+
+@cute.jit
+def gqa_loads(tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rstride: Int64, c0: Int32, n: Int32, d: Int32):
+    """A chunk's keys and values (positions c0 .. c0 + n - 1 of one KV head, d <= 128) as gqa_fold takes them, all
+    in flight together (32 KB at d = 128: 16 B of keys and 8 x 8 B of values a thread). Keys: 4 threads a
+    position, each 8-dim pieces qd, qd + 4, ...; values: a thread 4 dims of 8 positions (slice ps: ps, ps + 8,
+    ...). Positions past n read position n - 1 (clamped: every load is valid and unconditional, so all are issued
+    before any use)."""
     warp, lane = tid // 32, tid % 32
     # keys: position kp, dims kd + 32u (u = 0..3), clamped to the last 8 (rows shorter than 128: unused pieces)
     kp, qd = tid // 4, tid % 4
@@ -179,6 +185,19 @@ def gqa_chunk(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rs
     vq = []
     for j in cutlass.range_constexpr(8):
         vq.append(ld4raw(vc + rowb + Int64(c0 + cutlass.min(ps + 8 * j, n - 1)) * rstride + vcol))
+    return kq, vq
+
+
+@cute.jit
+def gqa_fold(sm: cute.Tensor, tid: Int32, kq: list, vq: list, n: Int32, d: Int32, G: Int32, scale: Float32,
+             Q: Constexpr, SC: Constexpr, M: Constexpr, L: Constexpr, AL: Constexpr, ACC: Constexpr):
+    """gqa_loads' chunk of n positions folded into the online softmax of the G q heads at Q. Keys: each thread's
+    pieces against every head's q (shared memory), the 4 partial sums of the 16 heads folded over those 4 lanes
+    (fold_lanes); positions past n score -inf. Values: per group of 4 heads, a thread's 16 weighted sums folded
+    over the 8 slices' lanes."""
+    warp, lane = tid // 32, tid % 32
+    kp, qd = tid // 4, tid % 4
+    ps, cg = lane % 8, warp * 4 + lane // 8
     acc = cute.make_rmem_tensor(16, Float32)
     for i in cutlass.range_constexpr(16):
         acc[i] = Float32(0.0)
