@@ -57,3 +57,21 @@ def test_attn_l2_variant_is_todays_loop_with_the_prefetch_step_before_the_wait()
     assert src.count("attn_l2_prefetch(ib, ptab, smi, tid)") == 1
     assert src.index(mega_sync_ab.ATTN_L2_STEP) + len(mega_sync_ab.ATTN_L2_STEP) == src.index(mega_sync_ab.ATTN_L2_AT)
     assert callable(mod.attn_l2_prefetch) and callable(mod.mega_kernel)
+
+
+def test_attn_early_variant_is_todays_attention_body_with_its_first_chunk_loaded_at_the_wait():
+    """The attn_early build's module is the shipped cute/attention.py with op_attn_gqa's first chunk loaded right
+    after the split's bounds (before the q norm) and folded where the chunk loop began; the other bodies as they
+    are. Its swap replaces ATTN_GQA's body only."""
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+
+    mod = mega_body_ab._attn_early_module()
+    src = Path(mod.__file__).read_text()
+    gqa = src[src.index("def op_attn_gqa"):src.index("def op_mla_kv")]
+    assert gqa.index(mega_body_ab.EARLY_LOADS) < gqa.index("for g in cutlass.range(warp, NQ, NW)")  # before q's norm
+    assert gqa.count("gqa_fold(sm, tid, kq0, vq0, pre,") == 1 and mega_body_ab.EARLY_LOOP not in gqa
+    assert src.count(mega_body_ab.EARLY_LOADS) == 1  # MLA's attention untouched
+    ((_, _, bodies),) = mega_body_ab._swaps("attn_early")
+    assert [n for n, _ in bodies] == [n for n, _ in K.BODIES]
+    assert [n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g] == ["ATTN_GQA"]
