@@ -47,7 +47,8 @@ that, the MXFP4 bodies' conversions (`git show cacde6b:bench/mega_frag_ab.py`).
 from __future__ import annotations
 
 from megadecode.backends.mega.runtime import compile_launcher
-from mega_sync_ab import ab_parser, ab_variants, module_from_file, run_ab, swapped  # bench/: options, swaps, timing
+from mega_sync_ab import (  # bench/: options, swaps, timing
+    ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "up_flat", "attn_early")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
@@ -165,22 +166,11 @@ EARLY_FOLD = """        if pre > 0:
 def _attn_early_module():
     """The shipped cute/attention.py with EARLY_LOADS after the split's bounds and EARLY_FOLD for its chunk loop,
     as a module of the cute package."""
-    import sys
-    import tempfile
-    from pathlib import Path
-
     from megadecode.backends.mega.cute import attention
 
-    name = "megadecode.backends.mega.cute._attn_early"
-    if name in sys.modules:
-        return sys.modules[name]
-    src = Path(attention.__file__).read_text()
-    if src.count(EARLY_AT + EARLY_NEXT) != 1 or src.count(EARLY_LOOP) != 1:
-        raise SystemExit("attn_early: op_attn_gqa changed; its edit points are not unique")
-    path = Path(tempfile.mkdtemp(prefix="megadecode-attn-early-")) / "attention_early.py"
-    path.write_text(src.replace(EARLY_AT + EARLY_NEXT, EARLY_AT + EARLY_LOADS + EARLY_NEXT).replace(EARLY_LOOP,
-                                                                                                 EARLY_FOLD))
-    return module_from_file(name, str(path), "", "")
+    return edited_module("megadecode.backends.mega.cute._attn_early", attention,
+                         [(EARLY_AT + EARLY_NEXT, EARLY_AT + EARLY_LOADS + EARLY_NEXT), (EARLY_LOOP, EARLY_FOLD)],
+                         "attn_early")
 
 
 def build(name: str, device):

@@ -265,20 +265,30 @@ def attn_l2_prefetch(ib: Int64, ptab: cute.Tensor, smi: cute.Tensor, tid: Int32)
 
 def _attn_l2_module():
     """The shipped cute_kernel.py with ATTN_L2_STEP before each instruction's wait, as a module beside it."""
+    from megadecode.backends.mega import cute_kernel as K
+
+    return edited_module("megadecode.backends.mega._attn_l2", K, [(ATTN_L2_AT, ATTN_L2_STEP + ATTN_L2_AT)],
+                         "attn_l2", tail=ATTN_L2_HELPER)
+
+
+def edited_module(name: str, of, edits: list[tuple[str, str]], variant: str, tail: str = ""):
+    """Module `of`'s source with each (old, new) edit made (each old text found exactly once, else the variant
+    stops with a one-line error: the shipped source changed under it) and `tail` appended, written to a temporary
+    file and imported as `name` (in `of`'s package, so its relative imports resolve as `of`'s); built once a
+    process (each build's swaps ask again)."""
     import sys
     import tempfile
     from pathlib import Path
 
-    from megadecode.backends.mega import cute_kernel as K
-
-    name = "megadecode.backends.mega._attn_l2"
-    if name in sys.modules:  # built once a process (each build's swaps ask again)
+    if name in sys.modules:
         return sys.modules[name]
-    src = Path(K.__file__).read_text()
-    if src.count(ATTN_L2_AT) != 1:
-        raise SystemExit("attn_l2: the persistent loop changed; its insertion point is not unique")
-    path = Path(tempfile.mkdtemp(prefix="megadecode-attn-l2-")) / "cute_kernel_attn_l2.py"
-    path.write_text(src.replace(ATTN_L2_AT, ATTN_L2_STEP + ATTN_L2_AT) + ATTN_L2_HELPER)
+    src = Path(of.__file__).read_text()
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise SystemExit(f"{variant}: {Path(of.__file__).name} changed; the variant's edit point is not unique")
+        src = src.replace(old, new)
+    path = Path(tempfile.mkdtemp(prefix=f"megadecode-{variant}-")) / Path(of.__file__).name
+    path.write_text(src + tail)
     return module_from_file(name, str(path), "", "")
 
 
