@@ -159,6 +159,27 @@ def test_schedule_covers_every_instruction_once_in_phase_order(preset, batch):
     assert occupancy(HBM_READ_BPS * 1e-6 * 10, 20.0) == pytest.approx(0.5) and occupancy(1e6, 0.0) == 0.0
 
 
+def test_report_names_each_phases_most_instructions_on_one_cta_and_elides_the_middle_phases():
+    """schedule.report's max/CTA column is the most instructions one CTA runs in the phase (counted here from the
+    queues), and with `top` it shows the first and last `top` phases, the rest counted in one line."""
+    *_, prog = _program("tiny-qwen3-moe", 1, ctas=3)
+    by_phase: dict[int, list[int]] = {}
+    for c, q in enumerate(prog.queues):
+        for i in q:
+            by_phase.setdefault(prog.instrs[i].signal, []).append(c)
+    most = {sig: max(ctas.count(c) for c in set(ctas)) for sig, ctas in by_phase.items()}
+    assert max(most.values()) > 1  # 3 CTAs: some phase puts two instructions on one
+    rows = {ln.split()[0]: ln.split() for ln in report(prog, top=100).splitlines()[3:] if ln.split()[0] in
+            prog.phases}
+    assert len(rows) == len(most)
+    for sig, m in most.items():
+        assert int(rows[prog.phases[sig - 1]][2]) == m
+    text = report(prog, top=2).splitlines()
+    shown = [ln.split()[0] for ln in text[3:] if ln.split()[0] in prog.phases]
+    order = [prog.phases[sig - 1] for sig in sorted(most)]
+    assert shown == order[:2] + order[-2:] and f"... {len(order) - 4} phases ..." in text
+
+
 @pytest.mark.parametrize("preset", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_rows_name_the_weight_rings_staged_instructions(preset, batch):

@@ -10,6 +10,7 @@ every wait points to an earlier phase and in-order queues cannot deadlock while 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass
 
 from ...hardware import HBM_READ_BPS
@@ -68,9 +69,11 @@ def occupancy(nbytes: float, window_us: float) -> float:
 
 
 def report(prog: Program, top: int = 12) -> str:
-    """A readable account of a schedule: per phase its instructions, bytes, predicted window and the HBM occupancy
-    that window implies (its bytes over the window at the HBM's read rate: where a phase is latency, not bytes);
-    per CTA the spread of busy time and of bytes streamed; the predicted step against the floor of its bytes."""
+    """A readable account of a schedule: per phase its instructions, the most any one CTA runs (above one, the phase
+    waits for a CTA's second instruction), bytes, predicted window and the HBM occupancy that window implies (its
+    bytes over the window at the HBM's read rate: where a phase is latency, not bytes), the first and last `top`
+    phases shown; per CTA the spread of busy time and of bytes streamed; the predicted step against the floor of
+    its bytes."""
     if not prog.queues:
         return "not scheduled"
     cost = CostModel()
@@ -80,18 +83,23 @@ def report(prog: Program, top: int = 12) -> str:
     for idx, ins in enumerate(prog.instrs):
         s = prog.predicted_us[idx] - cost.us(ins, prog.num_ctas)
         start[idx] = s
+    cta_of = {i: c for c, q in enumerate(prog.queues) for i in q}
     by_phase: dict[int, list[int]] = {}
     for idx, ins in enumerate(prog.instrs):
         by_phase.setdefault(ins.signal, []).append(idx)
-    lines.append(f"{'phase':<16} {'instrs':>6} {'MB':>8} {'start us':>9} {'end us':>9} {'HBM':>5}")
-    for c, idxs in sorted(by_phase.items()):
+    lines.append(f"{'phase':<16} {'instrs':>6} {'max/CTA':>7} {'MB':>8} {'start us':>9} {'end us':>9} {'HBM':>5}")
+    phases = sorted(by_phase.items())
+    for k, (c, idxs) in enumerate(phases):
+        if top <= k < len(phases) - top:
+            if k == top:
+                lines.append(f"... {len(phases) - 2 * top} phases ...")
+            continue
         name = prog.phases[c - 1] if 0 < c <= len(prog.phases) else str(c)
         nb = sum(prog.instrs[i].bytes for i in idxs)
         t0, t1 = min(start[i] for i in idxs), max(prog.predicted_us[i] for i in idxs)
-        lines.append(f"{name:<16} {len(idxs):>6} {nb / 1e6:>8.2f} {t0:>9.1f} {t1:>9.1f} "
+        most = max(Counter(cta_of[i] for i in idxs).values())
+        lines.append(f"{name:<16} {len(idxs):>6} {most:>7} {nb / 1e6:>8.2f} {t0:>9.1f} {t1:>9.1f} "
                      f"{occupancy(nb, t1 - t0):>5.0%}")
-        if len(lines) > top + 3 and c < len(prog.phases) - top:
-            continue
     busy = [sum(cost.us(prog.instrs[i], prog.num_ctas) for i in q) for q in prog.queues]
     lines.append(f"per-CTA busy us: min {min(busy):.1f} mean {sum(busy) / len(busy):.1f} max {max(busy):.1f}; "
                  f"queue lengths {min(map(len, prog.queues))}..{max(map(len, prog.queues))}")
