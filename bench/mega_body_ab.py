@@ -19,17 +19,13 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 - `up_w4`: EXPERT_UP's one-pair path with 4 chunks of each of its rows in flight a lane (WU_UP = 4: 8 KiB a warp).
 - `down_w3`: EXPERT_DOWN's flat bf16 units with 3 chunks of each of their rows in flight a lane (WU_DN = 3: 12 KiB a
   warp; at qwen3-30b-a3b's I = 768 a unit's whole rows in one round).
-- `up_flat`: a routed batch-1 EXPERT_UP item (F_ROUTE) deals its units [lo, hi) to the warps as one flat range,
-  across the boundary of the two pairs it may straddle (the shipped loop walks each pair's rows on its own: an item
-  of 47 units split 10 + 37 takes 1 + 3 passes of 16 rows where 47 flat take 3), each warp's rows anywhere in the
-  range, each row's address its own expert's; the same sums in the same order (h's index is the unit's). At
-  qwen3-30b-a3b batch 1 (8 pairs of 768 rows over 132 items) 4 items take 4 passes, the other 128 take 3: the
-  phase waits for those 4 (compiled and audited on the CPU, 168 registers as shipped; not yet run on a GPU).
 - `attn_early`: an ATTN_GQA instruction issues the loads of its split's first chunk (the positions before the
   token's own: written by earlier launches) right after its wait, beside q's and k's loads, and folds them after
   the norms, RoPE and the cache write; the shipped body loads the chunk after those (cute/attention.py
   gqa_chunk), a dependent trip of 32 KB on every instruction's path. The token's own position, where the split
   holds it, stays in the chunk loop (its row is written by the instruction itself).
+- (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
+  0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
 keeps half the two-CTA build's loads in flight in these phases, which the deeper variants would give back; measured
 at 97c28fe on the H200, they do not pay (docs/megakernel.md, "The abort flag polled every 32 polls"). The A/B builds
@@ -50,7 +46,7 @@ from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import (  # bench/: options, swaps, timing
     ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
-VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "up_flat", "attn_early")
+VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -78,70 +74,12 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(M, "WU_UP", 4)]
     if name == "down_w3":
         return [(M, "WU_DN", 3)]
-    if name == "up_flat":
-        return [(M, "up_routed_rows", _up_routed_rows_flat())]
     if name == "attn_early":
         from megadecode.backends.mega import cute_kernel as K
 
         op = _attn_early_module().op_attn_gqa
         return [(K, "BODIES", tuple((n, op if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
     raise ValueError(f"unknown variant {name!r}")
-
-
-def _up_routed_rows_flat():
-    """cute/moe.py's up_routed_rows with the item's units dealt flat (`up_flat`)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64
-
-    from megadecode.backends.mega.cute import moe as M
-
-    @cute.jit
-    def up_routed_rows(fb: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
-        warp, lane = tid // 32, tid % 32
-        A_ = "EXPERT_UP"
-        use_situ = (M.arg(smi, 3) & M.F_SITU) != 0
-        gu = wtab[M.arg(smi, M.ARG[A_]["gu"])]
-        I, D, x_off, h_off = M.args(smi, A_, "I D x_off h_off")
-        w, W, A = M.args(smi, A_, "w W A")
-        N = Int64(A) * Int64(I)
-        lo = Int64(w) * N // Int64(W)
-        n = Int32(Int64(w + 1) * N // Int64(W) - lo)
-        rowb = Int64(D) * 2
-        xa = M.fa(fb, x_off)
-        acc = cute.make_rmem_tensor(2 * M.RU_UP, Float32)
-        for j0 in cutlass.range(warp, n, M.RU_UP * M.NW):
-            for j in cutlass.range_constexpr(2 * M.RU_UP):
-                acc[j] = Float32(0.0)
-            rows = []
-            for h in cutlass.range_constexpr(M.RU_UP):  # unit lo + j: pair (lo + j) // I, row (lo + j) % I; past n, the last unit
-                u = lo + Int64(cutlass.min(j0 + h * M.NW, n - 1))
-                p = Int32(u // Int64(I))
-                g = gu + (Int64(smi[M.RT + p]) * Int64(2 * I) + (u - Int64(p) * Int64(I))) * rowb
-                rows += [g, g + Int64(I) * rowb]  # gate, up
-            kmain = D - D % (256 * M.WU_UP)
-            for k0 in cutlass.range(lane * 8, kmain, 256 * M.WU_UP):
-                wq = [[M.ld8raw(BFloat16, rows[j] + Int64(k0 + v * 256) * 2) for j in range(2 * M.RU_UP)]
-                      for v in range(M.WU_UP)]
-                for v in cutlass.range_constexpr(M.WU_UP):
-                    xv = M.ld8(Float32, xa + Int64(k0 + v * 256) * 4)
-                    for j in cutlass.range_constexpr(2 * M.RU_UP):
-                        acc[j] += M.dot8(wq[v][j].to(Float32), xv)
-            for k in cutlass.range(kmain + lane * 8, D, 256):
-                wq = [M.ld8raw(BFloat16, rows[j] + Int64(k) * 2) for j in range(2 * M.RU_UP)]
-                xv = M.ld8(Float32, xa + Int64(k) * 4)
-                for j in cutlass.range_constexpr(2 * M.RU_UP):
-                    acc[j] += M.dot8(wq[j].to(Float32), xv)
-            for h in cutlass.range_constexpr(M.RU_UP):
-                gs = M.warp_sum(acc[2 * h])
-                up = M.warp_sum(acc[2 * h + 1])
-                if lane == 0 and j0 + h * M.NW < n:
-                    hv = M.silu(gs) * up
-                    if use_situ:
-                        hv = M.situ(gs, up)
-                    M.stf(Float32, M.fa(fb, h_off + Int32(lo) + j0 + h * M.NW), hv)
-
-    return up_routed_rows
 
 
 # attn_early: cute/attention.py's op_attn_gqa with its first chunk's loads moved up to the wait (edits of the

@@ -374,14 +374,6 @@ def aborted(smi: cute.Tensor) -> Int32:
 
 
 @cute.jit
-def pair_rows(p: Int32, I: Int32, lo: Int64, hi: Int64):
-    """Rows [r0, r1) of pair p that an item's units [lo, hi) hold."""
-    r0 = Int32(cutlass.max(lo - Int64(p) * Int64(I), Int64(0)))
-    r1 = Int32(cutlass.min(hi - Int64(p) * Int64(I), Int64(I)))
-    return r0, r1
-
-
-@cute.jit
 def staged_pages(smi: cute.Tensor) -> Int32:
     """The ring pages the current instruction (its row in shared memory) consumes: 0 unless F_STAGE (a MATVEC):
     its static bytes in pages."""
@@ -401,6 +393,19 @@ assert 0 < RING_INFLIGHT <= RING_SLOTS
 
 
 @cute.jit
+def loader_gives_up(smi: cute.Tensor, spins: Int32, lim: Int32, j: Int32, n: Int32) -> Int32:
+    """A loader's bounded wait after `spins` polls: 1 when it gives up, past `lim` (reported: -3, page n of
+    instruction j) or once the launch aborted."""
+    stop = Int32(0)
+    if spins > lim:
+        report_ring_timeout(smi, j, Int32(-3), n)
+        stop = Int32(1)
+    elif aborted(smi) != 0:
+        stop = Int32(1)
+    return stop
+
+
+@cute.jit
 def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j: Int32, delay_ns: Int32,
                epoch: Int32, bid: Int32):
     """The loader: page n (sz bytes from src, static) into slot n % RING_SLOTS once the slot is free (pages freed
@@ -414,22 +419,14 @@ def issue_page(smi: cute.Tensor, n: Int32, src: Int64, sz: Int32, lim: Int32, j:
     while n - ld_acquire_shared(freed_at) >= RING_SLOTS and stop == 0:
         cute.arch.inline_ptx("nanosleep.u32 64;")
         spins += 1
-        if spins > lim:
-            report_ring_timeout(smi, j, Int32(-3), n)
-            stop = Int32(1)
-        elif aborted(smi) != 0:
-            stop = Int32(1)
+        stop = loader_gives_up(smi, spins, lim, j, n)
     if cutlass.const_expr(RING_INFLIGHT < RING_SLOTS):
         if n >= RING_INFLIGHT and stop == 0:
             m = n - RING_INFLIGHT
             mb0 = smi[RING_S + 6] + (m % RING_SLOTS) * 8
             while page_landed(mb0, (m // RING_SLOTS) & 1) == 0 and stop == 0:
                 spins += 1
-                if spins > lim:
-                    report_ring_timeout(smi, j, Int32(-3), n)
-                    stop = Int32(1)
-                elif aborted(smi) != 0:
-                    stop = Int32(1)
+                stop = loader_gives_up(smi, spins, lim, j, n)
     if stop == 0:
         if delay_ns > 0:
             nap(delay_ns, n, epoch, bid * 4 + 3)

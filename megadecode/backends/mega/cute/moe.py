@@ -10,7 +10,6 @@ from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGM
                    FRAG_TILE)
 from .base import (
     cta_sync,
-    pair_rows,
     ARG,
     RECORD,
     WBYTES,
@@ -490,10 +489,16 @@ FLAT_PAIRS = 8
 def up_rows_multi(acc: cute.Tensor, gbase: Int64, rowb: Int64, I: Int32, r: Int32, r1: Int32, D: Int32, xa: Int64,
                   lane: Int32):
     """acc[2 i], acc[2 i + 1] += this lane's products of gate and up row r + i NW (i < RU_UP; a row past r1 reads
-    row r1 - 1) of one expert's bf16 [2 I, D] block at gbase with x (fp32 at xa): WU_UP chunks of 256 columns of all
-    the rows in flight, each chunk of x loaded once for them; the lane's chunks in k order."""
+    row r1 - 1) of one expert's bf16 [2 I, D] block at gbase with x (fp32 at xa) (up_rows_at)."""
     ris = [Int64(cutlass.min(r + i * NW, r1 - 1)) for i in range(RU_UP)]
-    rows = [gbase + (ris[j // 2] + Int64(I * (j % 2))) * rowb for j in range(2 * RU_UP)]  # gate, up, gate, ...
+    up_rows_at(acc, [gbase + (ris[j // 2] + Int64(I * (j % 2))) * rowb for j in range(2 * RU_UP)], D, xa, lane)
+
+
+@cute.jit
+def up_rows_at(acc: cute.Tensor, rows: list, D: Int32, xa: Int64, lane: Int32):
+    """acc[j] += this lane's products of bf16 row rows[j] (addresses: gate, up, gate, ... RU_UP pairs) with x (fp32
+    at xa): WU_UP chunks of 256 columns of all the rows in flight, each chunk of x loaded once for them; the lane's
+    chunks in k order."""
     kmain = D - D % (256 * WU_UP)
     for k0 in cutlass.range(lane * 8, kmain, 256 * WU_UP):
         wq = [[ld8raw(BFloat16, rows[j] + Int64(k0 + u * 256) * 2) for j in range(2 * RU_UP)] for u in range(WU_UP)]
@@ -801,7 +806,11 @@ def expert_up_routed(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, s
 @cute.jit
 def up_routed_rows(fb: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
     """A routed EXPERT_UP item's rows from global memory: expert_up_rows' one-pair path over the experts route_one
-    left in shared memory."""
+    left in shared memory. The item's units [lo, hi) (unit u: row u % I of pair u // I) are dealt to the warps as one
+    flat range, across the boundary of the two pairs an item may straddle, each row's address its own expert's:
+    walked pair by pair, an item of 47 units split 10 + 37 took 1 + 3 passes of RU_UP x NW rows where 47 flat take 3,
+    and the phase waits for its slowest item (qwen3-30b-a3b batch 1, 8 pairs over 132 items: 4 items took 4 passes;
+    H100 launch median 4862 against 4925 us, bench/mega_body_ab.py). The same sums in the same order."""
     warp, lane = tid // 32, tid % 32
     A_ = "EXPERT_UP"
     use_situ = (arg(smi, 3) & F_SITU) != 0  # the row's words read after the routing (route_one: registers)
@@ -810,25 +819,28 @@ def up_routed_rows(fb: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
     w, W, A = args(smi, A_, "w W A")
     N = Int64(A) * Int64(I)
     lo = Int64(w) * N // Int64(W)
-    hi = Int64(w + 1) * N // Int64(W)
+    n = Int32(Int64(w + 1) * N // Int64(W) - lo)
     rowb = Int64(D) * 2
     xa = fa(fb, x_off)  # the one token's x
     accm = cute.make_rmem_tensor(2 * RU_UP, Float32)
-    for p in cutlass.range(Int32(lo // Int64(I)), Int32((hi + Int64(I - 1)) // Int64(I))):
-        r0, r1 = pair_rows(p, I, lo, hi)
-        gbase = gu + Int64(smi[RT + p]) * Int64(2 * I) * rowb
-        for r in cutlass.range(r0 + warp, r1, RU_UP * NW):
-            for j in cutlass.range_constexpr(2 * RU_UP):
-                accm[j] = Float32(0.0)
-            up_rows_multi(accm, gbase, rowb, I, r, r1, D, xa, lane)
-            for h in cutlass.range_constexpr(RU_UP):
-                g = warp_sum(accm[2 * h])
-                up = warp_sum(accm[2 * h + 1])
-                if lane == 0 and r + h * NW < r1:
-                    hv = silu(g) * up
-                    if use_situ:
-                        hv = situ(g, up)
-                    stf(Float32, fa(fb, h_off + p * I + r + h * NW), hv)
+    for j0 in cutlass.range(warp, n, RU_UP * NW):
+        for j in cutlass.range_constexpr(2 * RU_UP):
+            accm[j] = Float32(0.0)
+        rows = []
+        for h in cutlass.range_constexpr(RU_UP):  # unit lo + j0 + h NW; past n, the last unit again (not stored)
+            u = lo + Int64(cutlass.min(j0 + h * NW, n - 1))
+            p = Int32(u // Int64(I))
+            g = gu + (Int64(smi[RT + p]) * Int64(2 * I) + (u - Int64(p) * Int64(I))) * rowb
+            rows += [g, g + Int64(I) * rowb]  # gate, up
+        up_rows_at(accm, rows, D, xa, lane)
+        for h in cutlass.range_constexpr(RU_UP):
+            g = warp_sum(accm[2 * h])
+            up = warp_sum(accm[2 * h + 1])
+            if lane == 0 and j0 + h * NW < n:
+                hv = silu(g) * up
+                if use_situ:
+                    hv = situ(g, up)
+                stf(Float32, fa(fb, h_off + Int32(lo) + j0 + h * NW), hv)
 
 
 @cute.jit
