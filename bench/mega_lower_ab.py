@@ -31,6 +31,12 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,splits_ceil,splits32 --batch 1,8 --check-batch 1,3
 
+- `unflagged`: batch 1's o_proj waits on MERGE's counter and reads attention's output after it, where the shipped
+  lowering has MERGE also write that output as flagged words (isa.flag_tag) that o_proj's staged rows poll (its
+  first load is its wait: no release add, no counter poll before the input's trip):
+
+      python bench/mega_lower_ab.py --variants shipped,unflagged --batch 1 --check-batch 1,3
+
 Measured so
 far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
 pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
@@ -59,7 +65,7 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32")
+VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "unflagged")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -82,6 +88,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
             return max(1, min(64, -(-self.cache.max_len // per), round(self.ctas / max(1, units))))
 
         return [(Builder, "splits", splits)]
+    if name == "unflagged":  # o_proj waits on MERGE's counter again (no flagged twin of attention's output)
+        return [(layers, "FLAG_O_PROJ", False)]
     raise ValueError(f"unknown variant {name!r}")
 
 
