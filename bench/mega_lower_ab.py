@@ -37,6 +37,11 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,unflagged --batch 1 --check-batch 1,3
 
+- `qkv_shared`: q, k and v tiled with one rows-per-tile for the three, where the shipped lowering tiles them jointly
+  (layers.qkv_rows): at qwen3-30b-a3b batch 1 that made 134 instructions on 132 CTAs, two CTAs running two.
+
+      python bench/mega_lower_ab.py --variants shipped,qkv_shared --batch 1 --check-batch 1,3
+
 Measured so
 far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
 pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
@@ -65,7 +70,7 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "unflagged")
+VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "unflagged", "qkv_shared")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -90,6 +95,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(Builder, "splits", splits)]
     if name == "unflagged":  # o_proj waits on MERGE's counter again (no flagged twin of attention's output)
         return [(layers, "FLAG_O_PROJ", False)]
+    if name == "qkv_shared":  # q, k and v tiled with one rows-per-tile for the three (134 tiles on 132 CTAs)
+        def shared(b, H: int, KH: int, d: int) -> list[int]:
+            return [b.rows_per_tile((H + 2 * KH) * d)] * 3
+
+        return [(layers, "qkv_rows", shared)]
     raise ValueError(f"unknown variant {name!r}")
 
 

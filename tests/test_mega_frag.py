@@ -226,3 +226,28 @@ def test_phase_rows_tiles_a_shared_phase_into_at_most_one_instruction_a_cta_in_p
             for (n, rb), c in zip(parts, counts):
                 share = ctas * n * rb / total
                 assert c <= max(1, share + len(parts)) and c >= min(n, share) / 2 - 1, (ctas, parts, counts)
+
+
+def test_qkv_phase_makes_at_most_one_instruction_a_cta():
+    """layers.qkv_rows: q, k and v tiled jointly make no more instructions than CTAs in their phase (qwen3-30b-a3b's
+    heads on 132 and 264 CTAs, other head counts, tiny CTA counts), where one rows-per-tile for the three (the former
+    tiling) made 134 on 132 at qwen3-30b-a3b batch 1."""
+    from megadecode.backends.mega import layers
+    from megadecode.backends.mega.builder import Builder
+
+    class Tiler:
+        phase_rows = Builder.phase_rows
+        rows_per_tile = Builder.rows_per_tile
+
+        def __init__(self, ctas: int):
+            self.ctas = ctas
+
+    for H, KH, d, ctas in ((32, 4, 128, 132), (32, 4, 128, 264), (64, 4, 128, 132), (40, 8, 128, 132),
+                           (16, 2, 64, 7), (4, 2, 16, 5), (4, 2, 16, 16), (28, 4, 128, 100)):
+        t = Tiler(ctas)
+        sizes = (H * d, KH * d, KH * d)
+        rows = layers.qkv_rows(t, H, KH, d)
+        assert all(1 <= r <= n for n, r in zip(sizes, rows))
+        assert sum(-(-n // r) for n, r in zip(sizes, rows)) <= max(ctas, 3), (H, KH, d, ctas, rows)
+    shared = Tiler(132).rows_per_tile(5120)
+    assert sum(-(-n // shared) for n in (4096, 512, 512)) == 134  # the former tiling, for the record
