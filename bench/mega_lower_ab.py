@@ -42,6 +42,13 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,qkv_shared --batch 1 --check-batch 1,3
 
+- `group_off`: bf16 experts past PAIR1_MAX_B tokens in PASS-pair passes on the CUDA cores (EXPERT_DOWN's row tiles
+  of every pair, the combine fused), where the shipped lowering groups them on the tensor cores from GROUP_MIN_B
+  (F_GROUP: each selected expert's 16-row tiles against 8 of its pairs, EXPERT_DOWN pair-major, then COMBINE);
+  `group_9`: grouped from 9 tokens (one pair a pass, F_PAIR1, up to 8).
+
+      python bench/mega_lower_ab.py --variants shipped,group_off,group_9 --batch 16,17,64 --check-batch 1,3,17
+
 Measured so
 far (docs/megakernel.md, "bf16 EXPERT_DOWN pair-major, measured and reverted"): at 94741e0 bf16 EXPERT_DOWN
 pair-major up to 8 tokens with COMBINE after it against the row tiles of every pair (`down_rows`), slower at every
@@ -70,7 +77,8 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "unflagged", "qkv_shared")
+VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "unflagged", "qkv_shared",
+            "group_off", "group_9")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -95,6 +103,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(Builder, "splits", splits)]
     if name == "unflagged":  # o_proj waits on MERGE's counter again (no flagged twin of attention's output)
         return [(layers, "FLAG_O_PROJ", False)]
+    if name == "group_off":  # no F_GROUP: the CUDA-core pass loop and the fused combine at every batch
+        return [(layers, "GROUP_MIN_B", 1 << 30)]
+    if name == "group_9":  # F_GROUP from 9 tokens (layers: F_GROUP before F_PAIR1)
+        return [(layers, "GROUP_MIN_B", 9)]
     if name == "qkv_shared":  # q, k and v tiled with one rows-per-tile for the three (134 tiles on 132 CTAs)
         def shared(b, H: int, KH: int, d: int) -> list[int]:
             return [b.rows_per_tile((H + 2 * KH) * d)] * 3

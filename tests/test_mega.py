@@ -524,6 +524,74 @@ def test_pyvm_tensor_core_rows_take_the_input_as_two_bf16_and_stay_close_to_torc
     assert d < 1e-4, d
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_grouped_bf16_experts_cover_every_pass_once_and_match_the_pass_loop(preset, monkeypatch):
+    """bf16 experts from GROUP_MIN_B tokens (F_GROUP): EXPERT_UP's and EXPERT_DOWN's items share the (pass of up to
+    GROUP_N pairs, 16-row tile) units of every selected expert, each unit once, EXPERT_DOWN pair-major with a
+    COMBINE phase after it; pyvm's step then matches the same engine lowered without F_GROUP (the CUDA-core pass
+    loop, the combine fused) to 1e-4, the input being tc_input's two bf16 there, and both stay near torch's."""
+    from megadecode.backends.mega import layers
+    from megadecode.backends.mega.isa import F_GROUP, GROUP_MIN_B, GROUP_N, GROUP_TILE, group_prefix
+
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.bfloat16, 3)
+    batch = GROUP_MIN_B + 4  # off the power-of-two corner, some expert with more than GROUP_N pairs
+    prompts = [[3 + i, 7] for i in range(batch)]
+    ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
+    tok = ref.prefill(prompts).argmax(-1)
+    la = ref.decode(tok).float()
+    out, machines = [], []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(layers, "GROUP_MIN_B", 1 << 30)
+        vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
+        vm.executor.check_races = True
+        vm.prefill(prompts)
+        out.append(vm.decode(tok).float())
+        machines.append(vm.executor.vm(batch))
+    ops = [[i.op for i in m.prog.instrs if i.flags & F_GROUP] for m in machines]
+    assert "EXPERT_UP" in ops[0] and "EXPERT_DOWN" in ops[0] and not ops[1]
+    assert sum(i.op == "COMBINE" for i in machines[0].prog.instrs) > 0
+    # the last MoE layer's routing: some expert holds more than one pass; every unit taken once by its items
+    m = machines[0]
+    (off, _), n = m.prog.i32["pstart"], int(m.i32[m.prog.i32["nuniq"][0]])
+    pstart = m.i32[off:off + n + 1].tolist()
+    pre = group_prefix(pstart)
+    assert max(b - a for a, b in zip(pre, pre[1:])) > 1
+    last = max(i.layer for i in m.prog.instrs if i.op == "EXPERT_UP")
+    for op, rows in (("EXPERT_UP", cfg.moe_intermediate_size), ("EXPERT_DOWN", cfg.hidden_size)):
+        items = [i for i in m.prog.instrs if i.op == op and i.layer == last]
+        seen = torch.zeros(pre[-1] * rows, dtype=torch.int32)
+        for ins in items:
+            for u, q, r0, r1 in up_chunks(pre, rows, ins.args["w"], ins.args["W"], GROUP_TILE):
+                assert r0 % GROUP_TILE == 0 and r1 % GROUP_TILE == 0
+                seen[(pre[u] + q) * rows + r0:(pre[u] + q) * rows + r1] += 1
+        assert bool((seen == 1).all()), op
+    assert pre == [0] + torch.tensor([-(-(b - a) // GROUP_N) for a, b in zip(pstart, pstart[1:])]).cumsum(0).tolist()
+    scale = la.abs().max()
+    d = ((out[0] - out[1]).abs().max() / scale).item()
+    assert d < 1e-4, d
+    assert ((out[0] - la).abs().max() / scale).item() < 0.3  # bf16 torch at this batch (the pass loop's as far)
+    assert ((out[1] - la).abs().max() / scale).item() < 0.3
+
+
+def test_grouped_experts_are_refused_where_the_kernel_cannot_take_them():
+    """F_GROUP's limits, checked before a launch: bf16 pass-wise experts only, dims whole tiles and steps."""
+    from megadecode.backends.mega.isa import F_GROUP, GROUP_MAX_E
+    from megadecode.backends.mega.limits import KernelLimit
+    from megadecode.backends.mega.ops.expert_up import check_group
+
+    def ins(op, flags, **a):
+        return Instr(op=op, layer=0, flags=flags, args=dict(dict(I=32, D=64, E=8), **a))
+
+    check_group(ins("EXPERT_UP", F_GROUP), "x")
+    for flags, args, what in ((F_GROUP | F_PAIR1, {}, "F_PAIR1"), (F_GROUP | F_MXFP4, {}, "F_MXFP4"),
+                              (F_GROUP, dict(I=40), "multiples"), (F_GROUP, dict(D=48), "multiples"),
+                              (F_GROUP, dict(E=GROUP_MAX_E + 1), "experts")):
+        with pytest.raises(KernelLimit, match=what):
+            check_group(ins("EXPERT_UP", flags, **args), "x")
+
+
 def _bf16_cfg_program(cfg, batch: int, max_len: int, ctas: int = 16):
     """A config's bf16 program (random weights, a cache of max_len), scheduled on ctas CTAs."""
     w = random_weights(cfg, "cpu", torch.bfloat16, 0)

@@ -65,6 +65,9 @@ CASES = {"tiny-k3-wide": ("tiny-k3", {"latent_size": 1056, "moe_intermediate_siz
          "tiny-k3-frag": ("tiny-k3", {"latent_size": 512, "moe_intermediate_size": 768, "num_experts": 24,
                                       "n_group": 4, "topk_group": 2}),
          "tiny-qwen3-gqa": ("tiny-qwen3-moe", {"num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128}),
+         # more experts than F_GROUP's tables hold (isa.GROUP_MAX_E): bf16 experts past PAIR1_MAX_B tokens in
+         # PASS-pair passes on the CUDA cores, EXPERT_DOWN's row tiles with the combine fused
+         "tiny-qwen3-e520": ("tiny-qwen3-moe", {"num_experts": 520}),
          # true dims, 2 layers: the batch-1 tiles as the real model stages them (several a CTA a phase, so each
          # ring slot is reused, k slices on the staged rows), the lm_head of 151936 rows unstaged
          "qwen3-30b-a3b-2l": ("qwen3-30b-a3b", {"num_hidden_layers": 2})}
@@ -85,12 +88,14 @@ def case_config(name: str):
 CONTEXTS = {"random": 256, "one": 256, "max": 1000}
 # The cases that reach every path of the kernel's loops, for bench/mega_check.py --cases paths and the GPU tests:
 # batch tails off the powers of two up to the megakernel's largest batch (64; 65 is refused by lower.supports);
-# experts holding several passes of pairs (bf16 past isa.PAIR1_MAX_B tokens takes PASS pairs a pass: at 33 and 64
-# tokens, top-2 of tiny-qwen3-moe's 8 experts average 8 and 16 pairs an expert; MXFP4, tiny-k3, takes one pair a
-# pass, so any expert with two pairs has several); contexts 1 and the last position of a 1000-position cache
-# (attention splits of several 64-position chunks, the last partial)
+# experts holding several passes of pairs (bf16 from isa.GROUP_MIN_B tokens is grouped, GROUP_N pairs a pass: at 33
+# and 64 tokens, top-2 of tiny-qwen3-moe's 8 experts average 8 and 16 pairs an expert; tiny-qwen3-e520's 520
+# experts take the CUDA-core loop's PASS pairs a pass instead; MXFP4, tiny-k3, takes one pair a pass, so any expert
+# with two pairs has several); contexts 1 and the last position of a 1000-position cache (attention splits of
+# several 64-position chunks, the last partial)
 PATH_CASES = ([(p, b, "max") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3") for b in (1, 2, 5, 17)]
               + [(p, b, "random") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3") for b in (9, 33, 64)]
+              + [("tiny-qwen3-e520", 33, "random")]
               + [(p, 3, "one") for p in ("tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-k3")])
 
 

@@ -61,6 +61,9 @@ F_STAGE = 262144  # MATVEC (batch 1, CUDA cores): its rows (the static bytes, wo
 # weight ring, streamed ahead of its wait (Program.rows sets it: `stageable`); no change to what it computes
 F_FLAG_IN = 524288  # MATVEC under F_STAGE whose input has flagged words (`xf_off`, flag_tag): wait 0 is met by the
 # words themselves, which the staged input polls, not by the counter (Program.rows sets it with F_STAGE)
+F_GROUP = 1048576  # EXPERT_UP / EXPERT_DOWN (bf16): grouped on the tensor cores, each selected expert's 16-row
+# tiles against GROUP_N of its pairs at once (a pass, `group_prefix`), so its rows are read once per GROUP_N pairs,
+# not once per pair; EXPERT_DOWN pair-major (y alone), the weighted sum the next phase's COMBINE, as under F_FRAG
 FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
 FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
@@ -141,6 +144,23 @@ PAIR1_MAX_B = 16
 # waits, and EXPERT_UP then reads its tables back in dependent trips (qwen3-30b-a3b batch 1 on the H200: ROUTE 9.7 us
 # of a 107 us layer, its phase and hand-overs ~10.5; docs/megakernel.md)
 ROUTE_IN_UP_MAX_B = 1
+
+
+# bf16 experts are grouped (F_GROUP) from this batch: at qwen3-30b-a3b batch 64 the pass loop on the CUDA cores
+# (PASS pairs a pass) made the step 2.8x `fused`'s, which reads each selected expert once (docs/megakernel.md)
+GROUP_MIN_B = PAIR1_MAX_B + 1
+GROUP_N = 8  # pairs a pass under F_GROUP: the mma's N
+GROUP_TILE = 16  # rows a unit under F_GROUP: the mma's M (a warp's rows)
+GROUP_MAX_E = 512  # experts under F_GROUP: its tables take 3 shared int words an expert (cute/moe.py group_tables)
+
+
+def group_prefix(pstart: list[int]) -> list[int]:
+    """F_GROUP's pass prefix: selected expert u holds ceil(pairs / GROUP_N) passes, pass q its pairs
+    pstart[u] + GROUP_N q onwards (the kernel computes the same prefix from ROUTE's pstart)."""
+    out = [0]
+    for u in range(len(pstart) - 1):
+        out.append(out[-1] + -(-(pstart[u + 1] - pstart[u]) // GROUP_N))
+    return out
 
 
 def up_passes(flags: int) -> tuple[int, str]:

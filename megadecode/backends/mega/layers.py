@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ...quant.mxfp4_frag import is_frag_entry
 from .builder import Builder
 from .limits import NT
@@ -23,6 +25,7 @@ from .isa import (
     FRAG_DOWN,
     FRAG_TILE,
     F_FRAG,
+    F_GROUP,
     F_INTERLEAVED,
     F_KV_READ,
     F_KV_WRITE,
@@ -35,8 +38,13 @@ from .isa import (
     F_SIGMOID,
     F_SITU,
     F_STORE,
+    GROUP_MAX_E,
+    GROUP_MIN_B,
+    GROUP_N,
+    GROUP_TILE,
     PAIR1_MAX_B,
     ROUTE_IN_UP_MAX_B,
+    TC_K,
     f32_bits,
 )
 
@@ -290,11 +298,23 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
     dn_name = f"{m}.experts.down_proj" + (".weight_packed" if quant else "")
     wbytes = 0.53125 if quant else b.wbytes  # MXFP4: 4.25 bits per weight
     gu, gus = b.t(gu_name), b.t(f"{m}.experts.gate_up_proj.weight_scale") if quant else -1
-    if not quant and B <= PAIR1_MAX_B:  # isa.up_passes: bf16 experts one pair a pass at small batches
+    # bf16 experts grouped on the tensor cores (F_GROUP) from GROUP_MIN_B tokens, where the dims allow (ops/expert_up
+    # check_group): units (pass of GROUP_N pairs, 16-row tile), the expected passes sel or more
+    group = (not quant and not in_up and B >= GROUP_MIN_B and E <= GROUP_MAX_E
+             and b.weights[gu_name].dtype == torch.bfloat16  # what the kernel runs (fp32: pyvm's exact programs)
+             and all(n % GROUP_TILE == 0 and n % TC_K == 0 for n in (I, D)))
+    if group:
+        units = math.ceil(max(sel, B * A / GROUP_N)) * (I // GROUP_TILE)
+        per_warp = math.ceil(units / (WARPS * b.ctas))
+        W = math.ceil(units / (WARPS * per_warp))
+    if not quant and not group and B <= PAIR1_MAX_B:  # isa.up_passes: bf16 experts one pair a pass at small batches
         flags_up |= F_PAIR1
     if frag:
         flags_up |= F_FRAG
         flags_down |= F_FRAG
+    if group:
+        flags_up |= F_GROUP
+        flags_down |= F_GROUP
     # the routing (F_ROUTE: each item's own, from the router's logits; else ROUTE's phase before)
     routing = dict(logits_off=-1, E=E, A=A, scale_bits=f32_bits(1.0), ids_off=-1, wts_off=-1, pslot_off=-1,
                    pairof_off=-1)
@@ -313,10 +333,13 @@ def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int
                   nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0],
                   wts_off=b.f32["wts"][0], pairof_off=b.i32["pairof"][0], shared_off=shared_off, dns=dns)
     rows = b.rows_per_tile(D)
-    if frag:
+    if frag or group:
         # pair-major items of (pair, FRAG_DOWN rows) units, sized as EXPERT_UP's; each CTA stages its pairs' h rows
-        # (cute/moe.py expert_down_frag), and the weighted sum is a phase of its own (COMBINE) after them
+        # (cute/moe.py expert_down_frag), and the weighted sum is a phase of its own (COMBINE) after them. F_GROUP:
+        # units (pass, 16 rows), each a warp's tile against GROUP_N pairs (cute/moe.py expert_down_group)
         units = B * A * (D // FRAG_DOWN)
+        if group:
+            units = math.ceil(max(sel, B * A / GROUP_N)) * (D // GROUP_TILE)
         per_warp = math.ceil(units / (WARPS * b.ctas))
         Wd = math.ceil(units / (WARPS * per_warp))
         for w in range(Wd):

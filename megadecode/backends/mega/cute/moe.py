@@ -6,8 +6,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import (F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE, FRAG_DOWN,
-                   FRAG_TILE)
+from ..isa import (F_FRAG, F_GROUP, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE,
+                   FRAG_DOWN, FRAG_TILE, GROUP_MAX_E, GROUP_N, GROUP_TILE, TC_K)
 from .base import (
     cta_sync,
     ARG,
@@ -51,6 +51,7 @@ from .base import (
     warp_max,
     warp_sum,
 )
+from .dense import tc_step
 
 
 @cute.jit
@@ -771,6 +772,139 @@ def expert_down_frag(fb: Int64, ib: Int64, wtab: cute.Tensor, sm: cute.Tensor, s
                                 acc[4 * t + 2 * i] * fs)
 
 
+# F_GROUP's shared int words (group_tables; ops/expert_up.py GROUP_WORDS sizes them): the pass prefix, ROUTE's
+# pstart and the experts, GROUP_MAX_E + 1 words each, then the scan's scratch
+GP, GS, GU = 0, GROUP_MAX_E + 1, 2 * (GROUP_MAX_E + 1)
+GX = 3 * (GROUP_MAX_E + 1)
+GUC_UP = 2  # F_GROUP's tensor-core steps whose weight loads are issued together: EXPERT_UP (gate and up rows)
+GUC_DN = 4  # and EXPERT_DOWN, 128 B of weights a lane either way
+
+
+@cute.jit
+def group_tables(ib: Int64, smi: cute.Tensor, tid: Int32, nuniq: Int32, uniq_off: Int32, pstart_off: Int32):
+    """F_GROUP's tables in shared int words from ROUTE's grouping (produced in this launch: coherent loads), a
+    thread an expert in rounds of NT (nuniq <= GROUP_MAX_E, ops/expert_up.py check_group): GS + u pstart, GU + u
+    the expert, GP + u the pass prefix, expert u holding ceil(pairs / GROUP_N) passes (isa.group_prefix); returns
+    the passes. Every thread of the CTA calls it (two barriers a round, one more)."""
+    total = Int32(0)
+    for c0 in cutlass.range(0, nuniq, NT):  # the same rounds on every thread
+        u = c0 + tid
+        c = Int32(0)
+        if u < nuniq:
+            ps = ldi(ia(ib, pstart_off + u))
+            pe = ldi(ia(ib, pstart_off + u + 1))
+            smi[GS + u] = ps
+            smi[GU + u] = ldi(ia(ib, uniq_off + u))
+            if u == nuniq - 1:
+                smi[GS + nuniq] = pe
+            c = (pe - ps + GROUP_N - 1) // GROUP_N
+        before, tot = block_excl_scan(c, tid, smi, GX)
+        if u < nuniq:
+            smi[GP + u] = total + before
+        total += tot
+    if tid == 0:
+        smi[GP + nuniq] = total
+    cta_sync()
+    return total
+
+
+@cute.jit
+def group_pass(smi: cute.Tensor, nuniq: Int32, P: Int32):
+    """Pass P under F_GROUP: (its expert, its first pair, its pairs), the expert the last u with GP[u] <= P."""
+    u0, ua = Int32(0), nuniq
+    for _ in cutlass.range_constexpr(10):  # nuniq <= GROUP_MAX_E = 512
+        if ua - u0 > 1:
+            mid = (u0 + ua) // 2
+            if smi[GP + mid] <= P:
+                u0 = mid
+            else:
+                ua = mid
+    p0 = smi[GS + u0] + (P - smi[GP + u0]) * GROUP_N
+    return smi[GU + u0], p0, cutlass.min(smi[GS + u0 + 1] - p0, GROUP_N)
+
+
+@cute.jit
+def group_units(fb: Int64, ib: Int64, smi: cute.Tensor, tid: Int32, A_: Constexpr, w0: Int64, I: Int32, K: Int32,
+                R: Int32, x_off: Int32, ptok_off: Int32, out_off: Int32, use_situ):
+    """The units of an F_GROUP item (group_tables built): (pass, 16-row tile) of N = passes x R / 16, its share [w N
+    / W, (w + 1) N / W) (isa.up_chunks with unit GROUP_TILE over isa.group_prefix, which pyvm runs), a unit a warp:
+    the expert's 16 rows of K (EXPERT_UP: its gate rows and the up rows I below them, SwiGLU / SiTU-GLU'd;
+    EXPERT_DOWN: its down rows) against the pass's up to GROUP_N pairs on the tensor cores (dense.py tc_step: the
+    mma's M the rows, its N the pairs, column g the input row of pair p0 + g, zeroed past the pass), so each weight
+    is read once for GROUP_N of its pairs. The input rows are x's at the pairs' tokens (EXPERT_UP, `ptok`) or h's at
+    the pairs (EXPERT_DOWN), both produced in this launch (coherent loads); out[pair, R] takes the rows. Lane
+    (g, t) stores rows g and g + 8 of pairs 2t and 2t + 1."""
+    glu = A_ == "EXPERT_UP"
+    warp, lane = tid // 32, tid % 32
+    g, t = lane // 4, lane % 4
+    nt = R // GROUP_TILE
+    w, W = args(smi, A_, "w W")
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off = args(smi, A_, "uniq_off pstart_off")
+    N = group_tables(ib, smi, tid, nuniq, uniq_off, pstart_off) * nt
+    lo = Int32(Int64(w) * Int64(N) // Int64(W))
+    hi = Int32(Int64(w + 1) * Int64(N) // Int64(W))
+    rowb = Int64(K) * 2
+    erows = R  # weight rows an expert: EXPERT_UP's gate and up rows, EXPERT_DOWN's output rows
+    UC = GUC_DN
+    if cutlass.const_expr(glu):
+        erows = 2 * I
+        UC = GUC_UP
+    nsteps = K // TC_K
+    smain = nsteps - nsteps % UC
+    acc = cute.make_rmem_tensor(8, Float32)
+    for unit in cutlass.range(lo + warp, hi, NW):
+        P = unit // nt
+        r = (unit - P * nt) * GROUP_TILE
+        e, p0, pn = group_pass(smi, nuniq, P)
+        msk = Uint32(0xFFFFFFFF)
+        if g >= pn:
+            msk = Uint32(0)  # the B operand's column g is past the pass: zeros (a valid row loaded)
+        src = p0 + cutlass.min(g, pn - 1)  # the pair's input row: its own (h), or its token's (x)
+        if cutlass.const_expr(glu):
+            src = ldi(ia(ib, ptok_off + src))
+        xrow = fa(fb, x_off + src * K)
+        ra = w0 + (Int64(e) * Int64(erows) + Int64(r + g)) * rowb
+        rb = ra + Int64(8) * rowb
+        ua = ra + Int64(I) * rowb  # EXPERT_UP's up rows (glu only)
+        ub = rb + Int64(I) * rowb
+        for i in cutlass.range_constexpr(8):
+            acc[i] = Float32(0.0)
+        for s in cutlass.range(0, smain, UC):
+            tc_step(acc, ra, rb, ua, ub, s * TC_K, t, xrow, xrow, xrow, False, False, msk, UC, glu)
+        for s in cutlass.range(smain, nsteps):
+            tc_step(acc, ra, rb, ua, ub, s * TC_K, t, xrow, xrow, xrow, False, False, msk, 1, glu)
+        for h in cutlass.range_constexpr(2):  # rows g, g + 8
+            for j in cutlass.range_constexpr(2):  # pairs 2t, 2t + 1
+                if 2 * t + j < pn:
+                    v = acc[2 * h + j]
+                    if cutlass.const_expr(glu):
+                        up = acc[4 + 2 * h + j]
+                        gs = v
+                        v = silu(gs) * up
+                        if use_situ:
+                            v = situ(gs, up)
+                    stf(Float32, fa(fb, out_off + (p0 + 2 * t + j) * R + r + g + 8 * h), v)
+
+
+@cute.jit
+def expert_up_group(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """EXPERT_UP under F_GROUP (bf16): h[pair] = glu(gate_up[e] . x[token]) for the item's units (group_units)."""
+    A_ = "EXPERT_UP"
+    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
+    group_units(fb, ib, smi, tid, A_, wtab[arg(smi, ARG[A_]["gu"])], I, D, I, x_off, arg(smi, ARG[A_]["ptok_off"]),
+                h_off, (arg(smi, 3) & F_SITU) != 0)
+
+
+@cute.jit
+def expert_down_group(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32):
+    """EXPERT_DOWN under F_GROUP (bf16): y[pair] = down[e] . h[pair] for the item's units (group_units), pair-major;
+    the weighted sum is the next phase's COMBINE."""
+    A_ = "EXPERT_DOWN"
+    I, D, h_off, y_off = args(smi, A_, "I D h_off y_off")
+    group_units(fb, ib, smi, tid, A_, wtab[arg(smi, ARG[A_]["dn"])], I, I, D, h_off, Int32(-1), y_off, False)
+
+
 @cute.jit
 def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, ptab: cute.Tensor, sm: cute.Tensor, smi: cute.Tensor,
                  tid: Int32):
@@ -782,6 +916,8 @@ def op_expert_up(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor,
     cores, whole 16-row tiles (expert_up_frag)."""
     if (arg(smi, 3) & F_FRAG) != 0:
         expert_up_frag(fb, ib, wtab, sm, smi, tid)
+    elif (arg(smi, 3) & F_GROUP) != 0:
+        expert_up_group(fb, ib, wtab, smi, tid)
     elif (arg(smi, 3) & F_ROUTE) != 0:
         expert_up_routed(fb, ib, wtab, sm, smi, tid, idx)
     else:
@@ -978,6 +1114,8 @@ def op_expert_down(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tenso
     tensor cores, pair-major, y alone (expert_down_frag; the sum is COMBINE's)."""
     if (arg(smi, 3) & F_FRAG) != 0:
         expert_down_frag(fb, ib, wtab, sm, smi, tid)
+    elif (arg(smi, 3) & F_GROUP) != 0:
+        expert_down_group(fb, ib, wtab, smi, tid)
     else:
         expert_down_rows(fb, ib, wtab, smi, tid)
 

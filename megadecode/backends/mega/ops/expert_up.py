@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from ....quant.mxfp4_frag import KREC, RECORD
 from ....reference.activations import situ_glu
-from ..isa import FRAG_DOWN, FRAG_TILE, F_FRAG, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SITU, up_chunks, up_passes
-from ..limits import NT, SMEM_F, KernelLimit
+from ..isa import (FRAG_DOWN, FRAG_TILE, F_FRAG, F_GROUP, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SITU, GROUP_MAX_E,
+                   GROUP_N, GROUP_TILE, TC_K, group_prefix, tc_input, up_chunks, up_passes)
+from ..limits import BODY_I, NT, SMEM_F, KernelLimit
 from . import route
 from .opcode import Opcode
 
@@ -23,6 +24,31 @@ def check(prog, ins, where: str) -> None:
         check_frag(prog, ins, where)
     if ins.flags & F_ROUTE:
         check_route(ins, where)
+    if ins.flags & F_GROUP:
+        check_group(ins, where)
+
+
+# F_GROUP's shared int words (cute/moe.py group_tables): the pass prefix, pstart and the experts, then the scan's
+# scratch
+GROUP_WORDS = 3 * (GROUP_MAX_E + 1) + NT // 32
+
+
+def check_group(ins, where: str) -> None:
+    """F_GROUP (the grouped tensor-core expert bodies, cute/moe.py): bf16 experts whose dims are whole 16-row
+    tiles and whole tensor-core steps, at most GROUP_MAX_E of them (their tables in shared memory), pass-wise: not
+    with F_PAIR1, F_ROUTE, F_MXFP4 or F_FRAG."""
+    a = ins.args
+    if ins.flags & (F_MXFP4 | F_FRAG | F_PAIR1 | F_ROUTE):
+        raise KernelLimit(f"{where}: F_GROUP takes bf16 experts in passes of {GROUP_N} pairs, not with F_MXFP4, "
+                          f"F_FRAG, F_PAIR1 or F_ROUTE")
+    I, D, E = a["I"], a["D"], a.get("E", 0)
+    if I % GROUP_TILE or D % GROUP_TILE or I % TC_K or D % TC_K:
+        raise KernelLimit(f"{where}: F_GROUP needs I and D multiples of {GROUP_TILE} and {TC_K}, got I = {I}, "
+                          f"D = {D}")
+    if E > GROUP_MAX_E:
+        raise KernelLimit(f"{where}: F_GROUP holds its experts' tables in shared memory: at most {GROUP_MAX_E} "
+                          f"experts, got {E}")
+    assert GROUP_WORDS <= BODY_I
 
 
 def check_route(ins, where: str) -> None:
@@ -71,12 +97,16 @@ def run(vm, ins, a) -> None:
         n, uniq, pstart = vm.groups(a)
         pre = vm.ri(a[pre_arg], n + 1).tolist()
         ptok = None
-    unit = FRAG_TILE if ins.flags & F_FRAG else 1  # F_FRAG: shares of whole 16-row tiles
+    if ins.flags & F_GROUP:  # passes of GROUP_N pairs, shares of whole 16-row tiles, the input as tc_input
+        P, pre = GROUP_N, group_prefix(pstart)
+    unit = FRAG_TILE if ins.flags & F_FRAG else GROUP_TILE if ins.flags & F_GROUP else 1
     for u, q, r0, r1 in up_chunks(pre, I, a["w"], a["W"], unit):
         p0 = pstart[u] + q * P
         pairs = range(p0, min(pstart[u + 1], p0 + P))
         toks = ptok[p0:p0 + len(pairs)] if ptok is not None else vm.ri(a["ptok_off"] + p0, len(pairs)).tolist()
         x = torch.stack([vm.rf(a["x_off"] + t * D, D) for t in toks])
+        if ins.flags & F_GROUP:
+            x = tc_input(x)
         g = x @ vm.rows_of(ins, a["gu"], a["gus"], uniq[u], r0, r1).T
         up = x @ vm.rows_of(ins, a["gu"], a["gus"], uniq[u], I + r0, I + r1).T
         hv = situ_glu(g, up) if ins.flags & F_SITU else F.silu(g) * up
