@@ -45,7 +45,7 @@ def _program(preset: str, batch: int, ctas: int = 8, seed: int = 0, sample=None)
 
 def test_rows_round_trip_and_float_bits():
     ins = Instr("MERGE", 3, dict(part_off=1, out_off=2, out_stride=3, b=0, h=1, S=2, H=4, d=16, wuv=-1, dv=16, P=0,
-                                 gate_off=-1, flag_off=-1),
+                                 gate_off=-1),
                 signal=7, waits=[Wait(5, 12, 12)], flags=2, name="x")
     row = ins.row()
     assert len(row) == ROW
@@ -714,7 +714,7 @@ def test_the_ring_checks_every_staged_round_fits():
     def prog_of(K, rows):
         ins = Instr("MATVEC", 0, dict(w=0, K=K, x_off=0, x_stride=K, out_off=0, out_stride=rows, out_col=0, r0=0,
                                       r1=rows, B=1, norm_w=-1, eps_bits=0, normed_off=-1, x2_off=-1, add0_off=-1,
-                                      add1_off=-1, xf_off=-1), name=f"L0.w[0:{rows}]")
+                                      add1_off=-1), name=f"L0.w[0:{rows}]")
         ins.prefetch = (0, 0, 2 * rows * K)
         return Program(None, 1, [ins], [Tensor("w", torch.zeros(1, dtype=torch.bfloat16), "static")], {}, {}, 1)
 
@@ -732,59 +732,3 @@ def test_the_ring_checks_every_staged_round_fits():
     p.instrs[0].prefetch = (0, 0, 2 * 16 * p.instrs[0].args["K"])
     with pytest.raises(KernelLimit, match=r"L0\.w\[0:16\]: a round of its staged rows reads pages 0\.\.\d+, more"):
         check_ring(p)
-
-
-def test_flagged_words_carry_merges_values_and_the_launchs_tag():
-    """Batch 1: MERGE also writes attention's output as flagged words ([value bits, tag] pairs, isa.flag_tag of the
-    launch and layer), the ones o_proj's staged rows poll in the ring build; repeats agree once the tags are
-    masked (Program.untagged), and the race check still passes."""
-    from megadecode.backends.mega.isa import F_FLAG_IN, F_STAGE, flag_tag
-
-    cfg = preset_config("tiny-qwen3-moe")
-    w = random_weights(cfg, "cpu", torch.bfloat16, 0)
-    cache = KVCache(cfg, 1, 200, "cpu", torch.bfloat16)
-    prog = schedule(lower(cfg, w, cache, 1, 16), 16)
-    vm = PyVM(prog)
-    vm.i32[prog.i32["positions"][0]] = 100
-    vm.launch()
-    assert not vm.races(limit=5)
-    off, n = prog.f32["attn_flagged"]
-    ao, an = prog.f32["attn"]
-    first = vm.f32.clone()
-    words = first[off:off + n].view(torch.int32).reshape(-1, 2)
-    assert n == 2 * an and torch.equal(words[:, 0].view(torch.float32), first[ao:ao + an])
-    assert set(words[:, 1].tolist()) == {flag_tag(1, cfg.num_layers - 1)}  # the last layer's MERGE wrote last
-    vm.launch()
-    tags = vm.f32[off:off + n].view(torch.int32)[1::2]
-    assert set(tags.tolist()) == {flag_tag(2, cfg.num_layers - 1)}
-    assert torch.equal(prog.untagged(vm.f32), prog.untagged(first)) and not torch.equal(vm.f32, first)
-    rows = prog.rows(ring=True)
-    flagged = [i for i in range(len(prog.instrs)) if rows[i, 3] & F_FLAG_IN]
-    assert flagged and all(prog.instrs[i].name.split(".")[1].startswith("o_proj") and rows[i, 3] & F_STAGE
-                           for i in flagged)
-    assert len(flagged) == sum(1 for i in prog.instrs if i.args.get("xf_off", -1) >= 0)
-    assert not (prog.rows(ring=False)[:, 3] & F_FLAG_IN).any()
-    assert flag_tag(2**21, 5) < 2**30 and flag_tag(3, 4) != flag_tag(3, 5) != flag_tag(4, 5)
-
-
-def test_flagged_words_only_where_the_kernel_reads_them():
-    """Batch 2 writes no flagged words; kernel_check refuses a flagged input under a norm, and flagged MERGE words
-    beside an output gate."""
-    from megadecode.backends.mega.isa import F_NORM
-    from megadecode.backends.mega.kernel_check import check_program
-    from megadecode.backends.mega.limits import KernelLimit
-
-    *_, prog2 = _bf16_program("tiny-qwen3-moe", 2)
-    assert "attn_flagged" not in prog2.f32
-    assert all(i.args.get("xf_off", -1) < 0 and i.args.get("flag_off", -1) < 0 for i in prog2.instrs)
-    *_, prog = _bf16_program("tiny-qwen3-moe", 1)
-    check_program(prog)
-    o = next(i for i in prog.instrs if i.args.get("xf_off", -1) >= 0)
-    o.flags |= F_NORM
-    with pytest.raises(KernelLimit, match="flagged input"):
-        check_program(prog)
-    o.flags &= ~F_NORM
-    m = next(i for i in prog.instrs if i.op == "MERGE")
-    m.args["gate_off"] = m.args["out_off"]
-    with pytest.raises(KernelLimit, match="flagged words"):
-        check_program(prog)

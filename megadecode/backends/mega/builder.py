@@ -128,9 +128,7 @@ class Builder:
 
     def matvec(self, layer: int, name: str, w: str, x: str, out: str, out_col: int = 0, *, norm: str | None = None,
                resid: bool = False, write_normed: str | None = None, rows: int | None = None,
-               x2: str | None = None, add0: str | None = None, add1: str | None = None, xf: str | None = None):
-        """`xf`: x's flagged twin (isa.flag_tag), which the ring build's staged rows read instead of waiting on the
-        counter (Program.rows' F_FLAG_IN)."""
+               x2: str | None = None, add0: str | None = None, add1: str | None = None):
         W = self.weights[w]
         N, K = W.shape
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
@@ -145,7 +143,7 @@ class Builder:
                      w=self.t(w), K=K, x_off=xo, x_stride=xs, out_off=oo, out_stride=os_, out_col=out_col, r0=r0,
                      r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,
                      normed_off=self.f32[write_normed][0] if write_normed else -1, x2_off=self.off(x2),
-                     add0_off=self.off(add0), add1_off=self.off(add1), xf_off=self.off(xf))
+                     add0_off=self.off(add0), add1_off=self.off(add1))
             ins.prefetch = self.range16(w, r0 * K, (r1 - r0) * K)
 
     def tc(self, K: int, *weights: str) -> int:

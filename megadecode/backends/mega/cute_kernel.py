@@ -10,10 +10,7 @@ index is the row's last word, isa.W_NEXT). Activations produced inside the launc
 and the tensors it writes (caches, recurrent states: their addresses in `ptab`) are read with plain coherent
 `ld.global` after the acquire; static weights (addresses in `wtab`) take the same plain loads in this version, and may take the
 non-coherent path, which the static audit proves per load site reads only wtab's tensors (backends/mega/spec.py,
-validate/audit.py). An instruction flagged F_FLAG_IN skips its first counter wait: its producers wrote its input as
-flagged words (isa.flag_tag), each carrying the launch and layer beside the value, and its body polls the words
-themselves (cute/base.py's flagged words: a release pattern at the producer, an acquire pattern at the consumer).
-Opcode semantics: backends/mega/pyvm.py, which this kernel is diffed against.
+validate/audit.py). Opcode semantics: backends/mega/pyvm.py, which this kernel is diffed against.
 
 Weights and caches are bf16 (routed experts bf16 or MXFP4; KDA's recurrent state fp32); activations fp32. Dot
 products: each warp takes rows, each lane 8 consecutive elements at a time (16-byte loads), TB tokens per pass, fp32
@@ -35,12 +32,12 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 
 from .cute import ARCH  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
 from .cute.base import (  # noqa: E402,F401
-    EPOCH_S, IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F,
-    SMEM_I, SMEM_RING_BYTES, TL_S, TLW, block_smem, block_threads, cta_sync, free_pages, hash32, loader, nap, ring_init,
+    IDX_S, LOADER, NEXT_S, NT, NTL, NW, RING_BYTES, RING_S, RING_SLOTS, ROW, ROW_S, SMEM_BYTES, SMEM_F, SMEM_I,
+    SMEM_RING_BYTES, TL_S, TLW, block_smem, block_threads, cta_sync, free_pages, hash32, loader, nap, ring_init,
     ring_pages, row_copies_landed, row_copy16, staged_pages,
 )
 from . import ops  # noqa: E402
-from .isa import F_FLAG_IN, F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
+from .isa import F_STAGE, OPCODES, W_NEXT, W_STAGE  # noqa: E402
 
 
 # Each opcode's body (the same arguments for all); the persistent loop dispatches on the row's opcode.
@@ -151,8 +148,6 @@ def mega_kernel(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr
     ib = i32.iterator.toint()
     # the launch number (written before the launch): read with acquire like every other read of the counters
     epoch = cute.arch.load(ctr.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
-    if tid == 0:  # the launch number, for flagged words' tags (base.tag_of); read after the first barrier
-        smi[EPOCH_S] = epoch
     if tid == 0:  # where base.mark stamps (timeline builds; 0: no marks); read after the first instruction's barrier
         tla = Int64(0)
         if (timeline & 1) != 0:
@@ -207,10 +202,7 @@ def compute(pb: Int64, fb: Int64, ib: Int64, qstart: cute.Tensor, ctr: cute.Tens
         t_wait = Int64(0)
         if tid == 0:
             t_wait = cute.arch.globaltimer()
-            c0 = smi[ROW_S + 4]
-            if (smi[ROW_S + 3] & F_FLAG_IN) != 0:  # wait 0 is its input's flagged words, polled by the body
-                c0 = Int32(-1)
-            ok = wait_counter(ctr, err, c0, smi[ROW_S + 5], smi[ROW_S + 6], epoch, max_spin, idx)
+            ok = wait_counter(ctr, err, smi[ROW_S + 4], smi[ROW_S + 5], smi[ROW_S + 6], epoch, max_spin, idx)
             if ok == 1:
                 ok = wait_counter(ctr, err, smi[ROW_S + 7], smi[ROW_S + 8], smi[ROW_S + 9], epoch, max_spin, idx)
             smi[SMEM_I - 1] = ok

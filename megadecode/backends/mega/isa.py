@@ -59,8 +59,6 @@ F_KV_WRITE = 65536  # ATTN_GQA: only write the token's key and value to the cach
 F_KV_READ = 131072  # ATTN_GQA: attention over the cache only, its rows written by an F_KV_WRITE phase before
 F_STAGE = 262144  # MATVEC (batch 1, CUDA cores): its rows (the static bytes, words 10..12) come through the CTA's
 # weight ring, streamed ahead of its wait (Program.rows sets it: `stageable`); no change to what it computes
-F_FLAG_IN = 524288  # MATVEC under F_STAGE whose input has flagged words (`xf_off`, flag_tag): wait 0 is met by the
-# words themselves, which the staged input polls, not by the counter (Program.rows sets it with F_STAGE)
 F_GROUP = 1048576  # EXPERT_UP / EXPERT_DOWN (bf16): grouped on the tensor cores, each selected expert's 16-row
 # tiles against GROUP_N of its pairs at once (a pass, `group_prefix`), so its rows are read once per GROUP_N pairs,
 # not once per pair; EXPERT_DOWN pair-major (y alone), the weighted sum the next phase's COMBINE, as under F_FRAG
@@ -74,10 +72,9 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # hidden[t, c0:c1] = embed[tokens[t], c0:c1]
     "EMBED": (1, ("w", "tok_off", "out_off", "D", "B", "c0", "c1")),
     # out[t, out_col + r] (+)= W[r, :K] . f(x[t, :K] (+ x2[t, :K])) (+ add0[t, r] + add1[t, r]) for r in [r0, r1),
-    # t < B; f = RMSNorm when F_NORM; x2 / add0 / add1 offsets -1: none (same strides as x / out); xf_off >= 0:
-    # x's flagged twin (flag_tag), which the ring build's staged input reads under F_FLAG_IN
+    # t < B; f = RMSNorm when F_NORM; x2 / add0 / add1 offsets -1: none (same strides as x / out)
     "MATVEC": (2, ("w", "K", "x_off", "x_stride", "out_off", "out_stride", "out_col", "r0", "r1", "B",
-                   "norm_w", "eps_bits", "normed_off", "x2_off", "add0_off", "add1_off", "xf_off")),
+                   "norm_w", "eps_bits", "normed_off", "x2_off", "add0_off", "add1_off")),
     # out[t, out_col + r] = silu(Wg[r] . f(x_t)) * (Wu[r] . f(x_t))
     "GLU": (3, ("wg", "wu", "K", "x_off", "x_stride", "out_off", "out_stride", "out_col", "r0", "r1", "B",
                 "norm_w", "eps_bits", "x2_off")),
@@ -87,9 +84,8 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     "ATTN_GQA": (4, ("kc", "vc", "qkv_off", "qkv_stride", "qn_w", "kn_w", "pos_off", "slot_off", "b", "h", "s",
                      "S", "H", "KH", "d", "part_off", "scale_bits", "eps_bits", "rope_w", "att_bits", "Lmax")),
     # o[b, head*dv:(head+1)*dv] = merge of the S partials of (b, head) [MLA: then W_UV of the head; K3: then
-    # times sigmoid(gate[b, head*dv + v]) (gate_off -1: no gate)]; flag_off >= 0: o also as flagged words there
-    "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P", "gate_off",
-                  "flag_off")),
+    # times sigmoid(gate[b, head*dv + v]) (gate_off -1: no gate)]
+    "MERGE": (5, ("part_off", "out_off", "out_stride", "b", "h", "S", "H", "d", "wuv", "dv", "P", "gate_off")),
     # routing for the whole batch: picks, weights, and the pairs grouped by expert (see backends/mega/lower.py)
     # (also each expert's passes of PASS pairs, as a prefix: qst[u] = sum over u' < u of ceil(pairs(u') / PASS))
     "ROUTE": (6, ("logits_off", "E", "A", "B", "bias_w", "n_group", "topk_group", "scale_bits", "ids_off",
@@ -192,20 +188,6 @@ def up_chunks(qst: list[int], I: int, w: int, W: int, unit: int = 1) -> list[tup
             if r0 < r1:
                 out.append((u, q, r0 * unit, r1 * unit))
     return out
-
-
-# Flagged words: a buffer whose consumers wait on the data, not on a counter. Element i of a flagged twin is the
-# 8-byte word at fp32 offset flag_off + 2 i: the value's fp32 bits in the low half, `flag_tag(launch, layer)` in the
-# high half. The producer stores each word whole (one 64-bit store, single-copy atomic), so a consumer that reads the
-# tag of this launch and layer reads the value stored with it: its first load is its wait, with no release add and no
-# counter poll before it (docs/megakernel.md, "The flagged hand-over"). A word of an earlier layer or launch carries
-# another tag. Tags keep the top two bits clear (never a NaN's pattern when the arena is read as fp32).
-FLAG_LAYERS = 1023  # layers a tag tells apart (layer + 1 in its low 10 bits)
-
-
-def flag_tag(launch: int, layer: int) -> int:
-    """The tag of a flagged word written by `layer` in launch number `launch` (1, 2, ...)."""
-    return ((launch << 10) + layer + 1) & 0x3FFFFFFF
 
 
 def f32_bits(x: float) -> int:

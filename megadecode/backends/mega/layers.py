@@ -20,7 +20,6 @@ import torch
 from ...quant.mxfp4_frag import is_frag_entry
 from .builder import Builder
 from .limits import NT
-from .program import FLAGGED
 from .isa import (
     FRAG_DOWN,
     FRAG_TILE,
@@ -50,9 +49,6 @@ from .isa import (
 
 
 WARPS = NT // 32  # warps a CTA (cute/base.py's NW)
-# batch 1: MERGE also writes attention's output as flagged words (isa.flag_tag), which o_proj's staged rows poll in
-# the ring build instead of waiting on MERGE's counter: no release add, no counter poll before the input's trip
-FLAG_O_PROJ = True
 
 
 @dataclass(frozen=True)
@@ -110,17 +106,12 @@ def gqa_layer(b: Builder, i: int, p: str, att_bits: int, io: LayerIO) -> None:
                 attn(s_, h, s, F_KV_READ if b.causal_rows else 0, f"L{i}.attn[{s_},{h},{s}]")
     b.close(f"L{i}.attn")
     b.buf("attn", B * H * d)
-    flagged = FLAG_O_PROJ and B == 1
-    if flagged:
-        b.buf("attn" + FLAGGED, 2 * B * H * d)
     for s_ in range(B):
         for h in range(H):
             b.add("MERGE", i, f"L{i}.merge[{s_},{h}]", part_off=b.f32["part"][0], out_off=b.f32["attn"][0],
-                  out_stride=H * d, b=s_, h=h, S=S, H=H, d=d, wuv=-1, dv=d, P=0, gate_off=-1,
-                  flag_off=b.off("attn" + FLAGGED if flagged else None))
+                  out_stride=H * d, b=s_, h=h, S=S, H=H, d=d, wuv=-1, dv=d, P=0, gate_off=-1)
     b.close(f"L{i}.merge")
-    b.matvec(i, "o_proj", f"{a}.o_proj.weight", "attn", io.attn_out, resid=io.attn_resid,
-             xf="attn" + FLAGGED if flagged else None)
+    b.matvec(i, "o_proj", f"{a}.o_proj.weight", "attn", io.attn_out, resid=io.attn_resid)
     b.close(f"L{i}.o_proj")
 
 
@@ -182,7 +173,7 @@ def mla_layer(b: Builder, i: int, p: str, att_bits: int, io: LayerIO) -> None:
         for h in range(H):
             b.add("MERGE", i, f"L{i}.merge[{s_},{h}]", bytes_=V * C * b.wbytes, part_off=b.f32["part"][0],
                   out_off=b.f32["attn"][0], out_stride=H * V, b=s_, h=h, S=S, H=H, d=C, wuv=wkv, dv=V, P=P,
-                  gate_off=b.off(gate), flag_off=-1)
+                  gate_off=b.off(gate))
     b.close(f"L{i}.merge")
     b.matvec(i, "o_proj", f"{a}.o_proj.weight", "attn", io.attn_out, resid=io.attn_resid)
     b.close(f"L{i}.o_proj")

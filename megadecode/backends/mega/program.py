@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .isa import F_FLAG_IN, F_STAGE, F_TC, ROW, W_NEXT, W_STAGE, Instr
+from .isa import F_STAGE, F_TC, ROW, W_NEXT, W_STAGE, Instr
 from .limits import RING_PAGE, RING_SLOTS, SMEM_F
-
-FLAGGED = "_flagged"  # the name of an fp32 buffer of flagged words (isa.flag_tag) ends so
 
 
 @dataclass
@@ -46,15 +44,6 @@ class Program:
     @property
     def i32_size(self) -> int:
         return max((o + n for o, n in self.i32.values()), default=0)
-
-    def untagged(self, f32: torch.Tensor) -> torch.Tensor:
-        """A copy of an fp32 arena with the tags of its flagged buffers (isa.flag_tag; named `*_flagged`) zeroed: what
-        two launches of the same inputs must agree on bit for bit (a tag carries the launch's number)."""
-        out = f32.clone()
-        for name, (off, n) in self.f32.items():
-            if name.endswith(FLAGGED):
-                out[off + 1:off + n:2] = 0
-        return out
 
     def to(self, device) -> "Program":
         """A copy whose tensor table lives on `device` (weights and caches copied): pyvm on the CPU for a program
@@ -106,8 +95,8 @@ class Program:
     def rows(self, ring: bool = False) -> torch.Tensor:
         """[N, ROW] int32: every instruction serialized, word W_NEXT the next instruction of its CTA's queue (-1
         for the last of a queue, and for every instruction of a program not scheduled yet); for the kernel's ring
-        build (`ring`), the stageable ones flagged F_STAGE (and F_FLAG_IN where their input has a flagged twin,
-        isa.flag_tag), word W_STAGE the next flagged instruction of the same queue (-1: none)."""
+        build (`ring`), the stageable ones flagged F_STAGE, word W_STAGE the next flagged instruction of the same
+        queue (-1: none)."""
         rows = torch.tensor([i.row() for i in self.instrs], dtype=torch.int32).reshape(-1, ROW)
         rows[:, W_NEXT] = -1
         rows[:, W_STAGE] = -1
@@ -119,8 +108,6 @@ class Program:
                 rows[i, W_STAGE] = nxt
                 if ring and self.stageable(self.instrs[i]):
                     rows[i, 3] |= F_STAGE
-                    if self.instrs[i].args["xf_off"] >= 0:  # its input's flagged twin: polled, not waited on
-                        rows[i, 3] |= F_FLAG_IN
                     nxt = i
         return rows
 

@@ -74,12 +74,6 @@ class PyVM(VMOps):
         self._rec("f32", off, off + val.numel(), True)
         self.f32[off:off + val.numel()] = val.float()
 
-    def wflagged(self, off: int, val: torch.Tensor, tag: int) -> None:
-        """Flagged words (isa.flag_tag) at fp32 offset `off`: each value's fp32 bits, then the tag's, per element."""
-        val = val.reshape(-1).float()
-        words = torch.stack([val.view(torch.int32), torch.full_like(val.view(torch.int32), tag)], 1)
-        self.wf(off, words.reshape(-1).view(torch.float32))
-
     def ri(self, off: int, n: int) -> torch.Tensor:
         self._rec("i32", off, off + n, False)
         return self.i32[off:off + n]

@@ -317,9 +317,6 @@ class MegaRuntime:
                         -3: "the ring's loader waited for a free slot for page {p}"}[e[2]]
                 raise MegaError(f"megakernel weight ring timed out: instruction {e[1]} "
                                 f"({ins.name if ins else 'the end of its queue'}): " + what.format(p=e[3]))
-            if e[2] == -4:  # a flagged input (cute/base.py: poll_flagged)
-                raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) polled "
-                                f"its flagged input's word {e[3]}, which never carried this launch's tag")
             raise MegaError(f"megakernel wait timed out: instruction {e[1]} ({ins.name if ins else '?'}) waited on "
                             f"counter {e[2]} ({self.prog.phases[e[2] - 1] if 0 < e[2] <= len(self.prog.phases) else '?'})"
                             f" for {e[4]}, saw {e[3]}")

@@ -27,7 +27,6 @@ NEXT_S = BODY_I  # the next instruction's row, copied (cp.async) while the curre
 IDX_S = SMEM_I - 24  # the current instruction's index
 TL_S = SMEM_I - 4  # 2 int words: the timeline buffer's address in timeline builds (0 otherwise), for `mark`
 FLAG_S = SMEM_I - 8  # an int word a body shares over its CTA (ROUTE: its batch-1 path taken)
-EPOCH_S = SMEM_I - 12  # the launch number (thread 0 writes it before the first instruction): flagged words' tags
 ERR_S = SMEM_I - 20  # 2 int words: the error buffer's address (the weight ring's timeouts report through it)
 # The weight ring's int words (RING_S + k): k = 3 pages freed (consumed: their slots may be refilled), 4 the current
 # instruction's first page, 5 the ring's shared address, 6 its mbarriers' shared address, 7 the launch's spin limit
@@ -358,8 +357,7 @@ def err_addr(smi: cute.Tensor) -> Int64:
 @cute.jit
 def report_ring_timeout(smi: cute.Tensor, idx: Int32, what: Int32, page: Int32):
     """A ring wait past its limit, recorded as a counter's timeout is: err[2] = what (-2: a page that did not land,
-    -3: the loader waiting for a free slot, -4: a flagged input's words), err[3] the page (the word); the abort flag
-    raised (runtime.MegaRuntime.check)."""
+    -3: the loader waiting for a free slot), err[3] the page; the abort flag raised (runtime.MegaRuntime.check)."""
     ea = err_addr(smi)
     old = cute.arch.atomic_cas(_g(ea, Int32, 4).llvm_ptr, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
     if old == 0:
@@ -373,94 +371,6 @@ def report_ring_timeout(smi: cute.Tensor, idx: Int32, what: Int32, page: Int32):
 def aborted(smi: cute.Tensor) -> Int32:
     """The launch's abort flag (err[0]): a wait somewhere timed out."""
     return cute.arch.load(_g(err_addr(smi), Int32, 4).llvm_ptr, Int32, sem="relaxed", scope="gpu")
-
-
-# ---- flagged words (isa.flag_tag): a consumer polls the produced words themselves ---------------------------------
-# The producer's thread fences (fence.acq_rel.gpu) once after its CTA's acquire and barrier and before its first flagged
-# store, so each flagged store is the write of a release pattern; the consumer's thread fences once after it read
-# every word it needs with this launch's tag, so those reads are the reads of an acquire pattern. Whatever the
-# producer's CTA had acquired is then visible to the consumer's CTA after its next barrier, as after a counter's
-# wait. The value rides in the word that carries the tag: it needs no ordering of its own.
-
-
-@cute.jit
-def tag_of(smi: cute.Tensor, layer: Int32) -> Int32:
-    """The flagged words' tag of `layer` in this launch (isa.flag_tag)."""
-    return ((smi[EPOCH_S] << Int32(10)) + layer + Int32(1)) & Int32(0x3FFFFFFF)
-
-
-@cute.jit
-def fence_acq_rel():
-    """fence.acq_rel.gpu: the fence of a flagged word's release pattern (before the stores) or acquire pattern
-    (after the polls)."""
-    cute.arch.inline_ptx("fence.acq_rel.gpu;")
-
-
-@cute.jit
-def st_flagged(addr: Int64, v: Float32, tag: Int32):
-    """One flagged word at addr (8-byte aligned): v's bits low, the tag high, in one 64-bit relaxed store (an aligned
-    64-bit access is single-copy atomic, so no reader sees the tag without the value)."""
-    cute.arch.inline_ptx("{ .reg .b32 lo; .reg .b64 w; mov.b32 lo, {$r1}; mov.b64 w, {lo, {$r2}}; "
-                         "st.relaxed.gpu.global.b64 [{$r0}], w; }", read_only_args=[addr, v, tag])
-
-
-@cute.jit
-def ld_flagged2(addr: Int64):
-    """Two flagged words at addr (16-byte aligned), one relaxed vector load whose 64-bit elements are each single-copy
-    atomic: (value bits, tag) of the first, then of the second. Coherent: produced data."""
-    return cute.arch.inline_ptx("{ .reg .b64 a, b; ld.relaxed.gpu.global.v2.b64 {a, b}, [{$r0}]; "
-                                "mov.b64 { {$w0}, {$w1} }, a; mov.b64 { {$w2}, {$w3} }, b; }",
-                                write_only_types=[Uint32, Int32, Uint32, Int32], read_only_args=[addr])
-
-
-@cute.jit
-def flagged_tag(addr: Int64) -> Int32:
-    """The tag of the flagged word at addr (one relaxed 64-bit load)."""
-    return cute.arch.inline_ptx("{ .reg .b64 a; .reg .b32 v; ld.relaxed.gpu.global.b64 a, [{$r0}]; "
-                                "mov.b64 {v, {$w0}}, a; }", write_only_types=[Int32], read_only_args=[addr])
-
-
-@cute.jit
-def any_lane(x: Int32) -> Int32:
-    """1 when x is non-zero on any lane of the (converged) warp, on every lane."""
-    return cute.arch.inline_ptx("{ .reg .pred p, q; setp.ne.s32 p, {$r0}, 0; vote.sync.any.pred q, p, 0xffffffff; "
-                                "selp.b32 {$w0}, 1, 0, q; }", write_only_types=[Int32], read_only_args=[x])
-
-
-@cute.jit
-def ld_flagged8(w: cute.Tensor, j: Int32, addr: Int64, tag: Int32) -> Int32:
-    """Eight flagged words at addr (16-byte aligned) into w[j .. j + 8) as fp32 values: how many did not carry `tag`."""
-    bad = Int32(0)
-    for q in cutlass.range_constexpr(4):
-        v0, t0, v1, t1 = ld_flagged2(addr + Int64(16 * q))
-        w[j + 2 * q] = from_bits(v0)
-        w[j + 2 * q + 1] = from_bits(v1)
-        if t0 != tag:
-            bad += 1
-        if t1 != tag:
-            bad += 1
-    return bad
-
-
-POLL_ABORT = 32  # a flagged poll reads the abort flag once every this many polls (cute_kernel.ABORT_POLL's reason)
-
-
-@cute.jit
-def poll_flagged8(w: cute.Tensor, j: Int32, addr: Int64, tag: Int32, smi: cute.Tensor, idx: Int32, elem: Int32):
-    """ld_flagged8 until every word carries `tag`, bounded by the launch's spin limit and given up once the launch
-    aborted; past the limit the timeout is recorded (report_ring_timeout, -4, `elem` the first word's element) and
-    the caller uses what it read, in a launch reported failed."""
-    bad = ld_flagged8(w, j, addr, tag)
-    spins = Int32(0)
-    lim = smi[RING_S + 7]
-    stop = Int32(0)
-    while bad != 0 and spins < lim and stop == 0:
-        bad = ld_flagged8(w, j, addr, tag)
-        spins += 1
-        if spins % POLL_ABORT == 0:
-            stop = aborted(smi)
-    if bad != 0 and stop == 0:
-        report_ring_timeout(smi, idx, Int32(-4), elem)
 
 
 @cute.jit

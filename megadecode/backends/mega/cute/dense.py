@@ -6,19 +6,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import F_FLAG_IN, F_GREEDY, F_NORM, F_RESID, F_STAGE, F_TC, F_WRITE_NORMED, TC_K
+from ..isa import F_GREEDY, F_NORM, F_RESID, F_STAGE, F_TC, F_WRITE_NORMED, TC_K
 from .base import (
-    POLL_ABORT,
-    ROW_S,
-    aborted,
-    any_lane,
     cta_sync,
-    fence_acq_rel,
-    flagged_tag,
-    ld_flagged8,
-    poll_flagged8,
-    st_flagged,
-    tag_of,
     ARG,
     NEG_INF,
     NT,
@@ -349,44 +339,6 @@ def stage_input(sm: cute.Tensor, fb: Int64, gaddr: Int64, x_off: Int32, x2_off: 
 
 
 @cute.jit
-def stage_flagged(sm: cute.Tensor, smi: cute.Tensor, fb: Int64, xf_off: Int32, K: Int32, idx: Int32, tid: Int32):
-    """stage_input for F_FLAG_IN (no norm, no x2: kernel_check): the input's flagged words (isa.flag_tag) at xf_off
-    into shared words [XS, XS + K), 8 a thread a step. First warp 0 polls 32 sample words, the last of each 32nd of
-    the row (o_proj's: the last word of each head, one MERGE each), until all carry this launch's tag: that is the
-    instruction's wait on its producers. The whole row polled by every CTA of a phase would take the L2's bandwidth
-    from the phases still running (qwen3-30b-a3b batch 1 on an H100: 4932 us a launch against 4758 with the counter
-    wait). Then every step's loads at once (one trip for the row, as stage_input's), each step whose words did not
-    all carry the tag polled until they do (poll_flagged8); then the acquire fence, so that what the producers had
-    acquired (the residual this MATVEC adds into) is visible after the barrier."""
-    tag = tag_of(smi, smi[ROW_S + 1])  # producer and consumer of a flagged buffer are one layer's phases
-    if tid < 32:
-        sa = fa(fb, xf_off + 2 * cutlass.max((tid + 1) * K // 32 - 1, 0))
-        pend = any_lane(flagged_tag(sa) - tag)
-        spins = Int32(0)
-        lim = smi[RING_S + 7]
-        stop = Int32(0)
-        while pend != 0 and spins < lim and stop == 0:
-            pend = any_lane(flagged_tag(sa) - tag)
-            spins += 1
-            if spins % POLL_ABORT == 0:
-                stop = any_lane(aborted(smi))
-    cta_sync()
-    late = Int32(0)  # bit i: step i read a word of another launch or layer
-    i = Int32(0)
-    for k in cutlass.range(tid * 8, K, NT * 8, unroll=2):
-        if ld_flagged8(sm, XS + k, fa(fb, xf_off + 2 * k), tag) != 0:
-            late = late | (Int32(1) << i)
-        i += 1
-    i = Int32(0)
-    for k in cutlass.range(tid * 8, K, NT * 8):
-        if (late & (Int32(1) << i)) != 0:
-            poll_flagged8(sm, XS + k, fa(fb, xf_off + 2 * k), tag, smi, idx, k)
-        i += 1
-    fence_acq_rel()
-    cta_sync()
-
-
-@cute.jit
 def bf16x2_dot(w: Uint32, x0: Float32, x1: Float32, s0: Float32, s1: Float32):
     """s0 + w.lo * x0, s1 + w.hi * x1 for a word of two bf16 (the low half the first element): a bf16 is the high
     half of its fp32, so each converts with one shift or mask."""
@@ -413,10 +365,7 @@ def staged_rows(idx: Int32, smi: cute.Tensor, sm: cute.Tensor, fb: Int64, K: Int
     ring = smi[RING_S + 5]
     if tid == 0:
         mark(smi, idx, 0)  # timeline builds: the staged body's start
-    if (flags & F_FLAG_IN) != 0:
-        stage_flagged(sm, smi, fb, arg(smi, ARG["MATVEC"]["xf_off"]), K, idx, tid)
-    else:
-        stage_input(sm, fb, gaddr, x_off, x2_off, has_x2, norm, K, eps, warp, lane, tid)
+    stage_input(sm, fb, gaddr, x_off, x2_off, has_x2, norm, K, eps, warp, lane, tid)
     npairs = (r1 - r0 + 1) // 2
     PB = 4 * K  # bytes of a row pair
     L = (r1 - r0) * K * 2
@@ -671,11 +620,6 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
     for s in cutlass.range(tid, S, NT):
         sm[WS + s] = cute.math.exp(sm[MS + s] - mx)
     cta_sync()
-    flag_off = arg(smi, ARG[A]["flag_off"])  # >= 0: o also as flagged words (isa.flag_tag; no W_UV, no gate)
-    tag = Int32(0)
-    if flag_off >= 0:
-        tag = tag_of(smi, smi[ROW_S + 1])
-        fence_acq_rel()  # each flagged store below the write of a release pattern (base.py)
     for dd in cutlass.range(tid, d, NT):
         num = Float32(0.0)
         for s in cutlass.range(S, unroll=16):
@@ -684,8 +628,6 @@ def op_merge(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, pta
         if wuv < 0:
             if gate_off >= 0:
                 o = o * sigmoid(ldf(Float32, fa(fb, gate_off + b * out_stride + h * dv + dd)))
-            if flag_off >= 0:
-                st_flagged(fa(fb, flag_off + 2 * (b * out_stride + h * dv + dd)), o, tag)
             stf(Float32, fa(fb, obase + dd), o)
         else:
             sm[dd] = o

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..isa import F_NORM, F_RESID, F_TC, F_WRITE_NORMED, FLAG_LAYERS, TC_K
+from ..isa import F_RESID, F_TC, F_WRITE_NORMED, TC_K
 from ..limits import KernelLimit
 from .opcode import Opcode
 
@@ -17,10 +17,6 @@ def check(prog, ins, where: str) -> None:
     a = ins.args
     if a["B"] > 64:
         raise KernelLimit(f"{where}: {a['B']} rows (the norm's per-row scales hold 64)")
-    if a.get("xf_off", -1) >= 0 and (ins.flags & F_NORM or a["x2_off"] >= 0 or a["B"] != 1 or a["xf_off"] % 4
-                                     or ins.layer >= FLAG_LAYERS):  # (GLU shares this check: no xf_off)
-        raise KernelLimit(f"{where}: a flagged input (xf_off {a['xf_off']}) is read by batch-1 rows without norm or "
-                          f"x2, 16-byte aligned, layer below {FLAG_LAYERS}")
     if ins.flags & F_TC and (a["K"] % TC_K or a["B"] < 2):
         raise KernelLimit(f"{where}: F_TC (tensor-core rows) needs K a multiple of {TC_K} and 2 tokens or more; "
                           f"K = {a['K']}, B = {a['B']}")

@@ -1,11 +1,10 @@
 """MERGE: o[b, head*dv:(head+1)*dv] = merge of the S partials of (b, head) [MLA: then W_UV of the head; K3: then
-times sigmoid(gate[b, head*dv + v]) (gate_off -1: no gate)]; flag_off >= 0: o also as flagged words there"""
+times sigmoid(gate[b, head*dv + v]) (gate_off -1: no gate)]"""
 
 from __future__ import annotations
 
 import torch
 
-from ..isa import FLAG_LAYERS, flag_tag
 from ..limits import SMEM_F, KernelLimit
 from .opcode import Opcode
 
@@ -17,10 +16,6 @@ def check(prog, ins, where: str) -> None:
     if a["wuv"] >= 0 and (a["d"] % 8 or a["d"] > SMEM_F - 128):
         # (the merged latent in shared words 0 .. d; the splits' maxima and weights in the last 128)
         raise KernelLimit(f"{where}: latent width {a['d']} (a multiple of 8, at most {SMEM_F - 128})")
-    if a["flag_off"] >= 0 and (a["flag_off"] % 4 or a["wuv"] >= 0 or a["gate_off"] >= 0
-                               or ins.layer >= FLAG_LAYERS):
-        raise KernelLimit(f"{where}: flagged words at {a['flag_off']} (16-byte aligned, no W_UV, no gate, layer "
-                          f"below {FLAG_LAYERS})")
     if a["S"] > 64:
         raise KernelLimit(f"{where}: {a['S']} attention splits (MERGE's split weights take 64 shared words)")
 
@@ -40,5 +35,3 @@ def run(vm, ins, a) -> None:
     if a["gate_off"] >= 0:  # kimi_k3's output gate, per (head, value) element
         o = o * torch.sigmoid(vm.rf(a["gate_off"] + b * a["out_stride"] + h * a["dv"], a["dv"]))
     vm.wf(a["out_off"] + b * a["out_stride"] + h * a["dv"], o)
-    if a["flag_off"] >= 0:  # the same values as flagged words (isa.flag_tag): [value bits, tag] pairs
-        vm.wflagged(a["flag_off"] + 2 * (b * a["out_stride"] + h * a["dv"]), o, flag_tag(vm.counters[0], ins.layer))
