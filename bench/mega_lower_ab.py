@@ -31,12 +31,6 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,splits_ceil,splits32 --batch 1,8 --check-batch 1,3
 
-- `unflagged`: batch 1's o_proj waits on MERGE's counter and reads attention's output after it, where the shipped
-  lowering has MERGE also write that output as flagged words (isa.flag_tag) that o_proj's staged rows poll (its
-  first load is its wait: no release add, no counter poll before the input's trip):
-
-      python bench/mega_lower_ab.py --variants shipped,unflagged --batch 1 --check-batch 1,3
-
 - `qkv_shared`: q, k and v tiled with one rows-per-tile for the three, where the shipped lowering tiles them jointly
   (layers.qkv_rows): at qwen3-30b-a3b batch 1 that made 134 instructions on 132 CTAs, two CTAs running two.
 
@@ -77,7 +71,7 @@ from megadecode.weights import random_weights
 from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/: options, timing, swaps
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
-VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "unflagged", "qkv_shared",
+VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "qkv_shared",
             "group_off", "group_9")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
@@ -101,8 +95,6 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
             return max(1, min(64, -(-self.cache.max_len // per), round(self.ctas / max(1, units))))
 
         return [(Builder, "splits", splits)]
-    if name == "unflagged":  # o_proj waits on MERGE's counter again (no flagged twin of attention's output)
-        return [(layers, "FLAG_O_PROJ", False)]
     if name == "group_off":  # no F_GROUP: the CUDA-core pass loop and the fused combine at every batch
         return [(layers, "GROUP_MIN_B", 1 << 30)]
     if name == "group_9":  # F_GROUP from 9 tokens (layers: F_GROUP before F_PAIR1)
