@@ -111,13 +111,13 @@ def _attn_early_module():
                          "attn_early")
 
 
-def build(name: str, device):
+def build(name: str, device, ring: bool = True):
     """The variant's launcher; `shipped`: None, the runtimes' own (loaded from the disk cache where an earlier
     compile of these sources left it: a compile less a call)."""
     if name == "shipped":
         return None
     with swapped(_swaps(name)):
-        return compile_launcher(device, cache=False)
+        return compile_launcher(device, cache=False, ring=ring)
 
 
 def build_ptx(name: str) -> str:

@@ -61,7 +61,7 @@ import torch
 from megadecode.backends import expert_layout
 from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
-from megadecode.backends.mega.runtime import compile_launcher
+from megadecode.backends.mega.runtime import compiled_launcher, ring_build
 from megadecode.backends.mega.schedule import schedule
 from megadecode.cache import KVCache
 from megadecode.plan import build_plan
@@ -107,23 +107,25 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     raise ValueError(f"unknown variant {name!r}")
 
 
-def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], kernel, rounds: int) -> dict:
-    """Every variant's program of `cfg` at `batch` (weights `w`), launched in interleaved rounds: median and min us."""
+def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], rounds: int) -> dict:
+    """Every variant's program of `cfg` at `batch` (weights `w`), launched in interleaved rounds: median and min us.
+    The build the executor runs at this batch (runtime.ring_build) on as many CTAs as it holds."""
     cache = KVCache(cfg, batch, context + 8, "cuda", torch.bfloat16)
     for parts in cache.layers.values():
         for t in parts:
             t.normal_()
-    ctas = default_ctas(torch.device("cuda"))
+    ring = ring_build(batch)
+    ctas = default_ctas(torch.device("cuda"), ring)
     rts, ninstr = {}, {}
     for n in names:
         with swapped(_swaps(n)):
             prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
         ninstr[n] = len(prog.instrs)
-        rts[n] = _runtime(prog, batch, context, kernel=kernel)
+        rts[n] = _runtime(prog, batch, context, ring=ring)
     med, mins = interleaved(rts, rounds)
     del rts, cache
     torch.cuda.empty_cache()
-    return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "rounds": rounds,
+    return {"preset": preset, "batch": batch, "context": context, "ctas": ctas, "ring": ring, "rounds": rounds,
             "instructions": ninstr, "median_us": med, "min_us": mins}
 
 
@@ -133,14 +135,15 @@ def main(argv=None) -> int:
     names = ab_variants(ap, args, VARIANTS)
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    kernel = compile_launcher(dev, cache=False)
+    for ring in sorted({ring_build(int(b)) for b in f"{args.batch},{args.check_batch}".split(",")}):
+        compiled_launcher(dev, ring)  # each build the batches run: the runtimes' own (compiled, or the disk cache's)
     out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"),
            "compile_s": round(time.perf_counter() - t0, 1), "checks": [], "runs": []}
     for n in names:
         for p in CHECK_PRESETS:
             for b in map(int, args.check_batch.split(",")):
                 with swapped(_swaps(n)):
-                    r = diff_program(p, b, 16, seed=b, kernel=kernel)
+                    r = diff_program(p, b, 16, seed=b)
                 worst = max((x.get("rel", 0.0) for x in r.get("buffers", [])), default=None)
                 out["checks"].append({"variant": n, "preset": p, "batch": b, "failures": diff_failures(r),
                                       "worst_rel": worst})
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
         w = random_weights(cfg, "cuda", torch.bfloat16, 0)
         w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))  # as the mega executor holds them
         for b in map(int, args.batch.split(",")):
-            r = timed(p, cfg, w, b, args.context, names, kernel, args.rounds)
+            r = timed(p, cfg, w, b, args.context, names, args.rounds)
             out["runs"].append(r)
             print(f"{p} b={b}: " + "  ".join(f"{n} {v:.0f} us ({r['instructions'][n]} instr)"
                                               for n, v in r["median_us"].items()), flush=True)

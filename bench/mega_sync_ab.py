@@ -56,7 +56,7 @@ import torch
 from megadecode.backends import expert_layout
 from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
-from megadecode.backends.mega.runtime import compile_launcher
+from megadecode.backends.mega.runtime import compile_launcher, ring_build
 from megadecode.backends.mega.schedule import schedule
 from megadecode.cache import KVCache
 from megadecode.plan import build_plan
@@ -311,12 +311,14 @@ def swapped(swaps: list[tuple[object, str, object]]):
             setattr(m, a, old)
 
 
-def build(name: str, device):
+def build(name: str, device, ring: bool = True):
     with swapped(_swaps(name)):
-        return compile_launcher(device, cache=False)
+        return compile_launcher(device, cache=False, ring=ring)
 
 
 def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> dict:
+    """Every variant's build of the batch (kernels[name, ring]: ring_build(batch)'s, as the executor runs it, on as
+    many CTAs as that build holds), launched in interleaved rounds: median and min us."""
     cfg = preset_config(preset)
     w = random_weights(cfg, "cuda", torch.bfloat16, 0)
     w = expert_layout.take(w, build_plan(cfg), frag_order(cfg, "cuda"))  # K3's experts as the mega executor holds them
@@ -324,9 +326,10 @@ def timed(preset: str, batch: int, context: int, kernels: dict, rounds: int) -> 
     for parts in cache.layers.values():
         for t in parts:
             t.normal_()
-    ctas = default_ctas(torch.device("cuda"))
+    ring = ring_build(batch)
+    ctas = default_ctas(torch.device("cuda"), ring)
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rts = {n: _runtime(prog, batch, context, kernel=k) for n, k in kernels.items()}
+    rts = {n: _runtime(prog, batch, context, kernel=k, ring=ring) for (n, r), k in kernels.items() if r == ring}
     med, mins = interleaved(rts, rounds)
     del rts, prog, cache, w
     torch.cuda.empty_cache()
@@ -393,19 +396,22 @@ def main(argv=None) -> int:
 
 def run_ab(names: list[str], build, check_preset: str, presets: str, batches: str, context: int, rounds: int,
            path: str, check_batches: str = "1,3", **extra) -> dict:
-    """Each variant built (`build(name, device)`), diffed against pyvm on `check_preset` at each of `check_batches`
+    """Each variant built (`build(name, device, ring)`: each build the batches run, runtime.ring_build: the ring
+    build at batch 1, the two-CTA build past it), diffed against pyvm on `check_preset` at each of `check_batches`
     (every buffer, repeats and delayed launches), then every variant timed together per preset and batch (`timed`);
     the results (`extra` beside them) written to `path` after the checks and after each run, and returned."""
     dev = torch.device("cuda")
     out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), **extra,
            "compile_s": {}, "checks": [], "runs": []}
     kernels = {}
+    rings = sorted({ring_build(int(b)) for b in f"{batches},{check_batches}".split(",")})
     for n in names:
         t0 = time.perf_counter()
-        kernels[n] = build(n, dev)
+        for ring in rings:
+            kernels[n, ring] = build(n, dev, ring)
         out["compile_s"][n] = round(time.perf_counter() - t0, 1)
         for b in map(int, check_batches.split(",")):
-            r = diff_program(check_preset, b, 16, seed=b, kernel=kernels[n])
+            r = diff_program(check_preset, b, 16, seed=b, kernel=kernels[n, ring_build(b)], ring=ring_build(b))
             worst = max((x.get("rel", 0.0) for x in r.get("buffers", [])), default=None)
             out["checks"].append({"variant": n, "batch": b, "failures": diff_failures(r), "worst_rel": worst})
             print(f"check {n} b={b}: {diff_failures(r) or 'pass'} (worst rel {worst})", flush=True)

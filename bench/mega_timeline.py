@@ -30,7 +30,7 @@ from megadecode.cache import KVCache
 from megadecode.backends import expert_layout
 from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
-from megadecode.backends.mega.runtime import MegaRuntime
+from megadecode.backends.mega.runtime import MegaRuntime, ring_build
 from megadecode.backends.mega.schedule import schedule
 from megadecode.plan import build_plan
 from megadecode.presets import preset_config
@@ -437,7 +437,7 @@ def record(preset: str, batch: int, context: int, out: str) -> None:
     for parts in cache.layers.values():
         for t in parts:
             t.normal_()
-    ctas = default_ctas(torch.device("cuda"))
+    ctas = default_ctas(torch.device("cuda"), ring_build(batch))  # the build the executor runs at this batch
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
     _record_one(prog, preset, batch, context, ctas, out, order)
     del prog, cache, w

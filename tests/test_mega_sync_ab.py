@@ -23,17 +23,48 @@ def test_a_preset_out_of_memory_is_skipped_and_the_rest_are_timed(monkeypatch, t
     def timed(preset, batch, context, kernels, rounds):
         if preset == "big":
             raise torch.cuda.OutOfMemoryError("no room to convert the experts\nmore detail")
-        return {"preset": preset, "batch": batch, "median_us": {n: 10.0 for n in kernels}, "min_us": {}}
+        return {"preset": preset, "batch": batch, "median_us": {n: 10.0 for n, _ in kernels}, "min_us": {}}
 
     monkeypatch.setattr(mega_sync_ab, "timed", timed)
     path = tmp_path / "ab.json"
-    out = mega_sync_ab.run_ab(["shipped", "other"], lambda n, dev: n, "tiny-qwen3-moe", "small,big,last", "1", 64, 2,
-                              str(path), "1")
+    out = mega_sync_ab.run_ab(["shipped", "other"], lambda n, dev, ring: n, "tiny-qwen3-moe", "small,big,last", "1",
+                              64, 2, str(path), "1")
     rows = {r["preset"]: r for r in out["runs"]}
     assert rows["small"]["median_us"] == {"shipped": 10.0, "other": 10.0} and "median_us" in rows["last"]
     assert rows["big"]["skipped"] == "out of GPU memory: no room to convert the experts"
     assert "median_us" not in rows["big"]
     assert json.loads(path.read_text())["runs"] == out["runs"]
+
+
+def test_each_variant_is_built_checked_and_timed_as_the_build_its_batch_runs(monkeypatch, tmp_path):
+    """Batch 1 runs the ring build and the batches past it the two-CTA build (runtime.ring_build): a variant is
+    compiled once per build the run's batches need, and each check and timing takes that batch's build (the A/B
+    once timed the ring build at every batch, which the executor runs at batch 1 only)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(mega_sync_ab, "diff_failures", lambda r: [])
+    built, checked, timed_with = [], [], []
+
+    def build(name, dev, ring):
+        built.append((name, ring))
+        return f"{name}-{'ring' if ring else 'two-cta'}"
+
+    def diff_program(preset, b, ctas, seed, kernel=None, ring=None):
+        checked.append((b, kernel, ring))
+        return {"buffers": []}
+
+    def timed(preset, batch, context, kernels, rounds):
+        timed_with.append((batch, kernels))
+        return {"preset": preset, "batch": batch, "median_us": {}, "min_us": {}}
+
+    monkeypatch.setattr(mega_sync_ab, "diff_program", diff_program)
+    monkeypatch.setattr(mega_sync_ab, "timed", timed)
+    mega_sync_ab.run_ab(["shipped", "v"], build, "tiny-qwen3-moe", "p", "1,17", 64, 2, str(tmp_path / "ab.json"),
+                        "3")
+    assert sorted(built) == [("shipped", False), ("shipped", True), ("v", False), ("v", True)]
+    assert checked == [(3, "shipped-two-cta", False), (3, "v-two-cta", False)]
+    assert [b for b, _ in timed_with] == [1, 17]
+    kernels = timed_with[0][1]
+    assert kernels[("v", True)] == "v-ring" and kernels[("v", False)] == "v-two-cta"
 
 
 def test_variant_names_joined_by_plus_only_where_the_script_builds_them():

@@ -110,8 +110,9 @@ def _positions(context: str, batch: int, max_len: int, g) -> torch.Tensor:
 
 
 def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int = 3, context: str = "random",
-                 kernel=None) -> dict:
-    """`context`: CONTEXTS; `kernel`: another build of the launcher (a planted one, validate/mega_plants.py)."""
+                 kernel=None, ring: bool | None = None) -> dict:
+    """`context`: CONTEXTS; `kernel`: another build of the launcher (a planted one, validate/mega_plants.py, or a
+    bench variant's); `ring`: which build `kernel` is (MegaRuntime's default: the ring build for another kernel)."""
     if context not in CONTEXTS:
         raise ValueError(f"context {context!r}: one of {sorted(CONTEXTS)}")
     max_len = CONTEXTS[context]
@@ -125,7 +126,7 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int 
         for t in parts:
             t.normal_(generator=g)
     prog = schedule(lower(cfg, w, cache, batch, ctas), ctas)
-    rt = MegaRuntime(prog, "cuda", kernel=kernel)
+    rt = MegaRuntime(prog, "cuda", kernel=kernel, ring=ring)
     print(f"  {preset} b={batch} {context}: {len(prog.instrs)} instructions on {ctas} CTAs, launching", flush=True)
     tokens = torch.randint(0, cfg.vocab_size, (batch,), device="cuda", generator=g)
     positions = _positions(context, batch, max_len, g)
@@ -149,7 +150,7 @@ def diff_program(preset: str, batch: int, ctas: int, seed: int, delay_runs: int 
     rt.check()
     repeat_equal = torch.equal(rt.f32, mega_f32) and torch.equal(rt.i32, mega_i32)
     # the debug build: random delays before every instruction's stores and after its signal; still bitwise equal
-    delayed = MegaRuntime(prog, "cuda", delay_ns=20000, kernel=kernel)
+    delayed = MegaRuntime(prog, "cuda", delay_ns=20000, kernel=kernel, ring=ring)
     delays_equal = True
     for _ in range(delay_runs):
         for n, parts in cache.layers.items():
