@@ -43,7 +43,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="tiny-qwen3-moe,tiny-deepseek-v3,tiny-k3,tiny-k3-frag")
     ap.add_argument("--batches", default="1,3,8")
-    ap.add_argument("--ctas", type=int, default=0, help="0: every CTA the GPU holds")
+    ap.add_argument("--ctas", type=int, default=0,
+                    help="0: every CTA the GPU holds in the build each batch runs (the ring build at batch 1)")
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per sequence end to end (0: skip)")
     ap.add_argument("--cases", choices=("presets", "paths"), default="presets",
                     help="presets: --presets x --batches at random positions, then end to end; paths: PATH_CASES")
@@ -51,8 +52,13 @@ def main() -> int:
     args = ap.parse_args()
     from megadecode.backends.mega.executor import default_ctas
 
-    ctas = args.ctas or default_ctas(torch.device("cuda"))
-    res = {"gpu": torch.cuda.get_device_name(), "ctas": ctas, "diff": [], "e2e": []}
+    from megadecode.backends.mega.runtime import ring_build
+
+    def ctas_at(b: int) -> int:  # the executor's CTAs at batch b (its build's residency)
+        return args.ctas or default_ctas(torch.device("cuda"), ring_build(b))
+
+    res = {"gpu": torch.cuda.get_device_name(), "ctas": args.ctas or "per batch (each build's residency)",
+           "diff": [], "e2e": []}
     presets = args.presets.split(",")
     if args.cases == "paths":
         diffs = {p: [(b, ctx) for q, b, ctx in PATH_CASES if q == p] for p in dict.fromkeys(q for q, _, _ in PATH_CASES)}
@@ -62,7 +68,7 @@ def main() -> int:
     for preset, cases in diffs.items():
         for b, ctx in cases:
             try:
-                r = diff_program(preset, b, ctas, seed=b, context=ctx)
+                r = diff_program(preset, b, ctas_at(b), seed=b, context=ctx)
             except Exception as e:  # noqa: BLE001  (report and go on: one GPU call, many cases)
                 print(f"diff {preset} b={b} {ctx}: {type(e).__name__}: {traceback.format_exc()[-1500:]}", flush=True)
                 res["diff"].append({"preset": preset, "batch": b, "context": ctx, "error": repr(e)})
