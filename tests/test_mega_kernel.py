@@ -60,6 +60,16 @@ def test_the_kernel_fits_one_cta_per_sm():
     assert cubin_registers(K.compile_for().artifacts.CUBIN) == regs == cubin_registers(cubin)
 
 
+def test_the_other_build_fits_two_ctas_per_sm():
+    """Past batch 1 the executor runs the build without the ring, two CTAs an SM (runtime.ring_build; 1.25x faster
+    than one at qwen3-30b-a3b batch 8): 256 threads of at most 128 registers. ptxas picks the count itself (no cap in
+    the PTX), so a body that needs more registers would take the build to one CTA an SM, and `default_ctas` would
+    follow by halving the CTAs, silently (a first form of F_TC's token groups did: 196 registers)."""
+    regs = cubin_registers(K.compile_for(False).artifacts.CUBIN)
+    assert regs is not None
+    assert ctas_per_sm(regs, K.block_threads(False), K.block_smem(False)) == 2, f"{regs} registers per thread"
+
+
 def test_the_launches_compile_is_made_once_from_placeholders_and_keeps_the_register_count(monkeypatch):
     """runtime.compiled_launcher: the one compile per process that the engine build (default_ctas) and every
     runtime's launches share, made from placeholder tensors (here on the CPU: the compile needs no GPU). Its cubin
