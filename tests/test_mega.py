@@ -524,6 +524,21 @@ def test_pyvm_tensor_core_rows_take_the_input_as_two_bf16_and_stay_close_to_torc
     assert d < 1e-4, d
 
 
+def _pyvm_step_with_and_without(cfg, w, prompts, tok, turn_off) -> tuple[list, list]:
+    """One pyvm decode step of `prompts` (race check on) as lowered now, then again after `turn_off()` (a
+    monkeypatch that lowers without the change under test): the two steps' logits and their machines."""
+    out, machines = [], []
+    for on in (True, False):
+        if not on:
+            turn_off()
+        vm = Engine(cfg, w, executor="pyvm", max_batch=len(prompts), max_seq_len=64)
+        vm.executor.check_races = True
+        vm.prefill(prompts)
+        out.append(vm.decode(tok).float())
+        machines.append(vm.executor.vm(len(prompts)))
+    return out, machines
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
 def test_grouped_bf16_experts_cover_every_pass_once_and_match_the_pass_loop(preset, monkeypatch):
     """bf16 experts from GROUP_MIN_B tokens (F_GROUP): EXPERT_UP's and EXPERT_DOWN's items share the (pass of up to
@@ -540,15 +555,8 @@ def test_grouped_bf16_experts_cover_every_pass_once_and_match_the_pass_loop(pres
     ref = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64)
     tok = ref.prefill(prompts).argmax(-1)
     la = ref.decode(tok).float()
-    out, machines = [], []
-    for grouped in (True, False):
-        if not grouped:
-            monkeypatch.setattr(layers, "GROUP_MIN_B", 1 << 30)
-        vm = Engine(cfg, w, executor="pyvm", max_batch=batch, max_seq_len=64)
-        vm.executor.check_races = True
-        vm.prefill(prompts)
-        out.append(vm.decode(tok).float())
-        machines.append(vm.executor.vm(batch))
+    out, machines = _pyvm_step_with_and_without(cfg, w, prompts, tok,
+                                                lambda: monkeypatch.setattr(layers, "GROUP_MIN_B", 1 << 30))
     ops = [[i.op for i in m.prog.instrs if i.flags & F_GROUP] for m in machines]
     assert "EXPERT_UP" in ops[0] and "EXPERT_DOWN" in ops[0] and not ops[1]
     assert sum(i.op == "COMBINE" for i in machines[0].prog.instrs) > 0
@@ -573,6 +581,50 @@ def test_grouped_bf16_experts_cover_every_pass_once_and_match_the_pass_loop(pres
     assert d < 1e-4, d
     assert ((out[0] - la).abs().max() / scale).item() < 0.3  # bf16 torch at this batch (the pass loop's as far)
     assert ((out[1] - la).abs().max() / scale).item() < 0.3
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_split_route_picks_on_several_ctas_then_one_table_give_the_same_step(preset, monkeypatch):
+    """Past ROUTE_SPLIT_B tokens a MoE layer's ROUTE is a phase of F_PICKS instructions (ROUTE_TOKENS tokens each,
+    every token once) and an F_TABLES instruction after it; pyvm's step (its race check on) then equals, bit for
+    bit, the same engine lowered with one ROUTE (softmax scores, and sigmoid scores with groups and a bias)."""
+    from megadecode.backends.mega import layers
+    from megadecode.backends.mega.isa import F_PICKS, F_TABLES, ROUTE_SPLIT_B, ROUTE_TOKENS
+
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.bfloat16, 5)
+    batch = 2 * ROUTE_TOKENS + 3  # a last instruction of 3 tokens
+    assert batch > ROUTE_SPLIT_B
+    prompts = [[5 + i, 2] for i in range(batch)]
+    tok = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64).prefill(prompts).argmax(-1)
+    out, machines = _pyvm_step_with_and_without(cfg, w, prompts, tok,
+                                                lambda: monkeypatch.setattr(layers, "ROUTE_SPLIT_B", 1 << 30))
+    routes = [[i for i in m.prog.instrs if i.op == "ROUTE"] for m in machines]
+    moe = sorted({i.layer for i in routes[1]})
+    assert moe and all(not i.flags & (F_PICKS | F_TABLES) for i in routes[1])
+    for layer in moe:
+        picks = [i for i in routes[0] if i.layer == layer and i.flags & F_PICKS]
+        tables = [i for i in routes[0] if i.layer == layer and i.flags & F_TABLES]
+        assert len(tables) == 1 and len(picks) == -(-batch // ROUTE_TOKENS)
+        assert sorted(t for i in picks for t in range(i.args["t0"], i.args["t1"])) == list(range(batch))
+        assert all(tables[0].waits[0].counter == i.signal for i in picks)  # the tables wait for every pick
+    assert torch.equal(out[0], out[1])
+
+
+def test_split_route_instructions_are_refused_off_their_batch():
+    """An F_PICKS token range outside the batch, or F_PICKS with F_TABLES, is refused before a launch."""
+    from megadecode.backends.mega.isa import F_PICKS, F_TABLES
+    from megadecode.backends.mega.ops import route
+
+    def ins(flags, **a):
+        return Instr(op="ROUTE", layer=0, flags=flags, args=dict(dict(E=8, A=2, B=12, t0=0, t1=8), **a))
+
+    route.check(None, ins(F_PICKS), "x")
+    route.check(None, ins(F_TABLES, t1=0), "x")
+    for flags, args in ((F_PICKS, dict(t0=8, t1=8)), (F_PICKS, dict(t1=13)), (F_PICKS, dict(t0=-1)),
+                        (F_PICKS | F_TABLES, {})):
+        with pytest.raises(ValueError, match="F_PICKS"):
+            route.check(None, ins(flags, **args), "x")
 
 
 def test_grouped_experts_are_refused_where_the_kernel_cannot_take_them():

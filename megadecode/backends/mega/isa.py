@@ -62,6 +62,9 @@ F_STAGE = 262144  # MATVEC (batch 1, CUDA cores): its rows (the static bytes, wo
 F_GROUP = 1048576  # EXPERT_UP / EXPERT_DOWN (bf16): grouped on the tensor cores, each selected expert's 16-row
 # tiles against GROUP_N of its pairs at once (a pass, `group_prefix`), so its rows are read once per GROUP_N pairs,
 # not once per pair; EXPERT_DOWN pair-major (y alone), the weighted sum the next phase's COMBINE, as under F_FRAG
+F_PICKS = 2097152  # ROUTE: the scores, picks and weights of tokens [t0, t1) alone, no tables (a split ROUTE: the
+# picks of the batch's token groups on several CTAs at once; the tables are the next phase's one ROUTE, F_TABLES)
+F_TABLES = 4194304  # ROUTE: the tables alone, from the B tokens' picks in ids (written by the F_PICKS phase)
 FRAG_TILE = 16  # rows of a fragment-order record: EXPERT_UP's unit of work under F_FRAG (a gate tile and its up tile)
 FRAG_DOWN = 2 * FRAG_TILE  # EXPERT_DOWN's unit of work under F_FRAG: two adjacent row tiles of one pair
 TC_K = 32  # k per tensor-core step of a warp (4 lane groups x 8 consecutive k: 2 mma.sync m16n8k16)
@@ -89,7 +92,8 @@ OPS: dict[str, tuple[int, tuple[str, ...]]] = {
     # routing for the whole batch: picks, weights, and the pairs grouped by expert (see backends/mega/lower.py)
     # (also each expert's passes of PASS pairs, as a prefix: qst[u] = sum over u' < u of ceil(pairs(u') / PASS))
     "ROUTE": (6, ("logits_off", "E", "A", "B", "bias_w", "n_group", "topk_group", "scale_bits", "ids_off",
-                  "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off", "qst_off")),
+                  "wts_off", "nuniq_off", "uniq_off", "pstart_off", "ptok_off", "pslot_off", "pairof_off", "qst_off",
+                  "t0", "t1")),
     # h[pair, i] = glu(gate_up[e] . x_t) for the units [w * N / W, (w + 1) * N / W) of N = pre[nuniq] * I: unit
     # pre[u] * I + q * I + r is row r of expert u against its pairs [q * P, (q + 1) * P) (`up_chunks`), P and the
     # pass prefix `pre` by `up_passes`: bf16 qst (PASS pairs a pass), MXFP4 pstart (one pair a pass)
@@ -140,6 +144,12 @@ PAIR1_MAX_B = 16
 # waits, and EXPERT_UP then reads its tables back in dependent trips (qwen3-30b-a3b batch 1 on the H200: ROUTE 9.7 us
 # of a 107 us layer, its phase and hand-overs ~10.5; docs/megakernel.md)
 ROUTE_IN_UP_MAX_B = 1
+# past this batch ROUTE's scores, picks and weights are a phase of instructions of ROUTE_TOKENS tokens on as many
+# CTAs (F_PICKS), its tables one instruction after them (F_TABLES). Why: one ROUTE instruction takes the batch's
+# tokens 8 at a time (a warp each) on one CTA while the GPU waits: its scores and picks were 15 us a layer at
+# qwen3-30b-a3b batch 17 and 37 at 64 (the kernel's marks, docs/megakernel.md)
+ROUTE_SPLIT_B = 8
+ROUTE_TOKENS = 8  # a round of the kernel's warps (a token a warp)
 
 
 # bf16 experts are grouped (F_GROUP) from this batch: at qwen3-30b-a3b batch 64 the pass loop on the CUDA cores

@@ -31,18 +31,22 @@ from .isa import (
     F_MXFP4,
     F_NOPE,
     F_PAIR1,
+    F_PICKS,
     F_RENORM,
     F_ROUTE,
     F_SHARED,
     F_SIGMOID,
     F_SITU,
     F_STORE,
+    F_TABLES,
     GROUP_MAX_E,
     GROUP_MIN_B,
     GROUP_N,
     GROUP_TILE,
     PAIR1_MAX_B,
     ROUTE_IN_UP_MAX_B,
+    ROUTE_SPLIT_B,
+    ROUTE_TOKENS,
     TC_K,
     f32_bits,
 )
@@ -252,17 +256,27 @@ def _route(b: Builder, i: int, m: str, shared: bool, in_up: bool = False) -> Non
         return
     sigmoid = cfg.score_func == "sigmoid"
     bias = f"{m}.gate.e_score_correction_bias"
-    b.add("ROUTE", i, f"L{i}.route", (F_SIGMOID if sigmoid else 0) | (F_RENORM if cfg.norm_topk_prob else 0),
-          bytes_=B * E * 4, logits_off=b.f32["router_logits"][0], E=E, A=A, B=B,
-          bias_w=b.t(bias) if sigmoid and bias in b.weights else -1, n_group=cfg.n_group, topk_group=cfg.topk_group,
-          scale_bits=f32_bits(cfg.routed_scaling_factor if sigmoid else 1.0), ids_off=b.i32["ids"][0],
-          wts_off=b.f32["wts"][0], nuniq_off=b.i32["nuniq"][0], uniq_off=b.i32["uniq"][0],
-          pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0], pslot_off=b.i32["pslot"][0],
-          pairof_off=b.i32["pairof"][0], qst_off=b.i32["qst"][0])
+    flags = (F_SIGMOID if sigmoid else 0) | (F_RENORM if cfg.norm_topk_prob else 0)
+    route = dict(logits_off=b.f32["router_logits"][0], E=E, A=A, B=B,
+                 bias_w=b.t(bias) if sigmoid and bias in b.weights else -1, n_group=cfg.n_group,
+                 topk_group=cfg.topk_group, scale_bits=f32_bits(cfg.routed_scaling_factor if sigmoid else 1.0),
+                 ids_off=b.i32["ids"][0], wts_off=b.f32["wts"][0], nuniq_off=b.i32["nuniq"][0],
+                 uniq_off=b.i32["uniq"][0], pstart_off=b.i32["pstart"][0], ptok_off=b.i32["ptok"][0],
+                 pslot_off=b.i32["pslot"][0], pairof_off=b.i32["pairof"][0], qst_off=b.i32["qst"][0])
+    split = B > ROUTE_SPLIT_B
+    if split:  # the picks of ROUTE_TOKENS tokens an instruction, on as many CTAs (F_PICKS); the tables after them
+        for t0 in range(0, B, ROUTE_TOKENS):
+            t1 = min(B, t0 + ROUTE_TOKENS)
+            b.add("ROUTE", i, f"L{i}.route", flags | F_PICKS, bytes_=(t1 - t0) * E * 4, t0=t0, t1=t1, **route)
+    else:
+        b.add("ROUTE", i, f"L{i}.route", flags, bytes_=B * E * 4, t0=0, t1=B, **route)
     if shared:
         b.buf("shared_out", B * cfg.hidden_size)
         b.matvec(i, "shared_down", f"{m}.shared_experts.down_proj.weight", "shared_h", "shared_out")
     b.close(f"L{i}.route")
+    if split:
+        b.add("ROUTE", i, f"L{i}.route_tables", flags | F_TABLES, bytes_=B * A * 4, t0=0, t1=0, **route)
+        b.close(f"L{i}.route_tables")
 
 
 def _experts(b: Builder, i: int, m: str, D: int, x: str, out: str, flags_up: int, flags_down: int,

@@ -6,8 +6,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 
-from ..isa import (F_FRAG, F_GROUP, F_MXFP4, F_PAIR1, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU, F_STORE,
-                   FRAG_DOWN, FRAG_TILE, GROUP_MAX_E, GROUP_N, GROUP_TILE, TC_K)
+from ..isa import (F_FRAG, F_GROUP, F_MXFP4, F_PAIR1, F_PICKS, F_RENORM, F_ROUTE, F_SHARED, F_SIGMOID, F_SITU,
+                   F_STORE, F_TABLES, FRAG_DOWN, FRAG_TILE, GROUP_MAX_E, GROUP_N, GROUP_TILE, TC_K)
 from .base import (
     cta_sync,
     ARG,
@@ -220,136 +220,150 @@ def route_batch(pb: Int64, idx: Int32, fb: Int64, ib: Int64, wtab: cute.Tensor, 
     if sigmoid:
         CHW = SCW
     PK = CHW + E  # the picked weights
-    for t0 in cutlass.range(0, B, nwu):  # rounds of up to nwu tokens: a score region and a warp each
-        nr = cutlass.min(nwu, B - t0)
-        if sigmoid:  # the round's sigmoid scores by every thread of the CTA, not the token's warp alone
-            # A thread takes up to SC_E experts a pass: their bias values loaded once for the round's tokens, then
-            # the logits of 2 tokens at a time, every load of a group issued before any is used. Why: a thread per
-            # (token, expert) item loads each item's logit, tensor-table entry and bias one after the other
-            # (3 dependent global loads an item): ~1.5 us an item, 10.4 us a layer at k3-mini batch 1 and 44.7 at
-            # batch 8 (the kernel's marks on the H200). The same operations per score, so the same values.
-            bias_base = fa(fb, logits_off)  # a valid address when there is no bias (its loads are not used)
-            if bias_w >= 0:
-                bias_base = wtab[bias_w]
-            for e0 in cutlass.range(tid, E, NT * SC_E):
-                es = [cutlass.min(e0 + NT * u, E - 1) for u in range(SC_E)]  # past E: expert E - 1, not stored
-                bv = [ldf(Float32, bias_base + Int64(es[u]) * 4) for u in range(SC_E)]
-                for r0 in cutlass.range(0, nr, 2):
-                    rr = [r0, cutlass.min(r0 + 1, nr - 1)]  # past the round: its last token again, not stored
-                    lg = [[ldf(Float32, fa(fb, logits_off + (t0 + rr[h]) * E + es[u])) for u in range(SC_E)]
-                          for h in range(2)]
-                    for h in cutlass.range_constexpr(2):
-                        for u in cutlass.range_constexpr(SC_E):
-                            if e0 + NT * u < E and r0 + h < nr:
-                                ch = sig_score(lg[h][u])
-                                if bias_w >= 0:
-                                    ch = ch + bv[u]
-                                sm[rr[h] * region + es[u]] = ch  # the token's CHW
-            cta_sync()
-        if warp < nr:
-            t = t0 + warp
-            lrow = logits_off + t * E
-            if not sigmoid:  # softmax: the token's warp (a max and a sum over its row). The row is loaded once,
-                # into the warp's score words (each lane reads back only its own), not in each of the 3 passes
-                # (3 dependent trips: ROUTE's scores 3.6 us a layer at qwen3-30b-a3b batch 1 on the H200)
-                mx = Float32(NEG_INF)
-                for e in cutlass.range(lane, E, 32, unroll=4):
-                    lv = ldf(Float32, fa(fb, lrow + e))
-                    sm[SCW + e] = lv
-                    mx = cute.arch.fmax(mx, lv)
-                mx = warp_max(mx)
-                tot = Float32(0.0)
-                for e in cutlass.range(lane, E, 32, unroll=4):
-                    tot += cute.math.exp(sm[SCW + e] - mx)
-                tot = warp_sum(tot)
-                for e in cutlass.range(lane, E, 32, unroll=4):
-                    pv = cute.math.exp(sm[SCW + e] - mx) / tot
-                    sm[SCW + e] = pv
-                    sm[CHW + e] = pv
-            cute.arch.sync_warp()
-            if tid == 0:
-                mark(smi, idx, 0)  # timeline builds: thread 0's token's scores done
-            if G > 1:  # expert groups: keep the topk_group groups with the best top-2 sums
-                gs = E // G
-                gsc = Float32(NEG_INF)
-                if lane < G:
-                    b1, b2 = Float32(NEG_INF), Float32(NEG_INF)
-                    for e in cutlass.range(lane * gs, (lane + 1) * gs):
-                        v = sm[CHW + e]
-                        if v > b1:
-                            b2 = b1
-                            b1 = v
-                        elif v > b2:
-                            b2 = v
-                    gsc = b1 + b2
-                keep = Int32(0)
-                for _ in cutlass.range(TG):
-                    bv, bi = warp_argmax(gsc, lane)
-                    if lane == bi:
-                        keep = Int32(1)
-                        gsc = Float32(NEG_INF)
-                sm[PK + lane] = Float32(keep)  # every lane: its group's flag (shuffles need all 32 lanes)
+    T0, T1 = Int32(0), B  # the tokens whose scores, picks and weights this instruction makes (F_PICKS: [t0, t1))
+    if (flags & F_PICKS) != 0:
+        T0, T1 = args(smi, A_, "t0 t1")
+    if (flags & F_TABLES) == 0:  # F_TABLES: the picks are in ids already (the F_PICKS phase before)
+        for t0 in cutlass.range(T0, T1, nwu):  # rounds of up to nwu tokens: a score region and a warp each
+            nr = cutlass.min(nwu, T1 - t0)
+            if sigmoid:  # the round's sigmoid scores by every thread of the CTA, not the token's warp alone
+                # A thread takes up to SC_E experts a pass: their bias values loaded once for the round's tokens, then
+                # the logits of 2 tokens at a time, every load of a group issued before any is used. Why: a thread per
+                # (token, expert) item loads each item's logit, tensor-table entry and bias one after the other
+                # (3 dependent global loads an item): ~1.5 us an item, 10.4 us a layer at k3-mini batch 1 and 44.7 at
+                # batch 8 (the kernel's marks on the H200). The same operations per score, so the same values.
+                bias_base = fa(fb, logits_off)  # a valid address when there is no bias (its loads are not used)
+                if bias_w >= 0:
+                    bias_base = wtab[bias_w]
+                for e0 in cutlass.range(tid, E, NT * SC_E):
+                    es = [cutlass.min(e0 + NT * u, E - 1) for u in range(SC_E)]  # past E: expert E - 1, not stored
+                    bv = [ldf(Float32, bias_base + Int64(es[u]) * 4) for u in range(SC_E)]
+                    for r0 in cutlass.range(0, nr, 2):
+                        rr = [r0, cutlass.min(r0 + 1, nr - 1)]  # past the round: its last token again, not stored
+                        lg = [[ldf(Float32, fa(fb, logits_off + (t0 + rr[h]) * E + es[u])) for u in range(SC_E)]
+                              for h in range(2)]
+                        for h in cutlass.range_constexpr(2):
+                            for u in cutlass.range_constexpr(SC_E):
+                                if e0 + NT * u < E and r0 + h < nr:
+                                    ch = sig_score(lg[h][u])
+                                    if bias_w >= 0:
+                                        ch = ch + bv[u]
+                                    sm[rr[h] * region + es[u]] = ch  # the token's CHW
+                cta_sync()
+            if warp < nr:
+                t = t0 + warp
+                lrow = logits_off + t * E
+                if not sigmoid:  # softmax: the token's warp (a max and a sum over its row). The row is loaded once,
+                    # into the warp's score words (each lane reads back only its own), not in each of the 3 passes
+                    # (3 dependent trips: ROUTE's scores 3.6 us a layer at qwen3-30b-a3b batch 1 on the H200)
+                    mx = Float32(NEG_INF)
+                    for e in cutlass.range(lane, E, 32, unroll=4):
+                        lv = ldf(Float32, fa(fb, lrow + e))
+                        sm[SCW + e] = lv
+                        mx = cute.arch.fmax(mx, lv)
+                    mx = warp_max(mx)
+                    tot = Float32(0.0)
+                    for e in cutlass.range(lane, E, 32, unroll=4):
+                        tot += cute.math.exp(sm[SCW + e] - mx)
+                    tot = warp_sum(tot)
+                    for e in cutlass.range(lane, E, 32, unroll=4):
+                        pv = cute.math.exp(sm[SCW + e] - mx) / tot
+                        sm[SCW + e] = pv
+                        sm[CHW + e] = pv
                 cute.arch.sync_warp()
-                for e in cutlass.range(lane, E, 32):
-                    if sm[PK + e // gs] == Float32(0.0):
-                        sm[CHW + e] = Float32(NEG_INF)
-                cute.arch.sync_warp()
-            for a in cutlass.range(A):
-                bv, bi = Float32(NEG_INF), Int32(E)
-                # 4 candidates' shared-memory loads issued together, then compared in order (one load, its
-                # compare, the next load would make ~28 dependent trips per lane per pick at E = 896, 16 picks per
-                # token; an unrolled range keeps a bounds branch after every load). Past E: expert E - 1 read, never
-                # picked
-                for e0 in cutlass.range(lane, E, 128):
-                    vs = []
-                    for u in cutlass.range_constexpr(4):
-                        vs.append(sm[CHW + cutlass.min(e0 + 32 * u, E - 1)])
-                    for u in cutlass.range_constexpr(4):
-                        if e0 + 32 * u < E and vs[u] > bv:
-                            bv = vs[u]
-                            bi = e0 + 32 * u
-                bv, bi = warp_argmax(bv, bi)
-                if bi == E:  # no ordered value left (NaN scores): the lowest-index NaN not yet picked, so the ids
-                    # stay experts (id E would send EXPERT_UP past the expert tensors); every score NaN then picks
-                    # experts 0 .. A - 1 as pyvm's stable sort does
-                    ni = Int32(E)
+                if tid == 0:
+                    mark(smi, idx, 0)  # timeline builds: thread 0's token's scores done
+                if G > 1:  # expert groups: keep the topk_group groups with the best top-2 sums
+                    gs = E // G
+                    gsc = Float32(NEG_INF)
+                    if lane < G:
+                        b1, b2 = Float32(NEG_INF), Float32(NEG_INF)
+                        for e in cutlass.range(lane * gs, (lane + 1) * gs):
+                            v = sm[CHW + e]
+                            if v > b1:
+                                b2 = b1
+                                b1 = v
+                            elif v > b2:
+                                b2 = v
+                        gsc = b1 + b2
+                    keep = Int32(0)
+                    for _ in cutlass.range(TG):
+                        bv, bi = warp_argmax(gsc, lane)
+                        if lane == bi:
+                            keep = Int32(1)
+                            gsc = Float32(NEG_INF)
+                    sm[PK + lane] = Float32(keep)  # every lane: its group's flag (shuffles need all 32 lanes)
+                    cute.arch.sync_warp()
                     for e in cutlass.range(lane, E, 32):
-                        v = sm[CHW + e]
-                        if v != v and ni == E:
-                            ni = e
-                    for k in cutlass.range_constexpr(5):
-                        ni = cutlass.min(ni, cute.arch.shuffle_sync_bfly(ni, offset=1 << k))
-                    bi = cutlass.min(ni, E - 1)
+                        if sm[PK + e // gs] == Float32(0.0):
+                            sm[CHW + e] = Float32(NEG_INF)
+                    cute.arch.sync_warp()
+                for a in cutlass.range(A):
+                    bv, bi = Float32(NEG_INF), Int32(E)
+                    # 4 candidates' shared-memory loads issued together, then compared in order (one load, its
+                    # compare, the next load would make ~28 dependent trips per lane per pick at E = 896, 16 picks per
+                    # token; an unrolled range keeps a bounds branch after every load). Past E: expert E - 1 read, never
+                    # picked
+                    for e0 in cutlass.range(lane, E, 128):
+                        vs = []
+                        for u in cutlass.range_constexpr(4):
+                            vs.append(sm[CHW + cutlass.min(e0 + 32 * u, E - 1)])
+                        for u in cutlass.range_constexpr(4):
+                            if e0 + 32 * u < E and vs[u] > bv:
+                                bv = vs[u]
+                                bi = e0 + 32 * u
+                    bv, bi = warp_argmax(bv, bi)
+                    if bi == E:  # no ordered value left (NaN scores): the lowest-index NaN not yet picked, so the ids
+                        # stay experts (id E would send EXPERT_UP past the expert tensors); every score NaN then picks
+                        # experts 0 .. A - 1 as pyvm's stable sort does
+                        ni = Int32(E)
+                        for e in cutlass.range(lane, E, 32):
+                            v = sm[CHW + e]
+                            if v != v and ni == E:
+                                ni = e
+                        for k in cutlass.range_constexpr(5):
+                            ni = cutlass.min(ni, cute.arch.shuffle_sync_bfly(ni, offset=1 << k))
+                        bi = cutlass.min(ni, E - 1)
+                    if lane == 0:
+                        sti(ia(ib, ids_off + t * A + a), bi)
+                        pe = bi
+                        if sigmoid:
+                            sm[PK + a] = Float32(pe)  # the pick's id, its score computed after the picks
+                        else:
+                            sm[PK + a] = sm[SCW + pe]
+                        sm[CHW + bi] = Float32(NEG_INF)
+                    cute.arch.sync_warp()
+                if sigmoid:  # the picks' scores from their logits, a lane each: one trip for all A, not one a pick
+                    for a in cutlass.range(lane, A, 32):
+                        sm[PK + a] = sig_score(ldf(Float32, fa(fb, lrow + Int32(sm[PK + a]))))
+                    cute.arch.sync_warp()
+                if tid == 0:
+                    mark(smi, idx, 1)  # its A picks done
                 if lane == 0:
-                    sti(ia(ib, ids_off + t * A + a), bi)
-                    pe = bi
+                    tot = Float32(0.0)
+                    for a in cutlass.range(A):
+                        tot += sm[PK + a]
                     if sigmoid:
-                        sm[PK + a] = Float32(pe)  # the pick's id, its score computed after the picks
-                    else:
-                        sm[PK + a] = sm[SCW + pe]
-                    sm[CHW + bi] = Float32(NEG_INF)
+                        tot = tot + Float32(1e-20)
+                    for a in cutlass.range(A):
+                        v = sm[PK + a]
+                        if (flags & F_RENORM) != 0:
+                            v = v / tot
+                        stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
                 cute.arch.sync_warp()
-            if sigmoid:  # the picks' scores from their logits, a lane each: one round trip for all A, not one a pick
-                for a in cutlass.range(lane, A, 32):
-                    sm[PK + a] = sig_score(ldf(Float32, fa(fb, lrow + Int32(sm[PK + a]))))
-                cute.arch.sync_warp()
-            if tid == 0:
-                mark(smi, idx, 1)  # its A picks done
-            if lane == 0:
-                tot = Float32(0.0)
-                for a in cutlass.range(A):
-                    tot += sm[PK + a]
-                if sigmoid:
-                    tot = tot + Float32(1e-20)
-                for a in cutlass.range(A):
-                    v = sm[PK + a]
-                    if (flags & F_RENORM) != 0:
-                        v = v / tot
-                    stf(Float32, fa(fb, wts_off + t * A + a), v * scale)
-            cute.arch.sync_warp()
-        cta_sync()  # the round's regions are free again
+            cta_sync()  # the round's regions are free again
     if tid == 0:
         mark(smi, idx, 2)  # every token's picks and weights (the warps' last token)
+    if (flags & F_PICKS) == 0:  # F_PICKS: the tables are the next phase's (F_TABLES)
+        route_table_part(ib, sm, smi, tid, idx, A, B, E, ids_off)
+
+
+@cute.jit
+def route_table_part(ib: Int64, sm: cute.Tensor, smi: cute.Tensor, tid: Int32, idx: Int32, A: Int32, B: Int32,
+                     E: Int32, ids_off: Int32):
+    """ROUTE's tables from the B tokens' picks in ids (the single-token fast path, else route_tables)."""
+    A_ = "ROUTE"
+    warp, lane = tid // 32, tid % 32
     # the (token, slot) pairs grouped by expert, experts ascending, pairs in (token, slot) order
     nuniq_off, uniq_off, pstart_off = args(smi, A_, "nuniq_off uniq_off pstart_off")
     ptok_off, pslot_off, pairof_off = args(smi, A_, "ptok_off pslot_off pairof_off")

@@ -1,11 +1,13 @@
 """ROUTE: routing for the whole batch: picks, weights, and the pairs grouped by expert (see backends/mega/lower.py)
-(also each expert's passes of PASS pairs, as a prefix: qst[u] = sum over u' < u of ceil(pairs(u') / PASS))"""
+(also each expert's passes of PASS pairs, as a prefix: qst[u] = sum over u' < u of ceil(pairs(u') / PASS)).
+Split past isa.ROUTE_SPLIT_B tokens: F_PICKS instructions take the picks and weights of tokens [t0, t1), then one
+F_TABLES instruction the tables from the picks in ids."""
 
 from __future__ import annotations
 
 import torch
 
-from ..isa import F_RENORM, F_SIGMOID, PASS, bits_f32
+from ..isa import F_PICKS, F_RENORM, F_SIGMOID, F_TABLES, PASS, bits_f32
 from ..limits import BODY_I, SMEM_F, KernelLimit
 from .opcode import Opcode
 
@@ -18,21 +20,39 @@ def check(prog, ins, where: str) -> None:
         # (this also bounds EXPERT_UP's shared pass table: at most min(E, B * A) + 1 <= E + 1 words)
         raise KernelLimit(f"{where}: {a['E']} experts (ROUTE's per-expert counts and starts, and its scan, "
                           f"take 2 E + 24 of the {BODY_I} shared int words below the instruction rows)")
+    if ins.flags & F_PICKS and not 0 <= a["t0"] < a["t1"] <= a["B"]:
+        raise ValueError(f"{where}: F_PICKS tokens [{a['t0']}, {a['t1']}) not within the batch of {a['B']}")
+    if ins.flags & F_PICKS and ins.flags & F_TABLES:
+        raise ValueError(f"{where}: F_PICKS and F_TABLES together (a ROUTE without either takes both parts)")
     if 2 * a["B"] * a["A"] > SMEM_F:
         raise KernelLimit(f"{where}: {a['B']} x {a['A']} (token, expert) pairs (ROUTE's picks and their ranks "
                           f"take 2 shared fp32 words each, of {SMEM_F})")
 
 
 def run(vm, ins, a) -> None:
-    """ROUTE in pyvm."""
-    write(vm, a, routing(vm, ins.flags, a))
+    """ROUTE in pyvm: both parts, or under F_PICKS the picks of tokens [t0, t1), under F_TABLES the tables."""
+    A = a["A"]
+    if ins.flags & F_PICKS:
+        ids, w = picks(vm, ins.flags, a, a["t0"], a["t1"])
+        vm.wi(a["ids_off"] + a["t0"] * A, ids.flatten())
+        vm.wf(a["wts_off"] + a["t0"] * A, w.flatten())
+    elif ins.flags & F_TABLES:
+        write_tables(vm, a, tables(vm.ri(a["ids_off"], a["B"] * A).tolist(), a["B"], A))
+    else:
+        write(vm, a, routing(vm, ins.flags, a))
 
 
 def routing(vm, flags: int, a) -> dict:
     """ROUTE's outputs for the B tokens' logits at logits_off (B = 1 where `a` has no B: EXPERT_UP under F_ROUTE):
     picks, weights and the pairs grouped by expert, as lists."""
-    E, A, B = a["E"], a["A"], a.get("B", 1)
-    logits = torch.stack([vm.rf(a["logits_off"] + t * E, E) for t in range(B)])
+    ids, w = picks(vm, flags, a, 0, a.get("B", 1))
+    return {"ids": ids.flatten(), "wts": w.flatten(), **tables(ids.flatten().tolist(), a.get("B", 1), a["A"])}
+
+
+def picks(vm, flags: int, a, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picked experts [t1 - t0, A] and their weights of tokens [t0, t1), from their logits at logits_off."""
+    E, A, B = a["E"], a["A"], t1 - t0
+    logits = torch.stack([vm.rf(a["logits_off"] + t * E, E) for t in range(t0, t1)])
     if flags & F_SIGMOID:
         scores = torch.sigmoid(logits)
         choice = scores + (vm.T[a["bias_w"]].float()[None] if a["bias_w"] >= 0 else 0)
@@ -55,7 +75,12 @@ def routing(vm, flags: int, a) -> dict:
         w = probs.gather(1, ids)
         if flags & F_RENORM:
             w = w / w.sum(-1, keepdim=True)
-    flat = ids.flatten().tolist()
+    return ids, w
+
+
+def tables(flat: list[int], B: int, A: int) -> dict:
+    """The (token, slot) pairs of the picks `flat` (B x A, token-major) grouped by expert, experts ascending, pairs
+    in (token, slot) order; each expert's pair prefix and pass prefix."""
     uniq = sorted(set(flat))
     pstart, ptok, pslot, pairof = [0], [], [], [0] * (B * A)
     for e in uniq:
@@ -68,14 +93,19 @@ def routing(vm, flags: int, a) -> dict:
     qst = [0]
     for u in range(len(uniq)):
         qst.append(qst[-1] + -(-(pstart[u + 1] - pstart[u]) // PASS))
-    return {"ids": ids.flatten(), "wts": w.flatten(), "nuniq": len(uniq), "uniq": uniq, "pstart": pstart,
-            "ptok": ptok, "pslot": pslot, "pairof": pairof, "qst": qst}
+    return {"nuniq": len(uniq), "uniq": uniq, "pstart": pstart, "ptok": ptok, "pslot": pslot, "pairof": pairof,
+            "qst": qst}
 
 
 def write(vm, a, r: dict) -> None:
     """`routing`'s outputs to the buffers ROUTE's arguments name."""
     vm.wi(a["ids_off"], r["ids"])
     vm.wf(a["wts_off"], r["wts"])
+    write_tables(vm, a, r)
+
+
+def write_tables(vm, a, r: dict) -> None:
+    """`tables`' outputs to the buffers ROUTE's arguments name."""
     vm.wi(a["nuniq_off"], [r["nuniq"]])
     for k in ("qst", "uniq", "pstart", "ptok", "pslot", "pairof"):
         vm.wi(a[f"{k}_off"], r[k])
