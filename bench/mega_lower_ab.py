@@ -37,6 +37,11 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,route_one --batch 17,64 --check-batch 17,33
 
+- `router_whole`: the router's tiles each over the whole batch, where the shipped lowering runs them once per chunk
+  of about ROUTER_TOKENS tokens past that many (layers.moe_layer, Builder.matvec's chunk_tokens):
+
+      python bench/mega_lower_ab.py --variants shipped,router_whole --batch 17,64 --check-batch 17,33
+
 - `qkv_shared`: q, k and v tiled with one rows-per-tile for the three, where the shipped lowering tiles them jointly
   (layers.qkv_rows): at qwen3-30b-a3b batch 1 that made 134 instructions on 132 CTAs, two CTAs running two.
 
@@ -78,7 +83,7 @@ from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/:
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
 VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "qkv_shared",
-            "group_off", "group_9", "route_one")
+            "group_off", "group_9", "route_one", "router_whole")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -103,6 +108,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return [(Builder, "splits", splits)]
     if name == "group_off":  # no F_GROUP: the CUDA-core pass loop and the fused combine at every batch
         return [(layers, "GROUP_MIN_B", 1 << 30)]
+    if name == "router_whole":  # the router's tiles over the whole batch (8 instructions at qwen3-30b-a3b)
+        return [(layers, "ROUTER_TOKENS", 1 << 30)]
     if name == "route_one":  # one ROUTE instruction at every batch (no F_PICKS phase)
         return [(layers, "ROUTE_SPLIT_B", 1 << 30)]
     if name == "group_9":  # F_GROUP from 9 tokens (layers: F_GROUP before F_PAIR1)

@@ -611,6 +611,36 @@ def test_split_route_picks_on_several_ctas_then_one_table_give_the_same_step(pre
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_router_rows_in_token_chunks_give_the_same_step(preset, monkeypatch):
+    """Past ROUTER_TOKENS tokens a MoE layer without shared experts runs the router's tiles once per chunk of the
+    batch's tokens (each chunk's x, logits and normed rows at its first token; every (tile, token) once): pyvm's
+    step, race check on, equals the whole-batch router's bit for bit. With shared experts (tiny-deepseek-v3) the
+    router keeps the whole batch."""
+    from megadecode.backends.mega import layers
+
+    cfg = preset_config(preset)
+    w = random_weights(cfg, "cpu", torch.bfloat16, 6)
+    batch = 2 * layers.ROUTER_TOKENS + 3
+    prompts = [[4 + i, 9] for i in range(batch)]
+    tok = Engine(cfg, w, executor="torch", max_batch=batch, max_seq_len=64).prefill(prompts).argmax(-1)
+    out, machines = _pyvm_step_with_and_without(cfg, w, prompts, tok,
+                                                lambda: monkeypatch.setattr(layers, "ROUTER_TOKENS", 1 << 30))
+    for m, chunked in zip(machines, (cfg.n_shared_experts == 0, False)):
+        for layer in sorted({i.layer for i in m.prog.instrs if i.op == "ROUTE"}):
+            router = [i for i in m.prog.instrs if i.op == "MATVEC" and i.layer == layer and ".router[" in i.name]
+            cover = {}
+            for i in router:
+                t0 = (i.args["x_off"] - router[0].args["x_off"]) // i.args["x_stride"]
+                assert i.args["out_off"] == router[0].args["out_off"] + t0 * i.args["out_stride"]
+                for r in range(i.args["r0"], i.args["r1"]):
+                    for t in range(t0, t0 + i.args["B"]):
+                        cover[r, t] = cover.get((r, t), 0) + 1
+            assert set(cover.values()) == {1} and len(cover) == cfg.num_experts * batch
+            assert (len({i.args["B"] for i in router} - {batch}) > 0) == chunked
+    assert torch.equal(out[0], out[1])
+
+
 def test_split_route_instructions_are_refused_off_their_batch():
     """An F_PICKS token range outside the batch, or F_PICKS with F_TABLES, is refused before a launch."""
     from megadecode.backends.mega.isa import F_PICKS, F_TABLES

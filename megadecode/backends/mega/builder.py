@@ -128,7 +128,11 @@ class Builder:
 
     def matvec(self, layer: int, name: str, w: str, x: str, out: str, out_col: int = 0, *, norm: str | None = None,
                resid: bool = False, write_normed: str | None = None, rows: int | None = None,
-               x2: str | None = None, add0: str | None = None, add1: str | None = None):
+               x2: str | None = None, add0: str | None = None, add1: str | None = None, chunk_tokens: int = 0):
+        """MATVEC tiles of `rows` rows of w over the batch. `chunk_tokens` > 0, for rows too few to give the CTAs
+        work (the router's 128 rows are 8 tiles): each tile once per chunk of about that many of the batch's tokens,
+        as many chunks as leave half the CTAs a tile each at most (near-equal chunks of consecutive tokens: x, x2,
+        out, add0, add1 and the normed rows, K a token, offset by the chunk's first token)."""
         W = self.weights[w]
         N, K = W.shape
         xo, xs = self.f32[x][0], self.f32[x][1] // self.B
@@ -136,15 +140,27 @@ class Builder:
         rows = max(rows or self.rows_per_tile(N), min(N, MIN_ROWS_B1 if self.B == 1 else MIN_ROWS))
         flags = (F_NORM if norm else 0) | (F_RESID if resid else 0) | (F_WRITE_NORMED if write_normed else 0)
         flags |= self.tc(K, w)
-        for r0 in range(0, N, rows):
-            r1 = min(N, r0 + rows)
-            ins = self.add("MATVEC", layer, f"L{layer}.{name}[{r0}:{r1}]", flags,
-                     bytes_=(r1 - r0) * K * self.wbytes, flops=2 * (r1 - r0) * K * self.B,
-                     w=self.t(w), K=K, x_off=xo, x_stride=xs, out_off=oo, out_stride=os_, out_col=out_col, r0=r0,
-                     r1=r1, B=self.B, norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,
-                     normed_off=self.f32[write_normed][0] if write_normed else -1, x2_off=self.off(x2),
-                     add0_off=self.off(add0), add1_off=self.off(add1))
-            ins.prefetch = self.range16(w, r0 * K, (r1 - r0) * K)
+        nc = 1
+        if chunk_tokens > 0:
+            nc = min(-(-self.B // chunk_tokens), self.ctas // (2 * -(-N // rows)))
+            nc = max(1, min(nc, self.B // 2 if flags & F_TC else self.B))  # F_TC: 2 tokens a chunk or more
+        bounds = [self.B * c // nc for c in range(nc + 1)]
+        for t0, t1 in zip(bounds, bounds[1:]):
+            def at(off: int, stride: int) -> int:  # an offset at the chunk's first token (-1: none)
+                return off + t0 * stride if off >= 0 else -1
+
+            for r0 in range(0, N, rows):
+                r1 = min(N, r0 + rows)
+                tag = f"[{r0}:{r1}]" if nc == 1 else f"[{r0}:{r1}, t{t0}:{t1}]"
+                ins = self.add("MATVEC", layer, f"L{layer}.{name}{tag}", flags,
+                               bytes_=(r1 - r0) * K * self.wbytes, flops=2 * (r1 - r0) * K * (t1 - t0),
+                               w=self.t(w), K=K, x_off=xo + t0 * xs, x_stride=xs, out_off=oo + t0 * os_,
+                               out_stride=os_, out_col=out_col, r0=r0, r1=r1, B=t1 - t0,
+                               norm_w=self.t(norm) if norm else -1, eps_bits=self.eps,
+                               normed_off=at(self.f32[write_normed][0], K) if write_normed else -1,
+                               x2_off=at(self.off(x2), xs), add0_off=at(self.off(add0), os_),
+                               add1_off=at(self.off(add1), os_))
+                ins.prefetch = self.range16(w, r0 * K, (r1 - r0) * K)
 
     def tc(self, K: int, *weights: str) -> int:
         """F_TC for bf16 rows of K columns at this batch: the tensor-core loop from 2 tokens, where the CUDA-core

@@ -53,6 +53,10 @@ from .isa import (
 
 
 WARPS = NT // 32  # warps a CTA (cute/base.py's NW)
+# past this batch the router's rows (qwen3-30b-a3b: 128 of them, 8 tiles) run once per chunk of about this many
+# tokens, each chunk's tiles its own instructions: 8 instructions left the other CTAs idle (the router's phase 27 us
+# a layer for 0.5 MB at batch 17, 8 instructions of 21 us, on an H100; docs/megakernel.md)
+ROUTER_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -376,8 +380,10 @@ def moe_layer(b: Builder, i: int, p: str, io: LayerIO) -> None:
     if shared:  # the router and the shared experts' GLU share the phase: tiles of about equal bytes
         rr, rs = b.phase_rows([(cfg.num_experts, D * b.wbytes),
                                (cfg.shared_intermediate_size, 2 * D * b.wbytes)])
+    # the router's rows in token chunks past ROUTER_TOKENS (the shared experts' GLU, beside it, takes the batch)
+    chunk = ROUTER_TOKENS if not shared and B > ROUTER_TOKENS else 0
     b.matvec(i, "router", f"{m}.gate.weight", io.x, "router_logits", norm=post, write_normed="normed", rows=rr,
-             x2=io.mlp_x2)
+             x2=io.mlp_x2, chunk_tokens=chunk)
     if shared:
         b.buf("shared_h", B * cfg.shared_intermediate_size)
         b.glu(i, "shared_up", f"{m}.shared_experts.gate_proj.weight", f"{m}.shared_experts.up_proj.weight",
