@@ -24,6 +24,8 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   the norms, RoPE and the cache write; the shipped body loads the chunk after those (cute/attention.py
   gqa_chunk), a dependent trip of 32 KB on every instruction's path. The token's own position, where the split
   holds it, stays in the chunk loop (its row is written by the instruction itself).
+- `tc_warps`: F_TC MATVEC / GLU past 8 tokens with a row group's token groups dealt to its warps (each over the
+  whole K, no k-slice partials), the rows outer: the shipped tc_rows passes over every row once per 8 tokens.
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -46,7 +48,7 @@ from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import (  # bench/: options, swaps, timing
     ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
-VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early")
+VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -79,7 +81,91 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
         op = _attn_early_module().op_attn_gqa
         return [(K, "BODIES", tuple((n, op if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
+    if name == "tc_warps":
+        from megadecode.backends.mega import cute_kernel as K
+
+        mod = _tc_warps_module()
+        ops = {"MATVEC": mod.op_matvec, "GLU": mod.op_glu}
+        return [(K, "BODIES", tuple((n, ops.get(n, f)) for n, f in K.BODIES))]
     raise ValueError(f"unknown variant {name!r}")
+
+
+# tc_warps: cute/dense.py's tc_rows (F_TC, batch >= 2) with a row group's token groups dealt to its warps past 8
+# tokens, each over the whole K (no k slices, no partials through shared memory), the rows outer and the token
+# groups inner: the warps of a row group read the same rows about together (the repeats from L1 / L2) where the
+# shipped loop makes a pass over every row per 8 tokens. Up to 8 tokens: the shipped k slices. Its tc_rows is
+# appended to the module, so the module's op_matvec and op_glu trace it.
+TC_WARPS_TAIL = '''
+
+
+@cute.jit
+def tc_rows(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp: Int32, lane: Int32, gaddr: Int64,
+            fb: Int64, x_off: Int32, x2_off: Int32, x_stride: Int32, norm, has_x2, sm: cute.Tensor, flags: Int32,
+            out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32, RS: Constexpr,
+            glu: Constexpr):
+    """The shipped tc_rows up to 8 tokens; past them, a round's row group rg is taken by its ks warps, warp sl
+    the token groups sl, sl + ks, ... over the whole K, storing its own sums."""
+    ntg = (B + 7) // 8
+    if ntg == 1:
+        tc_rows_ks(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
+                   out_off, out_stride, out_col, add0, add1, RS, glu)
+    else:
+        tc_rows_tg(w0, w1, K, r0, r1, B, warp, lane, gaddr, fb, x_off, x2_off, x_stride, norm, has_x2, sm, flags,
+                   out_off, out_stride, out_col, add0, add1, RS, glu)
+
+
+@cute.jit
+def tc_rows_tg(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, warp: Int32, lane: Int32,
+               gaddr: Int64, fb: Int64, x_off: Int32, x2_off: Int32, x_stride: Int32, norm, has_x2, sm: cute.Tensor,
+               flags: Int32, out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32,
+               RS: Constexpr, glu: Constexpr):
+    g, t = lane // 4, lane % 4
+    nrg = (r1 - r0 + 15) // 16
+    nsteps = K // TC_K
+    ntg = (B + 7) // 8
+    acc = cute.make_rmem_tensor(8, Float32)
+    UC = TC_UC
+    if cutlass.const_expr(glu):
+        UC = TC_UC // 2
+    smain = nsteps - nsteps % UC
+    for rb0 in cutlass.range(0, nrg, NW):
+        nr = cutlass.min(NW, nrg - rb0)
+        ks = NW // nr
+        rg, sl = rb0 + warp % nr, warp // nr
+        ra = r0 + rg * 16 + g
+        rowa = Int64(cutlass.min(ra, r1 - 1)) * Int64(K) * 2
+        rowb = Int64(cutlass.min(ra + 8, r1 - 1)) * Int64(K) * 2
+        for tg in cutlass.range(sl, ntg, ks):
+            t0 = tg * 8
+            msk = Uint32(0xFFFFFFFF)
+            if t0 + g >= B:
+                msk = Uint32(0)
+            tok = cutlass.min(t0 + g, B - 1)
+            xrow = fa(fb, x_off + tok * x_stride)
+            x2row = fa(fb, x2_off + tok * x_stride)
+            for i in cutlass.range_constexpr(8):
+                acc[i] = Float32(0.0)
+            for s in cutlass.range(0, smain, UC):
+                tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
+                        has_x2, msk, UC, glu)
+            for s in cutlass.range(smain, nsteps):
+                tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
+                        has_x2, msk, 1, glu)
+            for h in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(2):
+                    row, tk = ra + 8 * h, t0 + 2 * t + j
+                    if row < r1 and tk < B:
+                        store_one(acc[2 * h + j], acc[4 + 2 * h + j], row, tk, sm, fb, flags, norm, out_off,
+                                  out_stride, out_col, add0, add1, RS, glu)
+'''
+
+
+def _tc_warps_module():
+    """The shipped cute/dense.py with tc_rows renamed tc_rows_ks and TC_WARPS_TAIL's tc_rows appended."""
+    from megadecode.backends.mega.cute import dense
+
+    return edited_module("megadecode.backends.mega.cute._tc_warps", dense,
+                         [("@cute.jit\ndef tc_rows(", "@cute.jit\ndef tc_rows_ks(")], "tc_warps", TC_WARPS_TAIL)
 
 
 # attn_early: cute/attention.py's op_attn_gqa with its first chunk's loads moved up to the wait (edits of the

@@ -106,3 +106,23 @@ def test_attn_early_variant_is_todays_attention_body_with_its_first_chunk_loaded
     ((_, _, bodies),) = mega_body_ab._swaps("attn_early")
     assert [n for n, _ in bodies] == [n for n, _ in K.BODIES]
     assert [n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g] == ["ATTN_GQA"]
+
+
+def test_tc_warps_variant_traces_its_own_tc_rows_and_keeps_the_shipped_one_up_to_8_tokens():
+    """The tc_warps build's module is the shipped cute/dense.py with tc_rows renamed tc_rows_ks (what batches up to
+    8 run) and a tc_rows appended that deals the token groups to the warps past 8; its swap replaces MATVEC's and
+    GLU's bodies only, with the module's own (whose tc_rows is the appended one)."""
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.cute import dense
+
+    mod = mega_body_ab._tc_warps_module()
+    src = Path(mod.__file__).read_text()
+    assert src.count("def tc_rows(") == 1 and src.index("def tc_rows_ks(") < src.index("def tc_rows(")
+    assert "for tg in cutlass.range(sl, ntg, ks):" in src[src.index("def tc_rows_tg("):]
+    assert Path(dense.__file__).read_text().count("def tc_rows_ks(") == 0  # the shipped source untouched
+    assert mod.tc_rows is not dense.tc_rows and mod.tc_rows_ks is not dense.tc_rows
+    ((_, _, bodies),) = mega_body_ab._swaps("tc_warps")
+    assert [n for n, _ in bodies] == [n for n, _ in K.BODIES]
+    changed = {n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g}
+    assert changed == {"MATVEC", "GLU"} & {n for n, _ in K.BODIES} and "MATVEC" in changed
