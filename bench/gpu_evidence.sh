@@ -44,7 +44,7 @@
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
-# ncu: Nsight Compute on one k3-mini megakernel step at batch 1 and 8 (warp stall reasons, issue and memory
+# ncu: Nsight Compute on one megakernel step (NCU_PRESET, default k3-mini; NCU_BATCHES, default "1 8"; warp stall reasons, issue and memory
 #   throughput, per-SASS-line source counters as CSV), to tell latency from issue in MATVEC at batch 8 and in the
 #   MXFP4 expert loops (`git show 72970d6:docs/megakernel.md`, "At ee57544"); 195 s at 5936e56. bench/ncu_loops.py groups the SASS
 #   page's stall samples by innermost loop.
@@ -305,14 +305,16 @@ if [ "$MODE" = timelines ]; then  # per-SM timelines beyond the kernel mode's: T
     timeline "${TIMELINE_PRESETS:-qwen3-30b-a3b,tiny-k3}" "${TIMELINE_BATCHES:-1,8}"
     exit 0
 fi
-if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one k3-mini step, batch 1 and 8
-    # (the 3rd launch of mega_timeline.py's timeline build: compile and warm first); CSV pages, the report deleted
-    for B in 1 8; do
-        R="$OUT/evidence/mega-k3-mini-b$B"
+if [ "$MODE" = ncu ]; then  # where the megakernel's warps stall: Nsight Compute on one step of NCU_PRESET (k3-mini)
+    # at each of NCU_BATCHES (1 8) (the 3rd launch of mega_timeline.py's timeline build: compile and warm first); CSV
+    # pages, the report deleted
+    NP="${NCU_PRESET:-k3-mini}"
+    for B in ${NCU_BATCHES:-1 8}; do
+        R="$OUT/evidence/mega-$NP-b$B"
         timeout "$(left)" ncu --clock-control none --kernel-name regex:mega_kernel --launch-skip 2 --launch-count 1 \
             --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
             --section MemoryWorkloadAnalysis --section SpeedOfLight --section SourceCounters -o "$R" \
-            python bench/mega_timeline.py --preset k3-mini --batch "$B" --out "$OUT/evidence/ncu-timeline-b$B" \
+            python bench/mega_timeline.py --preset "$NP" --batch "$B" --out "$OUT/evidence/ncu-timeline-b$B" \
             > "$R.log" 2>&1
         echo "ncu batch $B: exit $? ($(tail -1 "$R.log" | cut -c1-120))"
         ncu --import "$R.ncu-rep" --page details --csv > "$R-details.csv" 2>> "$R.log" && \
