@@ -135,7 +135,10 @@ def tc_rows_tg(w0: Int64, w1: Int64, K: Int32, r0: Int32, r1: Int32, B: Int32, w
         ra = r0 + rg * 16 + g
         rowa = Int64(cutlass.min(ra, r1 - 1)) * Int64(K) * 2
         rowb = Int64(cutlass.min(ra + 8, r1 - 1)) * Int64(K) * 2
-        for tg in cutlass.range(sl, ntg, ks):
+        ntw = ntg
+        if sl >= ks:  # the warps past nr * ks idle (a second store of a residual row would add it twice)
+            ntw = 0
+        for tg in cutlass.range(sl, ntw, ks):
             t0 = tg * 8
             msk = Uint32(0xFFFFFFFF)
             if t0 + g >= B:

@@ -119,7 +119,7 @@ def test_tc_warps_variant_traces_its_own_tc_rows_and_keeps_the_shipped_one_up_to
     mod = mega_body_ab._tc_warps_module()
     src = Path(mod.__file__).read_text()
     assert src.count("def tc_rows(") == 1 and src.index("def tc_rows_ks(") < src.index("def tc_rows(")
-    assert "for tg in cutlass.range(sl, ntg, ks):" in src[src.index("def tc_rows_tg("):]
+    assert "for tg in cutlass.range(sl, ntw, ks):" in src[src.index("def tc_rows_tg("):]
     assert Path(dense.__file__).read_text().count("def tc_rows_ks(") == 0  # the shipped source untouched
     assert mod.tc_rows is not dense.tc_rows and mod.tc_rows_ks is not dense.tc_rows
     ((_, _, bodies),) = mega_body_ab._swaps("tc_warps")
