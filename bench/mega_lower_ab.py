@@ -42,6 +42,13 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,router_whole --batch 17,64 --check-batch 17,33
 
+- `mv_rows32`, `mv_rows64`: MATVEC tiles of at least 32 / 64 rows from batch 2 (builder.MIN_ROWS; shipped 16). On
+  the tensor cores a tile is taken in row groups of 16 (the mma's M), each of which reads every token's input over
+  the whole K: the input's bytes from L2 are (batch / 8) x the rows' own a row group, and a tile of 20 rows (q_proj
+  at 264 CTAs) is two row groups, the second a quarter full. Fewer, fuller tiles read the input fewer times:
+
+      python bench/mega_lower_ab.py --variants shipped,mv_rows32,mv_rows64 --batch 17,64,8 --check-batch 17,33
+
 - `qkv_shared`: q, k and v tiled with one rows-per-tile for the three, where the shipped lowering tiles them jointly
   (layers.qkv_rows): at qwen3-30b-a3b batch 1 that made 134 instructions on 132 CTAs, two CTAs running two.
 
@@ -83,7 +90,7 @@ from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/:
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
 VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "qkv_shared",
-            "group_off", "group_9", "route_one", "router_whole")
+            "group_off", "group_9", "route_one", "router_whole", "mv_rows32", "mv_rows64")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -119,6 +126,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
             return [b.rows_per_tile((H + 2 * KH) * d)] * 3
 
         return [(layers, "qkv_rows", shared)]
+    if name in ("mv_rows32", "mv_rows64"):  # MATVEC tiles of at least 32 / 64 rows from batch 2 (builder.MIN_ROWS)
+        from megadecode.backends.mega import builder
+
+        return [(builder, "MIN_ROWS", int(name[len("mv_rows"):]))]
     raise ValueError(f"unknown variant {name!r}")
 
 
