@@ -23,9 +23,12 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   token's own: written by earlier launches) right after its wait, beside q's and k's loads, and folds them after
   the norms, RoPE and the cache write; the shipped body loads the chunk after those (cute/attention.py
   gqa_chunk), a dependent trip of 32 KB on every instruction's path. The token's own position, where the split
-  holds it, stays in the chunk loop (its row is written by the instruction itself).
+  holds it, stays in the chunk loop (its row is written by the instruction itself). Measured at 6f6d217 on an H100:
+  5147 against 4786 us at batch 1 (bench/results/mega-body-ab-attn-early-nvidia-h100.json): not landed.
 - `tc_warps`: F_TC MATVEC / GLU past 8 tokens with a row group's token groups dealt to its warps (each over the
   whole K, no k-slice partials), the rows outer: the shipped tc_rows passes over every row once per 8 tokens.
+  Measured at 6f6d217 on an H100 (its form moved into cute/dense.py, against the passes): 26954 against 25125 us at
+  batch 17, 42270 against 42770 at 64 (bench/results/mega-body-ab-tc-warps-nvidia-h100.json): not landed.
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)

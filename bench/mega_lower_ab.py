@@ -49,6 +49,9 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_lower_ab.py --variants shipped,mv_rows32,mv_rows64 --batch 17,64,8 --check-batch 17,33
 
+  Measured at 6f6d217 on an H100: slower at every batch (b8 / 17 / 64: 15862 / 27675 / 42764 us shipped, 15887 /
+  28045 / 44677 mv_rows32, 17207 / 30437 / 49602 mv_rows64; bench/results/mega-lower-ab-mv-rows-nvidia-h100.json).
+
 - `qkv_shared`: q, k and v tiled with one rows-per-tile for the three, where the shipped lowering tiles them jointly
   (layers.qkv_rows): at qwen3-30b-a3b batch 1 that made 134 instructions on 132 CTAs, two CTAs running two.
 
