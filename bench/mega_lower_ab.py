@@ -52,6 +52,14 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   Measured at 6f6d217 on an H100: slower at every batch (b8 / 17 / 64: 15862 / 27675 / 42764 us shipped, 15887 /
   28045 / 44677 mv_rows32, 17207 / 30437 / 49602 mv_rows64; bench/results/mega-lower-ab-mv-rows-nvidia-h100.json).
 
+- `lm_per12`, `lm_per36`: the lm_head in 12 / 36 tiles a CTA (lower.LM_PER; shipped 4: 144 rows a tile at
+  qwen3-30b-a3b on 264 CTAs, 9 row groups; 48 and 16 rows). Past 8 tokens the tensor-core loop passes over a tile's rows once per 8
+  tokens, and 264 tiles of 590 KB at once are more than L2 holds: the timelines at 6e8674e show the lm_head at
+  732 us of batch 17's step and 1917 us of batch 64's (19% / 7% of the HBM's rate for its 622 MB). Smaller tiles
+  keep the live rows in L2 across the passes, at more instructions a CTA:
+
+      python bench/mega_lower_ab.py --variants shipped,lm_per12,lm_per36 --batch 17,64,8 --check-batch 17,33
+
 - `qkv_shared`: q, k and v tiled with one rows-per-tile for the three, where the shipped lowering tiles them jointly
   (layers.qkv_rows): at qwen3-30b-a3b batch 1 that made 134 instructions on 132 CTAs, two CTAs running two.
 
@@ -93,7 +101,8 @@ from mega_sync_ab import ab_parser, ab_variants, interleaved, swapped  # bench/:
 from mega_timeline import _runtime  # bench/: one step's inputs set, compiled and warmed
 
 VARIANTS = ("shipped", "pair1_16", "pair1_64", "route_phase", "splits_ceil", "splits32", "qkv_shared",
-            "group_off", "group_9", "route_one", "router_whole", "mv_rows32", "mv_rows64")
+            "group_off", "group_9", "route_one", "router_whole", "mv_rows32", "mv_rows64",
+            "lm_per12", "lm_per36")
 CHECK_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
 
 
@@ -133,7 +142,12 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega import builder
 
         return [(builder, "MIN_ROWS", int(name[len("mv_rows"):]))]
+    if name in ("lm_per12", "lm_per36"):  # lm_head tiles a CTA (lower.LM_PER; shipped 4)
+        from megadecode.backends.mega import lower as L
+
+        return [(L, "LM_PER", float(name[len("lm_per"):]))]
     raise ValueError(f"unknown variant {name!r}")
+
 
 
 def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], rounds: int) -> dict:

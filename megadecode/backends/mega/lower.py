@@ -51,6 +51,7 @@ from .program import Program
 
 FAMILIES = families_for("mega")  # the families the instruction stream lowers (config/registry.py)
 MAX_BATCH = 64
+LM_PER = 4.0  # lm_head tiles a CTA (Builder.rows_per_tile's `per`): its 151936 rows (qwen3) in 1056 tiles on 264 CTAs
 
 
 class Unsupported(ValueError):
@@ -134,7 +135,7 @@ def lower(cfg, weights: dict, cache, batch: int, num_ctas: int = 132, sample: st
     V = cfg.vocab_size
     b.buf("logits", B * V)
     lm = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    b.matvec(-1, "lm_head", lm, final, "logits", norm="model.norm.weight", rows=b.rows_per_tile(V, per=4.0))
+    b.matvec(-1, "lm_head", lm, final, "logits", norm="model.norm.weight", rows=b.rows_per_tile(V, per=LM_PER))
     b.close("lm_head")
     if sample is not None:
         b.buf("sampled", B, ints=True)
