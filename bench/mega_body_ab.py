@@ -29,6 +29,14 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   whole K, no k-slice partials), the rows outer: the shipped tc_rows passes over every row once per 8 tokens.
   Measured at 6f6d217 on an H100 (its form moved into cute/dense.py, against the passes): 26954 against 25125 us at
   batch 17, 42270 against 42770 at 64 (bench/results/mega-body-ab-tc-warps-nvidia-h100.json): not landed.
+- `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
+  against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
+  (`group_hi`): half the mma and none of the low half's conversions, the same loads. Their pyvm checks may fail
+  (the input rounded to bf16; the A/B times every variant and records each check's result); their times say how
+  much of those phases is the step's arithmetic rather than its loads:
+
+      python bench/mega_body_ab.py --variants shipped,tc_hi,group_hi --batch 17,64,8 --check-batch 17
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -51,7 +59,8 @@ from megadecode.backends.mega.runtime import compile_launcher
 from mega_sync_ab import (  # bench/: options, swaps, timing
     ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
-VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps")
+VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
+            "group_hi")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -90,6 +99,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         mod = _tc_warps_module()
         ops = {"MATVEC": mod.op_matvec, "GLU": mod.op_glu}
         return [(K, "BODIES", tuple((n, ops.get(n, f)) for n, f in K.BODIES))]
+    if name in ("tc_hi", "group_hi"):
+        from megadecode.backends.mega.cute import dense, moe
+
+        return [(dense if name == "tc_hi" else moe, "tc_step", _hi_module().tc_step)]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -172,6 +185,19 @@ def _tc_warps_module():
 
     return edited_module("megadecode.backends.mega.cute._tc_warps", dense,
                          [("@cute.jit\ndef tc_rows(", "@cute.jit\ndef tc_rows_ks(")], "tc_warps", TC_WARPS_TAIL)
+
+
+# tc_hi / group_hi (diagnostic, not for landing): cute/dense.py's tc_step against the input's high bf16 half only,
+# the low half's mma left out (and with it, once the compiler drops the unused half, its conversions)
+HI_AT = "            for p in (hi, lo):  # each half twice: against hi, then lo\n"
+
+
+def _hi_module():
+    """The shipped cute/dense.py whose tc_step runs each k half's mma against hi alone."""
+    from megadecode.backends.mega.cute import dense
+
+    return edited_module("megadecode.backends.mega.cute._tc_hi", dense,
+                         [(HI_AT, "            for p in (hi,):  # the diagnostic: hi alone\n")], "tc_hi")
 
 
 # attn_early: cute/attention.py's op_attn_gqa with its first chunk's loads moved up to the wait (edits of the

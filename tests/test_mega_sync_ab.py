@@ -126,3 +126,19 @@ def test_tc_warps_variant_traces_its_own_tc_rows_and_keeps_the_shipped_one_up_to
     assert [n for n, _ in bodies] == [n for n, _ in K.BODIES]
     changed = {n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g}
     assert changed == {"MATVEC", "GLU"} & {n for n, _ in K.BODIES} and "MATVEC" in changed
+
+
+def test_hi_diagnostics_drop_only_the_low_half_mma_and_swap_one_module_each():
+    """tc_hi / group_hi trace a tc_step whose k halves run their mma against hi alone (the edit made once, in
+    tc_step), swapped into cute/dense.py (MATVEC / GLU) or cute/moe.py (F_GROUP's experts) only."""
+    import mega_body_ab
+    from megadecode.backends.mega.cute import dense, moe
+
+    src = Path(mega_body_ab._hi_module().__file__).read_text()
+    step = src[src.index("def tc_step("):src.index("TC_UC = ")]
+    assert "for p in (hi,):" in step and "for p in (hi, lo):" not in src
+    assert Path(dense.__file__).read_text().count(mega_body_ab.HI_AT) == 1  # the shipped source untouched
+    ((mod, attr, fn),) = mega_body_ab._swaps("tc_hi")
+    assert (mod, attr) == (dense, "tc_step") and fn is not dense.tc_step
+    ((mod, attr, fn2),) = mega_body_ab._swaps("group_hi")
+    assert (mod, attr) == (moe, "tc_step") and fn2 is fn
