@@ -29,6 +29,14 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   whole K, no k-slice partials), the rows outer: the shipped tc_rows passes over every row once per 8 tokens.
   Measured at 6f6d217 on an H100 (its form moved into cute/dense.py, against the passes): 26954 against 25125 us at
   batch 17, 42270 against 42770 at 64 (bench/results/mega-body-ab-tc-warps-nvidia-h100.json): not landed.
+- `attn_warp`: ATTN_GQA's chunks through shared memory (cp.async, two buffers of 32 positions, the next one's
+  copies in flight while this one computes) with a warp a q head: one barrier a chunk where gqa_chunk has three and
+  waits for its next loads after its arithmetic (at qwen3-30b-a3b batch 64 the instruction's chunks are 96 of its
+  104 us: `docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt`). Two-CTA build 128 registers, ring build 168, audit
+  clean, on the CPU:
+
+      python bench/mega_body_ab.py --variants shipped,attn_warp --batch 1,17,64 --check-batch 1,3,17
+
 - `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
   against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
   (`group_hi`): half the mma and none of the low half's conversions, the same loads. Their pyvm checks may fail
@@ -60,7 +68,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
     ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
-            "group_hi")
+            "group_hi", "attn_warp")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -99,6 +107,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         mod = _tc_warps_module()
         ops = {"MATVEC": mod.op_matvec, "GLU": mod.op_glu}
         return [(K, "BODIES", tuple((n, ops.get(n, f)) for n, f in K.BODIES))]
+    if name == "attn_warp":
+        from megadecode.backends.mega import cute_kernel as K
+
+        mod = _attn_warp_module()
+        return [(K, "BODIES", tuple((n, mod.op_attn_gqa if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
     if name in ("tc_hi", "group_hi"):
         from megadecode.backends.mega.cute import dense, moe
 
@@ -198,6 +211,190 @@ def _hi_module():
 
     return edited_module("megadecode.backends.mega.cute._tc_hi", dense,
                          [(HI_AT, "            for p in (hi,):  # the diagnostic: hi alone\n")], "tc_hi")
+
+
+# attn_warp: ATTN_GQA's chunks with a warp a q head. The shipped chunk (gqa_chunk) loads the chunk's keys and
+# values into registers, then folds them with the 256 threads together: scores over 4 lanes a position, a barrier,
+# softmax_chunk by warps, a barrier, values over 8 lanes a column group, a barrier (three, and the shuffles of
+# fold_lanes), and the next chunk's loads wait for all of it. Here chunks of 32 positions are copied into shared
+# memory with cp.async (coherent copies through L2, after the wait like every load of the body: no registers held),
+# two buffers, the next chunk's copies issued before this one's wait; after a barrier each warp takes its q heads
+# (warp, warp + NW) alone: a lane's score at its position over the whole row, the online softmax in registers
+# (warp_max / warp_sum), the values as a lane's 4 columns over the chunk's positions, each position's weight
+# shuffled from its lane. A barrier ends the chunk before its buffer is refilled. The partials (max, sum,
+# accumulators) are stored from the warps' registers. Shared memory: q at words 0 .. G d, then two buffers of keys
+# and values (32 rows each of 2 d + 16 bytes: 16 bytes of padding, so a warp's 16-byte reads of 8 rows meet no bank
+# twice), 34 KiB at d = 128, below the working memory's last words. (Holding the next chunk in registers instead,
+# as gqa_loads does, took the two-CTA build to 244 registers on the CPU.)
+ATTN_WARP_AT = """    if not kv_only:
+        init_stats(sm, tid, M, L, G)
+        for e in cutlass.range(tid, G * d, NT):
+            sm[ACC + e] = Float32(0.0)
+        cta_sync()
+        if tid == 0:
+            mark(smi, idx, 1)  # RoPE, the cache write (the last split) and the softmax state done
+        for c0 in cutlass.range(lo, hi, CH):
+            gqa_chunk(sm, tid, kc, vc, rowb, rstride, c0, cutlass.min(CH, hi - c0), d, G, scale, Q, SC, M, L, AL,
+                      ACC)
+        if tid == 0:
+            mark(smi, idx, 2)  # the split's chunks folded
+        store_partial(sm, tid, part_off, b * H + h * G, s, S, G, d, M, L, ACC, fb)
+"""
+ATTN_WARP_NEW = """    if not kv_only:
+        cta_sync()  # q's RoPE and the cache write done
+        if tid == 0:
+            mark(smi, idx, 1)  # RoPE and the cache write (the last split) done
+        attn_warps(sm, tid, kc, vc, rowb, rstride, lo, hi, d, G, scale, part_off, b * H + h * G, s, S, fb, Q)
+        if tid == 0:
+            mark(smi, idx, 2)  # the split's chunks folded (the partials stored by each warp)
+"""
+ATTN_WARP_TAIL = '''
+
+
+AW_CH = 32  # positions a staged chunk (a lane's score each)
+AW_K = 8192  # byte offset of the staged buffers in the working memory (after q: G d <= 2048 fp32 words)
+
+
+@cute.jit
+def aw_copy16(dst: Int32, src: Int64):
+    """16 bytes of a cache row into shared memory, asynchronously (cp.async through L2: a coherent read of the
+    generic proxy, after the instruction's wait)."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
+
+
+@cute.jit
+def aw_commit():
+    cute.arch.inline_ptx("cp.async.commit_group;")
+
+
+@cute.jit
+def aw_wait_older():
+    """Wait until every group of this thread's copies but the newest has landed."""
+    cute.arch.inline_ptx("cp.async.wait_group 1;")
+
+
+@cute.jit
+def aw_lds2(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v2.u32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Uint32, Uint32],
+                                read_only_args=[addr])
+
+
+@cute.jit
+def bf_lo(w: Uint32) -> Float32:
+    return from_bits(w << Uint32(16))
+
+
+@cute.jit
+def bf_hi(w: Uint32) -> Float32:
+    return from_bits(w & Uint32(0xFFFF0000))
+
+
+@cute.jit
+def aw_issue(tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rstride: Int64, c0: Int32, hi: Int32, d: Int32,
+             buf: Int32, rowbytes: Int32):
+    """Copies of positions c0 .. c0 + AW_CH - 1 (past hi: position hi - 1, never used) of the keys, then the
+    values, into buf (AW_CH key rows, then AW_CH value rows, rowbytes apart), 16 bytes a copy."""
+    PR = d // 8  # copies a row
+    per = AW_CH * PR
+    for q in cutlass.range(tid, 2 * per, NT):
+        w, rest = q // per, q % per
+        r, c = rest // PR, rest % PR
+        src = kc
+        if w == 1:
+            src = vc
+        pos = cutlass.min(c0 + r, hi - 1)
+        aw_copy16(buf + (w * AW_CH + r) * rowbytes + c * 16, src + rowb + Int64(pos) * rstride + Int64(c * 16))
+
+
+@cute.jit
+def attn_warps(sm: cute.Tensor, tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rstride: Int64, lo: Int32, hi: Int32,
+               d: Int32, G: Int32, scale: Float32, part: Int32, hb: Int32, s: Int32, S: Int32, fb: Int64,
+               Q: Constexpr):
+    """Positions [lo, hi) of one KV head folded into the online softmax of its G <= 2 NW q heads (q at Q, normed
+    and roped), a warp a head, AW_CH positions a chunk through two shared buffers; the split's partials stored for
+    MERGE."""
+    warp, lane = tid // 32, tid % 32
+    rowbytes = 2 * d + 16  # a staged row: its d bf16, then 16 bytes of padding
+    bufbytes = 2 * AW_CH * rowbytes
+    b0 = Int32(sm.iterator.toint()) + AW_K
+    st = cute.make_rmem_tensor(12, Float32)  # per head of the warp (2): max, sum, the lane's 4 accumulators
+    for gi in cutlass.range_constexpr(2):
+        st[6 * gi] = Float32(NEG_INF)
+        for i in cutlass.range_constexpr(5):
+            st[6 * gi + 1 + i] = Float32(0.0)
+    nch = (hi - lo + AW_CH - 1) // AW_CH
+    if nch > 0:
+        aw_issue(tid, kc, vc, rowb, rstride, lo, hi, d, b0, rowbytes)
+    aw_commit()
+    vcol = cutlass.min(lane * 4, d - 4) * 2  # lanes past d / 4 read the row's last 4 columns (never stored)
+    for ci in cutlass.range(nch):
+        c0 = lo + ci * AW_CH
+        n = cutlass.min(AW_CH, hi - c0)
+        if ci + 1 < nch:  # the next chunk's copies, into the other buffer (free: the last chunk's barrier)
+            aw_issue(tid, kc, vc, rowb, rstride, c0 + AW_CH, hi, d, b0 + ((ci + 1) % 2) * bufbytes, rowbytes)
+        aw_commit()
+        aw_wait_older()  # this thread's copies of chunk ci landed
+        cta_sync()  # and every thread's
+        ks = b0 + (ci % 2) * bufbytes
+        vs = ks + AW_CH * rowbytes
+        for gi in cutlass.range_constexpr(2):
+            g = warp + gi * NW
+            if g < G:  # uniform over the warp
+                sc = Float32(0.0)
+                for pc in cutlass.range(d // 8, unroll=4):  # position lane against q, 8 dims a step
+                    qv = sm8(sm, Q + g * d + pc * 8)
+                    wk = lds4u(ks + lane * rowbytes + pc * 16)
+                    for i in cutlass.range_constexpr(4):
+                        sc += bf_lo(wk[i]) * qv[2 * i] + bf_hi(wk[i]) * qv[2 * i + 1]
+                sc = sc * scale
+                if lane >= n:
+                    sc = Float32(NEG_INF)
+                m_old = st[6 * gi]
+                m_new = cute.arch.fmax(m_old, warp_max(sc))
+                pw = cute.math.exp(sc - m_new)
+                alpha = cute.math.exp(m_old - m_new)
+                st[6 * gi] = m_new
+                st[6 * gi + 1] = st[6 * gi + 1] * alpha + warp_sum(pw)
+                a0 = st[6 * gi + 2] * alpha
+                a1 = st[6 * gi + 3] * alpha
+                a2 = st[6 * gi + 4] * alpha
+                a3 = st[6 * gi + 5] * alpha
+                for p in cutlass.range(n):
+                    wgt = cute.arch.shuffle_sync(pw, p)
+                    v = aw_lds2(vs + p * rowbytes + vcol)
+                    a0 += wgt * bf_lo(v[0])
+                    a1 += wgt * bf_hi(v[0])
+                    a2 += wgt * bf_lo(v[1])
+                    a3 += wgt * bf_hi(v[1])
+                st[6 * gi + 2] = a0
+                st[6 * gi + 3] = a1
+                st[6 * gi + 4] = a2
+                st[6 * gi + 5] = a3
+        cta_sync()  # every warp's reads of the buffer done before it is refilled
+    for gi in cutlass.range_constexpr(2):
+        g = warp + gi * NW
+        if g < G:
+            row = part + ((hb + g) * S + s) * (d + 2)
+            if lane == 0:
+                stf(Float32, fa(fb, row), st[6 * gi])
+                stf(Float32, fa(fb, row + 1), st[6 * gi + 1])
+            if lane * 4 < d:
+                for i in cutlass.range_constexpr(4):
+                    stf(Float32, fa(fb, row + 2 + lane * 4 + i), st[6 * gi + 2 + i])
+'''
+
+
+def _attn_warp_module():
+    """The shipped cute/attention.py with ATTN_GQA's chunk loop and partials replaced by ATTN_WARP_TAIL's
+    attn_warps, as a module of the cute package."""
+    from megadecode.backends.mega.cute import attention
+
+    return edited_module("megadecode.backends.mega.cute._attn_warp", attention,
+                         [(ATTN_WARP_AT, ATTN_WARP_NEW),
+                          ("from cutlass import BFloat16, Constexpr, Float32, Int32, Int64\n",
+                           "from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32\n"),
+                          ("    fa,\n", "    fa,\n    from_bits,\n    lds4u,\n    warp_max,\n")],
+                         "attn_warp", ATTN_WARP_TAIL)
 
 
 # attn_early: cute/attention.py's op_attn_gqa with its first chunk's loads moved up to the wait (edits of the

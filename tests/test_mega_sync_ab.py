@@ -142,3 +142,23 @@ def test_hi_diagnostics_drop_only_the_low_half_mma_and_swap_one_module_each():
     assert (mod, attr) == (dense, "tc_step") and fn is not dense.tc_step
     ((mod, attr, fn2),) = mega_body_ab._swaps("group_hi")
     assert (mod, attr) == (moe, "tc_step") and fn2 is fn
+
+
+def test_attn_warp_variant_replaces_the_chunk_loop_and_swaps_attn_gqa_only():
+    """attn_warp's module is the shipped cute/attention.py with ATTN_GQA's chunk loop and partials (gqa_chunk,
+    store_partial) replaced by one call of the appended attn_warps; its swap replaces the ATTN_GQA body only. The
+    two staged buffers (keys then values, AW_CH padded rows each at d = 128) fit below the working memory's last
+    words, above q's."""
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.cute.base import SMEM_F
+
+    mod = mega_body_ab._attn_warp_module()
+    src = Path(mod.__file__).read_text()
+    gqa = src[src.index("def op_attn_gqa"):src.index("def op_mla_kv")]
+    assert gqa.count("attn_warps(") == 1 and "gqa_chunk(" not in gqa and "store_partial(" not in gqa
+    assert src.count("def attn_warps(") == 1
+    assert mod.AW_K + 2 * 2 * mod.AW_CH * (2 * 128 + 16) <= 4 * (SMEM_F - 128)  # below RSTD's (dense.py)
+    assert mod.AW_K >= 4 * 16 * 128  # q of 16 heads at d = 128 below the staged keys
+    ((_, _, bodies),) = mega_body_ab._swaps("attn_warp")
+    assert [n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g] == ["ATTN_GQA"]
