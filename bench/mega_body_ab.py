@@ -37,6 +37,13 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,attn_warp --batch 1,17,64 --check-batch 1,3,17
 
+- `merge_one`: MERGE of a single split (S == 1: every GQA head at batch 33 and more on 264 CTAs) as acc / sum, a
+  thread its elements in one trip, no barrier (the same bits as the shipped body's general path there, which runs
+  three barriers and its maxima's trip first); at batch 64 the phase is 2048 of them, 8 a CTA, 1.9 us each.
+  Two-CTA build 128 registers, ring build 168, audit clean, on the CPU:
+
+      python bench/mega_body_ab.py --variants shipped,merge_one --batch 64,33 --check-batch 33,3
+
 - `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
   against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
   (`group_hi`): half the mma and none of the low half's conversions, the same loads. Their pyvm checks may fail
@@ -68,7 +75,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
     ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
-            "group_hi", "attn_warp")
+            "group_hi", "attn_warp", "merge_one")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -112,6 +119,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
         mod = _attn_warp_module()
         return [(K, "BODIES", tuple((n, mod.op_attn_gqa if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
+    if name == "merge_one":
+        from megadecode.backends.mega import cute_kernel as K
+
+        mod = _merge_one_module()
+        return [(K, "BODIES", tuple((n, mod.op_merge if n == "MERGE" else f) for n, f in K.BODIES))]
     if name in ("tc_hi", "group_hi"):
         from megadecode.backends.mega.cute import dense, moe
 
@@ -198,6 +210,38 @@ def _tc_warps_module():
 
     return edited_module("megadecode.backends.mega.cute._tc_warps", dense,
                          [("@cute.jit\ndef tc_rows(", "@cute.jit\ndef tc_rows_ks(")], "tc_warps", TC_WARPS_TAIL)
+
+
+# merge_one: MERGE of one split (S == 1: every GQA head from batch 33 on 264 CTAs, Builder.splits) as o = acc / sum,
+# each thread its elements in one trip, no barrier; the shipped body's three barriers and its loads of the splits'
+# maxima and sums first give the same bits there (exp(0) = 1, 0 + acc = acc). At batch 64 the phase is 2048 such
+# instructions, 8 a CTA, 1.9 us each (docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt).
+MERGE_ONE_FROM = "    MS, WS = SMEM_F - 128, SMEM_F - 64  # S <= 64 (Builder.splits)\n"
+MERGE_ONE_TO = "\n\n@cute.jit\ndef op_sample("
+MERGE_ONE_FAST = """    if S == 1 and wuv < 0:  # uniform: one split's accumulators over its sum, a thread its elements, no barrier
+        den1 = ldf(Float32, fa(fb, base + 1))
+        for dd in cutlass.range(tid, d, NT):
+            o1 = ldf(Float32, fa(fb, base + 2 + dd)) / den1
+            if gate_off >= 0:
+                o1 = o1 * sigmoid(ldf(Float32, fa(fb, gate_off + b * out_stride + h * dv + dd)))
+            stf(Float32, fa(fb, obase + dd), o1)
+    else:
+"""
+
+
+def _merge_one_module():
+    """The shipped cute/dense.py whose op_merge takes one split without barriers."""
+    from megadecode.backends.mega.cute import dense
+
+    from pathlib import Path
+
+    src = Path(dense.__file__).read_text()
+    i = src.index(MERGE_ONE_FROM)
+    j = src.index(MERGE_ONE_TO, i)
+    general = src[i:j]
+    indented = "".join("    " + ln if ln.strip() else ln for ln in general.splitlines(keepends=True))
+    return edited_module("megadecode.backends.mega.cute._merge_one", dense,
+                         [(general, MERGE_ONE_FAST + indented)], "merge_one")
 
 
 # tc_hi / group_hi (diagnostic, not for landing): cute/dense.py's tc_step against the input's high bf16 half only,

@@ -162,3 +162,22 @@ def test_attn_warp_variant_replaces_the_chunk_loop_and_swaps_attn_gqa_only():
     assert mod.AW_K >= 4 * 16 * 128  # q of 16 heads at d = 128 below the staged keys
     ((_, _, bodies),) = mega_body_ab._swaps("attn_warp")
     assert [n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g] == ["ATTN_GQA"]
+
+
+def test_merge_one_variant_keeps_the_general_merge_under_its_else():
+    """merge_one's op_merge takes S == 1 (no W_UV) in one trip without barriers and runs the shipped body, every
+    line of it, under the else; its swap replaces the MERGE body only."""
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.cute import dense
+
+    src = Path(mega_body_ab._merge_one_module().__file__).read_text()
+    merge = src[src.index("def op_merge("):src.index("def op_sample(")]
+    shipped = Path(dense.__file__).read_text()
+    general = shipped[shipped.index(mega_body_ab.MERGE_ONE_FROM):shipped.index("\n\n@cute.jit\ndef op_sample(")]
+    assert "    if S == 1 and wuv < 0:" in merge and "\n    else:\n" in merge
+    assert all(("    " + ln) in merge for ln in general.splitlines() if ln.strip())
+    body = merge[merge.index("    if S == 1 and wuv < 0:"):merge.index("\n    else:\n")]
+    assert "cta_sync" not in body
+    ((_, _, bodies),) = mega_body_ab._swaps("merge_one")
+    assert [n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g] == ["MERGE"]
