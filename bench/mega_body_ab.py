@@ -37,12 +37,13 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,attn_warp --batch 1,17,64 --check-batch 1,3,17
 
-- `merge_one`: MERGE of a single split (S == 1: every GQA head at batch 33 and more on 264 CTAs) as acc / sum, a
-  thread its elements in one trip, no barrier (the same bits as the shipped body's general path there, which runs
-  three barriers and its maxima's trip first); at batch 64 the phase is 2048 of them, 8 a CTA, 1.9 us each.
-  Two-CTA build 128 registers, ring build 168, audit clean, on the CPU:
+- `merge_one`: MERGE of a single split (S == 1: qwen3-30b-a3b's heads from batch 45 on 264 CTAs, Builder.splits;
+  the tiny check preset's at 33 on 16) as acc / sum, a thread its elements in one trip, no barrier (the same bits
+  as the shipped body's general path there, which runs three barriers and its maxima's trip first); at batch 64 the
+  phase is 2048 of them, 8 a CTA, 1.9 us each. Two-CTA build 128 registers, ring build 168, audit clean, on the
+  CPU:
 
-      python bench/mega_body_ab.py --variants shipped,merge_one --batch 64,33 --check-batch 33,3
+      python bench/mega_body_ab.py --variants shipped,merge_one --batch 64 --check-batch 33,3
 
 - `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
   against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
@@ -212,13 +213,13 @@ def _tc_warps_module():
                          [("@cute.jit\ndef tc_rows(", "@cute.jit\ndef tc_rows_ks(")], "tc_warps", TC_WARPS_TAIL)
 
 
-# merge_one: MERGE of one split (S == 1: every GQA head from batch 33 on 264 CTAs, Builder.splits) as o = acc / sum,
-# each thread its elements in one trip, no barrier; the shipped body's three barriers and its loads of the splits'
-# maxima and sums first give the same bits there (exp(0) = 1, 0 + acc = acc). At batch 64 the phase is 2048 such
-# instructions, 8 a CTA, 1.9 us each (docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt).
+# merge_one: MERGE of one split (S == 1: qwen3-30b-a3b from batch 45 on 264 CTAs, Builder.splits) as o = acc /
+# sum, each thread its elements in one trip, no barrier; the shipped body's three barriers and its loads of the
+# splits' maxima and sums first give the same bits there (exp(0) = 1, 0 + acc = acc). At batch 64 the phase is 2048
+# such instructions, 8 a CTA, 1.9 us each (docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt).
 MERGE_ONE_FROM = "    MS, WS = SMEM_F - 128, SMEM_F - 64  # S <= 64 (Builder.splits)\n"
 MERGE_ONE_TO = "\n\n@cute.jit\ndef op_sample("
-MERGE_ONE_FAST = """    if S == 1 and wuv < 0:  # uniform: one split's accumulators over its sum, a thread its elements, no barrier
+MERGE_ONE_FAST = """    if S == 1 and wuv < 0:  # uniform: a thread its elements, no barrier
         den1 = ldf(Float32, fa(fb, base + 1))
         for dd in cutlass.range(tid, d, NT):
             o1 = ldf(Float32, fa(fb, base + 2 + dd)) / den1

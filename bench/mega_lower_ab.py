@@ -53,10 +53,11 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   28045 / 44677 mv_rows32, 17207 / 30437 / 49602 mv_rows64; bench/results/mega-lower-ab-mv-rows-nvidia-h100.json).
 
 - `lm_per12`, `lm_per36`: the lm_head in 12 / 36 tiles a CTA (lower.LM_PER; shipped 4: 144 rows a tile at
-  qwen3-30b-a3b on 264 CTAs, 9 row groups; 48 and 16 rows). Past 8 tokens the tensor-core loop passes over a tile's rows once per 8
-  tokens, and 264 tiles of 590 KB at once are more than L2 holds: the timelines at 6e8674e show the lm_head at
-  732 us of batch 17's step and 1917 us of batch 64's (19% / 7% of the HBM's rate for its 622 MB). Smaller tiles
-  keep the live rows in L2 across the passes, at more instructions a CTA:
+  qwen3-30b-a3b on 264 CTAs, 9 row groups; 48 and 16 rows). Past 8 tokens the tensor-core loop passes over a
+  tile's rows once per 8 tokens, and the 264 tiles of 590 KB a CTA holds at once are more than L2 holds: the
+  timelines at 6e8674e show the lm_head at 732 us of batch 17's step and 1917 us of batch 64's (19% / 7% of the
+  HBM's rate for its 622 MB). Smaller tiles keep the live rows in L2 across the passes, at more instructions a
+  CTA:
 
       python bench/mega_lower_ab.py --variants shipped,lm_per12,lm_per36 --batch 17,64,8 --check-batch 17,33
 
