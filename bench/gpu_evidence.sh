@@ -44,8 +44,9 @@
 # sanitizer: bench/mega_check.py (every buffer against pyvm, repeats, delayed builds; exit 1 on a mismatch) on the
 #   tiny presets at batch 1 and 3 with 16 CTAs, under compute-sanitizer memcheck, initcheck and synccheck (not yet
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
-# ncu: Nsight Compute on one megakernel step (NCU_PRESET, default k3-mini; NCU_BATCHES, default "1 8"; warp stall reasons, issue and memory
-#   throughput, per-SASS-line source counters as CSV), to tell latency from issue in MATVEC at batch 8 and in the
+# ncu: Nsight Compute on one megakernel step (NCU_PRESET, default k3-mini; NCU_BATCHES, default "1 8"; warp stall
+#   reasons, issue and memory throughput, per-SASS-line source counters as CSV), to tell latency from issue in
+#   MATVEC at batch 8 and in the
 #   MXFP4 expert loops (`git show 72970d6:docs/megakernel.md`, "At ee57544"); 195 s at 5936e56. bench/ncu_loops.py groups the SASS
 #   page's stall samples by innermost loop.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
