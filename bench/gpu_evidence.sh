@@ -46,9 +46,8 @@
 #   run: its time on the H200 is not known; the bounded spins report a timeout rather than hang if it is slow).
 # ncu: Nsight Compute on one megakernel step (NCU_PRESET, default k3-mini; NCU_BATCHES, default "1 8"; warp stall
 #   reasons, issue and memory throughput, per-SASS-line source counters as CSV), to tell latency from issue in
-#   MATVEC at batch 8 and in the
-#   MXFP4 expert loops (`git show 72970d6:docs/megakernel.md`, "At ee57544"); 195 s at 5936e56. bench/ncu_loops.py groups the SASS
-#   page's stall samples by innermost loop.
+#   MATVEC at batch 8 and in the MXFP4 expert loops (`git show 72970d6:docs/megakernel.md`, "At ee57544"); 195 s
+#   at 5936e56 (k3-mini). bench/ncu_loops.py groups the SASS page's stall samples by innermost loop.
 # reports: `megadecode validate <v> --seeds 1 --report` for the named variants (`ordering-audit`: validate --ordering),
 #   default those whose report is stale
 #   (bench/stale_reports.py: the variant's code, the harness's checks or tolerances changed since its report), each
