@@ -45,6 +45,9 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,merge_one --batch 64 --check-batch 33,3
 
+- `tables_match` (not ready: the two-CTA build takes 239 registers, see TABLES_NEW): ROUTE's tables with each
+  pick's rank by match.any within its warp and the warps' counts, where the shipped loop compares every pair of
+  picks (the tables' instruction: 19.6 us a layer at qwen3-30b-a3b batch 64, on one CTA).
 - `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
   against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
   (`group_hi`): half the mma and none of the low half's conversions, the same loads. Their pyvm checks may fail
@@ -76,7 +79,8 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
     ab_parser, ab_variants, edited_module, module_from_file, run_ab, swapped)
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
-            "group_hi", "attn_warp", "merge_one")
+            "group_hi", "attn_warp", "merge_one",
+            "tables_match")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -125,6 +129,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
         mod = _merge_one_module()
         return [(K, "BODIES", tuple((n, mod.op_merge if n == "MERGE" else f) for n, f in K.BODIES))]
+    if name == "tables_match":
+        from megadecode.backends.mega.cute import moe
+
+        return [(moe, "route_tables", _tables_match_module().route_tables)]
     if name in ("tc_hi", "group_hi"):
         from megadecode.backends.mega.cute import dense, moe
 
@@ -243,6 +251,75 @@ def _merge_one_module():
     indented = "".join("    " + ln if ln.strip() else ln for ln in general.splitlines(keepends=True))
     return edited_module("megadecode.backends.mega.cute._merge_one", dense,
                          [(general, MERGE_ONE_FAST + indented)], "merge_one")
+
+
+# tables_match: ROUTE's tables (route_tables) with each pick's rank among the earlier picks of its expert found by
+# match.any within its warp, each warp's count of each expert in shared memory, and a running count over rounds of
+# NT picks; the shipped loop has each pick compare all n picks (n = 512 at batch 64: 1024 compares a thread; the
+# tables' instruction 19.6 us a layer at qwen3-30b-a3b batch 64 on one CTA,
+# docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt). The same ranks and counts (pyvm's tables, exactly: checked
+# against the all-pairs definition by a Python model of the rounds, warps and lanes, 200 random cases up to n = 1024
+# and E = 896). Shared words: the ids at 0 .. n, the ranks at n .. 2n (as shipped), the warps' counts at 2n .. 2n +
+# NW E. NOT READY: the two-CTA build compiles to 239 registers (one CTA an SM) on the CPU, the ring build to its
+# 168. Bisected without finding the cause: the loop of rounds with a barrier, match.any, lanemask_lt, the ids'
+# float-to-int conversion, each alone beside the shipped loop, stay at 128; the first half of the new loop (the
+# zeroing, the ids, the match and the warps' counts) with the shipped rank loop after it already takes 239, with
+# any one of those removed too, and with every loop unroll=1.
+TABLES_AT = """    for j in cutlass.range(tid, n, NT):
+        pe = sm[j]
+        rank, later = Int32(0), Int32(0)
+        for k in cutlass.range(n, unroll=8):
+            if sm[k] == pe:
+                if k < j:
+                    rank += 1
+                if k > j:
+                    later += 1
+        sm[RK + j] = Float32(rank)
+        if later == 0:
+            smi[CNT + Int32(pe)] = rank + 1
+    cta_sync()
+"""
+TABLES_NEW = """    warp, lane = tid // 32, tid % 32
+    WC = 2 * n  # float words: each warp's count of each expert in the round (NW x E)
+    for r0 in cutlass.range(0, n, NT):  # rounds of NT picks, the same on every thread
+        for e in cutlass.range(tid, NW * E, NT):
+            sm[WC + e] = Float32(0.0)
+        cta_sync()
+        j = r0 + tid
+        pe = -1 - lane  # past n: a value no pick and no other lane holds
+        if j < n:
+            pe = Int32(sm[j])
+        grp = cute.arch.match_sync(Uint32(0xFFFFFFFF), pe)  # the warp's lanes with this pick's expert
+        lt = grp & cute.arch.lanemask_lt()
+        if j < n and lt == Uint32(0):  # the group's first lane: the warp's count
+            sm[WC + warp * E + pe] = Float32(cute.arch.popc(grp))
+        cta_sync()
+        rank, last = Int32(0), Int32(0)
+        if j < n:
+            before, after = Int32(0), Int32(0)
+            for w in cutlass.range_constexpr(NW):
+                c = Int32(sm[WC + w * E + pe])
+                if w < warp:
+                    before += c
+                if w > warp:
+                    after += c
+            rank = smi[CNT + pe] + before + Int32(cute.arch.popc(lt))
+            sm[RK + j] = Float32(rank)
+            if (grp & cute.arch.lanemask_gt()) == Uint32(0) and after == 0:
+                last = Int32(1)  # the expert's last pick of the round: it raises the running count
+        cta_sync()  # every pick of the round has read the running counts
+        if last == 1:
+            smi[CNT + pe] = rank + 1
+    cta_sync()
+"""
+
+
+def _tables_match_module():
+    """The shipped cute/moe.py whose route_tables ranks the picks with match.any."""
+    from megadecode.backends.mega.cute import moe
+
+    return edited_module("megadecode.backends.mega.cute._tables_match", moe, [(TABLES_AT, TABLES_NEW)],
+                         "tables_match")
 
 
 # tc_hi / group_hi (diagnostic, not for landing): cute/dense.py's tc_step against the input's high bf16 half only,

@@ -181,3 +181,22 @@ def test_merge_one_variant_keeps_the_general_merge_under_its_else():
     assert "cta_sync" not in body
     ((_, _, bodies),) = mega_body_ab._swaps("merge_one")
     assert [n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g] == ["MERGE"]
+
+
+def test_tables_match_variant_edits_the_rank_loop_only_and_fits_its_counts():
+    """tables_match's route_tables replaces the shipped all-pairs rank loop (made once) with match.any ranks, each
+    warp's counts of each expert in shared words 2n .. 2n + NW E: those fit below the working memory's last words
+    at the largest batch for K3's experts; its swap replaces cute/moe.py's route_tables only."""
+    import mega_body_ab
+    from megadecode.backends.mega.cute import moe
+    from megadecode.backends.mega.cute.base import NW, SMEM_F
+    from megadecode.backends.mega.lower import MAX_BATCH
+
+    src = Path(mega_body_ab._tables_match_module().__file__).read_text()
+    tables = src[src.index("def route_tables("):]
+    assert "cute.arch.match_sync(" in tables and "for k in cutlass.range(n, unroll=8):" not in tables
+    assert Path(moe.__file__).read_text().count(mega_body_ab.TABLES_AT) == 1  # the shipped source untouched
+    n, E = MAX_BATCH * 16, 896  # K3: top-16 of 896 experts
+    assert 2 * n + NW * E <= SMEM_F - 128
+    ((mod, attr, fn),) = mega_body_ab._swaps("tables_match")
+    assert (mod, attr) == (moe, "route_tables") and fn is not moe.route_tables
