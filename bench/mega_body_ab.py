@@ -259,8 +259,8 @@ def _merge_one_module():
 # tables' instruction 19.6 us a layer at qwen3-30b-a3b batch 64 on one CTA,
 # docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt). The same ranks and counts (pyvm's tables, exactly: checked
 # against the all-pairs definition by a throwaway Python model of the rounds, warps and lanes, not kept: 200
-# random cases up to n = 1024 and E = 896). Shared words: the ids at 0 .. n, the ranks at n .. 2n (as shipped), the warps' counts at 2n .. 2n +
-# NW E. NOT READY: the two-CTA build compiles to 239 registers (one CTA an SM) on the CPU, the ring build to its
+# random cases up to n = 1024 and E = 896). Shared words: the ids at 0 .. n, the ranks at n .. 2n (as shipped),
+# the warps' counts at 2n .. 2n + NW E. NOT READY: the two-CTA build compiles to 239 registers (one CTA an SM) on the CPU, the ring build to its
 # 168. Bisected without finding the cause: the loop of rounds with a barrier, match.any, lanemask_lt, the ids'
 # float-to-int conversion, each alone beside the shipped loop, stay at 128; the first half of the new loop (the
 # zeroing, the ids, the match and the warps' counts) with the shipped rank loop after it already takes 239, with
