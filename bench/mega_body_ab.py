@@ -254,17 +254,17 @@ def _merge_one_module():
 
 
 # tables_match: ROUTE's tables (route_tables) with each pick's rank among the earlier picks of its expert found by
-# match.any within its warp, each warp's count of each expert in shared memory, and a running count over rounds of
-# NT picks; the shipped loop has each pick compare all n picks (n = 512 at batch 64: 1024 compares a thread; the
-# tables' instruction 19.6 us a layer at qwen3-30b-a3b batch 64 on one CTA,
+# match.any within its warp, each warp's count of each expert in shared memory, and a running count over rounds of NT
+# picks; the shipped loop has each pick compare all n picks (n = 512 at batch 64: 1024 compares a thread; the tables'
+# instruction 19.6 us a layer at qwen3-30b-a3b batch 64 on one CTA,
 # docs/evidence/qwen3-30b-a3b-timeline-b64-h100.txt). The same ranks and counts (pyvm's tables, exactly: checked
-# against the all-pairs definition by a throwaway Python model of the rounds, warps and lanes, not kept: 200
-# random cases up to n = 1024 and E = 896). Shared words: the ids at 0 .. n, the ranks at n .. 2n (as shipped),
-# the warps' counts at 2n .. 2n + NW E. NOT READY: the two-CTA build compiles to 239 registers (one CTA an SM) on the CPU, the ring build to its
-# 168. Bisected without finding the cause: the loop of rounds with a barrier, match.any, lanemask_lt, the ids'
-# float-to-int conversion, each alone beside the shipped loop, stay at 128; the first half of the new loop (the
-# zeroing, the ids, the match and the warps' counts) with the shipped rank loop after it already takes 239, with
-# any one of those removed too, and with every loop unroll=1.
+# against the all-pairs definition by a throwaway Python model of the rounds, warps and lanes, not kept: 200 random
+# cases up to n = 1024 and E = 896). Shared words: the ids at 0 .. n, the ranks at n .. 2n (as shipped), the warps'
+# counts at 2n .. 2n + NW E. NOT READY: the two-CTA build compiles to 239 registers (one CTA an SM) on the CPU, the
+# ring build to its 168. Bisected without finding the cause: the loop of rounds with a barrier, match.any,
+# lanemask_lt, the ids' float-to-int conversion, each alone beside the shipped loop, stay at 128; the first half of
+# the new loop (the zeroing, the ids, the match and the warps' counts) with the shipped rank loop after it already
+# takes 239, with any one of those removed too, and with every loop unroll=1.
 TABLES_AT = """    for j in cutlass.range(tid, n, NT):
         pe = sm[j]
         rank, later = Int32(0), Int32(0)
