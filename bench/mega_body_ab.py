@@ -45,9 +45,14 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,merge_one --batch 64 --check-batch 33,3
 
-- `tables_match` (not ready: the two-CTA build takes 239 registers, see TABLES_NEW): ROUTE's tables with each
-  pick's rank by match.any within its warp and the warps' counts, where the shipped loop compares every pair of
-  picks (the tables' instruction: 19.6 us a layer at qwen3-30b-a3b batch 64, on one CTA).
+- `tables_match`: ROUTE's tables with each pick's rank by match.any within its warp and the warps' counts, where
+  the shipped loop compares every pair of picks (the tables' instruction: 19.6 us a layer at qwen3-30b-a3b batch
+  64, on one CTA). Its two-CTA build takes 239 registers (see TABLES_NEW); under `capped`, 128:
+
+      python bench/mega_body_ab.py --variants shipped,capped,capped+tables_match --batch 64,17 --check-batch 17,33
+- `capped`: the two-CTA build compiled for two CTAs an SM (min_blocks_per_mp = 2: ptxas holds it to 128
+  registers) rather than left to ptxas's choice; joined with a body variant that the choice takes to ~240
+  (`capped+tables_match`) it makes that variant measurable, and `shipped,capped` says what the cap costs.
 - `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
   against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
   (`group_hi`): half the mma and none of the low half's conversions, the same loads. Their pyvm checks may fail
@@ -80,7 +85,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match")
+            "tables_match", "capped")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -129,6 +134,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
         mod = _merge_one_module()
         return [(K, "BODIES", tuple((n, mod.op_merge if n == "MERGE" else f) for n, f in K.BODIES))]
+    if name == "capped":
+        from megadecode.backends.mega import cute_kernel as K
+
+        return [(K, "launch", _capped_launch())]
     if name == "tables_match":
         from megadecode.backends.mega.cute import moe
 
@@ -320,6 +329,41 @@ def _tables_match_module():
 
     return edited_module("megadecode.backends.mega.cute._tables_match", moe, [(TABLES_AT, TABLES_NEW)],
                          "tables_match")
+
+
+# capped: the two-CTA build compiled for two CTAs an SM (nvvm.minctasm 2: ptxas holds it to 128 registers, spilling
+# where a body needs more) instead of left to ptxas's choice, which is 128 today but jumps to ~240 (one CTA an SM)
+# on small body changes (tables_match; attn_warp with the next chunk in registers). On the CPU the shipped kernel
+# capped is 128 registers with 184 bytes of spill stores against 96 uncapped, and tables_match capped the same 184.
+# The carveout is stated (50% of the SM's shared memory: two CTAs' 112 KiB) because the DSL otherwise asks the
+# device for it, which a compile without a GPU cannot.
+CAPPED_CARVEOUT = 50
+
+
+def _capped_launch():
+    """cute_kernel.launch with min_blocks_per_mp = 2 on the two-CTA build (the ring build as shipped)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from megadecode.backends.mega import cute_kernel as K
+
+    def launch(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, num_ctas,
+               stream, ring):
+        kern = K.mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns,
+                             ring)
+        if cutlass.const_expr(ring):
+            kern.launch(grid=(num_ctas, 1, 1), block=(K.block_threads(ring), 1, 1), stream=stream)
+        else:
+            kern.launch(grid=(num_ctas, 1, 1), block=(K.block_threads(ring), 1, 1), stream=stream,
+                        min_blocks_per_mp=2, preferred_smem_carveout=CAPPED_CARVEOUT)
+
+    # the shipped launcher's parameter types, as objects (annotations in this module are strings, which the DSL
+    # would evaluate in its globals)
+    launch.__annotations__ = {
+        **{n: cute.Tensor for n in ("prog", "qstart", "qorder", "ctr", "f32", "i32", "wtab", "ptab", "err", "tl")},
+        **{n: Int32 for n in ("max_spin", "timeline", "delay_ns", "num_ctas")},
+        "stream": K.cuda_drv.CUstream, "ring": cutlass.Constexpr}
+    return cute.jit(launch)
 
 
 # tc_hi / group_hi (diagnostic, not for landing): cute/dense.py's tc_step against the input's high bf16 half only,

@@ -200,3 +200,18 @@ def test_tables_match_variant_edits_the_rank_loop_only_and_fits_its_counts():
     assert 2 * n + NW * E <= SMEM_F - 128
     ((mod, attr, fn),) = mega_body_ab._swaps("tables_match")
     assert (mod, attr) == (moe, "route_tables") and fn is not moe.route_tables
+
+
+def test_capped_variant_swaps_the_launcher_only():
+    """capped replaces cute_kernel.launch (what compile_launcher and compile_ptx_cubin trace) with a launcher that
+    asks two CTAs an SM of the two-CTA build, its parameter types given as objects."""
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+
+    ((mod, attr, fn),) = mega_body_ab._swaps("capped")
+    assert (mod, attr) == (K, "launch") and fn is not K.launch
+    assert 0 < mega_body_ab.CAPPED_CARVEOUT <= 100
+    from megadecode.backends.mega.cute import moe
+
+    joined = mega_body_ab._swaps("capped+tables_match")
+    assert [(m, a) for m, a, _ in joined] == [(K, "launch"), (moe, "route_tables")]
