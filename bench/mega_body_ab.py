@@ -94,6 +94,13 @@ def _bodies_module():
     return module_from_file("megadecode.backends.mega.cute._moe_from", BODIES_FROM, "--bodies-from", "a cute/moe.py")
 
 
+def _bodies_swap(ops: dict) -> list[tuple[object, str, object]]:
+    """The swap of cute_kernel.BODIES with the opcodes in `ops` (name -> body) replaced, the rest as shipped."""
+    from megadecode.backends.mega import cute_kernel as K
+
+    return [(K, "BODIES", tuple((n, ops.get(n, f)) for n, f in K.BODIES))]
+
+
 def _swaps(name: str) -> list[tuple[object, str, object]]:
     """The variant's swaps (none for `shipped`)."""
     from megadecode.backends.mega.cute import moe as M
@@ -114,26 +121,14 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     if name == "down_w3":
         return [(M, "WU_DN", 3)]
     if name == "attn_early":
-        from megadecode.backends.mega import cute_kernel as K
-
-        op = _attn_early_module().op_attn_gqa
-        return [(K, "BODIES", tuple((n, op if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
+        return _bodies_swap({"ATTN_GQA": _attn_early_module().op_attn_gqa})
     if name == "tc_warps":
-        from megadecode.backends.mega import cute_kernel as K
-
         mod = _tc_warps_module()
-        ops = {"MATVEC": mod.op_matvec, "GLU": mod.op_glu}
-        return [(K, "BODIES", tuple((n, ops.get(n, f)) for n, f in K.BODIES))]
+        return _bodies_swap({"MATVEC": mod.op_matvec, "GLU": mod.op_glu})
     if name == "attn_warp":
-        from megadecode.backends.mega import cute_kernel as K
-
-        mod = _attn_warp_module()
-        return [(K, "BODIES", tuple((n, mod.op_attn_gqa if n == "ATTN_GQA" else f) for n, f in K.BODIES))]
+        return _bodies_swap({"ATTN_GQA": _attn_warp_module().op_attn_gqa})
     if name == "merge_one":
-        from megadecode.backends.mega import cute_kernel as K
-
-        mod = _merge_one_module()
-        return [(K, "BODIES", tuple((n, mod.op_merge if n == "MERGE" else f) for n, f in K.BODIES))]
+        return _bodies_swap({"MERGE": _merge_one_module().op_merge})
     if name == "capped":
         from megadecode.backends.mega import cute_kernel as K
 
@@ -422,13 +417,6 @@ AW_K = 8192  # byte offset of the staged buffers in the working memory (after q:
 
 
 @cute.jit
-def aw_copy16(dst: Int32, src: Int64):
-    """16 bytes of a cache row into shared memory, asynchronously (cp.async through L2: a coherent read of the
-    generic proxy, after the instruction's wait)."""
-    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst, src])
-
-
-@cute.jit
 def aw_commit():
     cute.arch.inline_ptx("cp.async.commit_group;")
 
@@ -469,7 +457,8 @@ def aw_issue(tid: Int32, kc: Int64, vc: Int64, rowb: Int64, rstride: Int64, c0: 
         if w == 1:
             src = vc
         pos = cutlass.min(c0 + r, hi - 1)
-        aw_copy16(buf + (w * AW_CH + r) * rowbytes + c * 16, src + rowb + Int64(pos) * rstride + Int64(c * 16))
+        # base.row_copy16: the cp.async the loop copies instruction rows with; through L2, coherent, after the wait
+        row_copy16(buf + (w * AW_CH + r) * rowbytes + c * 16, src + rowb + Int64(pos) * rstride + Int64(c * 16))
 
 
 @cute.jit
@@ -559,7 +548,7 @@ def _attn_warp_module():
                          [(ATTN_WARP_AT, ATTN_WARP_NEW),
                           ("from cutlass import BFloat16, Constexpr, Float32, Int32, Int64\n",
                            "from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32\n"),
-                          ("    fa,\n", "    fa,\n    from_bits,\n    lds4u,\n    warp_max,\n")],
+                          ("    fa,\n", "    fa,\n    from_bits,\n    lds4u,\n    row_copy16,\n    warp_max,\n")],
                          "attn_warp", ATTN_WARP_TAIL)
 
 
