@@ -61,6 +61,12 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,tc_hi,group_hi --batch 17,64,8 --check-batch 17
 
+- `wna`, `group_wna`: the tensor-core step's weight loads not allocating in L1 (base.ld4w, the K3 experts' load),
+  in MATVEC / GLU past batch 1 and the F_GROUP experts (`wna`) or the experts only (`group_wna`): the streamed
+  rows then leave L1 to the inputs every warp of the CTA reads again:
+
+      python bench/mega_body_ab.py --variants shipped,wna,group_wna --batch 64,17 --check-batch 17
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -85,7 +91,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "capped")
+            "tables_match", "capped", "wna", "group_wna", "group_cp")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -141,6 +147,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense, moe
 
         return [(dense if name == "tc_hi" else moe, "tc_step", _hi_module().tc_step)]
+    if name in ("wna", "group_wna", "group_cp"):
+        from megadecode.backends.mega.cute import dense, moe
+
+        step = _wna_module().tc_step
+        return ([(dense, "tc_step", step)] if name == "wcg" else []) + [(moe, "tc_step", step)]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -372,6 +383,194 @@ def _hi_module():
 
     return edited_module("megadecode.backends.mega.cute._tc_hi", dense,
                          [(HI_AT, "            for p in (hi,):  # the diagnostic: hi alone\n")], "tc_hi")
+
+
+# wna / group_wna: cute/dense.py's tc_step with its weight loads not allocating in L1 (base.ld4w, as the K3
+# fragment-order experts load theirs), so the rows streaming through a step do not take L1 from the inputs the
+# CTA's warps read again (Nsight Compute at batch 64: the bf16 experts' loops hold 46% of the stall samples, 84-90%
+# of them waiting on loads; L1 hit rate 44%). wna in MATVEC / GLU past batch 1 and the F_GROUP experts, group_wna
+# in the experts only
+WNA_AT = [("    ld4u32,\n", "    ld4u32,\n    ld4w,\n")] + [
+    (f"{ind}{v}.append(ld4u32({r} + Int64(k) * 2))\n", f"{ind}{v}.append(ld4w({r} + Int64(k) * 2))\n")
+    for ind, v, r in (("        ", "wa", "ra"), ("        ", "wb", "rb"), ("            ", "wua", "ua"),
+                      ("            ", "wub", "ub"))]
+
+
+def _wna_module():
+    """The shipped cute/dense.py whose tc_step loads its weights with base.ld4w."""
+    from megadecode.backends.mega.cute import dense
+
+    return edited_module("megadecode.backends.mega.cute._wna", dense, WNA_AT, "wna")
+
+
+# group_cp: the F_GROUP experts' units (cute/moe.py group_units) with the weights copied (cp.async) into each
+# warp's share of the working memory a few steps ahead of the step that multiplies them, rather than loaded into
+# registers two steps at a time and waited for: Nsight Compute at batch 64 (qwen3-30b-a3b, H100) has the two loops
+# at 46% of the stall samples, 84-90% of them waiting on the weights' loads, each warp's 4 KB in flight draining to
+# nothing before the next are asked for. op_expert_up / op_expert_down pass the working memory to the group bodies
+GROUP_CP_AT = [("        expert_up_group(fb, ib, wtab, smi, tid)\n", "        expert_up_group(fb, ib, wtab, smi, tid, sm)\n"),
+               ("        expert_down_group(fb, ib, wtab, smi, tid)\n",
+                "        expert_down_group(fb, ib, wtab, smi, tid, sm)\n"),
+               ("    ld4w,\n", "    ld4w,\n    lds4u,\n    row_copy16,\n    bf16x2_split,\n")]
+GROUP_CP_TAIL = '''
+
+GC_WB = 4 * SMEM_F // NW  # bytes of the working memory a warp's copies take (6 KiB)
+
+
+@cute.jit
+def gc_commit():
+    cute.arch.inline_ptx("cp.async.commit_group;")
+
+
+@cute.jit
+def gc_wait(n: Constexpr):
+    """Wait until at most n of this thread's newest copy groups are in flight."""
+    cute.arch.inline_ptx(f"cp.async.wait_group {n};")
+
+
+@cute.jit
+def gc_drain():
+    cute.arch.inline_ptx("cp.async.wait_all;")
+
+
+@cute.jit
+def gc_issue(slot: Int32, ra: Int64, rb: Int64, ua: Int64, ub: Int64, k: Int32, glu: Constexpr):
+    """This lane's copies of one step (its 16 bytes at k of rows g, g + 8 and GLU's up rows) into its slots of a
+    stage: 512 bytes apart, lane-major, so the warp's reads back are conflict-free."""
+    row_copy16(slot, ra + Int64(k) * 2)
+    row_copy16(slot + 512, rb + Int64(k) * 2)
+    if cutlass.const_expr(glu):
+        row_copy16(slot + 1024, ua + Int64(k) * 2)
+        row_copy16(slot + 1536, ub + Int64(k) * 2)
+
+
+@cute.jit
+def gc_step(acc: cute.Tensor, slot: Int32, xv, msk: Uint32, glu: Constexpr):
+    """tc_step's arithmetic for one step whose weights are in this lane's slots and whose input is xv (8 fp32):
+    the same mma in the same order, so the same sums."""
+    wa = lds4u(slot)
+    wb = lds4u(slot + 512)
+    wua, wub = wa, wb
+    if cutlass.const_expr(glu):
+        wua = lds4u(slot + 1024)
+        wub = lds4u(slot + 1536)
+    hi, lo = [], []
+    for i in cutlass.range_constexpr(4):
+        ph, pl = bf16x2_split(xv[2 * i], xv[2 * i + 1])
+        hi.append(ph & msk)
+        lo.append(pl & msk)
+    for h in cutlass.range_constexpr(2):
+        for p in (hi, lo):
+            c = mma("bf16", wa[2 * h], wb[2 * h], wa[2 * h + 1], wb[2 * h + 1], p[2 * h], p[2 * h + 1],
+                    acc[0], acc[1], acc[2], acc[3])
+            for i in cutlass.range_constexpr(4):
+                acc[i] = c[i]
+            if cutlass.const_expr(glu):
+                c = mma("bf16", wua[2 * h], wub[2 * h], wua[2 * h + 1], wub[2 * h + 1], p[2 * h], p[2 * h + 1],
+                        acc[4], acc[5], acc[6], acc[7])
+                for i in cutlass.range_constexpr(4):
+                    acc[4 + i] = c[i]
+
+
+@cute.jit
+def group_units_cp(fb: Int64, ib: Int64, smi: cute.Tensor, sm: cute.Tensor, tid: Int32, A_: Constexpr, w0: Int64,
+                   I: Int32, K: Int32, R: Int32, x_off: Int32, ptok_off: Int32, out_off: Int32, use_situ):
+    """group_units with each unit's weights streamed through this warp's GC_WB bytes of the working memory: NS
+    stages of one step each (EXPERT_UP 2 KB: 3, EXPERT_DOWN 1 KB: 6), every lane copying (cp.async, static
+    weights) the 16-byte pieces it multiplies, NS - 1 steps ahead of the step it computes, so a warp keeps
+    NS - 1 steps of weights requested without holding them in registers; the input (produced in this launch:
+    coherent loads) one step ahead in registers. The same mma in the same order as group_units: the same bits."""
+    glu = A_ == "EXPERT_UP"
+    warp, lane = tid // 32, tid % 32
+    g, t = lane // 4, lane % 4
+    nt = R // GROUP_TILE
+    w, W = args(smi, A_, "w W")
+    nuniq = ldi(ia(ib, arg(smi, ARG[A_]["nuniq_off"])))
+    uniq_off, pstart_off = args(smi, A_, "uniq_off pstart_off")
+    N = group_tables(ib, smi, tid, nuniq, uniq_off, pstart_off) * nt
+    lo = Int32(Int64(w) * Int64(N) // Int64(W))
+    hi = Int32(Int64(w + 1) * Int64(N) // Int64(W))
+    rowb = Int64(K) * 2
+    erows = R
+    STG = 1024
+    if cutlass.const_expr(glu):
+        erows = 2 * I
+        STG = 2048
+    NS = GC_WB // STG
+    nsteps = K // TC_K
+    wbase = Int32(sm.iterator.toint()) + warp * GC_WB + lane * 16
+    acc = cute.make_rmem_tensor(8, Float32)
+    xr = cute.make_rmem_tensor(8, Float32)
+    for unit in cutlass.range(lo + warp, hi, NW):
+        P = unit // nt
+        r = (unit - P * nt) * GROUP_TILE
+        e, p0, pn = group_pass(smi, nuniq, P)
+        msk = Uint32(0xFFFFFFFF)
+        if g >= pn:
+            msk = Uint32(0)
+        src = p0 + cutlass.min(g, pn - 1)
+        if cutlass.const_expr(glu):
+            src = ldi(ia(ib, ptok_off + src))
+        xrow = fa(fb, x_off + src * K)
+        ra = w0 + (Int64(e) * Int64(erows) + Int64(r + g)) * rowb
+        rb = ra + Int64(8) * rowb
+        ua = ra + Int64(I) * rowb
+        ub = rb + Int64(I) * rowb
+        for i in cutlass.range_constexpr(8):
+            acc[i] = Float32(0.0)
+        for j in cutlass.range_constexpr(NS - 1):  # the first NS - 1 steps' copies, a group each
+            if j < nsteps:
+                gc_issue(wbase + j * STG, ra, rb, ua, ub, j * TC_K + 8 * t, glu)
+            gc_commit()
+        xr.store(ld8(Float32, xrow + Int64(8 * t) * 4))
+        for s in cutlass.range(nsteps):
+            jn = s + NS - 1
+            if jn < nsteps:  # the copies NS - 1 steps ahead, into the stage step s - 1 read
+                gc_issue(wbase + (jn % NS) * STG, ra, rb, ua, ub, jn * TC_K + 8 * t, glu)
+            gc_commit()
+            xv = xr.load()
+            if s + 1 < nsteps:
+                xr.store(ld8(Float32, xrow + Int64((s + 1) * TC_K + 8 * t) * 4))
+            gc_wait(NS - 1)  # step s's copies landed
+            gc_step(acc, wbase + (s % NS) * STG, xv, msk, glu)
+        for h in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(2):
+                if 2 * t + j < pn:
+                    v = acc[2 * h + j]
+                    if cutlass.const_expr(glu):
+                        up = acc[4 + 2 * h + j]
+                        gs = v
+                        v = silu(gs) * up
+                        if use_situ:
+                            v = situ(gs, up)
+                    stf(Float32, fa(fb, out_off + (p0 + 2 * t + j) * R + r + g + 8 * h), v)
+    gc_drain()
+
+
+@cute.jit
+def expert_up_group(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32, sm: cute.Tensor):
+    """EXPERT_UP under F_GROUP (bf16), its weights through the warps' copy stages (group_units_cp)."""
+    A_ = "EXPERT_UP"
+    I, D, x_off, h_off = args(smi, A_, "I D x_off h_off")
+    group_units_cp(fb, ib, smi, sm, tid, A_, wtab[arg(smi, ARG[A_]["gu"])], I, D, I, x_off,
+                   arg(smi, ARG[A_]["ptok_off"]), h_off, (arg(smi, 3) & F_SITU) != 0)
+
+
+@cute.jit
+def expert_down_group(fb: Int64, ib: Int64, wtab: cute.Tensor, smi: cute.Tensor, tid: Int32, sm: cute.Tensor):
+    """EXPERT_DOWN under F_GROUP (bf16), its weights through the warps' copy stages (group_units_cp)."""
+    A_ = "EXPERT_DOWN"
+    I, D, h_off, y_off = args(smi, A_, "I D h_off y_off")
+    group_units_cp(fb, ib, smi, sm, tid, A_, wtab[arg(smi, ARG[A_]["dn"])], I, I, D, h_off, Int32(-1), y_off, False)
+'''
+
+
+def _group_cp_module():
+    """The shipped cute/moe.py with the F_GROUP bodies of GROUP_CP_TAIL (defined after, so they are the ones the
+    module's op_expert_up / op_expert_down trace)."""
+    from megadecode.backends.mega.cute import moe
+
+    return edited_module("megadecode.backends.mega.cute._group_cp", moe, GROUP_CP_AT, "group_cp", GROUP_CP_TAIL)
 
 
 # attn_warp: ATTN_GQA's chunks with a warp a q head. The shipped chunk (gqa_chunk) loads the chunk's keys and
