@@ -147,11 +147,14 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense, moe
 
         return [(dense if name == "tc_hi" else moe, "tc_step", _hi_module().tc_step)]
-    if name in ("wna", "group_wna", "group_cp"):
+    if name == "group_cp":
+        mod = _group_cp_module()
+        return _bodies_swap({"EXPERT_UP": mod.op_expert_up, "EXPERT_DOWN": mod.op_expert_down})
+    if name in ("wna", "group_wna"):
         from megadecode.backends.mega.cute import dense, moe
 
         step = _wna_module().tc_step
-        return ([(dense, "tc_step", step)] if name == "wcg" else []) + [(moe, "tc_step", step)]
+        return ([(dense, "tc_step", step)] if name == "wna" else []) + [(moe, "tc_step", step)]
     raise ValueError(f"unknown variant {name!r}")
 
 

@@ -215,3 +215,40 @@ def test_capped_variant_swaps_the_launcher_only():
 
     joined = mega_body_ab._swaps("capped+tables_match")
     assert [(m, a) for m, a, _ in joined] == [(K, "launch"), (moe, "route_tables")]
+
+
+def test_wna_variants_load_tc_steps_weights_with_ld4w_and_swap_their_modules():
+    """wna / group_wna trace a tc_step whose four weight loads are base.ld4w (not allocating in L1) and whose inputs
+    load as shipped; wna swaps it into cute/dense.py (MATVEC / GLU) and cute/moe.py (F_GROUP), group_wna into
+    cute/moe.py only."""
+    import mega_body_ab
+    from megadecode.backends.mega.cute import dense, moe
+
+    src = Path(mega_body_ab._wna_module().__file__).read_text()
+    step = src[src.index("def tc_step("):src.index("TC_UC = ")]
+    assert step.count("ld4w(") == 4 and "ld4u32(" not in step and step.count("ld8(") == 3
+    assert Path(dense.__file__).read_text().count("ld4w") == 0  # the shipped source untouched
+    swaps = mega_body_ab._swaps("wna")
+    assert [(m, a) for m, a, _ in swaps] == [(dense, "tc_step"), (moe, "tc_step")]
+    assert all(fn is not dense.tc_step for _, _, fn in swaps)
+    assert [(m, a) for m, a, _ in mega_body_ab._swaps("group_wna")] == [(moe, "tc_step")]
+
+
+def test_group_cp_variant_stages_within_each_warps_share_and_swaps_the_expert_bodies_only():
+    """group_cp's F_GROUP bodies take the working memory, their stages (EXPERT_UP: gate and up rows g, g + 8, 4 x
+    512 bytes a step; EXPERT_DOWN: 2 x 512) fit a warp's share of it at least twice, and its swap replaces
+    EXPERT_UP's and EXPERT_DOWN's bodies only, with op bodies that call the appended group_units_cp."""
+    import inspect
+
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.cute.base import NW, SMEM_F
+
+    mod = mega_body_ab._group_cp_module()
+    src = Path(mod.__file__).read_text()
+    assert src.count("def group_units_cp(") == 1 and src.count("expert_up_group(fb, ib, wtab, smi, tid, sm)") == 1
+    assert src.count("expert_down_group(fb, ib, wtab, smi, tid, sm)") == 1
+    assert mod.GC_WB * NW == 4 * SMEM_F and mod.GC_WB // 2048 >= 2 and mod.GC_WB // 1024 >= 2
+    assert "group_units_cp(" in inspect.getsource(mod.expert_up_group)
+    ((_, _, bodies),) = mega_body_ab._swaps("group_cp")
+    assert {n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g} == {"EXPERT_UP", "EXPERT_DOWN"}
