@@ -67,6 +67,14 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,wna,group_wna --batch 64,17 --check-batch 17
 
+- `group_cp`, `group_ring`: the F_GROUP experts' weights copied (cp.async) a few steps ahead into each warp's share
+  of the working memory (`group_cp`: 3 EXPERT_UP stages; its two-CTA build is 228 registers uncapped, so measure it
+  as `capped+group_cp` beside `capped`) or of the weight ring (`group_ring`: 10 stages; the ring build only, so
+  with `--ring-all`):
+
+      python bench/mega_body_ab.py --variants shipped,capped,capped+group_cp --batch 64,17 --check-batch 17,33
+      python bench/mega_body_ab.py --ring-all --variants shipped,group_ring --batch 64,17 --check-batch 17,33
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -91,7 +99,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "capped", "wna", "group_wna", "group_cp")
+            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -147,8 +155,8 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense, moe
 
         return [(dense if name == "tc_hi" else moe, "tc_step", _hi_module().tc_step)]
-    if name == "group_cp":
-        mod = _group_cp_module()
+    if name in ("group_cp", "group_ring"):
+        mod = _group_cp_module() if name == "group_cp" else _group_ring_module()
         return _bodies_swap({"EXPERT_UP": mod.op_expert_up, "EXPERT_DOWN": mod.op_expert_down})
     if name in ("wna", "group_wna"):
         from megadecode.backends.mega.cute import dense, moe
@@ -576,6 +584,30 @@ def _group_cp_module():
     return edited_module("megadecode.backends.mega.cute._group_cp", moe, GROUP_CP_AT, "group_cp", GROUP_CP_TAIL)
 
 
+# group_ring: group_cp's copies into the weight ring's memory (160 KiB, idle past batch 1: only batch-1 MATVEC is
+# staged, Program.stageable) rather than the working memory: 20 KiB a warp, EXPERT_UP 10 stages, EXPERT_DOWN 20, so
+# a warp keeps ~18 KB of weights requested where group_cp keeps 4. The ring build only (one CTA an SM, 8 compute
+# warps): run with --ring-all, which times every variant's ring build at every batch
+GROUP_RING_AT = [("    NW,\n", "    NW,\n    RING_PAGE,\n    RING_S,\n    RING_SLOTS,\n")]
+GROUP_RING_EDITS = [("GC_WB = 4 * SMEM_F // NW  # bytes of the working memory a warp's copies take (6 KiB)\n",
+                     "GC_WB = RING_SLOTS * RING_PAGE // NW  # bytes of the ring a warp's copies take (20 KiB)\n"),
+                    ("    wbase = Int32(sm.iterator.toint()) + warp * GC_WB + lane * 16\n",
+                     "    wbase = smi[RING_S + 5] + warp * GC_WB + lane * 16  # the ring's shared address\n")]
+
+
+def _group_ring_module():
+    """group_cp's module with its stages in the weight ring (GROUP_RING_EDITS of GROUP_CP_TAIL)."""
+    from megadecode.backends.mega.cute import moe
+
+    tail = GROUP_CP_TAIL
+    for old, new in GROUP_RING_EDITS:
+        if tail.count(old) != 1:
+            raise SystemExit("group_ring: GROUP_CP_TAIL changed; the variant's edit point is not unique")
+        tail = tail.replace(old, new)
+    return edited_module("megadecode.backends.mega.cute._group_ring", moe, GROUP_CP_AT + GROUP_RING_AT, "group_ring",
+                         tail)
+
+
 # attn_warp: ATTN_GQA's chunks with a warp a q head. The shipped chunk (gqa_chunk) loads the chunk's keys and
 # values into registers, then folds them with the 256 threads together: scores over 4 lanes a position, a barrier,
 # softmax_chunk by warps, a barrier, values over 8 lanes a column group, a barrier (three, and the shuffles of
@@ -819,10 +851,19 @@ def main(argv=None) -> int:
                     help="the preset each variant is diffed against pyvm on (tiny-k3-frag for K3's bodies)")
     ap.add_argument("--audit", action="store_true", help="audit each variant statically (no GPU) and stop")
     ap.add_argument("--bodies-from", help="the cute/moe.py whose row bodies the `bodies` variant builds")
+    ap.add_argument("--ring-all", action="store_true",
+                    help="build, check and time the ring build (one CTA an SM) at every batch, not only at 1 "
+                         "(group_ring needs it)")
     args = ap.parse_args(argv)
     global BODIES_FROM
     BODIES_FROM = args.bodies_from
     names = ab_variants(ap, args, VARIANTS, joins=True)
+    if any("group_ring" in n.split("+") for n in names) and not (args.ring_all or args.audit):
+        ap.error("group_ring stages into the weight ring, which only the ring build has: pass --ring-all")
+    if args.ring_all:
+        import mega_sync_ab
+
+        mega_sync_ab.ring_build = lambda batch: True  # run_ab and timed ask it for every batch
     if args.audit:
         reports = {n: audit(n) for n in names}
         for n, r in reports.items():

@@ -252,3 +252,20 @@ def test_group_cp_variant_stages_within_each_warps_share_and_swaps_the_expert_bo
     assert "group_units_cp(" in inspect.getsource(mod.expert_up_group)
     ((_, _, bodies),) = mega_body_ab._swaps("group_cp")
     assert {n for (n, f), (_, g) in zip(bodies, K.BODIES) if f is not g} == {"EXPERT_UP", "EXPERT_DOWN"}
+
+
+def test_group_ring_variant_stages_in_the_ring_and_needs_the_ring_build():
+    """group_ring is group_cp with its stages in the weight ring (each warp an equal share of it, at least the
+    stages group_cp has), swapping the same two bodies; asked for without --ring-all it is refused in one line."""
+    import mega_body_ab
+    from megadecode.backends.mega.cute.base import NW, RING_PAGE, RING_SLOTS
+
+    mod = mega_body_ab._group_ring_module()
+    src = Path(mod.__file__).read_text()
+    units = src[src.index("def group_units_cp("):src.index("def expert_up_group(", src.index("def group_units_cp("))]
+    assert "wbase = smi[RING_S + 5] + warp * GC_WB" in units and "sm.iterator" not in units
+    assert mod.GC_WB * NW == RING_SLOTS * RING_PAGE and mod.GC_WB >= mega_body_ab._group_cp_module().GC_WB
+    cp = [n for n, _ in mega_body_ab._swaps("group_cp")[0][2]]
+    assert [n for n, _ in mega_body_ab._swaps("group_ring")[0][2]] == cp
+    with pytest.raises(SystemExit):
+        mega_body_ab.main(["--variants", "shipped,group_ring", "--batch", "64"])
