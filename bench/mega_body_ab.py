@@ -75,6 +75,11 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
       python bench/mega_body_ab.py --variants shipped,capped,capped+group_cp --batch 64,17 --check-batch 17,33
       python bench/mega_body_ab.py --ring-all --variants shipped,group_ring --batch 64,17 --check-batch 17,33
 
+- `mv_ring`: F_TC MATVEC / GLU's k slices (dense.py tc_rows) streamed the same way through the ring (19 steps
+  ahead, GLU 9); the ring build only; joins with group_ring:
+
+      python bench/mega_body_ab.py --ring-all --variants shipped,group_ring,mv_ring,group_ring+mv_ring --batch 64,17,8
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -99,7 +104,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring")
+            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -155,6 +160,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense, moe
 
         return [(dense if name == "tc_hi" else moe, "tc_step", _hi_module().tc_step)]
+    if name == "mv_ring":
+        from megadecode.backends.mega.cute import dense
+
+        return [(dense, "op_rows", _mv_ring_module().op_rows)]
     if name in ("group_cp", "group_ring"):
         mod = _group_cp_module() if name == "group_cp" else _group_ring_module()
         return _bodies_swap({"EXPERT_UP": mod.op_expert_up, "EXPERT_DOWN": mod.op_expert_down})
@@ -608,6 +617,109 @@ def _group_ring_module():
                          tail)
 
 
+# mv_ring: F_TC MATVEC / GLU (cute/dense.py tc_rows, 2 tokens and more) with each k slice's weights copied
+# (cp.async) into the warp's 20 KiB of the weight ring up to 19 steps ahead (GLU 9), the input one step ahead in
+# registers, the same mma in the same order as tc_step (the same bits). The ring build only (--ring-all); op_rows is
+# swapped (its tc_rows call passes the ring's address), so it joins with group_ring: `group_ring+mv_ring`
+MV_RING_AT = [
+    ("            out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32, RS: Constexpr,\n"
+     "            glu: Constexpr):\n    \"\"\"Rows [r0, r1) against the batch on the tensor cores",
+     "            out_off: Int32, out_stride: Int32, out_col: Int32, add0: Int32, add1: Int32, RS: Constexpr,\n"
+     "            ring: Int32, glu: Constexpr):\n    \"\"\"Rows [r0, r1) against the batch on the tensor cores"),
+    ("                out_off, out_stride, out_col, add0, add1, RS, glu)\n    else:\n",
+     "                out_off, out_stride, out_col, add0, add1, RS, smi[RING_S + 5], glu)\n    else:\n"),
+    ("""                smain = s1 - (s1 - s0) % UC
+                for s in cutlass.range(s0, smain, UC):
+                    tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
+                            has_x2, msk, UC, glu)
+                for s in cutlass.range(smain, s1):  # the slice's last steps, one at a time
+                    tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
+                            has_x2, msk, 1, glu)
+""", """                cp_steps(acc, ring + warp * MV_WB + lane * 16, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s0, s1,
+                         t, xrow, x2row, gaddr, norm, has_x2, msk, glu)
+"""),
+    ("    RING_SLOTS,\n", "    RING_SLOTS,\n    row_copy16,\n")]
+MV_RING_TAIL = '''
+
+
+MV_WB = RING_SLOTS * RING_PAGE // NW  # bytes of the ring a warp's copies take (20 KiB)
+
+
+@cute.jit
+def mv_issue(slot: Int32, ra: Int64, rb: Int64, ua: Int64, ub: Int64, k: Int32, glu: Constexpr):
+    """This lane's copies of one step (its 16 bytes at k of rows g, g + 8 and GLU's up rows), 512 bytes apart."""
+    row_copy16(slot, ra + Int64(k) * 2)
+    row_copy16(slot + 512, rb + Int64(k) * 2)
+    if cutlass.const_expr(glu):
+        row_copy16(slot + 1024, ua + Int64(k) * 2)
+        row_copy16(slot + 1536, ub + Int64(k) * 2)
+
+
+@cute.jit
+def cp_steps(acc: cute.Tensor, wbase: Int32, ra: Int64, rb: Int64, ua: Int64, ub: Int64, s0: Int32, s1: Int32,
+             t: Int32, xrow: Int64, x2row: Int64, gaddr: Int64, norm, has_x2, msk: Uint32, glu: Constexpr):
+    """tc_step's steps s0 .. s1 - 1, in order, with the weights copied NS - 1 steps ahead into this lane's slots of
+    NS one-step stages at wbase (each lane reads back only its own copies: no warp barrier) and x one step ahead
+    in registers; x2 and the norm weight loaded at the step, before its copies are waited for."""
+    STG = 1024
+    if cutlass.const_expr(glu):
+        STG = 2048
+    NS = MV_WB // STG
+    xr = cute.make_rmem_tensor(8, Float32)
+    for j in cutlass.range_constexpr(NS - 1):
+        if s0 + j < s1:
+            mv_issue(wbase + j * STG, ra, rb, ua, ub, (s0 + j) * TC_K + 8 * t, glu)
+        cute.arch.inline_ptx("cp.async.commit_group;")
+    if s0 < s1:
+        xr.store(ld8(Float32, xrow + Int64(s0 * TC_K + 8 * t) * 4))
+    for s in cutlass.range(s0, s1):
+        jn = s + NS - 1
+        if jn < s1:
+            mv_issue(wbase + ((jn - s0) % NS) * STG, ra, rb, ua, ub, jn * TC_K + 8 * t, glu)
+        cute.arch.inline_ptx("cp.async.commit_group;")
+        k = s * TC_K + 8 * t
+        xv = xr.load()
+        if s + 1 < s1:
+            xr.store(ld8(Float32, xrow + Int64(k + TC_K) * 4))
+        if has_x2:
+            xv = xv + ld8(Float32, x2row + Int64(k) * 4)
+        if norm:
+            xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
+        cute.arch.inline_ptx(f"cp.async.wait_group {NS - 1};")
+        slot = wbase + ((s - s0) % NS) * STG
+        wa = lds4u(slot)
+        wb = lds4u(slot + 512)
+        wua, wub = wa, wb
+        if cutlass.const_expr(glu):
+            wua = lds4u(slot + 1024)
+            wub = lds4u(slot + 1536)
+        hi, lo = [], []
+        for i in cutlass.range_constexpr(4):
+            ph, pl = bf16x2_split(xv[2 * i], xv[2 * i + 1])
+            hi.append(ph & msk)
+            lo.append(pl & msk)
+        for h in cutlass.range_constexpr(2):
+            for p in (hi, lo):
+                c = mma("bf16", wa[2 * h], wb[2 * h], wa[2 * h + 1], wb[2 * h + 1], p[2 * h], p[2 * h + 1],
+                        acc[0], acc[1], acc[2], acc[3])
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = c[i]
+                if cutlass.const_expr(glu):
+                    c = mma("bf16", wua[2 * h], wub[2 * h], wua[2 * h + 1], wub[2 * h + 1], p[2 * h], p[2 * h + 1],
+                            acc[4], acc[5], acc[6], acc[7])
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 + i] = c[i]
+    cute.arch.inline_ptx("cp.async.wait_all;")
+'''
+
+
+def _mv_ring_module():
+    """The shipped cute/dense.py whose tc_rows streams its slices' weights through the ring (MV_RING_TAIL)."""
+    from megadecode.backends.mega.cute import dense
+
+    return edited_module("megadecode.backends.mega.cute._mv_ring", dense, MV_RING_AT, "mv_ring", MV_RING_TAIL)
+
+
 # attn_warp: ATTN_GQA's chunks with a warp a q head. The shipped chunk (gqa_chunk) loads the chunk's keys and
 # values into registers, then folds them with the 256 threads together: scores over 4 lanes a position, a barrier,
 # softmax_chunk by warps, a barrier, values over 8 lanes a column group, a barrier (three, and the shuffles of
@@ -858,8 +970,8 @@ def main(argv=None) -> int:
     global BODIES_FROM
     BODIES_FROM = args.bodies_from
     names = ab_variants(ap, args, VARIANTS, joins=True)
-    if any("group_ring" in n.split("+") for n in names) and not (args.ring_all or args.audit):
-        ap.error("group_ring stages into the weight ring, which only the ring build has: pass --ring-all")
+    if any({"group_ring", "mv_ring"} & set(n.split("+")) for n in names) and not (args.ring_all or args.audit):
+        ap.error("group_ring and mv_ring stage into the weight ring, which only the ring build has: pass --ring-all")
     if args.ring_all:
         import mega_sync_ab
 

@@ -269,3 +269,26 @@ def test_group_ring_variant_stages_in_the_ring_and_needs_the_ring_build():
     assert [n for n, _ in mega_body_ab._swaps("group_ring")[0][2]] == cp
     with pytest.raises(SystemExit):
         mega_body_ab.main(["--variants", "shipped,group_ring", "--batch", "64"])
+
+
+def test_mv_ring_variant_streams_tc_rows_slices_through_the_ring_and_joins_group_ring():
+    """mv_ring's tc_rows runs each k slice's steps through cp_steps (its tc_step loops gone), op_rows passes it the
+    ring's address, and its swap is op_rows alone, so `group_ring+mv_ring` keeps both variants' changes; without
+    --ring-all it is refused."""
+    import inspect
+
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
+    from megadecode.backends.mega.cute import dense
+
+    mod = mega_body_ab._mv_ring_module()
+    rows = inspect.getsource(mod.tc_rows)
+    assert "cp_steps(" in rows and "tc_step(" not in rows
+    assert "smi[RING_S + 5], glu)" in inspect.getsource(mod.op_rows)
+    ((m, attr, fn),) = mega_body_ab._swaps("mv_ring")
+    assert (m, attr) == (dense, "op_rows") and fn is mod.op_rows
+    joined = mega_body_ab._swaps("group_ring+mv_ring")
+    assert [a for _, a, _ in joined] == ["BODIES", "op_rows"]
+    assert {n for (n, f), (_, g) in zip(joined[0][2], K.BODIES) if f is not g} == {"EXPERT_UP", "EXPERT_DOWN"}
+    with pytest.raises(SystemExit):
+        mega_body_ab.main(["--variants", "shipped,mv_ring", "--batch", "17"])
