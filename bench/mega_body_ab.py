@@ -423,21 +423,9 @@ def _wna_module():
     return edited_module("megadecode.backends.mega.cute._wna", dense, WNA_AT, "wna")
 
 
-# group_cp: the F_GROUP experts' units (cute/moe.py group_units) with the weights copied (cp.async) into each
-# warp's share of the working memory a few steps ahead of the step that multiplies them, rather than loaded into
-# registers two steps at a time and waited for: Nsight Compute at batch 64 (qwen3-30b-a3b, H100) has the two loops
-# at 46% of the stall samples, 84-90% of them waiting on the weights' loads, each warp's 4 KB in flight draining to
-# nothing before the next are asked for. op_expert_up / op_expert_down pass the working memory to the group bodies
-GROUP_CP_AT = [("        expert_up_group(fb, ib, wtab, smi, tid)\n", "        expert_up_group(fb, ib, wtab, smi, tid, sm)\n"),
-               ("        expert_down_group(fb, ib, wtab, smi, tid)\n",
-                "        expert_down_group(fb, ib, wtab, smi, tid, sm)\n"),
-               ("    ld4w,\n", "    ld4w,\n    lds4u,\n    row_copy16,\n    bf16x2_split,\n")]
-GROUP_CP_TAIL = '''
-
-GC_WB = 4 * SMEM_F // NW  # bytes of the working memory a warp's copies take (6 KiB)
-
-
-@cute.jit
+# A lane's copies of one tensor-core step (and its copy groups' commit / wait) and the step's arithmetic from them,
+# shared by group_cp's and mv_ring's tails (each module imports row_copy16, lds4u, bf16x2_split and mma)
+COPY_STEP_SRC = '''@cute.jit
 def gc_commit():
     cute.arch.inline_ptx("cp.async.commit_group;")
 
@@ -490,7 +478,25 @@ def gc_step(acc: cute.Tensor, slot: Int32, xv, msk: Uint32, glu: Constexpr):
                         acc[4], acc[5], acc[6], acc[7])
                 for i in cutlass.range_constexpr(4):
                     acc[4 + i] = c[i]
+'''
 
+
+# group_cp: the F_GROUP experts' units (cute/moe.py group_units) with the weights copied (cp.async) into each
+# warp's share of the working memory a few steps ahead of the step that multiplies them, rather than loaded into
+# registers two steps at a time and waited for: Nsight Compute at batch 64 (qwen3-30b-a3b, H100) has the two loops
+# at 46% of the stall samples, 84-90% of them waiting on the weights' loads, each warp's 4 KB in flight draining to
+# nothing before the next are asked for. op_expert_up / op_expert_down pass the working memory to the group bodies
+GROUP_CP_AT = [("        expert_up_group(fb, ib, wtab, smi, tid)\n",
+                "        expert_up_group(fb, ib, wtab, smi, tid, sm)\n"),
+               ("        expert_down_group(fb, ib, wtab, smi, tid)\n",
+                "        expert_down_group(fb, ib, wtab, smi, tid, sm)\n"),
+               ("    ld4w,\n", "    ld4w,\n    lds4u,\n    row_copy16,\n    bf16x2_split,\n")]
+GROUP_CP_TAIL = '''
+
+GC_WB = 4 * SMEM_F // NW  # bytes of the working memory a warp's copies take (6 KiB)
+
+
+''' + COPY_STEP_SRC + '''
 
 @cute.jit
 def group_units_cp(fb: Int64, ib: Int64, smi: cute.Tensor, sm: cute.Tensor, tid: Int32, A_: Constexpr, w0: Int64,
@@ -635,24 +641,16 @@ MV_RING_AT = [
                 for s in cutlass.range(smain, s1):  # the slice's last steps, one at a time
                     tc_step(acc, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s * TC_K, t, xrow, x2row, gaddr, norm,
                             has_x2, msk, 1, glu)
-""", """                cp_steps(acc, ring + warp * MV_WB + lane * 16, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s0, s1,
-                         t, xrow, x2row, gaddr, norm, has_x2, msk, glu)
-"""),
+""",
+     "                cp_steps(acc, ring + warp * MV_WB + lane * 16, w0 + rowa, w0 + rowb, w1 + rowa, w1 + rowb, s0,\n"
+     "                         s1, t, xrow, x2row, gaddr, norm, has_x2, msk, glu)\n"),
     ("    RING_SLOTS,\n", "    RING_SLOTS,\n    row_copy16,\n")]
 MV_RING_TAIL = '''
 
 
+''' + COPY_STEP_SRC + '''
+
 MV_WB = RING_SLOTS * RING_PAGE // NW  # bytes of the ring a warp's copies take (20 KiB)
-
-
-@cute.jit
-def mv_issue(slot: Int32, ra: Int64, rb: Int64, ua: Int64, ub: Int64, k: Int32, glu: Constexpr):
-    """This lane's copies of one step (its 16 bytes at k of rows g, g + 8 and GLU's up rows), 512 bytes apart."""
-    row_copy16(slot, ra + Int64(k) * 2)
-    row_copy16(slot + 512, rb + Int64(k) * 2)
-    if cutlass.const_expr(glu):
-        row_copy16(slot + 1024, ua + Int64(k) * 2)
-        row_copy16(slot + 1536, ub + Int64(k) * 2)
 
 
 @cute.jit
@@ -668,15 +666,15 @@ def cp_steps(acc: cute.Tensor, wbase: Int32, ra: Int64, rb: Int64, ua: Int64, ub
     xr = cute.make_rmem_tensor(8, Float32)
     for j in cutlass.range_constexpr(NS - 1):
         if s0 + j < s1:
-            mv_issue(wbase + j * STG, ra, rb, ua, ub, (s0 + j) * TC_K + 8 * t, glu)
-        cute.arch.inline_ptx("cp.async.commit_group;")
+            gc_issue(wbase + j * STG, ra, rb, ua, ub, (s0 + j) * TC_K + 8 * t, glu)
+        gc_commit()
     if s0 < s1:
         xr.store(ld8(Float32, xrow + Int64(s0 * TC_K + 8 * t) * 4))
     for s in cutlass.range(s0, s1):
         jn = s + NS - 1
         if jn < s1:
-            mv_issue(wbase + ((jn - s0) % NS) * STG, ra, rb, ua, ub, jn * TC_K + 8 * t, glu)
-        cute.arch.inline_ptx("cp.async.commit_group;")
+            gc_issue(wbase + ((jn - s0) % NS) * STG, ra, rb, ua, ub, jn * TC_K + 8 * t, glu)
+        gc_commit()
         k = s * TC_K + 8 * t
         xv = xr.load()
         if s + 1 < s1:
@@ -685,31 +683,9 @@ def cp_steps(acc: cute.Tensor, wbase: Int32, ra: Int64, rb: Int64, ua: Int64, ub
             xv = xv + ld8(Float32, x2row + Int64(k) * 4)
         if norm:
             xv = xv * ld8(BFloat16, gaddr + Int64(k) * 2)
-        cute.arch.inline_ptx(f"cp.async.wait_group {NS - 1};")
-        slot = wbase + ((s - s0) % NS) * STG
-        wa = lds4u(slot)
-        wb = lds4u(slot + 512)
-        wua, wub = wa, wb
-        if cutlass.const_expr(glu):
-            wua = lds4u(slot + 1024)
-            wub = lds4u(slot + 1536)
-        hi, lo = [], []
-        for i in cutlass.range_constexpr(4):
-            ph, pl = bf16x2_split(xv[2 * i], xv[2 * i + 1])
-            hi.append(ph & msk)
-            lo.append(pl & msk)
-        for h in cutlass.range_constexpr(2):
-            for p in (hi, lo):
-                c = mma("bf16", wa[2 * h], wb[2 * h], wa[2 * h + 1], wb[2 * h + 1], p[2 * h], p[2 * h + 1],
-                        acc[0], acc[1], acc[2], acc[3])
-                for i in cutlass.range_constexpr(4):
-                    acc[i] = c[i]
-                if cutlass.const_expr(glu):
-                    c = mma("bf16", wua[2 * h], wub[2 * h], wua[2 * h + 1], wub[2 * h + 1], p[2 * h], p[2 * h + 1],
-                            acc[4], acc[5], acc[6], acc[7])
-                    for i in cutlass.range_constexpr(4):
-                        acc[4 + i] = c[i]
-    cute.arch.inline_ptx("cp.async.wait_all;")
+        gc_wait(NS - 1)
+        gc_step(acc, wbase + ((s - s0) % NS) * STG, xv, msk, glu)
+    gc_drain()
 '''
 
 
