@@ -960,7 +960,7 @@ def main(argv=None) -> int:
                 print(r.to_markdown())
         return 0 if all(r.passed for r in reports.values()) else 1
     out = run_ab(names, build, args.check_preset, args.preset, args.batch, args.context, args.rounds, args.out,
-                 args.check_batch)
+                 args.check_batch, jobs=args.jobs, settings={"BODIES_FROM": args.bodies_from})
     ok = all(not c["failures"] for c in out["checks"])
     print(f"wrote {args.out}; every variant {'passes' if ok else 'does NOT pass'} its check")
     return 0 if ok else 1

@@ -11,6 +11,10 @@ medians are written to --out as JSON.
     git show 8da66e1:megadecode/backends/mega/cute_kernel.py > /tmp/loop.py
     python bench/mega_sync_ab.py --loop-from /tmp/loop.py --variants loop,shipped ...
 
+The builds are compiled at once in spawned worker processes (`--jobs`; a variant's compile is ~50-80 s of one
+CPU, the GPU machine has 16), each exported to a temporary directory as the kernel's disk cache stores an entry
+and loaded back here; `--jobs 1` compiles them one after another in this process.
+
 Variants:
 - `shipped`: the wait polls with `ld.acquire.gpu` and the block barrier follows; the signal is the release add
   after the body's block barrier; the next instruction's row is copied into shared memory while one runs.
@@ -48,15 +52,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
 from megadecode.backends import expert_layout
 from megadecode.backends.mega.executor import default_ctas, frag_order
 from megadecode.backends.mega.lower import lower
-from megadecode.backends.mega.runtime import compile_launcher, ring_build
+from megadecode.backends.mega import kernel_cache
+from megadecode.backends.mega.runtime import Launcher, compile_launcher, cubin_registers, ring_build
 from megadecode.backends.mega.schedule import schedule
 from megadecode.cache import KVCache
 from megadecode.plan import build_plan
@@ -366,6 +375,9 @@ def ab_parser(preset: str, batch: str, rounds: int, variants: str, out: str) -> 
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--variants", default=variants)
     ap.add_argument("--out", default=out)
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="variant builds compiled at once, each in its own process (0: one a variant and build, at "
+                         "most half the CPUs and 8; 1: one after another in this process)")
     return ap
 
 
@@ -388,28 +400,97 @@ def main(argv=None) -> int:
     LOOP_FROM = args.loop_from
     names = ab_variants(ap, args, VARIANTS)
     out = run_ab(names, build, "tiny-qwen3-moe", args.preset, args.batch, args.context, args.rounds, args.out,
-                 args.check_batch, loop_from=args.loop_from)
+                 args.check_batch, jobs=args.jobs, settings={"LOOP_FROM": args.loop_from}, loop_from=args.loop_from)
     ok = all(not c["failures"] for c in out["checks"])
     print(f"wrote {args.out}; every variant {'passes' if ok else 'does NOT pass'} its check")
     return 0 if ok else 1
 
 
+def build_key(name: str, ring: bool) -> str:
+    """A variant build's entry name under a parallel build's directory."""
+    return f"{name}.{'ring' if ring else 'two_cta'}"
+
+
+def _build_export(build, settings: dict, name: str, ring: bool, root: str, device: str = "cuda") -> dict:
+    """In a worker process: `build(name, device, ring)` (the caller module's, its module-level options `settings`
+    set first, as its main() sets them in the parent) exported into `root` as the kernel's disk cache lays out an
+    entry (kernel_cache.store), under build_key. None for a build the runtimes make themselves (`shipped`)."""
+    build.__globals__.update(settings)
+    t0 = time.perf_counter()
+    fn = build(name, torch.device(device), ring)
+    if fn is None:
+        return {"key": None, "compile_s": 0.0}
+    registers = cubin_registers(getattr(fn.artifacts, "CUBIN", None))
+    key = build_key(name, ring)
+    if not kernel_cache.store(Path(root), key, fn, registers):
+        raise RuntimeError(f"the build of {name} could not be exported (said above)")
+    return {"key": key, "registers": registers, "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def default_jobs(builds: int) -> int:
+    """Parallel compiles when --jobs is 0: one a build, at most half the CPUs (the compiles are single-threaded
+    tracing and ptxas; the other half is left to the rest of the machine) and 8."""
+    return max(1, min(builds, (os.cpu_count() or 2) // 2, 8))
+
+
+def prebuilt(build, settings: dict, names: list[str], rings: list[bool], jobs: int, device: str = "cuda") -> dict:
+    """Every (variant, ring) build compiled at once in `jobs` spawned processes (each variant's compile is ~50-80 s
+    of one CPU on the GPU machine, so five variants cost ~5 minutes one after another and ~1.5 at once), each
+    exported to a temporary directory and loaded here (kernel_cache.load: the launcher the executor's cache hits
+    run). {(name, ring): Launcher, or None for `shipped`}; a build that failed in its worker is left out and said in
+    one line, so the caller compiles it in this process (a failure there is the real error, raised)."""
+    root = tempfile.mkdtemp(prefix="mega-ab-builds-")
+    todo = [(n, r) for n in names for r in rings]
+    ctx = multiprocessing.get_context("spawn")  # a CUDA process must not fork
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
+        futs = {nr: ex.submit(_build_export, build, settings, nr[0], nr[1], root, device) for nr in todo}
+        done = {}
+        for (n, r), f in futs.items():
+            try:
+                done[n, r] = f.result()
+            except Exception as e:  # noqa: BLE001 (the in-process compile that follows raises the real error)
+                print(f"parallel build of {build_key(n, r)} failed ({kernel_cache.why(e)}); compiling it here",
+                      flush=True)
+    kernels = {}
+    for (n, r), res in done.items():
+        if res["key"] is None:
+            kernels[n, r] = None
+            continue
+        hit = kernel_cache.load(Path(root), res["key"])
+        if hit is not None:
+            (module, fn), registers = hit
+            kernels[n, r] = Launcher(fn, registers, "cache", keep=module, ring=r)
+            kernels[n, r].compile_s = res["compile_s"]
+    return kernels
+
+
 def run_ab(names: list[str], build, check_preset: str, presets: str, batches: str, context: int, rounds: int,
-           path: str, check_batches: str = "1,3", **extra) -> dict:
+           path: str, check_batches: str = "1,3", jobs: int = 1, settings: dict | None = None, **extra) -> dict:
     """Each variant built (`build(name, device, ring)`: each build the batches run, runtime.ring_build: the ring
-    build at batch 1, the two-CTA build past it), diffed against pyvm on `check_preset` at each of `check_batches`
-    (every buffer, repeats and delayed launches), then every variant timed together per preset and batch (`timed`);
-    the results (`extra` beside them) written to `path` after the checks and after each run, and returned."""
+    build at batch 1, the two-CTA build past it; with `jobs` != 1 the builds compiled at once in worker processes,
+    `prebuilt`, the build module's `settings` set in each), diffed against pyvm on `check_preset` at each of
+    `check_batches` (every buffer, repeats and delayed launches), then every variant timed together per preset and
+    batch (`timed`); the results (`extra` beside them) written to `path` after the checks and after each run, and
+    returned."""
     dev = torch.device("cuda")
     out = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("MEGADECODE_GIT_SHA"), **extra,
            "compile_s": {}, "checks": [], "runs": []}
-    kernels = {}
     rings = sorted({ring_build(int(b)) for b in f"{batches},{check_batches}".split(",")})
+    kernels = {}
+    if jobs != 1:
+        jobs = jobs or default_jobs(len(names) * len(rings))
+        t0 = time.perf_counter()
+        kernels = prebuilt(build, settings or {}, names, rings, jobs)
+        out["parallel_build"] = {"jobs": jobs, "wall_s": round(time.perf_counter() - t0, 1)}
+        print(f"{len(kernels)} of {len(names) * len(rings)} builds compiled in {jobs} processes in "
+              f"{out['parallel_build']['wall_s']} s", flush=True)
     for n in names:
         t0 = time.perf_counter()
         for ring in rings:
-            kernels[n, ring] = build(n, dev, ring)
-        out["compile_s"][n] = round(time.perf_counter() - t0, 1)
+            if (n, ring) not in kernels:
+                kernels[n, ring] = build(n, dev, ring)
+        own = time.perf_counter() - t0
+        out["compile_s"][n] = round(max([own] + [getattr(kernels[n, r], "compile_s", 0.0) for r in rings]), 1)
         for b in map(int, check_batches.split(",")):
             r = diff_program(check_preset, b, 16, seed=b, kernel=kernels[n, ring_build(b)], ring=ring_build(b))
             worst = max((x.get("rel", 0.0) for x in r.get("buffers", [])), default=None)

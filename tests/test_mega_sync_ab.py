@@ -292,3 +292,80 @@ def test_mv_ring_variant_streams_tc_rows_slices_through_the_ring_and_joins_group
     assert {n for (n, f), (_, g) in zip(joined[0][2], K.BODIES) if f is not g} == {"EXPERT_UP", "EXPERT_DOWN"}
     with pytest.raises(SystemExit):
         mega_body_ab.main(["--variants", "shipped,mv_ring", "--batch", "17"])
+
+
+FAKE_TAG = None  # a module-level option the parallel builds set in each worker (prebuilt's `settings`)
+
+
+class _FakeCompiled:
+    """A stand-in for a compiled launcher: its export writes the object file's text (no GPU to export a kernel)."""
+
+    class artifacts:
+        CUBIN = None
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def export_to_c(self, path: str, name: str) -> None:
+        Path(path, f"{name}.o").write_text(self.text)
+
+
+def fake_build(name, device, ring):
+    """Runs in prebuilt's worker processes: `shipped` is the runtimes' own (None), `broken` fails to trace."""
+    if name == "shipped":
+        return None
+    if name == "broken":
+        raise RuntimeError("a trace error\nits last line")
+    mega_sync_ab.cubin_registers = lambda cubin: 96  # this worker's module: a stand-in has no cubin to count
+    return _FakeCompiled(f"{name} {ring} {device.type} {FAKE_TAG}")
+
+
+def test_parallel_builds_run_in_worker_processes_with_the_options_and_failures_are_left_to_the_caller(monkeypatch,
+                                                                                                        capsys):
+    """prebuilt compiles each (variant, build) in a spawned process with the build module's options set there,
+    exports it as the kernel cache lays out an entry, and loads it here as a Launcher; `shipped` stays None and a
+    build that failed in its worker is absent (run_ab compiles it in its own process), said in one line."""
+    from megadecode.backends.mega import kernel_cache
+
+    def load(root, key):  # the parent's load of each exported entry (the real one links a CUDA object)
+        meta = json.loads((root / key / "meta.json").read_text())
+        return ("module", (root / key / f"{kernel_cache.PREFIX}.o").read_text()), meta["registers"]
+
+    monkeypatch.setattr(kernel_cache, "load", load)
+    kernels = mega_sync_ab.prebuilt(fake_build, {"FAKE_TAG": "tagged"}, ["shipped", "v", "broken"], [False, True],
+                                    jobs=2, device="cpu")
+    assert kernels[("shipped", False)] is None and kernels[("shipped", True)] is None
+    assert ("broken", False) not in kernels and ("broken", True) not in kernels
+    for ring in (False, True):
+        k = kernels[("v", ring)]
+        assert (k.fn, k.registers, k.source, k.ring) == (f"v {ring} cpu tagged", 96, "cache", ring)
+        assert k.compile_s >= 0
+    said = capsys.readouterr().out
+    assert "parallel build of broken.two_cta failed (RuntimeError: its last line)" in said
+
+
+def test_run_ab_compiles_here_what_the_parallel_builds_did_not(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(mega_sync_ab, "diff_program", lambda *a, **k: {"buffers": []})
+    monkeypatch.setattr(mega_sync_ab, "diff_failures", lambda r: [])
+    timed_with = []
+
+    def timed(preset, batch, context, kernels, rounds):
+        timed_with.append(dict(kernels))
+        return {"preset": preset, "batch": batch, "median_us": {}, "min_us": {}}
+
+    monkeypatch.setattr(mega_sync_ab, "timed", timed)
+    asked = []
+
+    def prebuilt(build, settings, names, rings, jobs):
+        asked.append((settings, names, rings, jobs))
+        return {("v", False): "v-parallel"}
+
+    built = []
+    monkeypatch.setattr(mega_sync_ab, "prebuilt", prebuilt)
+    out = mega_sync_ab.run_ab(["shipped", "v", "w"], lambda n, dev, ring: built.append(n) or f"{n}-here",
+                              "tiny-qwen3-moe", "p", "17", 64, 2, str(tmp_path / "ab.json"), "3", jobs=4,
+                              settings={"X": 1})
+    assert asked == [({"X": 1}, ["shipped", "v", "w"], [False], 4)] and built == ["shipped", "w"]
+    assert timed_with == [{("shipped", False): "shipped-here", ("v", False): "v-parallel", ("w", False): "w-here"}]
+    assert out["parallel_build"]["jobs"] == 4
