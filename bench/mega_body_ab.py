@@ -490,7 +490,7 @@ GROUP_CP_AT = [("        expert_up_group(fb, ib, wtab, smi, tid)\n",
                 "        expert_up_group(fb, ib, wtab, smi, tid, sm)\n"),
                ("        expert_down_group(fb, ib, wtab, smi, tid)\n",
                 "        expert_down_group(fb, ib, wtab, smi, tid, sm)\n"),
-               ("    ld4w,\n", "    ld4w,\n    lds4u,\n    row_copy16,\n    bf16x2_split,\n")]
+               ("    ld4w,\n", "    ld4w,\n    lds4u,\n    mma,\n    row_copy16,\n    bf16x2_split,\n")]
 GROUP_CP_TAIL = '''
 
 GC_WB = 4 * SMEM_F // NW  # bytes of the working memory a warp's copies take (6 KiB)

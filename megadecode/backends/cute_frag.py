@@ -1,6 +1,7 @@
 """The MXFP4 fragment-order records (quant/mxfp4_frag.py) on the tensor cores, in CuTe DSL: a record word's
-registers decoded to A fragments, a record's block scales, the warp's mma.sync, and the 16-byte shared-memory
-read its B fragments take. One implementation for both users: the megakernel's expert bodies (mega/cute/moe.py,
+registers decoded to A fragments, a record's block scales, the warp's mma.sync, a tile's sums of one 32-weight
+block from them (frag_block), and the 16-byte shared-memory read its B fragments take. One implementation for both
+users: the megakernel's expert bodies (mega/cute/moe.py,
 through mega/cute/base.py) and the fused backend's CuTe experts (fused/kernels/cute_experts.py)."""
 
 from __future__ import annotations
@@ -55,3 +56,23 @@ def lds4(addr: Int32):
     """16 bytes of shared memory at byte address addr as 4 words."""
     return cute.arch.inline_ptx("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
                                 write_only_types=[Uint32, Uint32, Uint32, Uint32], read_only_args=[addr])
+
+
+def frag_block(acc: cute.Tensor, t: int, words, scales, mb: int, hi, lo=None) -> None:
+    """Traced inline (a plain function, called while a body is traced): tile t's sums of one 32-weight block, its
+    two k-steps' record words `words` against the B plane hi and, where the activations carry one, the remainder
+    plane lo (mma.sync m16n8k16, fp16; hi / lo: 4 words each, this lane's 8 fp16 of the block), times the block's
+    weight scales (block mb of the record's scale words `scales`), added to acc[4t..4t+3]."""
+    p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+    for s2 in range(2):
+        w = words[s2]
+        a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
+        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
+        if lo is not None:
+            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
+    s_lo = frag_scale(scales[mb // 4], mb % 4)
+    s_hi = frag_scale(scales[2 + mb // 4], mb % 4)
+    acc[4 * t] += p0 * s_lo
+    acc[4 * t + 1] += p1 * s_lo
+    acc[4 * t + 2] += p2 * s_hi
+    acc[4 * t + 3] += p3 * s_hi

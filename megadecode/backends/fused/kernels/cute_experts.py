@@ -65,7 +65,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
     from cutlass.memory import SmemAllocator
 
     from ...cute_device import from_bits, ldi, ldi64, silu, situ, stf, warp_max
-    from ...cute_frag import frag_dec, frag_scale, lds4, mma
+    from ...cute_frag import frag_block, lds4
 
     XT = {"fp32": Float32, "bf16": BFloat16, "fp16": Float16}[xdt]
     XB = XT.width // 8
@@ -208,31 +208,12 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                             for b in cutlass.range_constexpr(2):
                                 off = 4 * (128 * sc + 32 * q + 16 * b + 4 * c)
                                 bh = lds4(xbase + Int32(4 * brow * SW) + Int32(off))
-                                bl = bh
+                                bl = None
                                 if cutlass.const_expr(split):
                                     bl = lds4(xbase + Int32(4 * (ROWS + brow) * SW) + Int32(off))
-                                mb = 2 * q + b
                                 for t in cutlass.range_constexpr(NTL):
-                                    p0 = Float32(0.0)
-                                    p1 = Float32(0.0)
-                                    p2 = Float32(0.0)
-                                    p3 = Float32(0.0)
-                                    for s2 in cutlass.range_constexpr(2):
-                                        w = ws[su * NTL + t][q][2 * b + s2]
-                                        a0, a1 = frag_dec(w, 0), frag_dec(w, 1)
-                                        a2, a3 = frag_dec(w, 2), frag_dec(w, 3)
-                                        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, bh[2 * s2], bh[2 * s2 + 1],
-                                                             p0, p1, p2, p3)
-                                        if cutlass.const_expr(split):
-                                            p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, bl[2 * s2], bl[2 * s2 + 1],
-                                                                 p0, p1, p2, p3)
-                                    sq = ss[su * NTL + t]
-                                    s_lo = frag_scale(sq[mb // 4], mb % 4)
-                                    s_hi = frag_scale(sq[2 + mb // 4], mb % 4)
-                                    acc[4 * t] += p0 * s_lo
-                                    acc[4 * t + 1] += p1 * s_lo
-                                    acc[4 * t + 2] += p2 * s_hi
-                                    acc[4 * t + 3] += p3 * s_hi
+                                    frag_block(acc, t, ws[su * NTL + t][q][2 * b:2 * b + 2], ss[su * NTL + t],
+                                               2 * q + b, bh, bl if split else None)
                 for i in cutlass.range_constexpr(4):
                     col = 2 * c + (i % 2)
                     if col < nv:

@@ -10,7 +10,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint32
 from ...cute_device import (  # noqa: F401  (the generic helpers, re-exported for the bodies)
     _g, from_bits, ldf, ldi, ldi64, ldu8, sigmoid, silu, situ, sti, stf, warp_argmax, warp_max, warp_sum,
 )
-from ...cute_frag import frag_dec, frag_scale, lds4, mma  # noqa: F401  (re-exported for the bodies)
+from ...cute_frag import frag_block, frag_dec, frag_scale, lds4, mma  # noqa: F401  (re-exported for the bodies)
 from ....quant.mxfp4_frag import MAG_AT, MAG_MASK, RECORD, SIGN_AT, SIGN_MASK, WBYTES  # noqa: F401
 from ..isa import F_STAGE as F_STAGE_BIT, HEADER, OPS, PASS, ROW, TLW, W_STAGE
 from ..limits import BODY_I, NT, RING_PAGE, RING_SLOTS, SMEM_F, SMEM_I

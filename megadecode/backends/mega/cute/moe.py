@@ -27,9 +27,8 @@ from .base import (
     f16x2_split,
     f32_bits,
     fa,
-    frag_dec,
+    frag_block,
     from_bits,
-    frag_scale,
     ia,
     ld4u32,
     ld4w,
@@ -40,7 +39,6 @@ from .base import (
     lds4,
     ldu8,
     mark,
-    mma,
     mx_scale,
     silu,
     situ,
@@ -626,24 +624,6 @@ def frag_tiles(ra: Int64, rb: Int64, ntl: Constexpr, nsc: Int32, sbase: Int32, K
                 lo = [lv[0], lv[1], lv[2], lv[3]]
                 for t in cutlass.range_constexpr(ntl):
                     frag_block(acc, t, ws[t][q][2 * b:2 * b + 2], ss[t], 2 * q + b, hi, lo)
-
-
-def frag_block(acc: cute.Tensor, t: int, words: list, scales: list, mb: int, hi: list, lo: list) -> None:
-    """Traced inline (a plain function, called while a body is traced): tile t's sums of one 32-weight block, its
-    two k-steps' record words `words` against the B planes hi and lo (mma.sync m16n8k16, fp16), times the block's
-    weight scales (block mb of the record's scale words `scales`), added to acc[4t..4t+3]."""
-    p0, p1, p2, p3 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
-    for s2 in range(2):
-        w = words[s2]
-        a0, a1, a2, a3 = frag_dec(w, 0), frag_dec(w, 1), frag_dec(w, 2), frag_dec(w, 3)
-        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, hi[2 * s2], hi[2 * s2 + 1], p0, p1, p2, p3)
-        p0, p1, p2, p3 = mma("f16", a0, a1, a2, a3, lo[2 * s2], lo[2 * s2 + 1], p0, p1, p2, p3)
-    s_lo = frag_scale(scales[mb // 4], mb % 4)
-    s_hi = frag_scale(scales[2 + mb // 4], mb % 4)
-    acc[4 * t] += p0 * s_lo
-    acc[4 * t + 1] += p1 * s_lo
-    acc[4 * t + 2] += p2 * s_hi
-    acc[4 * t + 3] += p3 * s_hi
 
 
 @cute.jit
