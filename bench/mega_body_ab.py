@@ -80,6 +80,11 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --ring-all --variants shipped,group_ring,mv_ring,group_ring+mv_ring --batch 64,17,8
 
+- `mv_cp`: mv_ring's copies into each warp's 4 KiB of the working memory (MATVEC 3 steps ahead, GLU 1), so the
+  two-CTA build (the executor's past batch 1) runs them; joins with group_cp:
+
+      python bench/mega_body_ab.py --variants shipped,capped,capped+mv_cp,capped+group_cp+mv_cp --batch 64,17,8
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -104,7 +109,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring")
+            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring", "mv_cp")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -164,6 +169,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense
 
         return [(dense, "op_rows", _mv_ring_module().op_rows)]
+    if name == "mv_cp":
+        from megadecode.backends.mega.cute import dense
+
+        return [(dense, "op_rows", _mv_cp_module().op_rows)]
     if name in ("group_cp", "group_ring"):
         mod = _group_cp_module() if name == "group_cp" else _group_ring_module()
         return _bodies_swap({"EXPERT_UP": mod.op_expert_up, "EXPERT_DOWN": mod.op_expert_down})
@@ -694,6 +703,46 @@ def _mv_ring_module():
     from megadecode.backends.mega.cute import dense
 
     return edited_module("megadecode.backends.mega.cute._mv_ring", dense, MV_RING_AT, "mv_ring", MV_RING_TAIL)
+
+
+# mv_cp: mv_ring's copies into the working memory instead of the ring, so the two-CTA build (the executor's past
+# batch 1) runs them: each warp's 4 KiB from byte MV_CP_AT (past tc_rows' k-slice partials, words 0 .. 2048, and
+# before the norm's rstd words at the end), MATVEC 4 one-step stages (3 steps ahead of the one multiplied) and
+# GLU 2, against the shipped loop's two steps loaded, then waited for. Nsight Compute at batch 64 has MATVEC's
+# step loop waiting on its loads (long scoreboard 47% of its samples); q/k/v and o_proj are 145 us of a batch-64
+# layer for 38 MB of rows
+MV_CP_AT = 8192  # bytes of the working memory before the stages: tc_rows' partials (2048 words)
+MV_CP_EDITS = [
+    ("                out_off, out_stride, out_col, add0, add1, RS, smi[RING_S + 5], glu)\n    else:\n",
+     "                out_off, out_stride, out_col, add0, add1, RS, Int32(sm.iterator.toint()) + MV_CP_AT, glu)\n"
+     "    else:\n")]
+MV_CP_TAIL_EDITS = [
+    ("MV_WB = RING_SLOTS * RING_PAGE // NW  # bytes of the ring a warp's copies take (20 KiB)\n",
+     "MV_WB = 4096  # bytes of the working memory a warp's copies take\nMV_CP_AT = %d\n" % MV_CP_AT)]
+
+
+def _mv_cp_module():
+    """mv_ring's module with its stages in the working memory (MV_CP_EDITS of MV_RING_AT, MV_CP_TAIL_EDITS of its
+    tail)."""
+    from megadecode.backends.mega.cute import dense
+    from megadecode.backends.mega.limits import SMEM_F
+
+    if MV_CP_AT + 8 * 4096 > 4 * (SMEM_F - 128):  # the stages end before the rstd words (dense.RSTD_PART)
+        raise SystemExit("mv_cp: the stages overlap the norm's words")
+    edits = []
+    for old, new in MV_RING_AT:
+        for a, b in MV_CP_EDITS:
+            if a in new:
+                new = new.replace(a, b)
+        edits.append((old, new))
+    if sum(b in new for _, new in edits for _, b in MV_CP_EDITS) != len(MV_CP_EDITS):
+        raise SystemExit("mv_cp: MV_RING_AT changed; the variant's edit point is not unique")
+    tail = MV_RING_TAIL
+    for old, new in MV_CP_TAIL_EDITS:
+        if tail.count(old) != 1:
+            raise SystemExit("mv_cp: MV_RING_TAIL changed; the variant's edit point is not unique")
+        tail = tail.replace(old, new)
+    return edited_module("megadecode.backends.mega.cute._mv_cp", dense, edits, "mv_cp", tail)
 
 
 # attn_warp: ATTN_GQA's chunks with a warp a q head. The shipped chunk (gqa_chunk) loads the chunk's keys and

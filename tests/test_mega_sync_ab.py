@@ -369,3 +369,26 @@ def test_run_ab_compiles_here_what_the_parallel_builds_did_not(monkeypatch, tmp_
     assert asked == [({"X": 1}, ["shipped", "v", "w"], [False], 4)] and built == ["shipped", "w"]
     assert timed_with == [{("shipped", False): "shipped-here", ("v", False): "v-parallel", ("w", False): "w-here"}]
     assert out["parallel_build"]["jobs"] == 4
+
+
+def test_mv_cp_variant_stages_in_the_working_memory_past_the_partials_and_joins_group_cp():
+    """mv_cp is mv_ring's tc_rows with each warp's stages in the working memory (4 KiB a warp from MV_CP_AT, past
+    tc_rows' k-slice partials and before the norm's rstd words), so the two-CTA build can run it; its swap is
+    op_rows alone, so `group_cp+mv_cp` keeps both variants' changes."""
+    import inspect
+
+    import mega_body_ab
+    from megadecode.backends.mega.cute import dense
+    from megadecode.backends.mega.cute.base import NW
+    from megadecode.backends.mega.limits import SMEM_F
+
+    mod = mega_body_ab._mv_cp_module()
+    assert "cp_steps(" in inspect.getsource(mod.tc_rows) and "tc_step(" not in inspect.getsource(mod.tc_rows)
+    rows = inspect.getsource(mod.op_rows)
+    assert "Int32(sm.iterator.toint()) + MV_CP_AT, glu)" in rows and "RING_S" not in rows
+    assert mod.MV_WB == 4096 and mod.MV_CP_AT >= 4 * 2048  # the partials: words 0 .. 2048
+    assert mod.MV_CP_AT + NW * mod.MV_WB <= 4 * dense.RSTD_PART
+    assert SMEM_F * 4 >= mod.MV_CP_AT + NW * mod.MV_WB
+    ((m, attr, fn),) = mega_body_ab._swaps("mv_cp")
+    assert (m, attr) == (dense, "op_rows") and fn is mod.op_rows
+    assert [a for _, a, _ in mega_body_ab._swaps("capped+group_cp+mv_cp")] == ["launch", "BODIES", "op_rows"]
