@@ -94,6 +94,18 @@ if [ "$MODE" = tests ]; then
     # suite, tests/ being appended to the named files, and ran out of time)
     WHERE=tests/
     for a in "$@"; do case "$a" in tests/*) WHERE="" ;; esac; done
+    # the megakernel's two shipped builds compiled at once into the disk cache before the tests (one process each,
+    # ~60 s): otherwise each worker compiles every build its first megakernel tests launch (~50 s each: 4 of the
+    # 20 slowest tests in docs/evidence/suite-gpu-route-split-h100.log) and `validate` compiles again in its
+    # process; a failed or slow warm-up leaves them to compile as before. Not for `-m "not gpu"`
+    case " $* " in *"not gpu"*) ;; *)
+        for r in True False; do
+            timeout 150 python -c "import torch
+from megadecode.backends.mega.runtime import compiled_launcher
+if torch.cuda.is_available(): print('warmed', compiled_launcher(torch.device('cuda'), ring=$r).source)" &
+        done
+        wait ;;
+    esac
     # -v: a line a test with its outcome, so that a run cut by `timeout` says which tests ran (972cb7e's -m gpu,
     # cut after ~110 of ~118 dots, could not); the tests that did not run are listed after such a cut
     timeout "$(left)" python -m pytest -v -p no:cacheprovider -rfEs --durations=20 "$@" $WHERE 2>&1 \
