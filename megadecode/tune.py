@@ -4,8 +4,10 @@ tuning file (megadecode/backends/fused/kernels/tuning.py; GPU only).
     megadecode tune --kernel fused-experts --shape k3 --batch 1,2,4,8,16
     megadecode tune --kernel grouped-experts --shape qwen3-30b-a3b --batch 1,8,64
 
-Kernels: fused-experts (backends/fused/kernels/fused_experts.py, batch <= 16) and grouped-experts (backends/fused/kernels/grouped_experts.py:
-per pair at <= 16 tokens, grouped by expert above; its tuning keys carry ",grouped=0|1").
+Kernels: fused-experts (backends/fused/kernels/fused_experts.py, batch <= 16), grouped-experts
+(backends/fused/kernels/grouped_experts.py: per pair at <= 16 tokens, grouped by expert above; its tuning keys
+carry ",grouped=0|1") and fp8-experts (backends/fused/kernels/fp8_experts.py: FP8 block-scaled weights, blocks of
+128 x 128, the same split by batch).
 Method, per batch T: random expert weights of the shape (MXFP4: random packed bytes and e8m0 scales
 118..123; bf16: N(0, 1/in)) for all E experts on the GPU; ROTATIONS id sets, each token drawing A distinct
 experts uniformly, so consecutive timed calls read different experts and do not find them in L2. Every
@@ -37,9 +39,9 @@ from .measure import (
     graph_replay_ms,
 )
 
-KERNELS = ("fused-experts", "grouped-experts")
+KERNELS = ("fused-experts", "grouped-experts", "fp8-experts")
 # The sweeps: every combination (fused-experts: 3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; grouped-experts: 3 * 2
-# * 2 = 12; each compiled once and reused per batch).
+# * 2 = 12; fp8-experts: 3 * 3 * 2 * 2 = 36; each compiled once and reused per batch).
 GRIDS = {
     "fused-experts": {
         "BLOCK_I": (16, 32, 64),     # stage 1 rows of gate/up per program
@@ -54,11 +56,18 @@ GRIDS = {
         "BLOCK_N": (32, 64),      # stage 2 output rows per program
         "num_stages": (3, 4),
     },
+    "fp8-experts": {
+        "BLOCK_I": (16, 32, 64),  # stage 1 gate/up rows per program: 16 gives batch 1 four times the programs
+        "BLOCK_N": (16, 32, 64),  # stage 2 output rows per program
+        "BLOCK_D": (64, 128),     # stage 1 reduction chunk (inside one 128-wide scale column)
+        "num_stages": (2, 4),
+    },
 }
 GRID = GRIDS["fused-experts"]
 ROTATIONS = 8
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max |got - ref| / max |ref|, by output dtype
-X_DTYPE = {"mxfp4": torch.float32, "bf16": torch.bfloat16}  # LatentMoE feeds fp32; the others bf16
+# the activations: LatentMoE feeds fp32; the others bf16
+X_DTYPE = {"mxfp4": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def candidates(grid: dict = GRID):
@@ -76,8 +85,9 @@ def add_parser(sub, help_: str) -> None:
     p.add_argument("--kernel", required=True, choices=KERNELS, help="the kernel whose launch parameters are swept")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES),
                    help="the MoE layer shape to tune for")
-    p.add_argument("--weights", choices=("mxfp4", "bf16"), default=None,
-                   help="expert weight format (default: the shape's own: mxfp4 for k3, bf16 otherwise)")
+    p.add_argument("--weights", choices=("mxfp4", "bf16", "fp8"), default=None,
+                   help="expert weight format (default: the shape's own: mxfp4 for k3, bf16 otherwise; fp8 for, and "
+                        "only for, --kernel fp8-experts)")
     p.add_argument("--batch", type=int_list, default=[1, 2, 4, 8, 16], help="comma-separated (default: 1,2,4,8,16)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights and inputs, in [0, 2**32 - 1]")
     p.add_argument("--out", default=None, help="JSON path (default: the kernel's tuning file for this GPU)")
@@ -140,14 +150,21 @@ def format_table(rows: list[dict], keys=tuple(GRID)) -> str:
 
 
 def run(args, argv: list[str]) -> int:
+    shape = SHAPES[args.shape]
+    fp8 = args.kernel == "fp8-experts"
+    wfmt = args.weights or ("fp8" if fp8 else shape["weights"])
+    if (wfmt == "fp8") != fp8:
+        raise ValueError(f"--weights {wfmt} with --kernel {args.kernel}: FP8 weights are fp8-experts' and only "
+                         "its")
+    if fp8 and shape["act"] != "silu":
+        raise ValueError(f"fp8-experts computes SwiGLU (silu); shape {args.shape} uses {shape['act']}")
     if not torch.cuda.is_available():
         raise ValueError("tune needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
-    from .backends.fused.kernels import fused_experts, grouped_experts
+    from .backends.fused.kernels import fp8_experts, fused_experts, grouped_experts
 
-    fe = {"fused-experts": fused_experts, "grouped-experts": grouped_experts}[args.kernel]
+    fe = {"fused-experts": fused_experts, "grouped-experts": grouped_experts,
+          "fp8-experts": fp8_experts}[args.kernel]
     grid = GRIDS[args.kernel]
-    shape = SHAPES[args.shape]
-    wfmt = args.weights or shape["weights"]
     limit = fused_experts.MAX_TOKENS if args.kernel == "fused-experts" else grouped_experts.MAX_BATCH
     if not args.batch or min(args.batch) < 1 or max(args.batch) > limit:
         raise ValueError(f"--batch values must be in 1..{limit} for {args.kernel}, got {args.batch}")

@@ -149,3 +149,47 @@ def test_variant_passes_the_quick_matrix_on_the_fp8_presets():
 def test_static_audit_sm90_all_kernels():
     rows = static_audits(("megadecode.backends.fused.kernels.fp8_experts", [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False}]))
     assert [r[0] for r in rows] == ["fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: records the launch's grid and keyword arguments instead of running."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, kw))
+
+
+def test_the_launcher_takes_a_gpus_tuned_blocks_and_explicit_blocks_win(tmp_path, monkeypatch):
+    """`megadecode tune --kernel fp8-experts` writes configs/fp8-experts/<gpu>.json keyed by tuned_key (the shape,
+    the weights' block and the per-pair / grouped split); fp8_experts reads the entry for its batch on that GPU,
+    and blocks passed by the caller are used as given."""
+    from megadecode.backends.fused.kernels import tuning
+
+    monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
+    tuning.clear_cache()
+    up, down, comb = _Recorder(), _Recorder(), _Recorder()
+    monkeypatch.setattr(F8, "fp8_up_kernel", up)
+    monkeypatch.setattr(F8, "fp8_down_kernel", down)
+    monkeypatch.setattr(F8, "combine_kernel", comb)
+    monkeypatch.setattr(F8, "_device_name", lambda device: "Fake GPU 80GB")
+    x, ids, w, gu, dn = _problem(3, D=256, I=128, block=(128, 128))
+    key = F8.tuned_key(256, 128, 3, (128, 128), grouped=False)
+    assert key == F8.tuning_key(256, 128, 3, "fp8", "silu", 3)
+    data = tuning.merge(None, F8.KERNEL, "Fake GPU 80GB", key, 4, {"BLOCK_I": 16, "BLOCK_N": 32, "BLOCK_D": 64,
+                                                                  "num_stages": 2},
+                        {"ms": 1.0, "mbu": 0.5, "command": "t", "date": "d"})
+    tuning.write(tuning.config_path(F8.KERNEL, "Fake GPU 80GB"), data)
+    try:
+        F8.fp8_experts(x, ids, w, gu, dn)
+        (g_up, kw_up), = up.launches
+        (g_dn, kw_dn), = down.launches
+        assert (kw_up["BLOCK_I"], kw_up["BLOCK_D"], kw_up["num_stages"], g_up) == (16, 64, 2, (9, 128 // 16))
+        assert (kw_dn["BLOCK_N"], kw_dn["num_stages"], g_dn) == (32, 2, (9, 256 // 32))
+        F8.fp8_experts(x, ids, w, gu, dn, blocks={"BLOCK_I": 32})
+        assert up.launches[1][1]["BLOCK_I"] == 32 and up.launches[1][1]["num_stages"] == F8.DEFAULT_BLOCKS["num_stages"]
+    finally:
+        tuning.clear_cache()
+    with pytest.raises(ValueError, match="fp8-experts tunes FP8 weights with silu"):
+        F8.tuning_key(256, 128, 3, "bf16", "silu", 1)

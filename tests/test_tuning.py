@@ -174,3 +174,23 @@ def test_shipped_tuning_files_are_measured():
         for shape, by_batch in data["shapes"].items():
             for b in by_batch:
                 assert {"ms", "mbu", "command", "date"} <= set(data["measured"][shape][b]), (p, shape, b)
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--kernel", "fp8-experts", "--shape", "qwen3-30b-a3b", "--weights", "bf16"], "FP8 weights are fp8-experts'"),
+    (["--kernel", "grouped-experts", "--shape", "qwen3-30b-a3b", "--weights", "fp8"], "FP8 weights are fp8-experts'"),
+    (["--kernel", "fp8-experts", "--shape", "k3"], "fp8-experts computes SwiGLU (silu)"),
+])
+def test_tune_refuses_a_weight_format_its_kernel_does_not_take(args, why, capsys):
+    """Refused in one line before anything runs, on any machine (the CUDA check comes after)."""
+    assert main(["tune", *args, "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megadecode: error:") and why in err and "Traceback" not in err
+
+
+def test_fp8_experts_sweep_names_only_its_launch_parameters():
+    from megadecode.backends.fused.kernels import fp8_experts
+
+    grid = list(tune.candidates(tune.GRIDS["fp8-experts"]))
+    assert len(grid) == 36 and all(set(c) <= set(fp8_experts.DEFAULT_BLOCKS) for c in grid)
+    assert all(128 % c["BLOCK_D"] == 0 for c in grid)  # a chunk inside one scale column of the 128 x 128 blocks

@@ -40,12 +40,15 @@ from ....contract import Manifest, Scope, Variant, kernel_spec, register
 from ....plan import EXPERTS
 from ....quant.fp8 import FP8Tensor
 from .common import mma, run_of
+from . import tuning
+from .fused_experts import _device_name, shape_key
 from .grouped_experts import BLOCK_C, MAX_BATCH, combine_kernel, group_pairs
 
 KERNEL = "fp8-experts"
 MAX_TOKENS = 16  # per pair up to this batch (no sort), grouped by expert above: grouped_experts' measured choice
 DEFAULT_BLOCKS = {"BLOCK_M": 16, "BLOCK_I": 64, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
-                  "num_stages": 3}  # untuned starting points (grouped_experts' defaults)
+                  "num_stages": 3}  # grouped_experts' defaults; a GPU's tuned configs (`megadecode tune --kernel
+# fp8-experts`, configs/fp8-experts/<gpu>.json) replace them per shape and batch where the tuner has run
 WDTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -186,6 +189,9 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         wdtype = (torch.float16 if x.dtype == torch.float16 else torch.bfloat16) if x.is_cuda else torch.float32
     grouped = T > MAX_TOKENS if grouped is None else grouped
     sbn, sbk = gate_up.block
+    gpu = _device_name(x.device)
+    if blocks is None and gpu is not None:
+        blocks = tuning.lookup(KERNEL, gpu, tuned_key(D, I, A, gate_up.block, grouped), T)
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
     bm = max(16, triton.next_power_of_2(b["BLOCK_M"]))
     bi = max(16, min(b["BLOCK_I"], triton.next_power_of_2(I)))
@@ -215,6 +221,26 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, ids, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
+
+
+def tuned_key(D: int, I: int, A: int, block: tuple[int, int], grouped: bool) -> str:
+    """The tuning-file key of a problem: fused_experts.shape_key's with wdtype fp8 and the weights' block."""
+    return shape_key(D, I, A, "fp8", "silu") + f",block={block[0]}x{block[1]},grouped={int(grouped)}"
+
+
+def tuning_key(D: int, I: int, A: int, wdtype: str, act: str, T: int) -> str:
+    """The key fp8_experts looks up at batch T with grouped=None, for `megadecode tune` (its random FP8 weights
+    have blocks of 128 x 128, measure.expert_weights)."""
+    if wdtype != "fp8" or act != "silu":
+        raise ValueError(f"fp8-experts tunes FP8 weights with silu, not {wdtype} with {act}")
+    return tuned_key(D, I, A, (128, 128), T > MAX_TOKENS)
+
+
+def launch(x, ids, w, gu, dn, act, out, blocks):
+    """The tuner's entry point: one call with explicit blocks (per pair at <= 16 tokens, grouped above)."""
+    if act != "silu":
+        raise ValueError(f"fp8_experts computes SwiGLU (silu), not {act}")
+    return fp8_experts(x, ids, w, gu, dn, out=out, blocks=blocks)
 
 
 # ---- static audit description -------------------------------------------------------------------------
