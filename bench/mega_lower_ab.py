@@ -174,7 +174,7 @@ def timed(preset: str, cfg, w, batch: int, context: int, names: list[str], round
 
 
 def main(argv=None) -> int:
-    ap = ab_parser("qwen3-30b-a3b", "1,2,4,8", 15, ",".join(VARIANTS), "mega-lower-ab.json")
+    ap = ab_parser("qwen3-30b-a3b", "1,2,4,8", 15, ",".join(VARIANTS), "mega-lower-ab.json", builds=False)
     args = ap.parse_args(argv)
     names = ab_variants(ap, args, VARIANTS)
     dev = torch.device("cuda")

@@ -363,8 +363,11 @@ def interleaved(rts: dict, rounds: int) -> tuple[dict, dict]:
     return {n: sorted(v)[len(v) // 2] for n, v in ts.items()}, {n: min(v) for n, v in ts.items()}
 
 
-def ab_parser(preset: str, batch: str, rounds: int, variants: str, out: str) -> argparse.ArgumentParser:
-    """The A/B benches' common options (this one's, mega_body_ab's and mega_lower_ab's), with their defaults."""
+def ab_parser(preset: str, batch: str, rounds: int, variants: str, out: str,
+              builds: bool = True) -> argparse.ArgumentParser:
+    """The A/B benches' common options (this one's, mega_body_ab's and mega_lower_ab's), with their defaults;
+    `builds`: the script compiles a build a variant (--jobs), which mega_lower_ab, one kernel for every variant, does
+    not."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default=preset)
     ap.add_argument("--batch", default=batch)
@@ -375,9 +378,10 @@ def ab_parser(preset: str, batch: str, rounds: int, variants: str, out: str) -> 
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--variants", default=variants)
     ap.add_argument("--out", default=out)
-    ap.add_argument("--jobs", type=int, default=0,
-                    help="variant builds compiled at once, each in its own process (0: one a variant and build, at "
-                         "most half the CPUs and 8; 1: one after another in this process)")
+    if builds:
+        ap.add_argument("--jobs", type=int, default=0,
+                        help="variant builds compiled at once, each in its own process (0: one a variant and build, "
+                             "at most half the CPUs and 8; 1: one after another in this process)")
     return ap
 
 

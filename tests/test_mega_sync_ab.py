@@ -392,3 +392,10 @@ def test_mv_cp_variant_stages_in_the_working_memory_past_the_partials_and_joins_
     ((m, attr, fn),) = mega_body_ab._swaps("mv_cp")
     assert (m, attr) == (dense, "op_rows") and fn is mod.op_rows
     assert [a for _, a, _ in mega_body_ab._swaps("capped+group_cp+mv_cp")] == ["launch", "BODIES", "op_rows"]
+
+
+def test_jobs_is_an_option_only_of_the_scripts_that_compile_variants():
+    ap = mega_sync_ab.ab_parser("p", "1", 1, "shipped", "out.json")
+    assert ap.parse_args(["--jobs", "3"]).jobs == 3 and ap.parse_args([]).jobs == 0
+    with pytest.raises(SystemExit):  # mega_lower_ab: one kernel for every variant, nothing to compile in parallel
+        mega_sync_ab.ab_parser("p", "1", 1, "shipped", "out.json", builds=False).parse_args(["--jobs", "3"])
