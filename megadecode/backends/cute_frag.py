@@ -1,8 +1,8 @@
 """The MXFP4 fragment-order records (quant/mxfp4_frag.py) on the tensor cores, in CuTe DSL: a record word's
 registers decoded to A fragments, a record's block scales, the warp's mma.sync, a tile's sums of one 32-weight
 block from them (frag_block), and the 16-byte shared-memory read its B fragments take. One implementation for both
-users: the megakernel's expert bodies (mega/cute/moe.py,
-through mega/cute/base.py) and the fused backend's CuTe experts (fused/kernels/cute_experts.py)."""
+users: the megakernel's expert bodies (mega/cute/moe.py, through mega/cute/base.py) and the fused backend's CuTe
+experts (fused/kernels/cute_experts.py)."""
 
 from __future__ import annotations
 

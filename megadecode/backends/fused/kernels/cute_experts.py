@@ -213,7 +213,7 @@ def _build(up: bool, K: int, R: int, A: int, ntok: int, split: bool, act: str, g
                                     bl = lds4(xbase + Int32(4 * (ROWS + brow) * SW) + Int32(off))
                                 for t in cutlass.range_constexpr(NTL):
                                     frag_block(acc, t, ws[su * NTL + t][q][2 * b:2 * b + 2], ss[su * NTL + t],
-                                               2 * q + b, bh, bl if split else None)
+                                               2 * q + b, bh, bl)
                 for i in cutlass.range_constexpr(4):
                     col = 2 * c + (i % 2)
                     if col < nv:
