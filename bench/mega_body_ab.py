@@ -85,6 +85,9 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,capped,capped+mv_cp,capped+group_cp+mv_cp --batch 64,17,8
 
+  `mv_cp0`: the same with each step's input loaded at the step, not held a step ahead (under the cap mv_cp's held
+  input goes to local memory and back every step).
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -109,7 +112,8 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring", "mv_cp")
+            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring", "mv_cp",
+            "mv_cp0")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -169,10 +173,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense
 
         return [(dense, "op_rows", _mv_ring_module().op_rows)]
-    if name == "mv_cp":
+    if name in ("mv_cp", "mv_cp0"):
         from megadecode.backends.mega.cute import dense
 
-        return [(dense, "op_rows", _mv_cp_module().op_rows)]
+        return [(dense, "op_rows", _mv_cp_module(prefetch_x=name == "mv_cp").op_rows)]
     if name in ("group_cp", "group_ring"):
         mod = _group_cp_module() if name == "group_cp" else _group_ring_module()
         return _bodies_swap({"EXPERT_UP": mod.op_expert_up, "EXPERT_DOWN": mod.op_expert_down})
@@ -719,11 +723,19 @@ MV_CP_EDITS = [
 MV_CP_TAIL_EDITS = [
     ("MV_WB = RING_SLOTS * RING_PAGE // NW  # bytes of the ring a warp's copies take (20 KiB)\n",
      "MV_WB = 4096  # bytes of the working memory a warp's copies take\nMV_CP_AT = %d\n" % MV_CP_AT)]
+# mv_cp0: mv_cp with the step's input loaded at the step rather than one step ahead: under the two-CTA build's 128
+# registers mv_cp's held input (8 fp32) is stored to local memory and read back in every iteration (its SASS), so
+# mv_cp0 tells whether that round trip or the exposed input load costs more
+MV_CP0_EDITS = [
+    ("    xr = cute.make_rmem_tensor(8, Float32)\n", ""),
+    ("    if s0 < s1:\n        xr.store(ld8(Float32, xrow + Int64(s0 * TC_K + 8 * t) * 4))\n", ""),
+    ("        xv = xr.load()\n        if s + 1 < s1:\n            xr.store(ld8(Float32, xrow + Int64(k + TC_K) * 4))\n",
+     "        xv = ld8(Float32, xrow + Int64(k) * 4)\n")]
 
 
-def _mv_cp_module():
+def _mv_cp_module(prefetch_x: bool = True):
     """mv_ring's module with its stages in the working memory (MV_CP_EDITS of MV_RING_AT, MV_CP_TAIL_EDITS of its
-    tail)."""
+    tail); without `prefetch_x`, mv_cp0's (MV_CP0_EDITS: the input loaded at its step)."""
     from megadecode.backends.mega.cute import dense
     from megadecode.backends.mega.limits import SMEM_F
 
@@ -738,11 +750,12 @@ def _mv_cp_module():
     if sum(b in new for _, new in edits for _, b in MV_CP_EDITS) != len(MV_CP_EDITS):
         raise SystemExit("mv_cp: MV_RING_AT changed; the variant's edit point is not unique")
     tail = MV_RING_TAIL
-    for old, new in MV_CP_TAIL_EDITS:
+    for old, new in MV_CP_TAIL_EDITS + ([] if prefetch_x else MV_CP0_EDITS):
         if tail.count(old) != 1:
             raise SystemExit("mv_cp: MV_RING_TAIL changed; the variant's edit point is not unique")
         tail = tail.replace(old, new)
-    return edited_module("megadecode.backends.mega.cute._mv_cp", dense, edits, "mv_cp", tail)
+    name = "mv_cp" if prefetch_x else "mv_cp0"
+    return edited_module(f"megadecode.backends.mega.cute._{name}", dense, edits, name, tail)
 
 
 # attn_warp: ATTN_GQA's chunks with a warp a q head. The shipped chunk (gqa_chunk) loads the chunk's keys and

@@ -399,3 +399,20 @@ def test_jobs_is_an_option_only_of_the_scripts_that_compile_variants():
     assert ap.parse_args(["--jobs", "3"]).jobs == 3 and ap.parse_args([]).jobs == 0
     with pytest.raises(SystemExit):  # mega_lower_ab: one kernel for every variant, nothing to compile in parallel
         mega_sync_ab.ab_parser("p", "1", 1, "shipped", "out.json", builds=False).parse_args(["--jobs", "3"])
+
+
+def test_mv_cp0_loads_the_input_at_its_step():
+    """mv_cp0 is mv_cp with no input held a step ahead: cp_steps loads x at the step it multiplies, the copies as
+    mv_cp's; its swap is op_rows, as mv_cp's."""
+    import inspect
+
+    import mega_body_ab
+    from megadecode.backends.mega.cute import dense
+
+    held, at = mega_body_ab._mv_cp_module(), mega_body_ab._mv_cp_module(prefetch_x=False)
+    src = inspect.getsource(at.cp_steps)
+    assert "xr." not in src and "xv = ld8(Float32, xrow + Int64(k) * 4)" in src
+    assert "xr.store(" in inspect.getsource(held.cp_steps)
+    assert at.MV_WB == held.MV_WB and at.MV_CP_AT == held.MV_CP_AT
+    ((m, attr, fn),) = mega_body_ab._swaps("mv_cp0")
+    assert (m, attr) == (dense, "op_rows") and fn is not held.op_rows
