@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from interp import (  # noqa: E402, F401 (interpreter_env: an autouse fixture, imported to apply here)
-    DEVICE, import_interpreted, interpreter_env, static_audits, triton_gate,
+    DEVICE, Recorder, import_interpreted, interpreter_env, static_audits, triton_gate,
 )
 
 F8 = import_interpreted("megadecode.backends.fused.kernels.fp8_experts", "megadecode.backends.fused.kernels.catalog", "megadecode.validate.catalog")
@@ -151,16 +151,6 @@ def test_static_audit_sm90_all_kernels():
     assert [r[0] for r in rows] == ["fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2
 
 
-class _Recorder:
-    """Stands in for a @triton.jit kernel: records the launch's grid and keyword arguments instead of running."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((grid, kw))
-
-
 def test_the_launcher_takes_a_gpus_tuned_blocks_and_explicit_blocks_win(tmp_path, monkeypatch):
     """`megadecode tune --kernel fp8-experts` writes configs/fp8-experts/<gpu>.json keyed by tuned_key (the shape,
     the weights' block and the per-pair / grouped split); fp8_experts reads the entry for its batch on that GPU,
@@ -169,7 +159,7 @@ def test_the_launcher_takes_a_gpus_tuned_blocks_and_explicit_blocks_win(tmp_path
 
     monkeypatch.setattr(tuning, "CONFIG_DIR", tmp_path)
     tuning.clear_cache()
-    up, down, comb = _Recorder(), _Recorder(), _Recorder()
+    up, down, comb = Recorder(), Recorder(), Recorder()
     monkeypatch.setattr(F8, "fp8_up_kernel", up)
     monkeypatch.setattr(F8, "fp8_down_kernel", down)
     monkeypatch.setattr(F8, "combine_kernel", comb)

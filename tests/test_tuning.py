@@ -26,6 +26,7 @@ from megadecode import tune  # noqa: E402
 from megadecode.cli import main  # noqa: E402
 from megadecode.backends.fused.kernels import tuning  # noqa: E402
 from megadecode.presets import preset_config  # noqa: E402
+from interp import Recorder  # noqa: E402  (tests/)
 
 KEY = "D=64,I=32,A=2,wdtype=fp32,act=silu"
 CFG = {"BLOCK_I": 16, "BLOCK_D": 32, "BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 2, "num_stages": 2}
@@ -98,18 +99,8 @@ def test_malformed_file_names_it(configs, text, why):
     assert str(path) in str(e.value) and why in str(e.value)
 
 
-class _Recorder:
-    """Stands in for a @triton.jit kernel: records the launch's keyword arguments instead of running."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.launches.append((grid, kw))
-
-
 def _launch(monkeypatch, device_name, blocks=None):
-    up, down = _Recorder(), _Recorder()
+    up, down = Recorder(), Recorder()
     monkeypatch.setattr(FE, "experts_up_kernel", up)
     monkeypatch.setattr(FE, "experts_down_kernel", down)
     monkeypatch.setattr(FE, "_device_name", lambda device: device_name)
