@@ -92,6 +92,12 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
   input goes to local memory and back every step). Measured (the file above, both under the cap): mv_cp 49205,
   mv_cp0 42545 against the cap alone's 41034 us at batch 64; 28049, 24397 against 23990 at 17: not landed.
 
+- `raw_wna`: the CUDA-core bodies' weight loads (batch 1's MATVEC / GLU rows outside the ring, the one-pair
+  experts, EXPERT_DOWN's flat units, K3's MXFP4 rows) not allocating in L1, as the F_GROUP experts' are since
+  the cap landed with them (5.6% at batch 64): the inputs the CTA's warps share keep L1:
+
+      python bench/mega_body_ab.py --variants shipped,raw_wna --batch 1,8,17 --check-batch 1,3,17
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -116,7 +122,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "wna", "group_cp", "group_ring", "mv_ring", "mv_cp", "mv_cp0")
+            "tables_match", "wna", "group_cp", "group_ring", "mv_ring", "mv_cp", "mv_cp0", "raw_wna")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -183,6 +189,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         from megadecode.backends.mega.cute import dense
 
         return [(dense, "tc_rows", _wna_module().tc_rows)]
+    if name == "raw_wna":
+        from megadecode.backends.mega.cute import base, dense, moe
+
+        ld = _raw_wna_module().ld8raw
+        return [(dense, "ld8raw", ld), (moe, "ld8raw", ld), (moe, "ld4u32", base.ld4w)]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -391,6 +402,32 @@ def _wna_module():
     from megadecode.backends.mega.cute import dense
 
     return edited_module("megadecode.backends.mega.cute._wna", dense, WNA_AT, "wna")
+
+
+# raw_wna: the CUDA-core bodies' weight loads not allocating in L1, as the F_GROUP experts' are: base.ld8raw's 16
+# bytes through base.ld4w's load in dense.py (MATVEC / GLU's row_sums: batch 1 and the rows F_STAGE leaves to
+# global loads) and moe.py (the one-pair EXPERT_UP rows, EXPERT_DOWN's flat units), and moe.py's ld4u32 (K3's
+# MXFP4 rows) as ld4w. Every use of those two names in those modules is a static weight's row; the inputs (x, h)
+# keep ld8 and L1, which the CTA's warps share
+RAW_WNA_TAIL = '''
+
+
+@cute.jit
+def ld8raw(dtype: Constexpr, addr: Int64):
+    """8 consecutive 16-bit elements (16-byte aligned) as they are, loaded without allocating in L1 (ld4w)."""
+    w = ld4w(addr)
+    t = cute.make_rmem_tensor(4, Uint32)
+    for i in cutlass.range_constexpr(4):
+        t[i] = w[i]
+    return cute.recast_tensor(t, dtype).load()
+'''
+
+
+def _raw_wna_module():
+    """cute/base.py with ld8raw loading through ld4w."""
+    from megadecode.backends.mega.cute import base
+
+    return edited_module("megadecode.backends.mega.cute._raw_wna", base, [], "raw_wna", tail=RAW_WNA_TAIL)
 
 
 # A lane's copies of one tensor-core step (and its copy groups' commit / wait) and the step's arithmetic from them,

@@ -223,6 +223,28 @@ def test_wna_variant_keeps_matvec_rows_out_of_l1_as_the_experts_do():
     assert (m, attr) == (dense, "tc_rows") and fn is mod.tc_rows
 
 
+def test_raw_wna_variant_swaps_only_the_weight_loads_of_the_cuda_core_bodies():
+    """raw_wna's ld8raw loads through base.ld4w (16 bytes, not allocating in L1) and is swapped into dense.py and
+    moe.py, with moe.py's ld4u32 as ld4w: in those modules every use of the two names loads a static weight's row
+    (the inputs load with ld8), so no produced data changes its load."""
+    import inspect
+    import re
+
+    import mega_body_ab
+    from megadecode.backends.mega.cute import base, dense, moe
+
+    mod = mega_body_ab._raw_wna_module()
+    src = inspect.getsource(mod.ld8raw)
+    assert "ld4w(addr)" in src and "recast_tensor" in src and mod.ld8raw is not base.ld8raw
+    swaps = mega_body_ab._swaps("raw_wna")
+    assert [(m, a) for m, a, _ in swaps] == [(dense, "ld8raw"), (moe, "ld8raw"), (moe, "ld4u32")]
+    assert swaps[0][2] is mod.ld8raw and swaps[2][2] is base.ld4w
+    for m, name in ((dense, "ld8raw"), (moe, "ld8raw"), (moe, "ld4u32")):
+        uses = [ln for ln in Path(m.__file__).read_text().splitlines() if re.search(rf"\b{name}\(", ln)
+                and not ln.lstrip().startswith("def ")]
+        assert uses and all(re.search(r"(row|rows\[\w+\]|gu|dn|wrow|urow) \+", ln) for ln in uses), uses
+
+
 def test_group_cp_variant_stages_within_each_warps_share_and_swaps_the_expert_bodies_only():
     """group_cp's F_GROUP bodies take the working memory, their stages (EXPERT_UP: gate and up rows g, g + 8, 4 x
     512 bytes a step; EXPERT_DOWN: 2 x 512) fit a warp's share of it at least twice, and its swap replaces
