@@ -47,10 +47,12 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
 - `tables_match`: ROUTE's tables with each pick's rank by match.any within its warp and the warps' counts, where
   the shipped loop compares every pair of picks (the tables' instruction: 19.6 us a layer at qwen3-30b-a3b batch
-  64, on one CTA). Left to ptxas its two-CTA build would take 239 registers (see TABLES_NEW); the two-CTA build
-  is compiled for two CTAs an SM (cute_kernel.launch), so 128:
+  64, on one CTA). Its two-CTA build takes 239 registers (see TABLES_NEW); under `capped`, 128:
 
-      python bench/mega_body_ab.py --variants shipped,tables_match --batch 64,17 --check-batch 17,33
+      python bench/mega_body_ab.py --variants shipped,capped,capped+tables_match --batch 64,17 --check-batch 17,33
+- `capped`: the two-CTA build compiled for two CTAs an SM (min_blocks_per_mp = 2: ptxas holds it to 128
+  registers) rather than left to ptxas's choice; joined with a body variant that the choice takes to ~240
+  (`capped+tables_match`) it makes that variant measurable, and `shipped,capped` says what the cap costs.
 - `tc_hi`, `group_hi` (diagnostics, never to land): the tensor-core step (dense.py tc_step) with each k half's mma
   against the input's high bf16 half only, in MATVEC / GLU past batch 1 (`tc_hi`) or in F_GROUP's experts
   (`group_hi`): half the mma and none of the low half's conversions, the same loads. Their pyvm checks may fail
@@ -59,42 +61,36 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,tc_hi,group_hi --batch 17,64,8 --check-batch 17
 
-- `wna`: MATVEC / GLU's tensor-core weight loads past batch 1 not allocating in L1 (tc_step's `once`, which the
-  F_GROUP experts' loads use). Measured on an H100 joined with the experts' (before those landed; launch medians,
-  us, bench/results/mega-body-ab-wna-nvidia-h100.json): 41917 against the experts' alone 40571 at batch 64, 23918
-  against 23716 at 17, 15054 against 15140 at 8: not landed.
+- `wna`, `group_wna`: the tensor-core step's weight loads not allocating in L1 (base.ld4w, the K3 experts' load),
+  in MATVEC / GLU past batch 1 and the F_GROUP experts (`wna`) or the experts only (`group_wna`): the streamed
+  rows then leave L1 to the inputs every warp of the CTA reads again:
 
-      python bench/mega_body_ab.py --variants shipped,wna --batch 64,17,8 --check-batch 17
+      python bench/mega_body_ab.py --variants shipped,wna,group_wna --batch 64,17 --check-batch 17
 
 - `group_cp`, `group_ring`: the F_GROUP experts' weights copied (cp.async) a few steps ahead into each warp's share
-  of the working memory (`group_cp`: 3 EXPERT_UP stages) or of the weight ring (`group_ring`: 10 stages; the ring
-  build only, so with `--ring-all`). Measured on an H100 before the shipped experts kept their loads out of L1,
-  under the two-CTA cap (then a variant; bench/results/mega-body-ab-group-cp-nvidia-h100.json), launch medians:
-  group_cp 42740 against the cap alone's 41034 us at batch 64, 24843 against 23990 at 17; the ring build's
-  group_ring (bench/results/mega-body-ab-ring-nvidia-h100.json) 50479 against its shipped 50841 at 64 but 29422
-  against 27868 at 17: neither landed.
+  of the working memory (`group_cp`: 3 EXPERT_UP stages; its two-CTA build is 228 registers uncapped, so measure it
+  as `capped+group_cp` beside `capped`) or of the weight ring (`group_ring`: 10 stages; the ring build only, so
+  with `--ring-all`):
 
-      python bench/mega_body_ab.py --variants shipped,group_cp --batch 64,17 --check-batch 17,33
+      python bench/mega_body_ab.py --variants shipped,capped,capped+group_cp --batch 64,17 --check-batch 17,33
       python bench/mega_body_ab.py --ring-all --variants shipped,group_ring --batch 64,17 --check-batch 17,33
 
 - `mv_ring`: F_TC MATVEC / GLU's k slices (dense.py tc_rows) streamed the same way through the ring (19 steps
-  ahead, GLU 9); the ring build only; joins with group_ring. Measured there: 54437 against 50841 us at batch 64,
-  29175 against 27868 at 17, 15836 against 15495 at 8: not landed.
+  ahead, GLU 9); the ring build only; joins with group_ring:
 
       python bench/mega_body_ab.py --ring-all --variants shipped,group_ring,mv_ring,group_ring+mv_ring --batch 64,17,8
 
 - `mv_cp`: mv_ring's copies into each warp's 4 KiB of the working memory (MATVEC 3 steps ahead, GLU 1), so the
   two-CTA build (the executor's past batch 1) runs them; joins with group_cp:
 
-      python bench/mega_body_ab.py --variants shipped,mv_cp,mv_cp0,group_cp+mv_cp --batch 64,17,8
+      python bench/mega_body_ab.py --variants shipped,capped,capped+mv_cp,capped+group_cp+mv_cp --batch 64,17,8
 
   `mv_cp0`: the same with each step's input loaded at the step, not held a step ahead (under the cap mv_cp's held
-  input goes to local memory and back every step). Measured (the file above, both under the cap): mv_cp 49205,
-  mv_cp0 42545 against the cap alone's 41034 us at batch 64; 28049, 24397 against 23990 at 17: not landed.
+  input goes to local memory and back every step).
 
 - `raw_wna`: the CUDA-core bodies' weight loads (batch 1's MATVEC / GLU rows outside the ring, the one-pair
-  experts, EXPERT_DOWN's flat units, K3's MXFP4 rows) not allocating in L1, as the F_GROUP experts' are since
-  the cap landed with them (5.6% at batch 64): the inputs the CTA's warps share keep L1:
+  experts, EXPERT_DOWN's flat units, K3's MXFP4 rows) not allocating in L1, as `group_wna` keeps the F_GROUP
+  experts' (with `capped`: 5.6% faster at batch 64): the inputs the CTA's warps share keep L1:
 
       python bench/mega_body_ab.py --variants shipped,raw_wna --batch 1,8,17 --check-batch 1,3,17
 
@@ -122,7 +118,8 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
-            "tables_match", "wna", "group_cp", "group_ring", "mv_ring", "mv_cp", "mv_cp0", "raw_wna")
+            "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring", "mv_cp",
+            "mv_cp0", "raw_wna")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -166,6 +163,10 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
         return _bodies_swap({"ATTN_GQA": _attn_warp_module().op_attn_gqa})
     if name == "merge_one":
         return _bodies_swap({"MERGE": _merge_one_module().op_merge})
+    if name == "capped":
+        from megadecode.backends.mega import cute_kernel as K
+
+        return [(K, "launch", _capped_launch())]
     if name == "tables_match":
         from megadecode.backends.mega.cute import moe
 
@@ -185,10 +186,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
     if name in ("group_cp", "group_ring"):
         mod = _group_cp_module() if name == "group_cp" else _group_ring_module()
         return _bodies_swap({"EXPERT_UP": mod.op_expert_up, "EXPERT_DOWN": mod.op_expert_down})
-    if name == "wna":
-        from megadecode.backends.mega.cute import dense
+    if name in ("wna", "group_wna"):
+        from megadecode.backends.mega.cute import dense, moe
 
-        return [(dense, "tc_rows", _wna_module().tc_rows)]
+        step = _wna_module().tc_step
+        return ([(dense, "tc_step", step)] if name == "wna" else []) + [(moe, "tc_step", step)]
     if name == "raw_wna":
         from megadecode.backends.mega.cute import base, dense, moe
 
@@ -379,6 +381,41 @@ def _tables_match_module():
                          "tables_match")
 
 
+# capped: the two-CTA build compiled for two CTAs an SM (nvvm.minctasm 2: ptxas holds it to 128 registers, spilling
+# where a body needs more) instead of left to ptxas's choice, which is 128 today but jumps to ~240 (one CTA an SM)
+# on small body changes (tables_match; attn_warp with the next chunk in registers). On the CPU the shipped kernel
+# capped is 128 registers with 184 bytes of spill stores against 96 uncapped, and tables_match capped the same 184.
+# The carveout is stated (50% of the SM's shared memory: two CTAs' 112 KiB) because the DSL otherwise asks the
+# device for it, which a compile without a GPU cannot.
+CAPPED_CARVEOUT = 50
+
+
+def _capped_launch():
+    """cute_kernel.launch with min_blocks_per_mp = 2 on the two-CTA build (the ring build as shipped)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from megadecode.backends.mega import cute_kernel as K
+
+    def launch(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, num_ctas,
+               stream, ring):
+        kern = K.mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns,
+                             ring)
+        if cutlass.const_expr(ring):
+            kern.launch(grid=(num_ctas, 1, 1), block=(K.block_threads(ring), 1, 1), stream=stream)
+        else:
+            kern.launch(grid=(num_ctas, 1, 1), block=(K.block_threads(ring), 1, 1), stream=stream,
+                        min_blocks_per_mp=2, preferred_smem_carveout=CAPPED_CARVEOUT)
+
+    # the shipped launcher's parameter types, as objects (annotations in this module are strings, which the DSL
+    # would evaluate in its globals)
+    launch.__annotations__ = {
+        **{n: cute.Tensor for n in ("prog", "qstart", "qorder", "ctr", "f32", "i32", "wtab", "ptab", "err", "tl")},
+        **{n: Int32 for n in ("max_spin", "timeline", "delay_ns", "num_ctas")},
+        "stream": K.cuda_drv.CUstream, "ring": cutlass.Constexpr}
+    return cute.jit(launch)
+
+
 # tc_hi / group_hi (diagnostic, not for landing): cute/dense.py's tc_step against the input's high bf16 half only,
 # the low half's mma left out (and with it, once the compiler drops the unused half, its conversions)
 HI_AT = "            for p in (hi, lo):  # each half twice: against hi, then lo\n"
@@ -392,19 +429,25 @@ def _hi_module():
                          [(HI_AT, "            for p in (hi,):  # the diagnostic: hi alone\n")], "tc_hi")
 
 
-# wna: cute/dense.py's tc_rows (F_TC MATVEC / GLU past batch 1) with its tc_steps' weight loads not allocating in
-# L1 (tc_step's `once`, as the F_GROUP experts' are), although a pass of 8 tokens reads the rows again in the next
-WNA_AT = [(f"has_x2, msk, {uc}, glu)\n", f"has_x2, msk, {uc}, glu, True)\n") for uc in ("UC", "1")]
+# wna / group_wna: cute/dense.py's tc_step with its weight loads not allocating in L1 (base.ld4w, as the K3
+# fragment-order experts load theirs), so the rows streaming through a step do not take L1 from the inputs the
+# CTA's warps read again (Nsight Compute at batch 64: the bf16 experts' loops hold 46% of the stall samples, 84-90%
+# of them waiting on loads; L1 hit rate 44%). wna in MATVEC / GLU past batch 1 and the F_GROUP experts, group_wna
+# in the experts only
+WNA_AT = [("    ld4u32,\n", "    ld4u32,\n    ld4w,\n")] + [
+    (f"{ind}{v}.append(ld4u32({r} + Int64(k) * 2))\n", f"{ind}{v}.append(ld4w({r} + Int64(k) * 2))\n")
+    for ind, v, r in (("        ", "wa", "ra"), ("        ", "wb", "rb"), ("            ", "wua", "ua"),
+                      ("            ", "wub", "ub"))]
 
 
 def _wna_module():
-    """The shipped cute/dense.py whose tc_rows loads its weights with tc_step's `once`."""
+    """The shipped cute/dense.py whose tc_step loads its weights with base.ld4w."""
     from megadecode.backends.mega.cute import dense
 
     return edited_module("megadecode.backends.mega.cute._wna", dense, WNA_AT, "wna")
 
 
-# raw_wna: the CUDA-core bodies' weight loads not allocating in L1, as the F_GROUP experts' are: base.ld8raw's 16
+# raw_wna: the CUDA-core bodies' weight loads not allocating in L1, as group_wna's experts': base.ld8raw's 16
 # bytes through base.ld4w's load in dense.py (MATVEC / GLU's row_sums: batch 1 and the rows F_STAGE leaves to
 # global loads) and moe.py (the one-pair EXPERT_UP rows, EXPERT_DOWN's flat units), and moe.py's ld4u32 (K3's
 # MXFP4 rows) as ld4w. Every use of those two names in those modules is a static weight's row; the inputs (x, h)

@@ -62,12 +62,10 @@ def test_the_kernel_fits_one_cta_per_sm():
 
 def test_the_other_build_fits_two_ctas_per_sm():
     """Past batch 1 the executor runs the build without the ring, two CTAs an SM (runtime.ring_build; 1.25x faster
-    than one at qwen3-30b-a3b batch 8): 256 threads of at most 128 registers. The build is compiled for two CTAs an
-    SM (`.minnctapersm 2` in the PTX: ptxas spills rather than exceed 128; left to itself a body that needs more
-    registers took the build to one CTA an SM, which `default_ctas` would follow by halving the CTAs, silently)."""
-    c = K.compile_for(False)
-    assert ".minnctapersm 2" in c.__ptx__
-    regs = cubin_registers(c.artifacts.CUBIN)
+    than one at qwen3-30b-a3b batch 8): 256 threads of at most 128 registers. ptxas picks the count itself (no cap in
+    the PTX), so a body that needs more registers would take the build to one CTA an SM, and `default_ctas` would
+    follow by halving the CTAs, silently (a first form of F_TC's token groups did: 196 registers)."""
+    regs = cubin_registers(K.compile_for(False).artifacts.CUBIN)
     assert regs is not None
     assert ctas_per_sm(regs, K.block_threads(False), K.block_smem(False)) == 2, f"{regs} registers per thread"
 

@@ -202,25 +202,36 @@ def test_tables_match_variant_edits_the_rank_loop_only_and_fits_its_counts():
     assert (mod, attr) == (moe, "route_tables") and fn is not moe.route_tables
 
 
-def test_wna_variant_keeps_matvec_rows_out_of_l1_as_the_experts_do():
-    """The shipped F_GROUP experts load their rows with tc_step's `once` (base.ld4w, not allocating in L1) and
-    MATVEC / GLU's tc_rows without it; wna traces a tc_rows whose two tc_step calls pass it too, swapped into
-    cute/dense.py only."""
-    import inspect
+def test_capped_variant_swaps_the_launcher_only():
+    """capped replaces cute_kernel.launch (what compile_launcher and compile_ptx_cubin trace) with a launcher that
+    asks two CTAs an SM of the two-CTA build, its parameter types given as objects."""
+    import mega_body_ab
+    from megadecode.backends.mega import cute_kernel as K
 
+    ((mod, attr, fn),) = mega_body_ab._swaps("capped")
+    assert (mod, attr) == (K, "launch") and fn is not K.launch
+    assert 0 < mega_body_ab.CAPPED_CARVEOUT <= 100
+    from megadecode.backends.mega.cute import moe
+
+    joined = mega_body_ab._swaps("capped+tables_match")
+    assert [(m, a) for m, a, _ in joined] == [(K, "launch"), (moe, "route_tables")]
+
+
+def test_wna_variants_load_tc_steps_weights_with_ld4w_and_swap_their_modules():
+    """wna / group_wna trace a tc_step whose four weight loads are base.ld4w (not allocating in L1) and whose inputs
+    load as shipped; wna swaps it into cute/dense.py (MATVEC / GLU) and cute/moe.py (F_GROUP), group_wna into
+    cute/moe.py only."""
     import mega_body_ab
     from megadecode.backends.mega.cute import dense, moe
 
-    step = inspect.getsource(dense.tc_step)
-    assert "ldw = ld4w if once else ld4u32" in step and step.count("ldw(") == 4
-    assert inspect.getsource(moe.group_units).count("msk, UC, glu, True)") == 1
-    assert inspect.getsource(moe.group_units).count("msk, 1, glu, True)") == 1
-    assert "True)" not in inspect.getsource(dense.tc_rows)  # the shipped MATVEC keeps L1
-    mod = mega_body_ab._wna_module()
-    rows = inspect.getsource(mod.tc_rows)
-    assert rows.count("glu, True)") == 2
-    ((m, attr, fn),) = mega_body_ab._swaps("wna")
-    assert (m, attr) == (dense, "tc_rows") and fn is mod.tc_rows
+    src = Path(mega_body_ab._wna_module().__file__).read_text()
+    step = src[src.index("def tc_step("):src.index("TC_UC = ")]
+    assert step.count("ld4w(") == 4 and "ld4u32(" not in step and step.count("ld8(") == 3
+    assert Path(dense.__file__).read_text().count("ld4w") == 0  # the shipped source untouched
+    swaps = mega_body_ab._swaps("wna")
+    assert [(m, a) for m, a, _ in swaps] == [(dense, "tc_step"), (moe, "tc_step")]
+    assert all(fn is not dense.tc_step for _, _, fn in swaps)
+    assert [(m, a) for m, a, _ in mega_body_ab._swaps("group_wna")] == [(moe, "tc_step")]
 
 
 def test_raw_wna_variant_swaps_only_the_weight_loads_of_the_cuda_core_bodies():
@@ -402,7 +413,7 @@ def test_mv_cp_variant_stages_in_the_working_memory_past_the_partials_and_joins_
     assert SMEM_F * 4 >= mod.MV_CP_AT + NW * mod.MV_WB
     ((m, attr, fn),) = mega_body_ab._swaps("mv_cp")
     assert (m, attr) == (dense, "op_rows") and fn is mod.op_rows
-    assert [a for _, a, _ in mega_body_ab._swaps("group_cp+mv_cp")] == ["BODIES", "op_rows"]
+    assert [a for _, a, _ in mega_body_ab._swaps("capped+group_cp+mv_cp")] == ["launch", "BODIES", "op_rows"]
 
 
 def test_jobs_is_an_option_only_of_the_scripts_that_compile_variants():

@@ -244,21 +244,12 @@ def compute(pb: Int64, fb: Int64, ib: Int64, qstart: cute.Tensor, ctr: cute.Tens
         cta_sync()
 
 
-TWO_CTA_CARVEOUT = 50  # percent of an SM's shared memory the two-CTA build asks for: two CTAs' working memory
-
-
 @cute.jit
 def launch(prog: cute.Tensor, qstart: cute.Tensor, qorder: cute.Tensor, ctr: cute.Tensor, f32: cute.Tensor,
            i32: cute.Tensor, wtab: cute.Tensor, ptab: cute.Tensor, err: cute.Tensor, max_spin: Int32, tl: cute.Tensor,
            timeline: Int32, delay_ns: Int32, num_ctas: Int32, stream: cuda_drv.CUstream, ring: cutlass.Constexpr):
-    kern = mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, ring)
-    if cutlass.const_expr(ring):
-        kern.launch(grid=(num_ctas, 1, 1), block=(block_threads(ring), 1, 1), stream=stream)
-    else:  # two CTAs an SM, stated: ptxas held to 128 registers (left to itself it jumps to ~240 on small body
-        # changes: one CTA an SM), and the shared memory carveout two CTAs need, the rest of the SM's 256 KB left
-        # to L1 (a compile without a GPU cannot ask the device for it)
-        kern.launch(grid=(num_ctas, 1, 1), block=(block_threads(ring), 1, 1), stream=stream, min_blocks_per_mp=2,
-                    preferred_smem_carveout=TWO_CTA_CARVEOUT)
+    mega_kernel(prog, qstart, qorder, ctr, f32, i32, wtab, ptab, err, max_spin, tl, timeline, delay_ns, ring).launch(
+        grid=(num_ctas, 1, 1), block=(block_threads(ring), 1, 1), stream=stream)
 
 
 def current_stream_arg():

@@ -27,7 +27,6 @@ from .base import (
     hash32,
     ia,
     ld4u32,
-    ld4w,
     ld8,
     ld8raw,
     ldf,
@@ -164,27 +163,22 @@ def store_one(s: Float32, su: Float32, rq: Int32, tok: Int32, sm: cute.Tensor, f
 
 @cute.jit
 def tc_step(acc: cute.Tensor, ra: Int64, rb: Int64, ua: Int64, ub: Int64, kb: Int32, t: Int32, xrow: Int64,
-            x2row: Int64, gaddr: Int64, norm, has_x2, msk: Uint32, UC: Constexpr, glu: Constexpr,
-            once: Constexpr = False):
+            x2row: Int64, gaddr: Int64, norm, has_x2, msk: Uint32, UC: Constexpr, glu: Constexpr):
     """UC consecutive TC_K steps from kb of a warp's 16 rows (ra: row g's bytes, rb: row g + 8's; GLU's up rows
     ua / ub) against 8 tokens on the tensor cores. In step u lane (g, t) takes the 8 consecutive k at
     kb + 32u + 8t in one 16-byte load per row, for 2 mma.sync m16n8k16 whose k are mapped to physical k alike for
     the weights and the input (a sum over k does not depend on which mma holds which k): k + 0..3 are logical k
     2t, 2t + 1, 2t + 8, 2t + 9 of the first, k + 4..7 of the second. The weights' loads of the UC steps are issued
     first, then each step's input: x (+ x2) times the norm weight, split into bf16 pairs hi + lo (isa.tc_input:
-    within 2**-16 of the fp32 input), zeroed past the batch (msk); each k half's mma runs against hi, then lo.
-    `once`: rows the CTA reads once (the F_GROUP experts' rows against all of their pairs) are loaded without
-    allocating in L1 (base.ld4w), so they leave L1 to the inputs its warps read again; MATVEC / GLU rows, read
-    again in each pass of 8 tokens, keep L1."""
-    ldw = ld4w if once else ld4u32
+    within 2**-16 of the fp32 input), zeroed past the batch (msk); each k half's mma runs against hi, then lo."""
     wa, wb, wua, wub = [], [], [], []
     for u in cutlass.range_constexpr(UC):
         k = kb + 32 * u + 8 * t
-        wa.append(ldw(ra + Int64(k) * 2))
-        wb.append(ldw(rb + Int64(k) * 2))
+        wa.append(ld4u32(ra + Int64(k) * 2))
+        wb.append(ld4u32(rb + Int64(k) * 2))
         if cutlass.const_expr(glu):
-            wua.append(ldw(ua + Int64(k) * 2))
-            wub.append(ldw(ub + Int64(k) * 2))
+            wua.append(ld4u32(ua + Int64(k) * 2))
+            wub.append(ld4u32(ub + Int64(k) * 2))
     for u in cutlass.range_constexpr(UC):
         k = kb + 32 * u + 8 * t
         xv = ld8(Float32, xrow + Int64(k) * 4)

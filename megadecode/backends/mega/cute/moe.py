@@ -825,10 +825,9 @@ def group_units(fb: Int64, ib: Int64, smi: cute.Tensor, tid: Int32, A_: Constexp
     the expert's 16 rows of K (EXPERT_UP: its gate rows and the up rows I below them, SwiGLU / SiTU-GLU'd;
     EXPERT_DOWN: its down rows) against the pass's up to GROUP_N pairs on the tensor cores (dense.py tc_step: the
     mma's M the rows, its N the pairs, column g the input row of pair p0 + g, zeroed past the pass), so each weight
-    is read once for GROUP_N of its pairs, and loaded without allocating in L1 (tc_step's `once`). The input rows
-    are x's at the pairs' tokens (EXPERT_UP, `ptok`) or h's at the pairs (EXPERT_DOWN), both produced in this
-    launch (coherent loads); out[pair, R] takes the rows. Lane (g, t) stores rows g and g + 8 of pairs 2t and
-    2t + 1."""
+    is read once for GROUP_N of its pairs. The input rows are x's at the pairs' tokens (EXPERT_UP, `ptok`) or h's at
+    the pairs (EXPERT_DOWN), both produced in this launch (coherent loads); out[pair, R] takes the rows. Lane
+    (g, t) stores rows g and g + 8 of pairs 2t and 2t + 1."""
     glu = A_ == "EXPERT_UP"
     warp, lane = tid // 32, tid % 32
     g, t = lane // 4, lane % 4
@@ -866,9 +865,9 @@ def group_units(fb: Int64, ib: Int64, smi: cute.Tensor, tid: Int32, A_: Constexp
         for i in cutlass.range_constexpr(8):
             acc[i] = Float32(0.0)
         for s in cutlass.range(0, smain, UC):
-            tc_step(acc, ra, rb, ua, ub, s * TC_K, t, xrow, xrow, xrow, False, False, msk, UC, glu, True)
+            tc_step(acc, ra, rb, ua, ub, s * TC_K, t, xrow, xrow, xrow, False, False, msk, UC, glu)
         for s in cutlass.range(smain, nsteps):
-            tc_step(acc, ra, rb, ua, ub, s * TC_K, t, xrow, xrow, xrow, False, False, msk, 1, glu, True)
+            tc_step(acc, ra, rb, ua, ub, s * TC_K, t, xrow, xrow, xrow, False, False, msk, 1, glu)
         for h in cutlass.range_constexpr(2):  # rows g, g + 8
             for j in cutlass.range_constexpr(2):  # pairs 2t, 2t + 1
                 if 2 * t + j < pn:
