@@ -3,9 +3,9 @@
 --hold. Exit 0 when it does, 1 when it does not (the reasons printed), 2 on a file without the rows asked for. A
 device call can then measure and land in one go, while the machine is warm:
 
-    python bench/mega_body_ab.py --variants shipped,group_cp ... --out $OUT/ab.json
-    python bench/ab_gate.py $OUT/ab.json --variant group_cp --faster 2 --batches 64,17 --hold 8 \\
-        && git apply the-landing.patch && bash bench/gpu_evidence.sh tests -m gpu
+    python bench/mega_body_ab.py --variants shipped,capped+group_wna ... --out $OUT/ab.json
+    python bench/ab_gate.py $OUT/ab.json --variant capped+group_wna --faster 2 --batches 64,17 --hold 8 \\
+        && git apply docs/history/mega-cap-wna-landing.patch && bash bench/gpu_evidence.sh tests -m gpu
 
 Reads the JSON of bench/mega_sync_ab.run_ab (mega_body_ab.py, mega_sync_ab.py): "checks" and "runs".
 """
