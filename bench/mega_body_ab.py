@@ -94,6 +94,13 @@ A variant is a list of (module, name, replacement) swaps (`_swaps`); `shipped` i
 
       python bench/mega_body_ab.py --variants shipped,raw_wna --batch 1,8,17 --check-batch 1,3,17
 
+- `kv_wna`: ATTN_GQA's cache rows (gqa_loads: the keys' 16-byte and the values' 8-byte loads) not allocating in
+  L1: each chunk's rows are read once an instruction, beside q and the scores every thread of the CTA reads again.
+  The cache is written in the launch (the token's own row, by the instruction that reads it), so these stay
+  plain coherent loads (`ld.global`, after the wait's acquire), only their L1 allocation changes:
+
+      python bench/mega_body_ab.py --variants shipped,kv_wna --batch 1,17,64 --check-batch 1,3,17
+
 - (`up_flat`, a routed batch-1 EXPERT_UP item's units dealt flat across the pairs it straddles, measured here at
   0ce3026 on an H100: 4862 against 4925 us, is cute/moe.py's `up_routed_rows` since.)
 Variants join with `+` (`up_w4+down_w3`: both swaps in one build). The ring build (one CTA an SM, 8 compute warps)
@@ -119,7 +126,7 @@ from mega_sync_ab import (  # bench/: options, swaps, timing
 VARIANTS = ("shipped", "bodies", "up_r4", "down_u16", "up_w4", "down_w3", "attn_early", "tc_warps", "tc_hi",
             "group_hi", "attn_warp", "merge_one",
             "tables_match", "capped", "wna", "group_wna", "group_cp", "group_ring", "mv_ring", "mv_cp",
-            "mv_cp0", "raw_wna")
+            "mv_cp0", "raw_wna", "kv_wna")
 BODIES_FROM = None  # --bodies-from: the cute/moe.py whose row bodies the `bodies` variant builds
 
 
@@ -196,6 +203,11 @@ def _swaps(name: str) -> list[tuple[object, str, object]]:
 
         ld = _raw_wna_module().ld8raw
         return [(dense, "ld8raw", ld), (moe, "ld8raw", ld), (moe, "ld4u32", base.ld4w)]
+    if name == "kv_wna":
+        from megadecode.backends.mega.cute import attention
+
+        mod = _raw_wna_module()
+        return [(attention, "ld8raw", mod.ld8raw), (attention, "ld4raw", mod.ld4raw)]
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -463,11 +475,22 @@ def ld8raw(dtype: Constexpr, addr: Int64):
     for i in cutlass.range_constexpr(4):
         t[i] = w[i]
     return cute.recast_tensor(t, dtype).load()
+
+
+@cute.jit
+def ld4raw(addr: Int64):
+    """4 consecutive bf16 (8-byte aligned) as they are, loaded without allocating in L1."""
+    w = cute.arch.inline_ptx("ld.global.L1::no_allocate.v2.u32 { {$w0}, {$w1} }, [{$r0}];",
+                             write_only_types=[Uint32, Uint32], read_only_args=[addr])
+    t = cute.make_rmem_tensor(2, Uint32)
+    for i in cutlass.range_constexpr(2):
+        t[i] = w[i]
+    return cute.recast_tensor(t, BFloat16).load()
 '''
 
 
 def _raw_wna_module():
-    """cute/base.py with ld8raw loading through ld4w."""
+    """cute/base.py with ld8raw loading through ld4w, and ld4raw (attention.py's 8-byte load) loading alike."""
     from megadecode.backends.mega.cute import base
 
     return edited_module("megadecode.backends.mega.cute._raw_wna", base, [], "raw_wna", tail=RAW_WNA_TAIL)

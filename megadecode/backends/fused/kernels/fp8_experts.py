@@ -23,6 +23,13 @@ WDT: bf16 on the GPU (activations in bf16 as they are; fp32 activations split in
 for fp16 activations, fp32 on the CPU (the Triton interpreter computes bf16 arithmetic wrongly; IEEE fp32 dots).
 h enters the down products split into WDT hi + lo parts, as in grouped_experts. NaN weight codes (0x7F, 0xFF) are
 NaN on the GPU; the interpreter decodes them as +-480 (a broken checkpoint either way: load with check_finite).
+FP8_X (a block option, 0 by default; `megadecode tune --kernel fp8-experts` tries both): `fp8_x_kernel` first
+writes each token's activations as two e4m3 planes, hi and the remainder lo, each with a power-of-two scale per
+SBK columns (x = s_hi q_hi + s_lo q_lo, about 8 significant bits, bf16's), and the up kernel's products
+(`_fp8x_dot`) run on FP8 tensor cores against the weight tile as stored: no weight is converted (F2F / F2FP /
+PRMT: 256 of the up loop's 846 instructions at qwen3-30b-a3b dims on sm_90; 663 with FP8_X, `bench/sass_mix.py`),
+for a kernel that at batch 1 issues instructions more than it waits on bytes.
+16-bit activations only (fp32 x keeps its ~16 bits through the converted path); the down kernel as above.
 
 Memory paths: the expert weights and scales are static; x, ids, order, offs, router weights, h and y are produced
 within the step and read with plain coherent loads (the static audit: tests/test_fp8_experts.py, `audit_specs`).
@@ -47,8 +54,9 @@ from .grouped_experts import BLOCK_C, MAX_BATCH, combine_kernel, group_pairs
 KERNEL = "fp8-experts"
 MAX_TOKENS = 16  # per pair up to this batch (no sort), grouped by expert above: grouped_experts' measured choice
 DEFAULT_BLOCKS = {"BLOCK_M": 16, "BLOCK_I": 64, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
-                  "num_stages": 3}  # grouped_experts' defaults; a GPU's tuned configs (`megadecode tune --kernel
-# fp8-experts`, configs/fp8-experts/<gpu>.json) replace them per shape and batch where the tuner has run
+                  "num_stages": 3, "FP8_X": 0}  # grouped_experts' defaults; a GPU's tuned configs (`megadecode
+# tune --kernel fp8-experts`, configs/fp8-experts/<gpu>.json) replace them per shape and batch where the tuner has
+# run. FP8_X = 1: the up kernel's products on FP8 tensor cores (x as two e4m3 planes, fp8_x_kernel)
 WDTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -74,11 +82,85 @@ def _fp8_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_p
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """The power of two s that puts a group whose largest |value| is amax (>= 0, finite) below 256 = 2**8 in
+    units of s, near the top of e4m3's range (448 at most): amax in [2**e, 2**(e + 1)) gives s = 2**(e - 7), at
+    least 2**-126 (amax 0, or tiny). Built from the exponent bits: exact."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return (tl.maximum(e - 7, 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(y):
+    """y (fp32, |y| < 256) rounded to the nearest e4m3 value, ties to even, still in fp32: 3 mantissa bits above
+    2**-6 (an integer add on the bits, whose carry moves into the exponent), multiples of 2**-9 below it
+    (e4m3's subnormals: the add of 1.5 * 2**23 rounds to an integer). The cast to e4m3 after it is then exact,
+    where the Triton interpreter's own rounding loses a carry (127.7 became 64)."""
+    b = y.to(tl.int32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    return tl.where(tl.abs(y) < 0.015625, sub, normal)
+
+
+@triton.jit
+def fp8_x_kernel(x_ptr, q_ptr, s_ptr, stride_x, ps_q, ps_s, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr):
+    """Program (t, g): token t's activations d in [g G, (g + 1) G) as two e4m3 planes with power-of-two scales,
+    x = s_hi q_hi + s_lo q_lo + e: q_hi = e4m3(x / s_hi) (4 significant bits, rounded to nearest), q_lo the same
+    of the remainder (exact in fp32), so |e| <~ 2**-8 |x| + 2**-16 max|x| of the group: about bf16's rounding of
+    x. Planes [T, D] ps_q apart, scales [T, NG] ps_s apart. A group holding inf or NaN gets scale NaN, so the
+    token's products are NaN (as the reference's are), never a finite value in their place. G: the weights' scale
+    column, a power of two (reason_unsupported)."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    d = g * G + tl.arange(0, G)
+    ok = d < D
+    v = tl.load(x_ptr + t * stride_x + d, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=0)
+    s_hi = tl.where(amax < float("inf"), _pow2_scale(amax), float("nan"))  # inf and NaN fail the comparison
+    qh = _e4m3_round(v / s_hi)
+    r = v - qh * s_hi  # exact: qh * s_hi is v rounded to fewer bits
+    s_lo = _pow2_scale(tl.max(tl.where(r == r, tl.abs(r), 0.0), axis=0))
+    ql = _e4m3_round(r / s_lo)
+    tl.store(q_ptr + t * D + d, qh.to(tl.float8e4nv), mask=ok)
+    tl.store(q_ptr + ps_q + t * D + d, ql.to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + t * NG + g, s_hi)
+    tl.store(s_ptr + ps_s + t * NG + g, s_lo)
+
+
+@triton.jit
+def _fp8x_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, q_ptr, q_rows, sx_ptr, sx_rows, ps_q,
+              ps_s, m_ok, K: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_fp8_dot's [BLOCK_R, BLOCK_M] on FP8 tensor cores: the weight tile as it is stored (no conversion) against
+    the activations' two e4m3 planes (fp8_x_kernel, groups of SBK: chunk k0 has one scale a token and one a row),
+    each chunk's two fp32 products times their token scales, the sum times the rows' block scale."""
+    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    s_rows = (rows // SBN).to(tl.int64) * stride_sr
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        vmask = k_ok[:, None] & m_ok[None, :]
+        vh = tl.load(q_ptr + q_rows[None, :] + k[:, None], mask=vmask, other=0.0)
+        vl = tl.load(q_ptr + ps_q + q_rows[None, :] + k[:, None], mask=vmask, other=0.0)
+        sh = tl.load(sx_ptr + sx_rows + k0 // SBK, mask=m_ok, other=0.0)
+        sl = tl.load(sx_ptr + ps_s + sx_rows + k0 // SBK, mask=m_ok, other=0.0)
+        zero = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        part = tl.dot(w, vh, zero) * sh[None, :] + tl.dot(w, vl, zero) * sl[None, :]
+        s = tl.load(s_ptr + s_off + s_rows + k0 // SBK, mask=row_ok, other=0.0, eviction_policy="evict_first")
+        acc += part * s[:, None]
+    return acc
+
+
+@triton.jit
 def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e, stride_gu_r,
-                  stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr, SBN: tl.constexpr,
-                  SBK: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, WDT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t)."""
+                  stride_gus_e, stride_gus_r, sx_ptr, ps_q, ps_s, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
+                  SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, WDT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FP8X: tl.constexpr):
+    """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t).
+    FP8X: x_ptr is fp8_x_kernel's planes (rows of D) and sx_ptr their scales (rows of cdiv(D, SBK)), the products
+    _fp8x_dot's; else x as given, converted weights (_fp8_dot)."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -93,10 +175,17 @@ def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, s
         else:
             p = m
         x_rows = (p // A).to(tl.int64) * stride_x
-        g = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
-        u = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
+        if FP8X:
+            sx_rows = (p // A).to(tl.int64) * ((D + SBK - 1) // SBK)
+            g = _fp8x_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, sx_ptr,
+                          sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D)
+            u = _fp8x_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows,
+                          sx_ptr, sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D)
+        else:
+            g = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                         D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
+            u = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                         D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
         h = g / (1.0 + tl.exp(-g)) * u
         tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
@@ -190,9 +279,13 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     grouped = T > MAX_TOKENS if grouped is None else grouped
     sbn, sbk = gate_up.block
     gpu = _device_name(x.device)
+    if blocks and blocks.get("FP8_X") and x.dtype == torch.float32:
+        raise ValueError("FP8_X takes 16-bit activations: fp32 x as two e4m3 planes would keep ~8 bits of its 24")
     if blocks is None and gpu is not None:
         blocks = tuning.lookup(KERNEL, gpu, tuned_key(D, I, A, gate_up.block, grouped), T)
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
+    if x.dtype == torch.float32:  # a tuned FP8_X (the tuner's activations are bf16) is not for fp32 activations
+        b["FP8_X"] = 0
     bm = max(16, triton.next_power_of_2(b["BLOCK_M"]))
     bi = max(16, min(b["BLOCK_I"], triton.next_power_of_2(I)))
     bn = max(16, min(b["BLOCK_N"], triton.next_power_of_2(D)))
@@ -212,10 +305,17 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     wdt = WDTYPES[wdtype]
     split = x.dtype == torch.float32 and wdtype != torch.float32
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
+    xin, sx, ps_q, ps_s = x, h, 0, 0  # sx: an unused pointer unless FP8_X
+    if b["FP8_X"]:  # the activations as two e4m3 planes, groups of the weights' scale columns
+        ng = triton.cdiv(D, sbk)
+        xin = torch.empty(2, T, D, dtype=torch.float8_e4m3fn, device=x.device)
+        sx = torch.empty(2, T, ng, dtype=torch.float32, device=x.device)
+        ps_q, ps_s = T * D, T * ng
+        fp8_x_kernel[(T, ng)](x, xin, sx, x.stride(0), ps_q, ps_s, D=D, G=sbk, NG=ng)
     fp8_up_kernel[(rows, triton.cdiv(I, bi))](
-        x, ids, order, offs, gu, gus, h, x.stride(0), gu.stride(0), gu.stride(1), gus.stride(0), gus.stride(1),
-        D=D, I=I, A=A, SBN=sbn, SBK=sbk, GROUPED=grouped, SPLIT=split, WDT=wdt, BLOCK_M=bm, BLOCK_I=bi,
-        BLOCK_D=bd, **kw)
+        xin, ids, order, offs, gu, gus, h, D if b["FP8_X"] else x.stride(0), gu.stride(0), gu.stride(1),
+        gus.stride(0), gus.stride(1), sx, ps_q, ps_s, D=D, I=I, A=A, SBN=sbn, SBK=sbk, GROUPED=grouped, SPLIT=split,
+        WDT=wdt, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FP8X=bool(b["FP8_X"]), **kw)
     fp8_down_kernel[(rows, triton.cdiv(D, bn))](
         h, ids, order, offs, dn, dns, y, dn.stride(0), dn.stride(1), dns.stride(0), dns.stride(1), D=D, I=I,
         SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
@@ -245,26 +345,32 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", D: int = 2048, I: int = 768, A: int = 8, grouped: bool = True,
-                block: tuple[int, int] = (128, 128)) -> list:
-    """KernelSpecs of the three launches for megadecode.validate.audit.audit_kernel (defaults: Qwen3-30B-A3B-FP8):
-    expert values and scales "static", every other pointer "produced"."""
+                block: tuple[int, int] = (128, 128), fp8x: bool = False) -> list:
+    """KernelSpecs of the three launches (fp8x: four, fp8_x_kernel first) for megadecode.validate.audit.audit_kernel
+    (defaults: Qwen3-30B-A3B-FP8): expert values and scales "static", every other pointer "produced"."""
     b = DEFAULT_BLOCKS
     wdt = "fp16" if dtype == "fp16" else "bf16"
     strides = ("stride_gu_e", "stride_gu_r", "stride_gus_e", "stride_gus_r")
-    up_sig = {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": "*fp8e4nv",
-              "gus_ptr": "*fp32", "h_ptr": "*fp32", "stride_x": "i32", **{s: "i32" for s in strides}}
+    up_sig = {"x_ptr": "*fp8e4nv" if fp8x else f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32",
+              "offs_ptr": "*i32", "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "h_ptr": "*fp32", "stride_x": "i32",
+              **{s: "i32" for s in strides}, "sx_ptr": "*fp32", "ps_q": "i32", "ps_s": "i32"}
     common = {"SBN": block[0], "SBK": block[1], "GROUPED": grouped, "WDT": getattr(tl, {"fp16": "float16"}.get(
         wdt, "bfloat16")), "BLOCK_M": b["BLOCK_M"]}
     up_c = {"D": D, "I": I, "A": A, **common, "SPLIT": dtype == "fp32", "BLOCK_I": b["BLOCK_I"],
-            "BLOCK_D": min(b["BLOCK_D"], block[1])}
+            "BLOCK_D": min(b["BLOCK_D"], block[1]), "FP8X": fp8x}
     dn_sig = {"h_ptr": "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": "*fp8e4nv",
               "dns_ptr": "*fp32", "y_ptr": "*fp32", **{s: "i32" for s in ("stride_dn_e", "stride_dn_r",
                                                                          "stride_dns_e", "stride_dns_r")}}
     dn_c = {"D": D, "I": I, **common, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": min(b["BLOCK_K"], block[1])}
     cb_sig = {"y_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
-    return [kernel_spec(fp8_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
-            kernel_spec(fp8_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
-            kernel_spec(combine_kernel, cb_sig, {"D": D, "A": A, "BLOCK_C": BLOCK_C})]
+    specs = [kernel_spec(fp8_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
+             kernel_spec(fp8_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
+             kernel_spec(combine_kernel, cb_sig, {"D": D, "A": A, "BLOCK_C": BLOCK_C})]
+    if fp8x:  # the activations' planes first
+        x_sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_x": "i32", "ps_q": "i32",
+                 "ps_s": "i32"}
+        specs.insert(0, kernel_spec(fp8_x_kernel, x_sig, {"D": D, "G": block[1], "NG": -(-D // block[1])}))
+    return specs
 
 
 # ---- the harness variant ----------------------------------------------------------------------------
@@ -289,13 +395,18 @@ FP8_EXPERTS_VARIANT = register(Variant(Manifest(
                 "multiplied on tensor cores with fp32 accumulation, the partial sums scaled by their block scale; "
                 "per pair at <= 16 tokens, grouped by expert on the device above; a fixed-order combine. Against "
                 "the torch reference (dequantized fp32 weights, fp32 math): the same products summed in another "
-                "order, activations in bf16 (fp32 activations as bf16 hi + lo), h as bf16 hi + lo",
+                "order, activations in bf16 (fp32 activations as bf16 hi + lo), h as bf16 hi + lo. Where a GPU's "
+                "tuned config picks FP8_X (16-bit activations only), the up kernel's products run on FP8 tensor "
+                "cores against the activations as two e4m3 planes with power-of-two scales per 128 columns "
+                "(about bf16's precision of x)",
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=_dims),
     sources=("megadecode/backends/fused/kernels/fp8_experts.py", "megadecode/backends/fused/kernels/common.py"), uses_triton=True,
     graph_capturable=True,
     # fp32 activations on the GPU take the SPLIT path of the up kernel (x as bf16 hi + lo): declared and audited too
+    # FP8_X (a GPU's tuned configs may pick it for 16-bit activations): the planes' kernel and both up kernels
     kernels=lambda: (audit_specs(grouped=False) + audit_specs(grouped=True)[:2]
-                     + [audit_specs("fp32", grouped=g)[0] for g in (False, True)])),
+                     + [audit_specs("fp32", grouped=g)[0] for g in (False, True)]
+                     + audit_specs(grouped=False, fp8x=True)[:2] + audit_specs(grouped=True, fp8x=True)[1:2])),
     _run, kernel=fp8_up_kernel))
