@@ -256,6 +256,29 @@ def test_raw_wna_variant_swaps_only_the_weight_loads_of_the_cuda_core_bodies():
         assert uses and all(re.search(r"(row|rows\[\w+\]|gu|dn|wrow|urow) \+", ln) for ln in uses), uses
 
 
+def test_kv_wna_variant_swaps_attentions_cache_loads_only():
+    """kv_wna swaps attention.py's ld8raw and ld4raw (used only by gqa_loads, for the cache's key and value rows)
+    for loads that do not allocate in L1: plain `ld.global` still (the cache is written in the launch), no .nc."""
+    import inspect
+    import re
+
+    import mega_body_ab
+    from megadecode.backends.mega.cute import attention
+
+    mod = mega_body_ab._raw_wna_module()
+    src = inspect.getsource(mod.ld4raw)
+    assert "ld.global.L1::no_allocate.v2.u32" in src and ".nc" not in src
+    swaps = mega_body_ab._swaps("kv_wna")
+    assert [(m, a) for m, a, _ in swaps] == [(attention, "ld8raw"), (attention, "ld4raw")]
+    assert swaps[0][2] is mod.ld8raw and swaps[1][2] is mod.ld4raw
+    text = Path(attention.__file__).read_text()
+    for name in ("ld8raw", "ld4raw"):
+        uses = [ln for ln in text.splitlines() if re.search(rf"\b{name}\(", ln) and not ln.lstrip().startswith("def ")]
+        assert len(uses) == 1 and ("krow" in uses[0] or "vc + rowb" in uses[0]), uses
+    loads = inspect.getsource(attention.gqa_loads)
+    assert "ld8raw(" in loads and "ld4raw(" in loads  # the one use of each is gqa_loads'
+
+
 def test_group_cp_variant_stages_within_each_warps_share_and_swaps_the_expert_bodies_only():
     """group_cp's F_GROUP bodies take the working memory, their stages (EXPERT_UP: gate and up rows g, g + 8, 4 x
     512 bytes a step; EXPERT_DOWN: 2 x 512) fit a warp's share of it at least twice, and its swap replaces
