@@ -70,7 +70,7 @@ def main():
     print(f"\n{'kernel (qwen3 gate/up, FP8)':<48} {'loop instrs':>11} {'weights/iter':>12} "
           f"{'warp-instr/weight':>17}  top opcodes")
     for fp8x in (False, True):
-        spec = f8.audit_specs("bf16", grouped=False, fp8x=fp8x)[1 if fp8x else 0]
+        spec = f8.audit_specs("bf16", grouped=False, fp8x=int(fp8x))[1 if fp8x else 0]
         consts = spec.constexprs
         n, mix = max(inner_loops(spec.fn, spec.signature, consts), key=lambda t: t[0])
         per_iter = 2 * consts["BLOCK_I"] * consts["BLOCK_D"]

@@ -41,7 +41,7 @@ from .measure import (
 
 KERNELS = ("fused-experts", "grouped-experts", "fp8-experts")
 # The sweeps: every combination (fused-experts: 3 * 2 * 3 * 2 * 2 * 2 = 144 candidates; grouped-experts: 3 * 2
-# * 2 = 12; fp8-experts: 3 * 3 * 2 * 2 * 2 = 72; each compiled once and reused per batch).
+# * 2 = 12; fp8-experts: 3 * 3 * 2 * 2 * 3 = 108; each compiled once and reused per batch).
 GRIDS = {
     "fused-experts": {
         "BLOCK_I": (16, 32, 64),     # stage 1 rows of gate/up per program
@@ -61,7 +61,7 @@ GRIDS = {
         "BLOCK_N": (16, 32, 64),  # stage 2 output rows per program
         "BLOCK_D": (64, 128),     # stage 1 reduction chunk (inside one 128-wide scale column)
         "num_stages": (2, 4),
-        "FP8_X": (0, 1),          # the up products on FP8 tensor cores against x as two e4m3 planes (bf16 x)
+        "FP8_X": (0, 1, 2),       # products on FP8 tensor cores against e4m3 planes: 1 up's (x), 2 down's too (h)
     },
 }
 GRID = GRIDS["fused-experts"]

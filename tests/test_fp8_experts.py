@@ -111,15 +111,18 @@ FP8X_TOL = 4e-3
 
 
 @needs_triton
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("T, grouped", [(1, False), (5, False), (17, True)])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
-def test_fp8_x_matches_the_dequantized_reference(T, grouped, xdtype):
-    """The up products on FP8 tensor cores against x's planes (blocks FP8_X = 1) agree with the reference on the
-    same 16-bit x, per pair and grouped, D = 160 (a partial scale column and a partial chunk)."""
-    x, ids, w, gu, dn = _problem(T, D=160, block=(32, 64), seed=10 + T)
+def test_fp8_x_matches_the_dequantized_reference(T, grouped, xdtype, level):
+    """The products on FP8 tensor cores against e4m3 planes (FP8_X 1: the up kernel's, against x's; 2: the down
+    kernel's too, against h's, which the up kernel writes in groups of its 32 rows) agree with the reference on
+    the same 16-bit x, per pair and grouped, D = 160 (a partial scale column and a partial chunk), I = 80 (a
+    partial group of h)."""
+    x, ids, w, gu, dn = _problem(T, D=160, I=80, block=(16, 64), seed=10 + T)
     x = x.to(xdtype)
     out = torch.empty(T, 160, dtype=torch.float32, device=DEVICE)
-    F8.fp8_experts(x, ids, w, gu, dn, grouped=grouped, out=out, blocks={"FP8_X": 1})
+    F8.fp8_experts(x, ids, w, gu, dn, grouped=grouped, out=out, blocks={"FP8_X": level, "BLOCK_I": 32})
     _close(out, _reference(x.float(), ids, w, gu, dn), FP8X_TOL)
 
 
@@ -229,10 +232,11 @@ def test_variant_passes_the_quick_matrix_on_the_fp8_presets():
 
 
 def test_static_audit_sm90_all_kernels():
-    rows = static_audits(("megadecode.backends.fused.kernels.fp8_experts", [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False},
-                                                                        {"dtype": "bf16", "fp8x": True}]))
+    calls = [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False}, {"dtype": "bf16", "fp8x": 1},
+             {"dtype": "bf16", "fp8x": 2, "grouped": False}]
+    rows = static_audits(("megadecode.backends.fused.kernels.fp8_experts", calls))
     assert [r[0] for r in rows] == (["fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2
-                                    + ["fp8_x_kernel", "fp8_up_kernel", "fp8_down_kernel", "combine_kernel"])
+                                    + ["fp8_x_kernel", "fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2)
 
 
 def test_the_launcher_takes_a_gpus_tuned_blocks_and_explicit_blocks_win(tmp_path, monkeypatch):

@@ -183,6 +183,6 @@ def test_fp8_experts_sweep_names_only_its_launch_parameters():
     from megadecode.backends.fused.kernels import fp8_experts
 
     grid = list(tune.candidates(tune.GRIDS["fp8-experts"]))
-    assert len(grid) == 72 and all(set(c) <= set(fp8_experts.DEFAULT_BLOCKS) for c in grid)
-    assert {c["FP8_X"] for c in grid} == {0, 1}  # the tuner tries the FP8 tensor-core products beside the default
+    assert len(grid) == 108 and all(set(c) <= set(fp8_experts.DEFAULT_BLOCKS) for c in grid)
+    assert {c["FP8_X"] for c in grid} == {0, 1, 2}  # the FP8 tensor-core products beside the default
     assert all(128 % c["BLOCK_D"] == 0 for c in grid)  # a chunk inside one scale column of the 128 x 128 blocks

@@ -23,13 +23,15 @@ WDT: bf16 on the GPU (activations in bf16 as they are; fp32 activations split in
 for fp16 activations, fp32 on the CPU (the Triton interpreter computes bf16 arithmetic wrongly; IEEE fp32 dots).
 h enters the down products split into WDT hi + lo parts, as in grouped_experts. NaN weight codes (0x7F, 0xFF) are
 NaN on the GPU; the interpreter decodes them as +-480 (a broken checkpoint either way: load with check_finite).
-FP8_X (a block option, 0 by default; `megadecode tune --kernel fp8-experts` tries both): `fp8_x_kernel` first
+FP8_X (a block option, 0 by default; `megadecode tune --kernel fp8-experts` tries 0, 1, 2): `fp8_x_kernel` first
 writes each token's activations as two e4m3 planes, hi and the remainder lo, each with a power-of-two scale per
 SBK columns (x = s_hi q_hi + s_lo q_lo, about 8 significant bits, bf16's), and the up kernel's products
 (`_fp8x_dot`) run on FP8 tensor cores against the weight tile as stored: no weight is converted (F2F / F2FP /
 PRMT: 256 of the up loop's 846 instructions at qwen3-30b-a3b dims on sm_90; 663 with FP8_X, `bench/sass_mix.py`),
 for a kernel that at batch 1 issues instructions more than it waits on bytes.
-16-bit activations only (fp32 x keeps its ~16 bits through the converted path); the down kernel as above.
+FP8_X = 2: the down products too, against h as two e4m3 planes that the up kernel writes in place of fp32 h
+(groups of its BLOCK_I rows, a scale a pair and group; the down chunks then inside one group). 16-bit activations
+only (fp32 x keeps its ~16 bits through the converted path).
 
 Memory paths: the expert weights and scales are static; x, ids, order, offs, router weights, h and y are produced
 within the step and read with plain coherent loads (the static audit: tests/test_fp8_experts.py, `audit_specs`).
@@ -95,11 +97,11 @@ def _e4m3_round(y):
     """y (fp32, |y| < 256) rounded to the nearest e4m3 value, ties to even, still in fp32: 3 mantissa bits above
     2**-6 (an integer add on the bits, whose carry moves into the exponent), multiples of 2**-9 below it
     (e4m3's subnormals: the add of 1.5 * 2**23 rounds to an integer). The cast to e4m3 after it is then exact,
-    where the Triton interpreter's own rounding loses a carry (127.7 became 64)."""
+    where the Triton interpreter's own rounding loses a carry (127.7 became 64). NaN is returned as it is."""
     b = y.to(tl.int32, bitcast=True)
     normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    return tl.where(tl.abs(y) < 0.015625, sub, normal)
+    return tl.where(y == y, tl.where(tl.abs(y) < 0.015625, sub, normal), y)  # a NaN stays NaN, whatever its bits
 
 
 @triton.jit
@@ -130,10 +132,11 @@ def fp8_x_kernel(x_ptr, q_ptr, s_ptr, stride_x, ps_q, ps_s, D: tl.constexpr, G: 
 @triton.jit
 def _fp8x_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, q_ptr, q_rows, sx_ptr, sx_rows, ps_q,
               ps_s, m_ok, K: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GX: tl.constexpr):
     """_fp8_dot's [BLOCK_R, BLOCK_M] on FP8 tensor cores: the weight tile as it is stored (no conversion) against
-    the activations' two e4m3 planes (fp8_x_kernel, groups of SBK: chunk k0 has one scale a token and one a row),
-    each chunk's two fp32 products times their token scales, the sum times the rows' block scale."""
+    the activations' two e4m3 planes (groups of GX columns, x's from fp8_x_kernel, h's from the up kernel; BLOCK_K
+    divides GX and SBK, so chunk k0 has one scale a token and one a row), each chunk's two fp32 products times
+    their token scales, the sum times the rows' block scale."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     s_rows = (rows // SBN).to(tl.int64) * stride_sr
     for k0 in range(0, K, BLOCK_K):
@@ -144,8 +147,8 @@ def _fp8x_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, q_
         vmask = k_ok[:, None] & m_ok[None, :]
         vh = tl.load(q_ptr + q_rows[None, :] + k[:, None], mask=vmask, other=0.0)
         vl = tl.load(q_ptr + ps_q + q_rows[None, :] + k[:, None], mask=vmask, other=0.0)
-        sh = tl.load(sx_ptr + sx_rows + k0 // SBK, mask=m_ok, other=0.0)
-        sl = tl.load(sx_ptr + ps_s + sx_rows + k0 // SBK, mask=m_ok, other=0.0)
+        sh = tl.load(sx_ptr + sx_rows + k0 // GX, mask=m_ok, other=0.0)
+        sl = tl.load(sx_ptr + ps_s + sx_rows + k0 // GX, mask=m_ok, other=0.0)
         zero = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
         part = tl.dot(w, vh, zero) * sh[None, :] + tl.dot(w, vl, zero) * sl[None, :]
         s = tl.load(s_ptr + s_off + s_rows + k0 // SBK, mask=row_ok, other=0.0, eviction_policy="evict_first")
@@ -155,12 +158,16 @@ def _fp8x_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, q_
 
 @triton.jit
 def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e, stride_gu_r,
-                  stride_gus_e, stride_gus_r, sx_ptr, ps_q, ps_s, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr,
+                  stride_gus_e, stride_gus_r, sx_ptr, ps_q, ps_s, hs_ptr, ps_hq, ps_hs, D: tl.constexpr,
+                  I: tl.constexpr, A: tl.constexpr,
                   SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, WDT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FP8X: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FP8X: tl.constexpr,
+                  FP8XH: tl.constexpr):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t).
     FP8X: x_ptr is fp8_x_kernel's planes (rows of D) and sx_ptr their scales (rows of cdiv(D, SBK)), the products
-    _fp8x_dot's; else x as given, converted weights (_fp8_dot)."""
+    _fp8x_dot's; else x as given, converted weights (_fp8_dot). FP8XH: h is stored as the down products' two
+    e4m3 planes instead of fp32, as fp8_x_kernel makes x's with groups of this program's BLOCK_I rows (h_ptr: the
+    planes [P, I], ps_hq apart; hs_ptr: their scales [P, cdiv(I, BLOCK_I)], ps_hs apart)."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -178,25 +185,42 @@ def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, s
         if FP8X:
             sx_rows = (p // A).to(tl.int64) * ((D + SBK - 1) // SBK)
             g = _fp8x_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, sx_ptr,
-                          sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D)
+                          sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, SBK)
             u = _fp8x_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows,
-                          sx_ptr, sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D)
+                          sx_ptr, sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, SBK)
         else:
             g = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
                          D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
             u = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
                          D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
         h = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
+        if FP8XH:  # each pair's BLOCK_I values of h as two e4m3 planes, as fp8_x_kernel does a group of x
+            amax = tl.max(tl.where(i_ok[:, None], tl.abs(h), 0.0), axis=0)
+            s_hi = tl.where(amax < float("inf"), _pow2_scale(amax), float("nan"))
+            qh = _e4m3_round(h / s_hi[None, :])
+            r = h - qh * s_hi[None, :]
+            s_lo = _pow2_scale(tl.max(tl.where(i_ok[:, None] & (r == r), tl.abs(r), 0.0), axis=0))
+            ql = _e4m3_round(r / s_lo[None, :])
+            hp = p.to(tl.int64)[None, :] * I + i[:, None]
+            hmask = i_ok[:, None] & m_ok[None, :]
+            tl.store(h_ptr + hp, qh.to(tl.float8e4nv), mask=hmask)
+            tl.store(h_ptr + ps_hq + hp, ql.to(tl.float8e4nv), mask=hmask)
+            sp = hs_ptr + p.to(tl.int64) * ((I + BLOCK_I - 1) // BLOCK_I) + tl.program_id(1)
+            tl.store(sp, s_hi, mask=m_ok)
+            tl.store(sp + ps_hs, s_lo, mask=m_ok)
+        else:
+            tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
 
 @triton.jit
 def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
-                    stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr, SBN: tl.constexpr,
-                    SBK: tl.constexpr, GROUPED: tl.constexpr, WDT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
+                    stride_dns_e, stride_dns_r, hs_ptr, ps_hq, ps_hs, D: tl.constexpr, I: tl.constexpr,
+                    SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr, WDT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8X: tl.constexpr,
+                    GH: tl.constexpr):
+    """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]. FP8X: h is the
+    up kernel's two e4m3 planes (groups of GH = its BLOCK_I; scales at hs_ptr), the products _fp8x_dot's."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -210,8 +234,12 @@ def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr,
             p = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
         else:
             p = m.to(tl.int64)
-        y = _fp8_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
-                     I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, WDT, True)
+        if FP8X:
+            y = _fp8x_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, hs_ptr,
+                          p * ((I + GH - 1) // GH), ps_hq, ps_hs, m_ok, I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, GH)
+        else:
+            y = _fp8_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
+                         I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, WDT, True)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
@@ -291,6 +319,9 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     bn = max(16, min(b["BLOCK_N"], triton.next_power_of_2(D)))
     bd = max(16, min(b["BLOCK_D"], sbk, triton.next_power_of_2(D)))  # chunks inside one scale column
     bk = max(16, min(b["BLOCK_K"], sbk, triton.next_power_of_2(I)))
+    fp8xh = b["FP8_X"] >= 2
+    if fp8xh:  # the down chunks inside one of h's scale groups (the up kernel's BLOCK_I rows)
+        bk = min(bk, bi)
     if sbk % bd or sbk % bk:
         raise ValueError(f"BLOCK_D ({bd}) and BLOCK_K ({bk}) must divide weight_block_size[1] ({sbk})")
     if grouped:
@@ -299,13 +330,21 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     else:
         order = offs = ids  # unused pointers
         rows = T * A
-    h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
-    y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
+    P = T * A
+    if fp8xh:  # h as two e4m3 planes and their scales, one a pair and BLOCK_I rows
+        ngh = triton.cdiv(I, bi)
+        h = torch.empty(2, P, I, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(2, P, ngh, dtype=torch.float32, device=x.device)
+        ps_hq, ps_hs = P * I, P * ngh
+    else:
+        h = torch.empty(P, I, dtype=torch.float32, device=x.device)
+        hs, ps_hq, ps_hs = x, 0, 0  # hs: an unused pointer
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
     gu, gus, dn, dns = gate_up.data, gate_up.scales, down.data, down.scales
     wdt = WDTYPES[wdtype]
     split = x.dtype == torch.float32 and wdtype != torch.float32
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
-    xin, sx, ps_q, ps_s = x, h, 0, 0  # sx: an unused pointer unless FP8_X
+    xin, sx, ps_q, ps_s = x, y, 0, 0  # sx: an unused pointer unless FP8_X
     if b["FP8_X"]:  # the activations as two e4m3 planes, groups of the weights' scale columns
         ng = triton.cdiv(D, sbk)
         xin = torch.empty(2, T, D, dtype=torch.float8_e4m3fn, device=x.device)
@@ -314,11 +353,13 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         fp8_x_kernel[(T, ng)](x, xin, sx, x.stride(0), ps_q, ps_s, D=D, G=sbk, NG=ng)
     fp8_up_kernel[(rows, triton.cdiv(I, bi))](
         xin, ids, order, offs, gu, gus, h, D if b["FP8_X"] else x.stride(0), gu.stride(0), gu.stride(1),
-        gus.stride(0), gus.stride(1), sx, ps_q, ps_s, D=D, I=I, A=A, SBN=sbn, SBK=sbk, GROUPED=grouped, SPLIT=split,
-        WDT=wdt, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FP8X=bool(b["FP8_X"]), **kw)
+        gus.stride(0), gus.stride(1), sx, ps_q, ps_s, hs, ps_hq, ps_hs, D=D, I=I, A=A, SBN=sbn, SBK=sbk,
+        GROUPED=grouped, SPLIT=split, WDT=wdt, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FP8X=bool(b["FP8_X"]),
+        FP8XH=fp8xh, **kw)
     fp8_down_kernel[(rows, triton.cdiv(D, bn))](
-        h, ids, order, offs, dn, dns, y, dn.stride(0), dn.stride(1), dns.stride(0), dns.stride(1), D=D, I=I,
-        SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
+        h, ids, order, offs, dn, dns, y, dn.stride(0), dn.stride(1), dns.stride(0), dns.stride(1), hs, ps_hq, ps_hs,
+        D=D, I=I, SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8X=fp8xh, GH=bi,
+        **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, ids, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
@@ -345,23 +386,28 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", D: int = 2048, I: int = 768, A: int = 8, grouped: bool = True,
-                block: tuple[int, int] = (128, 128), fp8x: bool = False) -> list:
-    """KernelSpecs of the three launches (fp8x: four, fp8_x_kernel first) for megadecode.validate.audit.audit_kernel
-    (defaults: Qwen3-30B-A3B-FP8): expert values and scales "static", every other pointer "produced"."""
+                block: tuple[int, int] = (128, 128), fp8x: int = 0) -> list:
+    """KernelSpecs of the three launches (fp8x, FP8_X's level: four, fp8_x_kernel first) for
+    megadecode.validate.audit.audit_kernel (defaults: Qwen3-30B-A3B-FP8): expert values and scales "static", every
+    other pointer "produced"."""
     b = DEFAULT_BLOCKS
     wdt = "fp16" if dtype == "fp16" else "bf16"
     strides = ("stride_gu_e", "stride_gu_r", "stride_gus_e", "stride_gus_r")
+    h_t = "*fp8e4nv" if fp8x >= 2 else "*fp32"
+    h_planes = {"hs_ptr": "*fp32", "ps_hq": "i32", "ps_hs": "i32"}
     up_sig = {"x_ptr": "*fp8e4nv" if fp8x else f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32",
-              "offs_ptr": "*i32", "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "h_ptr": "*fp32", "stride_x": "i32",
-              **{s: "i32" for s in strides}, "sx_ptr": "*fp32", "ps_q": "i32", "ps_s": "i32"}
+              "offs_ptr": "*i32", "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "h_ptr": h_t, "stride_x": "i32",
+              **{s: "i32" for s in strides}, "sx_ptr": "*fp32", "ps_q": "i32", "ps_s": "i32", **h_planes}
     common = {"SBN": block[0], "SBK": block[1], "GROUPED": grouped, "WDT": getattr(tl, {"fp16": "float16"}.get(
         wdt, "bfloat16")), "BLOCK_M": b["BLOCK_M"]}
     up_c = {"D": D, "I": I, "A": A, **common, "SPLIT": dtype == "fp32", "BLOCK_I": b["BLOCK_I"],
-            "BLOCK_D": min(b["BLOCK_D"], block[1]), "FP8X": fp8x}
-    dn_sig = {"h_ptr": "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": "*fp8e4nv",
+            "BLOCK_D": min(b["BLOCK_D"], block[1]), "FP8X": fp8x >= 1, "FP8XH": fp8x >= 2}
+    dn_sig = {"h_ptr": h_t, "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": "*fp8e4nv",
               "dns_ptr": "*fp32", "y_ptr": "*fp32", **{s: "i32" for s in ("stride_dn_e", "stride_dn_r",
-                                                                         "stride_dns_e", "stride_dns_r")}}
-    dn_c = {"D": D, "I": I, **common, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": min(b["BLOCK_K"], block[1])}
+                                                                         "stride_dns_e", "stride_dns_r")}, **h_planes}
+    bk = min(b["BLOCK_K"], block[1], b["BLOCK_I"] if fp8x >= 2 else block[1])
+    dn_c = {"D": D, "I": I, **common, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": bk, "FP8X": fp8x >= 2,
+            "GH": b["BLOCK_I"]}
     cb_sig = {"y_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
     specs = [kernel_spec(fp8_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
              kernel_spec(fp8_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
@@ -405,8 +451,8 @@ FP8_EXPERTS_VARIANT = register(Variant(Manifest(
     sources=("megadecode/backends/fused/kernels/fp8_experts.py", "megadecode/backends/fused/kernels/common.py"), uses_triton=True,
     graph_capturable=True,
     # fp32 activations on the GPU take the SPLIT path of the up kernel (x as bf16 hi + lo): declared and audited too
-    # FP8_X (a GPU's tuned configs may pick it for 16-bit activations): the planes' kernel and both up kernels
+    # FP8_X 2 (a GPU's tuned configs may pick it for 16-bit activations): the planes' kernel, up and down kernels
     kernels=lambda: (audit_specs(grouped=False) + audit_specs(grouped=True)[:2]
                      + [audit_specs("fp32", grouped=g)[0] for g in (False, True)]
-                     + audit_specs(grouped=False, fp8x=True)[:2] + audit_specs(grouped=True, fp8x=True)[1:2])),
+                     + audit_specs(grouped=False, fp8x=2)[:3] + audit_specs(grouped=True, fp8x=2)[1:3])),
     _run, kernel=fp8_up_kernel))
