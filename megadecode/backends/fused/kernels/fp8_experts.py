@@ -105,6 +105,14 @@ def _e4m3_round(y):
 
 
 @triton.jit
+def _to_e4m3(y):
+    """_e4m3_round's values as e4m3 (exact), NaN as e4m3's NaN byte: the Triton interpreter casts NaN to 256 or
+    384 (the GPU's cvt keeps it NaN)."""
+    nan8 = tl.full(y.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return tl.where(y == y, y.to(tl.float8e4nv), nan8)
+
+
+@triton.jit
 def fp8_x_kernel(x_ptr, q_ptr, s_ptr, stride_x, ps_q, ps_s, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr):
     """Program (t, g): token t's activations d in [g G, (g + 1) G) as two e4m3 planes with power-of-two scales,
     x = s_hi q_hi + s_lo q_lo + e: q_hi = e4m3(x / s_hi) (4 significant bits, rounded to nearest), q_lo the same
@@ -123,8 +131,8 @@ def fp8_x_kernel(x_ptr, q_ptr, s_ptr, stride_x, ps_q, ps_s, D: tl.constexpr, G: 
     r = v - qh * s_hi  # exact: qh * s_hi is v rounded to fewer bits
     s_lo = _pow2_scale(tl.max(tl.where(r == r, tl.abs(r), 0.0), axis=0))
     ql = _e4m3_round(r / s_lo)
-    tl.store(q_ptr + t * D + d, qh.to(tl.float8e4nv), mask=ok)
-    tl.store(q_ptr + ps_q + t * D + d, ql.to(tl.float8e4nv), mask=ok)
+    tl.store(q_ptr + t * D + d, _to_e4m3(qh), mask=ok)
+    tl.store(q_ptr + ps_q + t * D + d, _to_e4m3(ql), mask=ok)
     tl.store(s_ptr + t * NG + g, s_hi)
     tl.store(s_ptr + ps_s + t * NG + g, s_lo)
 
@@ -203,8 +211,8 @@ def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, s
             ql = _e4m3_round(r / s_lo[None, :])
             hp = p.to(tl.int64)[None, :] * I + i[:, None]
             hmask = i_ok[:, None] & m_ok[None, :]
-            tl.store(h_ptr + hp, qh.to(tl.float8e4nv), mask=hmask)
-            tl.store(h_ptr + ps_hq + hp, ql.to(tl.float8e4nv), mask=hmask)
+            tl.store(h_ptr + hp, _to_e4m3(qh), mask=hmask)
+            tl.store(h_ptr + ps_hq + hp, _to_e4m3(ql), mask=hmask)
             sp = hs_ptr + p.to(tl.int64) * ((I + BLOCK_I - 1) // BLOCK_I) + tl.program_id(1)
             tl.store(sp, s_hi, mask=m_ok)
             tl.store(sp + ps_hs, s_lo, mask=m_ok)
