@@ -181,6 +181,14 @@ def test_fp8_x_propagates_inf_and_is_refused_for_fp32_activations(monkeypatch):
         assert torch.equal(out[[0, 2]], clean[[0, 2]])
     with pytest.raises(ValueError, match="FP8_X takes 16-bit activations"):
         F8.fp8_experts(x, ids, w, gu, dn, blocks={"FP8_X": 1})
+    for blocks, text in (({"FP8_X": 3}, "0, 1 or 2"), ({"FP8_X": 1, "BLOCK_D": 16}, "BLOCK_D = 16"),
+                         ({"FP8_X": 2, "BLOCK_I": 16}, "BLOCK_I = 16")):
+        with pytest.raises(ValueError, match=text):
+            F8.fp8_experts(x16, ids, w, gu, dn, blocks=blocks)
+    g16 = _fp8(torch.randn(8, 128, 96) / 96 ** 0.5, (16, 16))  # 16-column scale blocks: chunks of 16
+    d16 = _fp8(torch.randn(8, 96, 64) / 8, (16, 16))
+    with pytest.raises(ValueError, match="chunks of at least 32"):
+        F8.fp8_experts(x16, ids, w, g16, d16, blocks={"FP8_X": 1})
     up = Recorder()
     monkeypatch.setattr(F8, "fp8_up_kernel", up)
     monkeypatch.setattr(F8, "fp8_down_kernel", Recorder())

@@ -274,6 +274,20 @@ def reason_unsupported(block: tuple[int, int] | None, I: int) -> str | None:
     return None
 
 
+def refuses(blocks: dict) -> str | None:
+    """Why these launch parameters cannot run, or None (the tuner leaves such candidates out): FP8 tensor cores
+    take chunks of at least 32 columns (the MMA's k), the down chunks at FP8_X = 2 being capped by BLOCK_I."""
+    b = {**DEFAULT_BLOCKS, **blocks}
+    if b["FP8_X"] not in (0, 1, 2):
+        return f"FP8_X must be 0, 1 or 2, got {b['FP8_X']!r}"
+    if b["FP8_X"] and b["BLOCK_D"] < 32:
+        return f"FP8_X takes up chunks of at least 32 columns (the FP8 MMA's k), got BLOCK_D = {b['BLOCK_D']}"
+    if b["FP8_X"] == 2 and min(b["BLOCK_I"], b["BLOCK_K"]) < 32:
+        return (f"FP8_X = 2 takes down chunks of at least 32 (BLOCK_K, capped by BLOCK_I), got BLOCK_I = "
+                f"{b['BLOCK_I']}, BLOCK_K = {b['BLOCK_K']}")
+    return None
+
+
 def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: FP8Tensor, down: FP8Tensor, *,
                 out: torch.Tensor | None = None, grouped: bool | None = None, blocks: dict | None = None,
                 wdtype: torch.dtype | None = None, check_ids: bool = False) -> torch.Tensor:
@@ -317,6 +331,9 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     gpu = _device_name(x.device)
     if blocks and blocks.get("FP8_X") and x.dtype == torch.float32:
         raise ValueError("FP8_X takes 16-bit activations: fp32 x as two e4m3 planes would keep ~8 bits of its 24")
+    why = refuses(blocks or {})
+    if why:
+        raise ValueError(why)
     if blocks is None and gpu is not None:
         blocks = tuning.lookup(KERNEL, gpu, tuned_key(D, I, A, gate_up.block, grouped), T)
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
@@ -330,6 +347,9 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     fp8xh = b["FP8_X"] >= 2
     if fp8xh:  # the down chunks inside one of h's scale groups (the up kernel's BLOCK_I rows)
         bk = min(bk, bi)
+    if b["FP8_X"] and min(bd, bk if fp8xh else bd) < 32:  # the shape's own caps (D, I, the scale column)
+        raise ValueError(f"FP8_X needs chunks of at least 32 columns; this shape gives BLOCK_D {bd}, BLOCK_K {bk} "
+                         f"(weight_block_size {gate_up.block}, D {D}, I {I})")
     if sbk % bd or sbk % bk:
         raise ValueError(f"BLOCK_D ({bd}) and BLOCK_K ({bk}) must divide weight_block_size[1] ({sbk})")
     if grouped:
