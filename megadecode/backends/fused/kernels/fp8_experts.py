@@ -472,7 +472,7 @@ FP8_EXPERTS_VARIANT = register(Variant(Manifest(
                 "order, activations in bf16 (fp32 activations as bf16 hi + lo), h as bf16 hi + lo. Where a GPU's "
                 "tuned config picks FP8_X (16-bit activations only), the up kernel's products run on FP8 tensor "
                 "cores against the activations as two e4m3 planes with power-of-two scales per 128 columns "
-                "(about bf16's precision of x)",
+                "(about bf16's precision of x), and at FP8_X = 2 the down kernel's against h's planes alike",
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=_dims),
