@@ -26,7 +26,7 @@ NaN on the GPU; the interpreter decodes them as +-480 (a broken checkpoint eithe
 FP8_X (a block option, 0 by default; `megadecode tune --kernel fp8-experts` tries 0, 1, 2): `fp8_x_kernel` first
 writes each token's activations as two e4m3 planes, hi and the remainder lo, each with a power-of-two scale per
 SBK columns (x = s_hi q_hi + s_lo q_lo, about 8 significant bits, bf16's), and the up kernel's products
-(`_fp8x_dot`) run on FP8 tensor cores against the weight tile as stored: no weight is converted (F2F / F2FP /
+(`_fp8_dot` with FP8X) run on FP8 tensor cores against the weight tile as stored: no weight is converted (F2F / F2FP /
 PRMT: 256 of the up loop's 846 instructions at qwen3-30b-a3b dims on sm_90; 663 with FP8_X, `bench/sass_mix.py`),
 for a kernel that at batch 1 issues instructions more than it waits on bytes.
 FP8_X = 2: the down products too, against h as two e4m3 planes that the up kernel writes in place of fp32 h
@@ -65,10 +65,15 @@ WDTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32
 @triton.jit
 def _fp8_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
              K: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-             BLOCK_K: tl.constexpr, WDT: tl.constexpr, SPLIT: tl.constexpr):
+             BLOCK_K: tl.constexpr, WDT: tl.constexpr, SPLIT: tl.constexpr, sx_ptr, sx_rows, ps_q, ps_s,
+             FP8X: tl.constexpr, GX: tl.constexpr):
     """[BLOCK_R, BLOCK_M] fp32: W[rows, :K] . v[m, :K] for one expert's FP8 matrix at w_ptr + w_off (its scales at
     s_ptr + s_off, one per SBN x SBK block) and the BLOCK_M activation rows at v_ptr + v_rows[m] (masked by m_ok).
-    BLOCK_K divides SBK, so chunk k0 has one scale per row: scale[rows // SBN, k0 // SBK]."""
+    BLOCK_K divides SBK, so chunk k0 has one scale per row: scale[rows // SBN, k0 // SBK]. The chunk's products:
+    the weight tile converted to WDT against v (common.mma), or with FP8X on FP8 tensor cores, the tile as it is
+    stored against the activations' two e4m3 planes (ps_q apart; groups of GX columns, their scales at sx_ptr +
+    sx_rows, ps_s apart: x's from fp8_x_kernel, h's from the up kernel; BLOCK_K divides GX too, so the chunk has
+    one scale a token), each plane's fp32 product times its token scales."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     s_rows = (rows // SBN).to(tl.int64) * stride_sr
     for k0 in range(0, K, BLOCK_K):
@@ -76,8 +81,17 @@ def _fp8_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_p
         k_ok = k < K
         w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        part = mma(w.to(WDT), v, tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32), SPLIT)
+        vmask = k_ok[:, None] & m_ok[None, :]
+        zero = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        if FP8X:
+            vh = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=vmask, other=0.0)
+            vl = tl.load(v_ptr + ps_q + v_rows[None, :] + k[:, None], mask=vmask, other=0.0)
+            sh = tl.load(sx_ptr + sx_rows + k0 // GX, mask=m_ok, other=0.0)
+            sl = tl.load(sx_ptr + ps_s + sx_rows + k0 // GX, mask=m_ok, other=0.0)
+            part = tl.dot(w, vh, zero) * sh[None, :] + tl.dot(w, vl, zero) * sl[None, :]
+        else:
+            v = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=vmask, other=0.0)
+            part = mma(w.to(WDT), v, zero, SPLIT)
         s = tl.load(s_ptr + s_off + s_rows + k0 // SBK, mask=row_ok, other=0.0, eviction_policy="evict_first")
         acc += part * s[:, None]
     return acc
@@ -138,44 +152,16 @@ def fp8_x_kernel(x_ptr, q_ptr, s_ptr, stride_x, ps_q, ps_s, D: tl.constexpr, G: 
 
 
 @triton.jit
-def _fp8x_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, q_ptr, q_rows, sx_ptr, sx_rows, ps_q,
-              ps_s, m_ok, K: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GX: tl.constexpr):
-    """_fp8_dot's [BLOCK_R, BLOCK_M] on FP8 tensor cores: the weight tile as it is stored (no conversion) against
-    the activations' two e4m3 planes (groups of GX columns, x's from fp8_x_kernel, h's from the up kernel; BLOCK_K
-    divides GX and SBK, so chunk k0 has one scale a token and one a row), each chunk's two fp32 products times
-    their token scales, the sum times the rows' block scale."""
-    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-    s_rows = (rows // SBN).to(tl.int64) * stride_sr
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0, eviction_policy="evict_first")
-        vmask = k_ok[:, None] & m_ok[None, :]
-        vh = tl.load(q_ptr + q_rows[None, :] + k[:, None], mask=vmask, other=0.0)
-        vl = tl.load(q_ptr + ps_q + q_rows[None, :] + k[:, None], mask=vmask, other=0.0)
-        sh = tl.load(sx_ptr + sx_rows + k0 // GX, mask=m_ok, other=0.0)
-        sl = tl.load(sx_ptr + ps_s + sx_rows + k0 // GX, mask=m_ok, other=0.0)
-        zero = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-        part = tl.dot(w, vh, zero) * sh[None, :] + tl.dot(w, vl, zero) * sl[None, :]
-        s = tl.load(s_ptr + s_off + s_rows + k0 // SBK, mask=row_ok, other=0.0, eviction_policy="evict_first")
-        acc += part * s[:, None]
-    return acc
-
-
-@triton.jit
 def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e, stride_gu_r,
                   stride_gus_e, stride_gus_r, sx_ptr, ps_q, ps_s, hs_ptr, ps_hq, ps_hs, D: tl.constexpr,
-                  I: tl.constexpr, A: tl.constexpr,
-                  SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, WDT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, FP8X: tl.constexpr,
-                  FP8XH: tl.constexpr):
+                  I: tl.constexpr, A: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr,
+                  SPLIT: tl.constexpr, WDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                  BLOCK_D: tl.constexpr, FP8X: tl.constexpr, FP8XH: tl.constexpr):
     """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t).
     FP8X: x_ptr is fp8_x_kernel's planes (rows of D) and sx_ptr their scales (rows of cdiv(D, SBK)), the products
-    _fp8x_dot's; else x as given, converted weights (_fp8_dot). FP8XH: h is stored as the down products' two
-    e4m3 planes instead of fp32, as fp8_x_kernel makes x's with groups of this program's BLOCK_I rows (h_ptr: the
-    planes [P, I], ps_hq apart; hs_ptr: their scales [P, cdiv(I, BLOCK_I)], ps_hs apart)."""
+    on FP8 tensor cores (_fp8_dot's FP8X); else x as given, converted weights. FP8XH: h is stored as the down
+    products' two e4m3 planes instead of fp32, as fp8_x_kernel makes x's with groups of this program's BLOCK_I
+    rows (h_ptr: the planes [P, I], ps_hq apart; hs_ptr: their scales [P, cdiv(I, BLOCK_I)], ps_hs apart)."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -190,17 +176,11 @@ def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, s
         else:
             p = m
         x_rows = (p // A).to(tl.int64) * stride_x
-        if FP8X:
-            sx_rows = (p // A).to(tl.int64) * ((D + SBK - 1) // SBK)
-            g = _fp8x_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, sx_ptr,
-                          sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, SBK)
-            u = _fp8x_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows,
-                          sx_ptr, sx_rows, ps_q, ps_s, m_ok, D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, SBK)
-        else:
-            g = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                         D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
-            u = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                         D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
+        sx_rows = (p // A).to(tl.int64) * ((D + SBK - 1) // SBK)  # FP8X: the token's plane scales
+        g = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT, sx_ptr, sx_rows, ps_q, ps_s, FP8X, SBK)
+        u = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
+                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT, sx_ptr, sx_rows, ps_q, ps_s, FP8X, SBK)
         h = g / (1.0 + tl.exp(-g)) * u
         if FP8XH:  # each pair's BLOCK_I values of h as two e4m3 planes, as fp8_x_kernel does a group of x
             amax = tl.max(tl.where(i_ok[:, None], tl.abs(h), 0.0), axis=0)
@@ -228,7 +208,7 @@ def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8X: tl.constexpr,
                     GH: tl.constexpr):
     """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]. FP8X: h is the
-    up kernel's two e4m3 planes (groups of GH = its BLOCK_I; scales at hs_ptr), the products _fp8x_dot's."""
+    up kernel's two e4m3 planes (groups of GH = its BLOCK_I; scales at hs_ptr), the products on FP8 tensor cores."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -242,12 +222,9 @@ def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr,
             p = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
         else:
             p = m.to(tl.int64)
-        if FP8X:
-            y = _fp8x_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, hs_ptr,
-                          p * ((I + GH - 1) // GH), ps_hq, ps_hs, m_ok, I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, GH)
-        else:
-            y = _fp8_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
-                         I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, WDT, True)
+        y = _fp8_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
+                     I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, WDT, True, hs_ptr, p * ((I + GH - 1) // GH), ps_hq,
+                     ps_hs, FP8X, GH)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
