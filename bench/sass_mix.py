@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 
-from megadecode.backends.fused.kernels import fp8_experts as f8
 from megadecode.backends.fused.kernels import fused_experts as fe
 from megadecode.backends.fused.kernels import grouped_experts as ge
 from megadecode.validate.audit import disassemble, sass_loops
@@ -62,19 +61,6 @@ def main():
     print(f"{'kernel (K3 gate/up, MXFP4)':<48} {'loop instrs':>11} {'weights/iter':>12} {'warp-instr/weight':>17}  top opcodes")
     for name, fn, sig, consts, per_iter in cases:
         n, mix = min(inner_loops(fn, sig, consts), key=lambda t: t[0])
-        print(f"{name:<48} {n:>11} {per_iter:>12} {n * num_warps / per_iter:>17.3f}  "
-              + ", ".join(f"{k} {v}" for k, v in mix.most_common(6)))
-    # FP8 (qwen3-30b-a3b dims, per pair, bf16 activations): the up kernel's largest loop (gate and up chunks of
-    # BLOCK_I x BLOCK_D each an iteration), weights converted to bf16 against FP8_X's planes on FP8 tensor cores;
-    # the FP8 budget at 4.57 TB/s is ~0.23 warp-instructions a weight (one byte each)
-    print(f"\n{'kernel (qwen3 gate/up, FP8)':<48} {'loop instrs':>11} {'weights/iter':>12} "
-          f"{'warp-instr/weight':>17}  top opcodes")
-    for fp8x in (False, True):
-        spec = f8.audit_specs("bf16", grouped=False, fp8x=int(fp8x))[1 if fp8x else 0]
-        consts = spec.constexprs
-        n, mix = max(inner_loops(spec.fn, spec.signature, consts), key=lambda t: t[0])
-        per_iter = 2 * consts["BLOCK_I"] * consts["BLOCK_D"]
-        name = "FP8_X: e4m3 planes of x, FP8 tensor cores" if fp8x else "weights converted to bf16 (the default)"
         print(f"{name:<48} {n:>11} {per_iter:>12} {n * num_warps / per_iter:>17.3f}  "
               + ", ".join(f"{k} {v}" for k, v in mix.most_common(6)))
 

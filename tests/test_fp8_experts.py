@@ -104,103 +104,6 @@ def test_batch_invariant_and_deterministic():
                            batch[t:t + 1])
 
 
-# FP8_X: x as two e4m3 planes with power-of-two scales per scale column (fp8_x_kernel): ~8 significant bits per
-# element against its group's max, 2**-9 of the max measured on the interpreter (bound asserted: 2**-8); through
-# the experts, 0.8-1.1e-3 of the largest output on these problems (fp32 outputs, so no output rounding in it)
-FP8X_TOL = 4e-3
-
-
-@needs_triton
-@pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("T, grouped", [(1, False), (5, False), (17, True)])
-@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
-def test_fp8_x_matches_the_dequantized_reference(T, grouped, xdtype, level):
-    """The products on FP8 tensor cores against e4m3 planes (FP8_X 1: the up kernel's, against x's; 2: the down
-    kernel's too, against h's, which the up kernel writes in groups of its 32 rows) agree with the reference on
-    the same 16-bit x, per pair and grouped, D = 160 (a partial scale column and a partial chunk), I = 80 (a
-    partial group of h)."""
-    x, ids, w, gu, dn = _problem(T, D=160, I=80, block=(16, 64), seed=10 + T)
-    x = x.to(xdtype)
-    out = torch.empty(T, 160, dtype=torch.float32, device=DEVICE)
-    F8.fp8_experts(x, ids, w, gu, dn, grouped=grouped, out=out, blocks={"FP8_X": level, "BLOCK_I": 32})
-    _close(out, _reference(x.float(), ids, w, gu, dn), FP8X_TOL)
-
-
-@needs_triton
-def test_fp8_x_planes_rebuild_x_with_power_of_two_scales():
-    """x = s_hi q_hi + s_lo q_lo within 2**-8 of each group's max; the scales are powers of two; a value whose
-    rounding carries into the next binade (127.7 units -> 128, which the interpreter's own cast makes 64) and
-    zeros rebuild as they should; an inf or NaN makes its group's scale NaN (the token's products NaN)."""
-    T, D, G = 4, 200, 64
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(T, D, generator=g) * torch.tensor([1.0, 1e-3, 40.0, 1.0])[:, None]
-    x[3, 64:128] = 0.0
-    x[0, 0], x[0, 1] = 1.0, 127.7 / 128  # scale 2**-7 for the group: 1.0 is 128 units, 0.9977 is 127.7
-    x[1, 150] = float("inf")
-    x[2, 5] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)  # the GPU's NaN: all mantissa bits
-    x = x.to(DEVICE)
-    ng = -(-D // G)
-    q = torch.empty(2, T, D, dtype=torch.float8_e4m3fn, device=DEVICE)
-    s = torch.empty(2, T, ng, dtype=torch.float32, device=DEVICE)
-    F8.fp8_x_kernel[(T, ng)](x, q, s, x.stride(0), T * D, T * ng, D=D, G=G, NG=ng)
-    q, s, x = q.float().cpu(), s.cpu(), x.cpu()
-    assert torch.isnan(s[0, 1, 2]) and torch.isnan(q[0, 2, 5])  # no NaN rounds to a number (its bits + carry)
-    ok = torch.isfinite(s[0])
-    ok[2, 0] = False  # the NaN's group: its other values still rebuild, checked apart
-    assert torch.isfinite(s[:, [0, 2, 3]]).all()
-    sh, sl = (s[i].repeat_interleave(G, 1)[:, :D] for i in (0, 1))
-    rebuilt = q[0] * sh + q[1] * sl
-    assert rebuilt[0, 1] == x[0, 1] or abs(rebuilt[0, 1] - x[0, 1]) <= 2 ** -8 * x[0, :G].abs().max()
-    assert q[0, 0, 1] * s[0, 0, 0] == 1.0  # 127.7 units rounded up to 128, not down to 64
-    for t in range(T):
-        for j in range(ng):
-            if not ok[t, j]:
-                continue
-            sl_ = slice(j * G, min(D, (j + 1) * G))
-            amax = x[t, sl_].abs().max()
-            assert (rebuilt[t, sl_] - x[t, sl_]).abs().max() <= 2 ** -8 * amax, (t, j)
-            for sc in (s[0, t, j], s[1, t, j]):
-                m, e = torch.frexp(sc)
-                assert m == 0.5, sc  # a power of two
-    assert (rebuilt[3, 64:128] == 0).all()
-
-
-@needs_triton
-def test_fp8_x_propagates_inf_and_is_refused_for_fp32_activations(monkeypatch):
-    """A token with an inf gets non-finite outputs, the others the same bits as without it; fp32 x with an
-    explicit FP8_X is refused; with a tuned FP8_X (the tuner's activations are bf16) fp32 x runs the converted
-    path."""
-    x, ids, w, gu, dn = _problem(3, seed=12)
-    x16 = x.to(torch.bfloat16)
-    bad = x16.clone()
-    bad[1, 7] = float("inf")
-    for level in (1, 2):  # 2: through h's planes too
-        clean = F8.fp8_experts(x16, ids, w, gu, dn, blocks={"FP8_X": level})
-        out = F8.fp8_experts(bad, ids, w, gu, dn, blocks={"FP8_X": level})
-        assert not torch.isfinite(out[1]).any()
-        assert torch.equal(out[[0, 2]], clean[[0, 2]])
-    with pytest.raises(ValueError, match="FP8_X takes 16-bit activations"):
-        F8.fp8_experts(x, ids, w, gu, dn, blocks={"FP8_X": 1})
-    for blocks, text in (({"FP8_X": 3}, "0, 1 or 2"), ({"FP8_X": 1, "BLOCK_D": 16}, "BLOCK_D = 16"),
-                         ({"FP8_X": 2, "BLOCK_I": 16}, "BLOCK_I = 16")):
-        with pytest.raises(ValueError, match=text):
-            F8.fp8_experts(x16, ids, w, gu, dn, blocks=blocks)
-    g16 = _fp8(torch.randn(8, 128, 96) / 96 ** 0.5, (16, 16))  # 16-column scale blocks: chunks of 16
-    d16 = _fp8(torch.randn(8, 96, 64) / 8, (16, 16))
-    with pytest.raises(ValueError, match="chunks of at least 32"):
-        F8.fp8_experts(x16, ids, w, g16, d16, blocks={"FP8_X": 1})
-    up = Recorder()
-    monkeypatch.setattr(F8, "fp8_up_kernel", up)
-    monkeypatch.setattr(F8, "fp8_down_kernel", Recorder())
-    monkeypatch.setattr(F8, "combine_kernel", Recorder())
-    monkeypatch.setattr(F8.tuning, "lookup", lambda *a: {"FP8_X": 1})
-    monkeypatch.setattr(F8, "_device_name", lambda device: "Fake GPU 80GB")
-    F8.fp8_experts(x, ids, w, gu, dn)
-    assert up.launches[0][1]["FP8X"] is False
-    F8.fp8_experts(x16, ids, w, gu, dn)
-    assert up.launches[1][1]["FP8X"] is True
-
-
 @pytest.mark.parametrize("make, text", [
     (lambda gu, dn: (gu.dequantize(), dn), "must be an FP8Tensor"),
     (lambda gu, dn: (gu, FP8Tensor(*quantize_fp8(dn.dequantize().cpu(), (16, 32)), (16, 32))), "different blocks"),
@@ -244,11 +147,8 @@ def test_variant_passes_the_quick_matrix_on_the_fp8_presets():
 
 
 def test_static_audit_sm90_all_kernels():
-    calls = [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False}, {"dtype": "bf16", "fp8x": 1},
-             {"dtype": "bf16", "fp8x": 2, "grouped": False}]
-    rows = static_audits(("megadecode.backends.fused.kernels.fp8_experts", calls))
-    assert [r[0] for r in rows] == (["fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2
-                                    + ["fp8_x_kernel", "fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2)
+    rows = static_audits(("megadecode.backends.fused.kernels.fp8_experts", [{"dtype": "bf16"}, {"dtype": "fp32", "grouped": False}]))
+    assert [r[0] for r in rows] == ["fp8_up_kernel", "fp8_down_kernel", "combine_kernel"] * 2
 
 
 def test_the_launcher_takes_a_gpus_tuned_blocks_and_explicit_blocks_win(tmp_path, monkeypatch):

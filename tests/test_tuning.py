@@ -183,8 +183,5 @@ def test_fp8_experts_sweep_names_only_its_launch_parameters():
     from megadecode.backends.fused.kernels import fp8_experts
 
     grid = list(tune.candidates(tune.GRIDS["fp8-experts"]))
-    assert len(grid) == 108 and all(set(c) <= set(fp8_experts.DEFAULT_BLOCKS) for c in grid)
-    assert {c["FP8_X"] for c in grid} == {0, 1, 2}  # the FP8 tensor-core products beside the default
-    refused = [c for c in grid if fp8_experts.refuses(c)]  # FP8_X = 2 with 16-row up tiles: down chunks of 16
-    assert len(refused) == 12 and all(c["FP8_X"] == 2 and c["BLOCK_I"] == 16 for c in refused)
+    assert len(grid) == 36 and all(set(c) <= set(fp8_experts.DEFAULT_BLOCKS) for c in grid)
     assert all(128 % c["BLOCK_D"] == 0 for c in grid)  # a chunk inside one scale column of the 128 x 128 blocks

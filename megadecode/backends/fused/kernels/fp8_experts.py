@@ -23,15 +23,6 @@ WDT: bf16 on the GPU (activations in bf16 as they are; fp32 activations split in
 for fp16 activations, fp32 on the CPU (the Triton interpreter computes bf16 arithmetic wrongly; IEEE fp32 dots).
 h enters the down products split into WDT hi + lo parts, as in grouped_experts. NaN weight codes (0x7F, 0xFF) are
 NaN on the GPU; the interpreter decodes them as +-480 (a broken checkpoint either way: load with check_finite).
-FP8_X (a block option, 0 by default; `megadecode tune --kernel fp8-experts` tries 0, 1, 2): `fp8_x_kernel` first
-writes each token's activations as two e4m3 planes, hi and the remainder lo, each with a power-of-two scale per
-SBK columns (x = s_hi q_hi + s_lo q_lo, about 8 significant bits, bf16's), and the up kernel's products
-(`_fp8_dot` with FP8X) run on FP8 tensor cores against the weight tile as stored: no weight is converted (F2F / F2FP /
-PRMT: 256 of the up loop's 846 instructions at qwen3-30b-a3b dims on sm_90; 663 with FP8_X, `bench/sass_mix.py`),
-for a kernel that at batch 1 issues instructions more than it waits on bytes.
-FP8_X = 2: the down products too, against h as two e4m3 planes that the up kernel writes in place of fp32 h
-(groups of its BLOCK_I rows, a scale a pair and group; the down chunks then inside one group). 16-bit activations
-only (fp32 x keeps its ~16 bits through the converted path).
 
 Memory paths: the expert weights and scales are static; x, ids, order, offs, router weights, h and y are produced
 within the step and read with plain coherent loads (the static audit: tests/test_fp8_experts.py, `audit_specs`).
@@ -56,24 +47,18 @@ from .grouped_experts import BLOCK_C, MAX_BATCH, combine_kernel, group_pairs
 KERNEL = "fp8-experts"
 MAX_TOKENS = 16  # per pair up to this batch (no sort), grouped by expert above: grouped_experts' measured choice
 DEFAULT_BLOCKS = {"BLOCK_M": 16, "BLOCK_I": 64, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
-                  "num_stages": 3, "FP8_X": 0}  # grouped_experts' defaults; a GPU's tuned configs (`megadecode
-# tune --kernel fp8-experts`, configs/fp8-experts/<gpu>.json) replace them per shape and batch where the tuner has
-# run. FP8_X = 1: the up kernel's products on FP8 tensor cores (x as two e4m3 planes, fp8_x_kernel)
+                  "num_stages": 3}  # grouped_experts' defaults; a GPU's tuned configs (`megadecode tune --kernel
+# fp8-experts`, configs/fp8-experts/<gpu>.json) replace them per shape and batch where the tuner has run
 WDTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
 def _fp8_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_ptr, v_rows, m_ok,
              K: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-             BLOCK_K: tl.constexpr, WDT: tl.constexpr, SPLIT: tl.constexpr, sx_ptr, sx_rows, ps_q, ps_s,
-             FP8X: tl.constexpr, GX: tl.constexpr):
+             BLOCK_K: tl.constexpr, WDT: tl.constexpr, SPLIT: tl.constexpr):
     """[BLOCK_R, BLOCK_M] fp32: W[rows, :K] . v[m, :K] for one expert's FP8 matrix at w_ptr + w_off (its scales at
     s_ptr + s_off, one per SBN x SBK block) and the BLOCK_M activation rows at v_ptr + v_rows[m] (masked by m_ok).
-    BLOCK_K divides SBK, so chunk k0 has one scale per row: scale[rows // SBN, k0 // SBK]. The chunk's products:
-    the weight tile converted to WDT against v (common.mma), or with FP8X on FP8 tensor cores, the tile as it is
-    stored against the activations' two e4m3 planes (ps_q apart; groups of GX columns, their scales at sx_ptr +
-    sx_rows, ps_s apart: x's from fp8_x_kernel, h's from the up kernel; BLOCK_K divides GX too, so the chunk has
-    one scale a token), each plane's fp32 product times its token scales."""
+    BLOCK_K divides SBK, so chunk k0 has one scale per row: scale[rows // SBN, k0 // SBK]."""
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
     s_rows = (rows // SBN).to(tl.int64) * stride_sr
     for k0 in range(0, K, BLOCK_K):
@@ -81,87 +66,19 @@ def _fp8_dot(w_ptr, s_ptr, w_off, s_off, rows, row_ok, stride_wr, stride_sr, v_p
         k_ok = k < K
         w = tl.load(w_ptr + w_off + rows[:, None] * stride_wr + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0, eviction_policy="evict_first")
-        vmask = k_ok[:, None] & m_ok[None, :]
-        zero = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-        if FP8X:
-            vh = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=vmask, other=0.0)
-            vl = tl.load(v_ptr + ps_q + v_rows[None, :] + k[:, None], mask=vmask, other=0.0)
-            sh = tl.load(sx_ptr + sx_rows + k0 // GX, mask=m_ok, other=0.0)
-            sl = tl.load(sx_ptr + ps_s + sx_rows + k0 // GX, mask=m_ok, other=0.0)
-            part = tl.dot(w, vh, zero) * sh[None, :] + tl.dot(w, vl, zero) * sl[None, :]
-        else:
-            v = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=vmask, other=0.0)
-            part = mma(w.to(WDT), v, zero, SPLIT)
+        v = tl.load(v_ptr + v_rows[None, :] + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        part = mma(w.to(WDT), v, tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32), SPLIT)
         s = tl.load(s_ptr + s_off + s_rows + k0 // SBK, mask=row_ok, other=0.0, eviction_policy="evict_first")
         acc += part * s[:, None]
     return acc
 
 
 @triton.jit
-def _pow2_scale(amax):
-    """The power of two s that puts a group whose largest |value| is amax (>= 0, finite) below 256 = 2**8 in
-    units of s, near the top of e4m3's range (448 at most): amax in [2**e, 2**(e + 1)) gives s = 2**(e - 7), at
-    least 2**-126 (amax 0, or tiny). Built from the exponent bits: exact."""
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return (tl.maximum(e - 7, 1) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_round(y):
-    """y (fp32, |y| < 256) rounded to the nearest e4m3 value, ties to even, still in fp32: 3 mantissa bits above
-    2**-6 (an integer add on the bits, whose carry moves into the exponent), multiples of 2**-9 below it
-    (e4m3's subnormals: the add of 1.5 * 2**23 rounds to an integer). The cast to e4m3 after it is then exact,
-    where the Triton interpreter's own rounding loses a carry (127.7 became 64). NaN is returned as it is."""
-    b = y.to(tl.int32, bitcast=True)
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    sub = ((y * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    return tl.where(y == y, tl.where(tl.abs(y) < 0.015625, sub, normal), y)  # a NaN stays NaN, whatever its bits
-
-
-@triton.jit
-def _to_e4m3(y):
-    """_e4m3_round's values as e4m3 (exact), NaN as e4m3's NaN byte: the Triton interpreter casts NaN to 256 or
-    384 (the GPU's cvt keeps it NaN)."""
-    nan8 = tl.full(y.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)
-    return tl.where(y == y, y.to(tl.float8e4nv), nan8)
-
-
-@triton.jit
-def fp8_x_kernel(x_ptr, q_ptr, s_ptr, stride_x, ps_q, ps_s, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr):
-    """Program (t, g): token t's activations d in [g G, (g + 1) G) as two e4m3 planes with power-of-two scales,
-    x = s_hi q_hi + s_lo q_lo + e: q_hi = e4m3(x / s_hi) (4 significant bits, rounded to nearest), q_lo the same
-    of the remainder (exact in fp32), so |e| <~ 2**-8 |x| + 2**-16 max|x| of the group: about bf16's rounding of
-    x. Planes [T, D] ps_q apart, scales [T, NG] ps_s apart. A group holding inf or NaN gets scale NaN, so the
-    token's products are NaN (as the reference's are), never a finite value in their place. G: the weights' scale
-    column, a power of two (reason_unsupported)."""
-    t = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    d = g * G + tl.arange(0, G)
-    ok = d < D
-    v = tl.load(x_ptr + t * stride_x + d, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=0)
-    s_hi = tl.where(amax < float("inf"), _pow2_scale(amax), float("nan"))  # inf and NaN fail the comparison
-    qh = _e4m3_round(v / s_hi)
-    r = v - qh * s_hi  # exact: qh * s_hi is v rounded to fewer bits
-    s_lo = _pow2_scale(tl.max(tl.where(r == r, tl.abs(r), 0.0), axis=0))
-    ql = _e4m3_round(r / s_lo)
-    tl.store(q_ptr + t * D + d, _to_e4m3(qh), mask=ok)
-    tl.store(q_ptr + ps_q + t * D + d, _to_e4m3(ql), mask=ok)
-    tl.store(s_ptr + t * NG + g, s_hi)
-    tl.store(s_ptr + ps_s + t * NG + g, s_lo)
-
-
-@triton.jit
 def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, stride_x, stride_gu_e, stride_gu_r,
-                  stride_gus_e, stride_gus_r, sx_ptr, ps_q, ps_s, hs_ptr, ps_hq, ps_hs, D: tl.constexpr,
-                  I: tl.constexpr, A: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr,
-                  SPLIT: tl.constexpr, WDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                  BLOCK_D: tl.constexpr, FP8X: tl.constexpr, FP8XH: tl.constexpr):
-    """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t).
-    FP8X: x_ptr is fp8_x_kernel's planes (rows of D) and sx_ptr their scales (rows of cdiv(D, SBK)), the products
-    on FP8 tensor cores (_fp8_dot's FP8X); else x as given, converted weights. FP8XH: h is stored as the down
-    products' two e4m3 planes instead of fp32, as fp8_x_kernel makes x's with groups of this program's BLOCK_I
-    rows (h_ptr: the planes [P, I], ps_hq apart; hs_ptr: their scales [P, cdiv(I, BLOCK_I)], ps_hs apart)."""
+                  stride_gus_e, stride_gus_r, D: tl.constexpr, I: tl.constexpr, A: tl.constexpr, SBN: tl.constexpr,
+                  SBK: tl.constexpr, GROUPED: tl.constexpr, SPLIT: tl.constexpr, WDT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (e or pair, i-tile): for each pair p of its run, h[p, i] = silu(gate_e[i] . x_t) * (up_e[i] . x_t)."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -176,39 +93,21 @@ def fp8_up_kernel(x_ptr, ids_ptr, order_ptr, offs_ptr, gu_ptr, gus_ptr, h_ptr, s
         else:
             p = m
         x_rows = (p // A).to(tl.int64) * stride_x
-        sx_rows = (p // A).to(tl.int64) * ((D + SBK - 1) // SBK)  # FP8X: the token's plane scales
         g = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT, sx_ptr, sx_rows, ps_q, ps_s, FP8X, SBK)
+                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
         u = _fp8_dot(gu_ptr, gus_ptr, w_off, s_off, I + i, i_ok, stride_gu_r, stride_gus_r, x_ptr, x_rows, m_ok,
-                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT, sx_ptr, sx_rows, ps_q, ps_s, FP8X, SBK)
+                     D, SBN, SBK, BLOCK_M, BLOCK_I, BLOCK_D, WDT, SPLIT)
         h = g / (1.0 + tl.exp(-g)) * u
-        if FP8XH:  # each pair's BLOCK_I values of h as two e4m3 planes, as fp8_x_kernel does a group of x
-            amax = tl.max(tl.where(i_ok[:, None], tl.abs(h), 0.0), axis=0)
-            s_hi = tl.where(amax < float("inf"), _pow2_scale(amax), float("nan"))
-            qh = _e4m3_round(h / s_hi[None, :])
-            r = h - qh * s_hi[None, :]
-            s_lo = _pow2_scale(tl.max(tl.where(i_ok[:, None] & (r == r), tl.abs(r), 0.0), axis=0))
-            ql = _e4m3_round(r / s_lo[None, :])
-            hp = p.to(tl.int64)[None, :] * I + i[:, None]
-            hmask = i_ok[:, None] & m_ok[None, :]
-            tl.store(h_ptr + hp, _to_e4m3(qh), mask=hmask)
-            tl.store(h_ptr + ps_hq + hp, _to_e4m3(ql), mask=hmask)
-            sp = hs_ptr + p.to(tl.int64) * ((I + BLOCK_I - 1) // BLOCK_I) + tl.program_id(1)
-            tl.store(sp, s_hi, mask=m_ok)
-            tl.store(sp + ps_hs, s_lo, mask=m_ok)
-        else:
-            tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
+        tl.store(h_ptr + p.to(tl.int64)[None, :] * I + i[:, None], h, mask=i_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
 
 @triton.jit
 def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr, stride_dn_e, stride_dn_r,
-                    stride_dns_e, stride_dns_r, hs_ptr, ps_hq, ps_hs, D: tl.constexpr, I: tl.constexpr,
-                    SBN: tl.constexpr, SBK: tl.constexpr, GROUPED: tl.constexpr, WDT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8X: tl.constexpr,
-                    GH: tl.constexpr):
-    """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]. FP8X: h is the
-    up kernel's two e4m3 planes (groups of GH = its BLOCK_I; scales at hs_ptr), the products on FP8 tensor cores."""
+                    stride_dns_e, stride_dns_r, D: tl.constexpr, I: tl.constexpr, SBN: tl.constexpr,
+                    SBK: tl.constexpr, GROUPED: tl.constexpr, WDT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e or pair, n-tile): for each pair p of its run, y[p, n] = down_e[n, :] . h[p, :]."""
     e, start, end = run_of(tl.program_id(0), ids_ptr, offs_ptr, GROUPED)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -223,8 +122,7 @@ def fp8_down_kernel(h_ptr, ids_ptr, order_ptr, offs_ptr, dn_ptr, dns_ptr, y_ptr,
         else:
             p = m.to(tl.int64)
         y = _fp8_dot(dn_ptr, dns_ptr, w_off, s_off, n, n_ok, stride_dn_r, stride_dns_r, h_ptr, p * I, m_ok,
-                     I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, WDT, True, hs_ptr, p * ((I + GH - 1) // GH), ps_hq,
-                     ps_hs, FP8X, GH)
+                     I, SBN, SBK, BLOCK_M, BLOCK_N, BLOCK_K, WDT, True)
         tl.store(y_ptr + p[None, :] * D + n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
         m0 += BLOCK_M
 
@@ -248,20 +146,6 @@ def reason_unsupported(block: tuple[int, int] | None, I: int) -> str | None:
         return f"weight_block_size[1] = {sbk}: the K chunks must divide it, a power of two >= 16"
     if I % sbn:
         return f"moe_intermediate_size {I} is not a multiple of weight_block_size[0] = {sbn}"
-    return None
-
-
-def refuses(blocks: dict) -> str | None:
-    """Why these launch parameters cannot run, or None (the tuner leaves such candidates out): FP8 tensor cores
-    take chunks of at least 32 columns (the MMA's k), the down chunks at FP8_X = 2 being capped by BLOCK_I."""
-    b = {**DEFAULT_BLOCKS, **blocks}
-    if b["FP8_X"] not in (0, 1, 2):
-        return f"FP8_X must be 0, 1 or 2, got {b['FP8_X']!r}"
-    if b["FP8_X"] and b["BLOCK_D"] < 32:
-        return f"FP8_X takes up chunks of at least 32 columns (the FP8 MMA's k), got BLOCK_D = {b['BLOCK_D']}"
-    if b["FP8_X"] == 2 and min(b["BLOCK_I"], b["BLOCK_K"]) < 32:
-        return (f"FP8_X = 2 takes down chunks of at least 32 (BLOCK_K, capped by BLOCK_I), got BLOCK_I = "
-                f"{b['BLOCK_I']}, BLOCK_K = {b['BLOCK_K']}")
     return None
 
 
@@ -306,27 +190,14 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     grouped = T > MAX_TOKENS if grouped is None else grouped
     sbn, sbk = gate_up.block
     gpu = _device_name(x.device)
-    if blocks and blocks.get("FP8_X") and x.dtype == torch.float32:
-        raise ValueError("FP8_X takes 16-bit activations: fp32 x as two e4m3 planes would keep ~8 bits of its 24")
-    why = refuses(blocks or {})
-    if why:
-        raise ValueError(why)
     if blocks is None and gpu is not None:
         blocks = tuning.lookup(KERNEL, gpu, tuned_key(D, I, A, gate_up.block, grouped), T)
     b = {**DEFAULT_BLOCKS, **(blocks or {})}
-    if x.dtype == torch.float32:  # a tuned FP8_X (the tuner's activations are bf16) is not for fp32 activations
-        b["FP8_X"] = 0
     bm = max(16, triton.next_power_of_2(b["BLOCK_M"]))
     bi = max(16, min(b["BLOCK_I"], triton.next_power_of_2(I)))
     bn = max(16, min(b["BLOCK_N"], triton.next_power_of_2(D)))
     bd = max(16, min(b["BLOCK_D"], sbk, triton.next_power_of_2(D)))  # chunks inside one scale column
     bk = max(16, min(b["BLOCK_K"], sbk, triton.next_power_of_2(I)))
-    fp8xh = b["FP8_X"] >= 2
-    if fp8xh:  # the down chunks inside one of h's scale groups (the up kernel's BLOCK_I rows)
-        bk = min(bk, bi)
-    if b["FP8_X"] and min(bd, bk if fp8xh else bd) < 32:  # the shape's own caps (D, I, the scale column)
-        raise ValueError(f"FP8_X needs chunks of at least 32 columns; this shape gives BLOCK_D {bd}, BLOCK_K {bk} "
-                         f"(weight_block_size {gate_up.block}, D {D}, I {I})")
     if sbk % bd or sbk % bk:
         raise ValueError(f"BLOCK_D ({bd}) and BLOCK_K ({bk}) must divide weight_block_size[1] ({sbk})")
     if grouped:
@@ -335,36 +206,19 @@ def fp8_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     else:
         order = offs = ids  # unused pointers
         rows = T * A
-    P = T * A
-    if fp8xh:  # h as two e4m3 planes and their scales, one a pair and BLOCK_I rows
-        ngh = triton.cdiv(I, bi)
-        h = torch.empty(2, P, I, dtype=torch.float8_e4m3fn, device=x.device)
-        hs = torch.empty(2, P, ngh, dtype=torch.float32, device=x.device)
-        ps_hq, ps_hs = P * I, P * ngh
-    else:
-        h = torch.empty(P, I, dtype=torch.float32, device=x.device)
-        hs, ps_hq, ps_hs = x, 0, 0  # hs: an unused pointer
-    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    h = torch.empty(T * A, I, dtype=torch.float32, device=x.device)
+    y = torch.empty(T * A, D, dtype=torch.float32, device=x.device)
     gu, gus, dn, dns = gate_up.data, gate_up.scales, down.data, down.scales
     wdt = WDTYPES[wdtype]
     split = x.dtype == torch.float32 and wdtype != torch.float32
     kw = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
-    xin, sx, ps_q, ps_s = x, y, 0, 0  # sx: an unused pointer unless FP8_X
-    if b["FP8_X"]:  # the activations as two e4m3 planes, groups of the weights' scale columns
-        ng = triton.cdiv(D, sbk)
-        xin = torch.empty(2, T, D, dtype=torch.float8_e4m3fn, device=x.device)
-        sx = torch.empty(2, T, ng, dtype=torch.float32, device=x.device)
-        ps_q, ps_s = T * D, T * ng
-        fp8_x_kernel[(T, ng)](x, xin, sx, x.stride(0), ps_q, ps_s, D=D, G=sbk, NG=ng)
     fp8_up_kernel[(rows, triton.cdiv(I, bi))](
-        xin, ids, order, offs, gu, gus, h, D if b["FP8_X"] else x.stride(0), gu.stride(0), gu.stride(1),
-        gus.stride(0), gus.stride(1), sx, ps_q, ps_s, hs, ps_hq, ps_hs, D=D, I=I, A=A, SBN=sbn, SBK=sbk,
-        GROUPED=grouped, SPLIT=split, WDT=wdt, BLOCK_M=bm, BLOCK_I=bi, BLOCK_D=bd, FP8X=bool(b["FP8_X"]),
-        FP8XH=fp8xh, **kw)
+        x, ids, order, offs, gu, gus, h, x.stride(0), gu.stride(0), gu.stride(1), gus.stride(0), gus.stride(1),
+        D=D, I=I, A=A, SBN=sbn, SBK=sbk, GROUPED=grouped, SPLIT=split, WDT=wdt, BLOCK_M=bm, BLOCK_I=bi,
+        BLOCK_D=bd, **kw)
     fp8_down_kernel[(rows, triton.cdiv(D, bn))](
-        h, ids, order, offs, dn, dns, y, dn.stride(0), dn.stride(1), dns.stride(0), dns.stride(1), hs, ps_hq, ps_hs,
-        D=D, I=I, SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8X=fp8xh, GH=bi,
-        **kw)
+        h, ids, order, offs, dn, dns, y, dn.stride(0), dn.stride(1), dns.stride(0), dns.stride(1), D=D, I=I,
+        SBN=sbn, SBK=sbk, GROUPED=grouped, WDT=wdt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw)
     combine_kernel[(T, triton.cdiv(D, BLOCK_C))](y, ids, weights, out, out.stride(0), D=D, A=A, BLOCK_C=BLOCK_C)
     return out
 
@@ -391,37 +245,26 @@ def launch(x, ids, w, gu, dn, act, out, blocks):
 
 # ---- static audit description -------------------------------------------------------------------------
 def audit_specs(dtype: str = "bf16", D: int = 2048, I: int = 768, A: int = 8, grouped: bool = True,
-                block: tuple[int, int] = (128, 128), fp8x: int = 0) -> list:
-    """KernelSpecs of the three launches (fp8x, FP8_X's level: four, fp8_x_kernel first) for
-    megadecode.validate.audit.audit_kernel (defaults: Qwen3-30B-A3B-FP8): expert values and scales "static", every
-    other pointer "produced"."""
+                block: tuple[int, int] = (128, 128)) -> list:
+    """KernelSpecs of the three launches for megadecode.validate.audit.audit_kernel (defaults: Qwen3-30B-A3B-FP8):
+    expert values and scales "static", every other pointer "produced"."""
     b = DEFAULT_BLOCKS
     wdt = "fp16" if dtype == "fp16" else "bf16"
     strides = ("stride_gu_e", "stride_gu_r", "stride_gus_e", "stride_gus_r")
-    h_t = "*fp8e4nv" if fp8x >= 2 else "*fp32"
-    h_planes = {"hs_ptr": "*fp32", "ps_hq": "i32", "ps_hs": "i32"}
-    up_sig = {"x_ptr": "*fp8e4nv" if fp8x else f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32",
-              "offs_ptr": "*i32", "gu_ptr": "*fp8e4nv", "gus_ptr": "*fp32", "h_ptr": h_t, "stride_x": "i32",
-              **{s: "i32" for s in strides}, "sx_ptr": "*fp32", "ps_q": "i32", "ps_s": "i32", **h_planes}
+    up_sig = {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "gu_ptr": "*fp8e4nv",
+              "gus_ptr": "*fp32", "h_ptr": "*fp32", "stride_x": "i32", **{s: "i32" for s in strides}}
     common = {"SBN": block[0], "SBK": block[1], "GROUPED": grouped, "WDT": getattr(tl, {"fp16": "float16"}.get(
         wdt, "bfloat16")), "BLOCK_M": b["BLOCK_M"]}
     up_c = {"D": D, "I": I, "A": A, **common, "SPLIT": dtype == "fp32", "BLOCK_I": b["BLOCK_I"],
-            "BLOCK_D": min(b["BLOCK_D"], block[1]), "FP8X": fp8x >= 1, "FP8XH": fp8x >= 2}
-    dn_sig = {"h_ptr": h_t, "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": "*fp8e4nv",
+            "BLOCK_D": min(b["BLOCK_D"], block[1])}
+    dn_sig = {"h_ptr": "*fp32", "ids_ptr": "*i64", "order_ptr": "*i32", "offs_ptr": "*i32", "dn_ptr": "*fp8e4nv",
               "dns_ptr": "*fp32", "y_ptr": "*fp32", **{s: "i32" for s in ("stride_dn_e", "stride_dn_r",
-                                                                         "stride_dns_e", "stride_dns_r")}, **h_planes}
-    bk = min(b["BLOCK_K"], block[1], b["BLOCK_I"] if fp8x >= 2 else block[1])
-    dn_c = {"D": D, "I": I, **common, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": bk, "FP8X": fp8x >= 2,
-            "GH": b["BLOCK_I"]}
+                                                                         "stride_dns_e", "stride_dns_r")}}
+    dn_c = {"D": D, "I": I, **common, "BLOCK_N": b["BLOCK_N"], "BLOCK_K": min(b["BLOCK_K"], block[1])}
     cb_sig = {"y_ptr": "*fp32", "ids_ptr": "*i64", "wts_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_out": "i32"}
-    specs = [kernel_spec(fp8_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
-             kernel_spec(fp8_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
-             kernel_spec(combine_kernel, cb_sig, {"D": D, "A": A, "BLOCK_C": BLOCK_C})]
-    if fp8x:  # the activations' planes first
-        x_sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_x": "i32", "ps_q": "i32",
-                 "ps_s": "i32"}
-        specs.insert(0, kernel_spec(fp8_x_kernel, x_sig, {"D": D, "G": block[1], "NG": -(-D // block[1])}))
-    return specs
+    return [kernel_spec(fp8_up_kernel, up_sig, up_c, static=("gu_ptr", "gus_ptr")),
+            kernel_spec(fp8_down_kernel, dn_sig, dn_c, static=("dn_ptr", "dns_ptr")),
+            kernel_spec(combine_kernel, cb_sig, {"D": D, "A": A, "BLOCK_C": BLOCK_C})]
 
 
 # ---- the harness variant ----------------------------------------------------------------------------
@@ -446,18 +289,13 @@ FP8_EXPERTS_VARIANT = register(Variant(Manifest(
                 "multiplied on tensor cores with fp32 accumulation, the partial sums scaled by their block scale; "
                 "per pair at <= 16 tokens, grouped by expert on the device above; a fixed-order combine. Against "
                 "the torch reference (dequantized fp32 weights, fp32 math): the same products summed in another "
-                "order, activations in bf16 (fp32 activations as bf16 hi + lo), h as bf16 hi + lo. Where a GPU's "
-                "tuned config picks FP8_X (16-bit activations only), the up kernel's products run on FP8 tensor "
-                "cores against the activations as two e4m3 planes with power-of-two scales per 128 columns "
-                "(about bf16's precision of x), and at FP8_X = 2 the down kernel's against h's planes alike",
+                "order, activations in bf16 (fp32 activations as bf16 hi + lo), h as bf16 hi + lo",
     replaces=(EXPERTS,),
     scope=Scope(families=("qwen3_moe", "deepseek_v3"), dtypes=("float32", "float16", "bfloat16"),
                 devices=("cpu", "cuda"), batch=(1, 256), arch="sm_90", dims=_dims),
     sources=("megadecode/backends/fused/kernels/fp8_experts.py", "megadecode/backends/fused/kernels/common.py"), uses_triton=True,
     graph_capturable=True,
     # fp32 activations on the GPU take the SPLIT path of the up kernel (x as bf16 hi + lo): declared and audited too
-    # FP8_X 2 (a GPU's tuned configs may pick it for 16-bit activations): the planes' kernel, up and down kernels
     kernels=lambda: (audit_specs(grouped=False) + audit_specs(grouped=True)[:2]
-                     + [audit_specs("fp32", grouped=g)[0] for g in (False, True)]
-                     + audit_specs(grouped=False, fp8x=2)[:3] + audit_specs(grouped=True, fp8x=2)[1:3])),
+                     + [audit_specs("fp32", grouped=g)[0] for g in (False, True)])),
     _run, kernel=fp8_up_kernel))
